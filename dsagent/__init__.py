@@ -1,0 +1,1 @@
+"""dsagent package."""

@@ -1,0 +1,230 @@
+"""The explicit inference cache passed to ``Transformer.forward``: packed bytes, not floats.
+
+Owns, for a batch of rows that share positions:
+- per layer, a window ring of FP8 records (528 B/token at head_dim 512), slot = pos % cap;
+- per KV-source layer, the global KV: FP4 main records (288 B) and FP4 index keys (68 B),
+  plus the compressor's pending projections (tokens of an unfinished group);
+- the Engram look-back (compressed ids of recent positions).
+
+Everything is keyed by absolute position, so replaying positions that the cache already
+covers (bounded-replay prefill, resume) rewrites windows but never duplicates records.
+
+``state()`` / ``from_state()`` export named uint8/float tensors plus JSON-able metadata,
+split into the *global* part (what the session store keeps on disk) and the *local* part
+(what lives in the RAM pool). Does not own the maths that fills it (``model.model``) nor
+storage (``sessions``).
+"""
+from __future__ import annotations
+
+import torch
+
+from model.args import ModelArgs
+from model.engram import DEAD
+from model.quant import index_record_bytes, main_record_bytes, pack_window, unpack_window, window_record_bytes
+
+FORMAT_VERSION = 1
+
+
+class CacheFormatError(ValueError):
+    """State made by another config or format version, or malformed state."""
+
+
+class WindowRing:
+    """FP8 window entries of one layer for the last ``cap`` positions."""
+
+    def __init__(self, batch: int, cap: int, dim: int, device):
+        self.dim = dim
+        self.data = torch.zeros(batch, cap, window_record_bytes(dim), dtype=torch.uint8, device=device)
+        self.pos = torch.full((cap,), -1, dtype=torch.long, device=device)
+
+    def read(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(entries [B, cap, D] fp32, positions [cap]; -1 marks an empty slot)."""
+        return unpack_window(self.data, self.dim), self.pos
+
+    def write(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
+        cap = self.pos.shape[0]
+        kv, positions = kv[:, -cap:], positions[-cap:]
+        slots = positions % cap
+        self.data[:, slots] = pack_window(kv)
+        self.pos[slots] = positions
+
+    def truncate(self, length: int) -> None:
+        self.pos[self.pos >= length] = -1
+
+
+class SourceKV:
+    """Global KV of one KV-source layer: packed records + index keys, and pending tokens."""
+
+    def __init__(self, batch: int, ratio: int, dim: int, index_dim: int, device):
+        self.ratio, self.dim, self.index_dim = ratio, dim, index_dim
+        self.n = 0
+        self.records = torch.zeros(batch, 16, main_record_bytes(dim), dtype=torch.uint8, device=device)
+        self.index = torch.zeros(batch, 16, index_record_bytes(index_dim), dtype=torch.uint8, device=device)
+        empty = torch.zeros(batch, 0, dim, device=device)
+        self.pending_kv, self.pending_gate = empty, empty.clone()
+
+    @property
+    def covered(self) -> int:
+        """Tokens whose records exist (excludes pending tokens)."""
+        return self.n * self.ratio
+
+    @property
+    def done(self) -> int:
+        """Tokens consumed by the compressor: covered + pending."""
+        return self.covered + self.pending_kv.shape[1]
+
+    def _grow(self, need: int) -> None:
+        cap = self.records.shape[1]
+        if need <= cap:
+            return
+        new = max(need, 2 * cap)
+        for name in ("records", "index"):
+            old = getattr(self, name)
+            grown = old.new_zeros(old.shape[0], new, old.shape[2])
+            grown[:, : self.n] = old[:, : self.n]
+            setattr(self, name, grown)
+
+    def append(self, records: torch.Tensor, index: torch.Tensor) -> None:
+        """Append packed rows [B, G, 288] / [B, G, 68]."""
+        g = records.shape[1]
+        self._grow(self.n + g)
+        self.records[:, self.n: self.n + g] = records
+        self.index[:, self.n: self.n + g] = index
+        self.n += g
+
+    def view(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.records[:, : self.n], self.index[:, : self.n]
+
+    def truncate(self, length: int) -> None:
+        """Drop records of groups that are not complete within ``length`` tokens."""
+        self.n = min(self.n, length // self.ratio)
+        keep = max(0, min(self.pending_kv.shape[1], length - self.covered))
+        self.pending_kv, self.pending_gate = self.pending_kv[:, :keep], self.pending_gate[:, :keep]
+
+
+class Cache:
+    """All inference state of a batch of sequences that share positions."""
+
+    def __init__(self, args: ModelArgs, batch: int = 1, device="cpu", spare: int = 16):
+        self.args, self.batch, self.device = args, batch, torch.device(device)
+        self.length = 0  # positions consumed: the next new token is at this position
+        cap = args.sliding_window + spare  # spare slots let speculation roll back
+        self.windows = [WindowRing(batch, cap, args.head_dim, self.device) for _ in range(args.num_hidden_layers)]
+        self.sources = {s: SourceKV(batch, args.ratios[s], args.head_dim, args.index_head_dim, self.device)
+                        for s in args.kv_source_layer_ids}
+        hist = cap + args.engram_max_ngram_size
+        self.engram_ids = torch.full((batch, hist), DEAD, dtype=torch.long, device=self.device)
+        self.engram_pos = torch.full((hist,), -1, dtype=torch.long, device=self.device)
+
+    # ------------------------------------------------------------------ engram look-back
+    def engram_history(self, start: int, n: int) -> torch.Tensor:
+        """Compressed ids at positions [start-n, start) ([B, n], oldest first; DEAD if unknown)."""
+        wanted = torch.arange(start - n, start, device=self.device)
+        slots = wanted % self.engram_pos.shape[0]
+        known = (self.engram_pos[slots] == wanted) & (wanted >= 0)
+        return torch.where(known, self.engram_ids[:, slots], torch.full_like(self.engram_ids[:, slots], DEAD))
+
+    def record_engram(self, compressed: torch.Tensor, start: int) -> None:
+        cap = self.engram_pos.shape[0]
+        positions = torch.arange(start, start + compressed.shape[1], device=self.device)[-cap:]
+        slots = positions % cap
+        self.engram_ids[:, slots] = compressed[:, -cap:]
+        self.engram_pos[slots] = positions
+
+    # ------------------------------------------------------------------ rollback
+    def truncate(self, length: int) -> None:
+        """Forget every position >= ``length`` (speculative rollback)."""
+        assert length <= self.length
+        for ring in self.windows:
+            ring.truncate(length)
+        for src in self.sources.values():
+            src.truncate(length)
+        self.engram_pos[self.engram_pos >= length] = -1
+        self.length = length
+
+    # ------------------------------------------------------------------ sizes
+    def global_bytes(self) -> int:
+        return sum(s.n * (s.records.shape[2] + s.index.shape[2]) * self.batch for s in self.sources.values())
+
+    def local_bytes(self) -> int:
+        ring = sum(w.data.numel() for w in self.windows)
+        pend = sum(s.pending_kv.numel() * 8 for s in self.sources.values())
+        return ring + pend + self.engram_ids.numel() * 8
+
+    # ------------------------------------------------------------------ export / import
+    def meta(self) -> dict:
+        a = self.args
+        return {"format": FORMAT_VERSION, "batch": self.batch, "length": self.length,
+                "head_dim": a.head_dim, "index_head_dim": a.index_head_dim, "window": a.sliding_window,
+                "sources": {str(s): {"ratio": v.ratio, "n": v.n} for s, v in self.sources.items()},
+                "layers": a.num_hidden_layers}
+
+    def global_state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Packed records and index keys per KV source (the part the session store keeps)."""
+        tensors = {}
+        for s, src in self.sources.items():
+            rec, idx = src.view()
+            tensors[f"layers.{s}.kv"] = rec.contiguous().cpu()
+            tensors[f"layers.{s}.index"] = idx.contiguous().cpu()
+        return tensors, self.meta()
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """Window rings, pending compressor tokens and engram look-back (the RAM-pool part)."""
+        out = {}
+        for i, w in enumerate(self.windows):
+            out[f"layers.{i}.window"], out[f"layers.{i}.window_pos"] = w.data.clone(), w.pos.clone()
+        for s, src in self.sources.items():
+            out[f"layers.{s}.pending_kv"] = src.pending_kv.clone()
+            out[f"layers.{s}.pending_gate"] = src.pending_gate.clone()
+        out["engram.ids"], out["engram.pos"] = self.engram_ids.clone(), self.engram_pos.clone()
+        return out
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        tensors, meta = self.global_state()
+        return {**tensors, **self.local_state()}, meta
+
+    @classmethod
+    def from_state(cls, args: ModelArgs, tensors: dict[str, torch.Tensor], meta: dict,
+                   device="cpu") -> "Cache":
+        """Rebuild a cache; local tensors are optional (absent: the caller replays)."""
+        _check_meta(args, meta)
+        cache = cls(args, batch=meta["batch"], device=device)
+        for s, src in cache.sources.items():
+            rec, idx = tensors[f"layers.{s}.kv"], tensors[f"layers.{s}.index"]
+            _check_rows(f"layers.{s}", rec, idx, meta["sources"][str(s)]["n"], src)
+            src.append(rec.to(cache.device), idx.to(cache.device))
+        if "engram.ids" in tensors:
+            cache._load_local(tensors)
+        cache.length = meta["length"]
+        return cache
+
+    def _load_local(self, t: dict[str, torch.Tensor]) -> None:
+        for i, w in enumerate(self.windows):
+            w.data.copy_(t[f"layers.{i}.window"]), w.pos.copy_(t[f"layers.{i}.window_pos"])
+        for s, src in self.sources.items():
+            src.pending_kv = t[f"layers.{s}.pending_kv"].to(self.device)
+            src.pending_gate = t[f"layers.{s}.pending_gate"].to(self.device)
+        self.engram_ids.copy_(t["engram.ids"]), self.engram_pos.copy_(t["engram.pos"])
+
+
+def _check_meta(args: ModelArgs, meta: dict) -> None:
+    if meta.get("format") != FORMAT_VERSION:
+        raise CacheFormatError(f"cache format {meta.get('format')!r} is not {FORMAT_VERSION}; rebuild it")
+    mine = {"head_dim": args.head_dim, "index_head_dim": args.index_head_dim,
+            "window": args.sliding_window, "layers": args.num_hidden_layers,
+            "sources": sorted(str(s) for s in args.kv_source_layer_ids)}
+    theirs = {k: meta.get(k) for k in mine if k != "sources"}
+    theirs["sources"] = sorted(meta.get("sources", {}))
+    if mine != theirs:
+        raise CacheFormatError(f"cache state was made by another model config ({theirs} vs {mine})")
+    if not 0 <= meta.get("length", -1) <= args.max_position_embeddings:
+        raise CacheFormatError(f"cache length {meta.get('length')!r} is out of range")
+
+
+def _check_rows(name: str, rec: torch.Tensor, idx: torch.Tensor, n: int, src: SourceKV) -> None:
+    want_rec = (rec.shape[0], n, src.records.shape[2])
+    want_idx = (idx.shape[0], n, src.index.shape[2])
+    if rec.dtype != torch.uint8 or idx.dtype != torch.uint8 or tuple(rec.shape) != want_rec \
+            or tuple(idx.shape) != want_idx:
+        raise CacheFormatError(f"{name}: records {tuple(rec.shape)} / index keys {tuple(idx.shape)} do not "
+                               f"match {n} records of {want_rec[2]} / {want_idx[2]} bytes")

@@ -1,0 +1,158 @@
+"""Engram n-gram hashing (ARCHITECTURE.md §2.9): bit-exact, or the tables are garbage.
+
+Owns: the tokenizer-derived compressed token map, the prime bucket layout, the per-layer
+hash multipliers, and :class:`NgramHasher`, which turns token ids (plus the look-back
+history a cache carries) into table row ids. Does not own the Engram module's weights or
+its gated injection into the streams (``model.model.Engram``).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEAD = -1  # history marker: image-span token or unknown position; blocks look-back
+
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def engram_primes(vocab_size: int, n_heads: int, max_ngram: int, n_layers: int) -> list[list[list[int]]]:
+    """Primes [layer][ngram-2][head], walking upward from ``vocab_size``, never reused."""
+    seen: set[int] = set()
+    out = []
+    for _ in range(n_layers):
+        per_layer = []
+        for _ in range(max_ngram - 1):
+            current, sizes = vocab_size - 1, []
+            for _ in range(n_heads):
+                current += 1
+                while not _is_prime(current) or current in seen:
+                    current += 1
+                seen.add(current)
+                sizes.append(current)
+            per_layer.append(sizes)
+        out.append(per_layer)
+    return out
+
+
+def hash_multipliers(layer_ids: tuple, max_ngram: int, compressed_vocab: int) -> torch.Tensor:
+    """[n_layers, max_ngram] odd int64 multipliers from numpy's PCG64 seeded 10007*layer."""
+    bound = max(1, (np.iinfo(np.int64).max // compressed_vocab) // 2)
+    rows = []
+    for layer in layer_ids:
+        values = np.random.default_rng(10007 * layer).integers(0, bound, size=(max_ngram,), dtype=np.int64)
+        rows.append(torch.from_numpy(values * 2 + 1))
+    return torch.stack(rows)
+
+
+def compressed_token_map(tokenizer_json: str | Path) -> tuple[list[int], int]:
+    """Token id -> compressed id: tokens that normalise alike share an id (§2.9 step 1)."""
+    from tokenizers import Regex, Tokenizer, normalizers
+
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    sentinel = "\ue000"  # keeps a lone-space token from stripping to the empty string
+    norm = normalizers.Sequence([
+        normalizers.NFKC(), normalizers.NFD(), normalizers.StripAccents(), normalizers.Lowercase(),
+        normalizers.Replace(Regex(r"[ \t\r\n]+"), " "), normalizers.Replace(Regex(r"^ $"), sentinel),
+        normalizers.Strip(), normalizers.Replace(sentinel, " ")])
+    keys: dict[str, int] = {}
+    lookup = []
+    for token_id in range(tok.get_vocab_size(with_added_tokens=True)):
+        text = tok.decode([token_id], skip_special_tokens=False)
+        key = tok.id_to_token(token_id) if "\ufffd" in text else (norm.normalize_str(text) or text)
+        lookup.append(keys.setdefault(key, len(keys)))
+    return lookup, len(keys)
+
+
+def find_tokenizer_json(path: str | Path) -> Path | None:
+    path = Path(path)
+    for candidate in (path / "tokenizer" / "tokenizer.json", path / "tokenizer.json"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+class NgramHasher:
+    """Row ids of the n-grams ending at each position, for every engram layer at once.
+
+    ``__call__(ids, history)`` takes the compressed ids of the ``max_ngram - 1`` tokens
+    before the chunk (``DEAD`` where the look-back is blocked: before position 0, or an
+    image-span token) and returns ``[B, S, n_layers, n_cols]`` row ids (per-layer bucket
+    offsets included) plus the new history.
+    """
+
+    def __init__(self, token_map: list[int], layer_ids: tuple, vocab_size: int, n_heads: int,
+                 max_ngram: int, pad_id: int):
+        self.max_ngram = max_ngram
+        self.token_map = torch.tensor(token_map, dtype=torch.long)
+        self.pad = int(self.token_map[pad_id])
+        primes = engram_primes(vocab_size, n_heads, max_ngram, len(layer_ids))
+        self.primes = torch.tensor(primes, dtype=torch.long)  # [L, n-1, heads]
+        flat = self.primes.flatten(1)
+        self.offsets = torch.cumsum(flat, 1) - flat  # [L, n_cols]
+        self.multipliers = hash_multipliers(tuple(layer_ids), max_ngram, len(set(token_map)))
+
+    @property
+    def table_sizes(self) -> list[int]:
+        return self.primes.flatten(1).sum(1).tolist()
+
+    def compress(self, ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
+        c = self.token_map.to(ids.device)[ids]
+        return c if dead is None else c.masked_fill(dead, DEAD)
+
+    def __call__(self, compressed: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """compressed: [B, S] (DEAD marks image tokens); history: [B, max_ngram-1], oldest first."""
+        seq = torch.cat([history.to(compressed.device), compressed], dim=1)
+        h, S = history.shape[1], compressed.shape[1]
+        tokens, blocked = [], torch.zeros_like(compressed, dtype=torch.bool)
+        for shift in range(self.max_ngram):
+            source = seq[:, h - shift: h - shift + S]
+            blocked = blocked | (source == DEAD)
+            tokens.append(source.masked_fill(blocked, self.pad))
+        tokens = torch.stack(tokens, dim=-1)  # [B, S, max_ngram], newest first
+        products = tokens.unsqueeze(2) * self.multipliers.to(seq.device)  # [B, S, L, max_ngram]
+        rolling, hashes = products[..., 0], []
+        for i in range(1, self.max_ngram):
+            rolling = torch.bitwise_xor(rolling, products[..., i])
+            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1].to(seq.device))
+        ids = torch.cat(hashes, dim=-1) + self.offsets.to(seq.device)
+        return ids, seq[:, -h:] if h else history
+
+    @classmethod
+    def from_tokenizer(cls, args, tokenizer_json: str | Path) -> "NgramHasher":
+        token_map, size = compressed_token_map(tokenizer_json)
+        return cls.from_map(args, token_map, size)
+
+    @classmethod
+    def from_map(cls, args, token_map: list[int], size: int | None = None) -> "NgramHasher":
+        from model.args import ConfigError
+
+        size = len(set(token_map)) if size is None else size
+        if args.engram_compressed_vocab_size and size != args.engram_compressed_vocab_size:
+            raise ConfigError(f"config field 'engram_compressed_vocab_size': the tokenizer gives {size} "
+                              f"compressed ids, the config says {args.engram_compressed_vocab_size}")
+        if len(token_map) < args.vocab_size:
+            raise ConfigError(f"the tokenizer has {len(token_map)} ids but vocab_size is {args.vocab_size}")
+        hasher = cls(token_map, args.engram_layer_ids, args.engram_vocab_size, args.engram_n_heads,
+                     args.engram_max_ngram_size, args.engram_pad_id)
+        if tuple(hasher.table_sizes) != tuple(args.engram_num_embeddings):
+            raise ConfigError(f"config field 'engram_num_embeddings': {list(args.engram_num_embeddings)} "
+                              f"differs from the prime sums {hasher.table_sizes}")
+        return hasher
+
+
+def load_token_map_json(path: Path) -> list[int]:
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,124 @@
+"""Build a ready-to-run Transformer from a preset name or a checkpoint directory.
+
+Owns: choosing between preset (seeded random weights) and checkpoint, random weight
+initialisation, and binding the tokenizer-derived Engram token map. Does not own the
+file format (``model.checkpoint``) or the architecture (``model.model``).
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+
+from model.args import PRESETS, ConfigError, ModelArgs
+from model.engram import compressed_token_map, find_tokenizer_json
+from model.model import Transformer
+
+BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer" / "tokenizer.json"
+
+
+def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
+         progress=None) -> Transformer:
+    """A preset name gives seeded random weights; a directory gives its checkpoint."""
+    if str(path_or_preset) in PRESETS:
+        args = ModelArgs.preset(str(path_or_preset))
+        model = build(args, device=device, dtype=dtype, seed=seed)
+        tokenizer = BUNDLED_TOKENIZER if BUNDLED_TOKENIZER.is_file() else None
+    else:
+        path = Path(path_or_preset)
+        if not path.is_dir():
+            raise ConfigError(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
+        args = ModelArgs.from_file(path)
+        model = build(args, device="meta", dtype=dtype)
+        load_weights(model, path, device=device, dtype=dtype, progress=progress)
+        tokenizer = find_tokenizer_json(path)
+    bind_tokenizer(model, tokenizer)
+    return model.eval()
+
+
+def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, seed: int | None = 0) -> Transformer:
+    with torch.device(device):
+        model = Transformer(args)
+    if str(device) != "meta":
+        init_weights(model, seed or 0)
+    return cast_model(model, dtype)
+
+
+def cast_model(model: Transformer, dtype: torch.dtype) -> Transformer:
+    """Cast to ``dtype`` but keep the tensors the checkpoint stores in F32 (hc, sinks, gate biases)."""
+    model.to(dtype)
+    for name, p in model.named_parameters():
+        if _keeps_fp32(name):
+            p.data = p.data.float()
+    return model
+
+
+def _keeps_fp32(name: str) -> bool:
+    leaf = name.rsplit(".", 1)[-1]
+    return leaf.startswith("hc_") or leaf in ("attn_sink", "bias", "bias_vl")
+
+
+def bind_tokenizer(model: Transformer, tokenizer_json: Path | None) -> None:
+    if not model.args.engram_layer_ids:
+        return
+    if tokenizer_json is None:
+        raise ConfigError("this model has Engram layers and needs its tokenizer (tokenizer/tokenizer.json)")
+    token_map, _ = compressed_token_map(tokenizer_json)
+    model.bind_token_map(token_map)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Seeded random weights with sane scales: N(0, 1/fan_in) linears, unit norms, small hc."""
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        p.copy_(_init_value(name, p, g))
+
+
+def _init_value(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    leaf = name.rsplit(".", 1)[-1]
+    shape = p.shape
+    if leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
+        return torch.zeros(shape)
+    if leaf.endswith("_scale") or leaf in ("q_weight", "k_weight") or "norm" in name:
+        return torch.ones(shape)
+    if leaf.endswith("_fn"):
+        return torch.randn(shape, generator=g) * 0.02
+    if name.endswith("embed.weight"):
+        return torch.randn(shape, generator=g)
+    return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+
+
+def expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float32, progress=None) -> None:
+    """Fill a meta-device model from an official checkpoint directory (sharded or single file)."""
+    expected = expected_shapes(model)
+    if (path / "model.safetensors.index.json").is_file():
+        from model.checkpoint import read_checkpoint
+
+        tensors = read_checkpoint(path, expected, dtype=torch.float32, device="cpu", progress=progress,
+                                  ignore_prefixes=("mtp.", "vision.", "aligner.", "image_"))
+    else:
+        tensors = _read_single_file(path, expected)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.ropes.to_empty(device=device)
+    model.ropes.__init__(model.args)
+    cast_model(model.to(device), dtype)
+
+
+def _read_single_file(path: Path, expected: dict) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    file = path / "model.safetensors"
+    if not file.is_file():
+        raise ConfigError(f"{path} has neither model.safetensors.index.json nor model.safetensors")
+    tensors = {k: v for k, v in load_file(str(file)).items() if k in expected}
+    missing = sorted(set(expected) - set(tensors))
+    bad = [f"{k}: {tuple(v.shape)} != {expected[k]}" for k, v in tensors.items() if tuple(v.shape) != expected[k]]
+    if missing or bad:
+        raise ConfigError(f"{file}: missing {missing[:20]} mis-shaped {bad[:20]}")
+    return {k: v.float() for k, v in tensors.items()}

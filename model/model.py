@@ -1,0 +1,541 @@
+"""The DeepSeek-V4.1-Flash text network in plain PyTorch: the reference every kernel matches.
+
+Reads like the architecture (ARCHITECTURE.md §2): RMSNorm, the two RoPE tables, the
+Compressor and Indexer of the CSA2 KV sources, the shared-latent Attention with its sink,
+the MoE (Gate, Expert), Engram, the mHC Block with its lagged ``pre``, and the
+Transformer. Module and parameter names are the official checkpoint names, so loading
+is a name-for-name copy.
+
+Every forward goes through an explicit :class:`model.cache.Cache` (a fresh one when none
+is given): the window entries, records and index keys the attention reads are the packed
+bytes of that cache, so a full forward, chunked prefill and decode compute the same
+function. Positions that a cache already covers are never compressed twice, which is
+what makes bounded-replay prefill and resume a matter of choosing which layers to run.
+
+Does not own: sampling, prefill strategies and session state (``model.engine``), weight
+files (``model.checkpoint``), tokenization (``model.tokenizer``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.args import ModelArgs
+from model.cache import Cache, SourceKV
+from model.engram import DEAD, NgramHasher
+from model.quant import INDEX_BLOCK, fake_quant_fp4, fake_quant_fp8, pack_index, pack_main, unpack_index, \
+    unpack_main
+
+
+# ----------------------------------------------------------------------------- basics
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(dim: int, theta: float, yarn: dict | None = None) -> torch.Tensor:
+    """Inverse frequencies of one RoPE table; ``yarn`` blends in the interpolated ones."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    if not yarn:
+        return inv
+    orig, factor = yarn["original_max_position_embeddings"], yarn["factor"]
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(yarn["beta_fast"])), 0)
+    high = min(math.ceil(correction_dim(yarn["beta_slow"])), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return inv / factor * ramp + inv * (1 - ramp)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               inverse: bool = False) -> torch.Tensor:
+    """Rotate adjacent channel pairs of the trailing rope slice. x: [B, S, D] or [B, S, H, D]."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (S, rd/2)
+    cos, sin = freqs.cos(), freqs.sin()
+    if inverse:
+        sin = -sin
+    if x.ndim == 4:
+        cos, sin = cos[:, None], sin[:, None]
+    rd = inv_freq.shape[0] * 2
+    even, odd = x[..., -rd::2].float(), x[..., -rd + 1::2].float()
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+
+
+@dataclass
+class Step:
+    """What one forward call knows about its tokens (all rows share positions)."""
+    start: int  # absolute position of the first token
+    length: int  # tokens in this call
+    hash_ids: torch.Tensor | None = None  # [B, S, n_engram_layers, n_cols]
+    image_mask: torch.Tensor | None = None  # [B, S] True on image-span tokens
+    shared: dict = field(default_factory=dict)  # per-forward: kv source, top-k, candidates
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def positions(self, device) -> torch.Tensor:
+        return torch.arange(self.start, self.end, device=device)
+
+
+class Ropes(nn.Module):
+    """The main (window-only layers) and compress (ratio > 0 layers, YaRN) tables."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        rd = args.qk_rope_head_dim
+        self.register_buffer("main", rope_inv_freq(rd, args.rope_theta), persistent=False)
+        yarn = args.rope_scaling if (args.rope_scaling or {}).get("rope_type", "yarn") == "yarn" else None
+        self.register_buffer("compress", rope_inv_freq(rd, args.compress_rope_theta, yarn), persistent=False)
+
+
+# ----------------------------------------------------------------------------- CSA2 sources
+
+class Compressor(nn.Module):
+    """Pools ``ratio`` tokens into one 512-dim latent (ratio 1: a per-token projection)."""
+
+    def __init__(self, args: ModelArgs, ratio: int):
+        super().__init__()
+        self.ratio = ratio
+        self.wkv = nn.Linear(args.hidden_size, args.head_dim, bias=False)
+        self.wgate = nn.Linear(args.hidden_size, args.head_dim, bias=False) if ratio > 1 else None
+        self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, step: Step, src: SourceKV) -> tuple[torch.Tensor | None, int]:
+        """Latents (pre-RoPE) of the groups that complete, and the first group's position.
+        Tokens the source already consumed are skipped."""
+        skip = src.done - step.start
+        assert skip >= 0, "a KV source cannot skip positions"
+        x = x[:, skip:]
+        if x.shape[1] == 0:
+            return None, src.covered
+        if self.wgate is None:
+            return self.norm(self.wkv(x)), src.covered
+        kv = torch.cat([src.pending_kv, F.linear(x.float(), self.wkv.weight.float())], dim=1)
+        gate = torch.cat([src.pending_gate, F.linear(x.float(), self.wgate.weight.float())], dim=1)
+        usable = kv.shape[1] // self.ratio * self.ratio
+        src.pending_kv, src.pending_gate = kv[:, usable:], gate[:, usable:]
+        if usable == 0:
+            return None, src.covered
+        kv = kv[:, :usable].unflatten(1, (-1, self.ratio))
+        weights = gate[:, :usable].unflatten(1, (-1, self.ratio)).softmax(dim=2)
+        return self.norm((kv * weights).sum(dim=2).to(x.dtype)), src.covered
+
+
+class Indexer(nn.Module):
+    """Weighted-ReLU scores of FP4 queries against the group's FP4 keys, then top-k."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args, self.layer = args, layer
+        self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        if layer in args.kv_source_layer_ids:
+            self.wk = nn.Linear(args.head_dim, self.head_dim, bias=False)
+            self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+
+    def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+        """Packed FP4 index keys of fresh latents (from the pre-RoPE latent)."""
+        return pack_index(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq))
+
+    def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq) -> torch.Tensor:
+        """[B, S, n] index scores; -inf where a record is not yet visible to the query."""
+        B, S, _ = x.shape
+        pos = step.positions(x.device)
+        q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
+        q = fake_quant_fp4(apply_rope(q, pos, inv_freq), INDEX_BLOCK)
+        s = torch.einsum("bshd,bnd->bshn", q.float(), keys).relu_() * self.head_dim ** -0.5
+        w = self.weights_proj(x).float() * self.n_heads ** -0.5
+        s = (s * w.unsqueeze(-1)).sum(dim=2)
+        visible = torch.arange(keys.shape[1], device=x.device) < ((pos + 1) // self.args.ratios[self.layer])[:, None]
+        return s.masked_fill(~visible, float("-inf"))
+
+    def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor | None:
+        """Selected record indices [B, S, k] (-1 = none), or None when no record exists."""
+        if src.n == 0:
+            return None
+        s = self.scores(x, q_res, step, unpack_index(src.view()[1], self.head_dim), inv_freq)
+        if self.layer == self.args.candidate_source_layer_id:
+            lens = (step.positions(x.device) + 1) // self.args.ratios[self.layer]
+            step.shared["candidates"] = candidate_blocks(s, lens, self.args.candidate_topk_blocks,
+                                                         self.args.candidate_block_size)
+        elif self.args.uses_candidates(self.layer) and "candidates" in step.shared:
+            s = s.masked_fill(~step.shared["candidates"], float("-inf"))
+        top = s.topk(min(self.args.index_topk, s.shape[-1]), dim=-1)
+        return top.indices.masked_fill(top.values == float("-inf"), -1)
+
+
+def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """The candidate pool: blocks of ``block`` records scored by their max, the block of the
+    query's newest visible record pinned, the best ``topk_blocks`` kept. Bool [B, S, n]."""
+    n = scores.shape[-1]
+    padded = F.pad(scores, (0, -n % block), value=float("-inf"))
+    blocks = padded.unflatten(-1, (-1, block)).amax(-1)
+    newest = ((lens - 1) // block)[:, None]  # (S, 1); -1 when nothing is visible
+    blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
+    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :n]
+
+
+# ----------------------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+    """Shared K=V latent attention over window entries plus selected compressed records."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args, self.layer = args, layer
+        self.ratio = args.ratios[layer]
+        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        group_in = self.n_heads * self.head_dim // args.o_groups
+        self.wo_a = nn.Linear(group_in, args.o_groups * args.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.compressor = Compressor(args, self.ratio) if layer in args.kv_source_layer_ids else None
+        self.indexer = Indexer(args, layer) if layer in args.index_source_layer_ids else None
+
+    def forward(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
+        B, S, _ = x.shape
+        pos = step.positions(x.device)
+        inv = ropes.compress if self.ratio else ropes.main
+        q_res = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
+        kv = fake_quant_fp8(apply_rope(self.kv_norm(self.wkv(x)), pos, inv))
+        keys, key_mask = self._window_keys(kv, step, cache)
+        records = None
+        if self.ratio:
+            self._update_source(x, step, cache, ropes)
+            if self.indexer is not None:
+                src = cache.sources[self.args.kv_source(self.layer)]
+                step.shared["topk"] = self.indexer(x, q_res, step, src, ropes.compress)
+            records = self._selected_records(cache, step)
+        out = self._attend(q, keys, key_mask, records)
+        out = apply_rope(out, pos, inv, inverse=True)
+        return self.wo_b(self._grouped_wo_a(out).flatten(2))
+
+    def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
+        """Window keys [B, cap+S, D] and the per-query mask [S, cap+S]; writes the ring."""
+        ring = cache.windows[self.layer]
+        old, old_pos = ring.read()
+        pos = step.positions(kv.device)
+        old_pos = old_pos.masked_fill(old_pos >= step.start, -1)  # replayed positions come from kv
+        key_pos = torch.cat([old_pos, pos])
+        mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= pos[:, None]) \
+            & (key_pos[None, :] > pos[:, None] - self.args.sliding_window)
+        ring.write(kv, pos)
+        return torch.cat([old.to(kv.dtype), kv], dim=1), mask
+
+    def _update_source(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> None:
+        if self.compressor is None:
+            return
+        src = cache.sources[self.layer]
+        latent, first = self.compressor(x, step, src)
+        if latent is not None:
+            positions = first + self.ratio * torch.arange(latent.shape[1], device=x.device)
+            records = pack_main(apply_rope(latent, positions, ropes.compress))
+            src.append(records, self.indexer.keys(latent, positions, ropes.compress))
+
+    def _selected_records(self, cache: Cache, step: Step):
+        idx = step.shared.get("topk")
+        src = cache.sources[self.args.kv_source(self.layer)]
+        if idx is None or src.n == 0:
+            return None
+        B, S, k = idx.shape
+        packed = src.view()[0]
+        rows = packed.gather(1, idx.clamp_min(0).reshape(B, S * k, 1).expand(-1, -1, packed.shape[-1]))
+        return unpack_main(rows, self.head_dim).view(B, S, k, -1), idx >= 0
+
+    def _attend(self, q, keys, key_mask, records) -> torch.Tensor:
+        """One softmax over window entries, selected records and the per-head sink."""
+        scale = self.head_dim ** -0.5
+        logits = [torch.einsum("bshd,bjd->bshj", q.float(), keys.float()) * scale]
+        logits[0] = logits[0].masked_fill(~key_mask[None, :, None, :], float("-inf"))
+        if records is not None:
+            rec, valid = records
+            r = torch.einsum("bshd,bskd->bshk", q.float(), rec) * scale
+            logits.append(r.masked_fill(~valid[:, :, None, :], float("-inf")))
+        sink = self.attn_sink.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1)
+        probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
+        n_win = keys.shape[1]
+        out = torch.einsum("bshj,bjd->bshd", probs[..., :n_win], keys.float())
+        if records is not None:
+            out = out + torch.einsum("bshk,bskd->bshd", probs[..., n_win:-1], records[0])
+        return out.to(q.dtype)
+
+    def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
+        B, S = out.shape[:2]
+        g = self.args.o_groups
+        grouped = out.reshape(B, S, g, -1)
+        w = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)
+        return torch.einsum("bsgi,goi->bsgo", grouped, w)
+
+
+# ----------------------------------------------------------------------------- MoE
+
+class Gate(nn.Module):
+    def __init__(self, args: ModelArgs, n_experts: int, top_k: int):
+        super().__init__()
+        self.args, self.top_k = args, top_k
+        self.weight = nn.Parameter(torch.empty(n_experts, args.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k], expert indices [N, k]) for flat tokens x [N, D]."""
+        logits = F.linear(x.float(), self.weight.float()) / self.args.gate_temp
+        scores = _score(logits, self.args.scoring_func)
+        bias = self.bias if image_mask is None else torch.where(image_mask[:, None], self.bias_vl, self.bias)
+        indices = (scores + bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.args.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.args.routed_scaling_factor, indices
+
+
+def _score(logits: torch.Tensor, fn: str) -> torch.Tensor:
+    if fn == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return logits.softmax(-1) if fn == "softmax" else logits.sigmoid()
+
+
+class Expert(nn.Module):
+    """SwiGLU with the training clamps: gate clamped above, up clamped both sides."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.w1(x).float(), self.w3(x).float()
+        if self.limit > 0:
+            gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        y = F.silu(gate) * up
+        if weight is not None:
+            y = weight * y
+        return self.w2(y.to(x.dtype))
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs, n_experts: int | None = None, top_k: int | None = None):
+        super().__init__()
+        n_experts = n_experts or args.n_routed_experts
+        self.gate = Gate(args, n_experts, top_k or args.num_experts_per_tok)
+        inter = args.moe_intermediate_size
+        self.experts = nn.ModuleList([Expert(args.hidden_size, inter, args.swiglu_limit) for _ in range(n_experts)])
+        self.shared_experts = Expert(args.hidden_size, inter, args.swiglu_limit)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
+        y = torch.zeros_like(flat, dtype=torch.float32)
+        for e in indices.unique().tolist():
+            rows, slot = torch.where(indices == e)
+            y[rows] += self.experts[e](flat[rows], weights[rows, slot, None]).float()
+        y += self.shared_experts(flat).float()
+        return y.to(x.dtype).view(shape)
+
+
+# ----------------------------------------------------------------------------- Engram
+
+class EngramTable(nn.Module):
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Engram(nn.Module):
+    """Hashed n-gram rows -> one key per hc stream and a shared value, gated into the streams."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args = args
+        self.slot = args.engram_layer_ids.index(layer)
+        self.embed = EngramTable(args.engram_num_embeddings[self.slot], args.engram_head_dim)
+        self.wkv = nn.Linear(args.engram_n_cols * args.engram_head_dim,
+                             args.hidden_size * (args.hc_mult + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
+        self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
+
+    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+        D, hc, eps = self.args.hidden_size, self.args.hc_mult, self.args.rms_norm_eps
+        kv = self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+        key, value = kv.split([hc * D, D], dim=-1)
+        key = key.float().unflatten(-1, (hc, D))
+        h = streams.float()
+        rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+        dot = (h * (self.q_weight.float() * self.k_weight.float()) * key).sum(-1) * rstd * D ** -0.5
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        if live is not None:
+            gate = gate.masked_fill(~live.unsqueeze(-1), 0.0)
+        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+
+
+# ----------------------------------------------------------------------------- mHC block
+
+def hc_mixes(streams: torch.Tensor, fn, scale, base, args: ModelArgs):
+    """(pre, post, comb) from one projection of the RMS-normalised flattened streams."""
+    hc = args.hc_mult
+    flat = streams.flatten(2).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + args.rms_norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + args.hc_eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = comb.softmax(-1) + args.hc_eps
+    comb = comb / (comb.sum(-2, keepdim=True) + args.hc_eps)
+    for _ in range(args.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + args.hc_eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + args.hc_eps)
+    return pre, post, comb
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    return (pre.unsqueeze(-1) * streams.float()).sum(2).to(streams.dtype)
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out_k = post_k * y + sum_j comb[j, k] * residual_j."""
+    mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.float())
+    return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(residual.dtype)
+
+
+class Block(nn.Module):
+    """One layer: [Engram] -> attention site -> FFN site, each collapsing with the *previous*
+    site's ``pre`` (V4.1's lagged mHC) and expanding with its own ``post`` / ``comb``."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args, self.layer = args, layer
+        self.attn = Attention(args, layer)
+        self.ffn = MoE(args)
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.engram = Engram(args, layer) if layer in args.engram_layer_ids else None
+        mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.hidden_size
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, width)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+    def forward(self, streams, pre, step: Step, cache: Cache, ropes: Ropes):
+        if self.engram is not None and step.hash_ids is not None:
+            live = None if step.image_mask is None else ~step.image_mask
+            streams = self.engram(streams, step.hash_ids[:, :, self.engram.slot], live)
+        a_pre, a_post, a_comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.args)
+        y = self.attn(self.attn_norm(hc_collapse(streams, pre)), step, cache, ropes)
+        streams = hc_expand(y, streams, a_post, a_comb)
+        f_pre, f_post, f_comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.args)
+        y = self.ffn(self.ffn_norm(hc_collapse(streams, a_pre)), step.image_mask)
+        return hc_expand(y, streams, f_post, f_comb), f_pre
+
+
+# ----------------------------------------------------------------------------- model
+
+class Transformer(nn.Module):
+    """The V4.1 backbone. ``model(ids)`` is the exact full forward: logits [B, T, vocab]."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList([Block(args, i) for i in range(args.num_hidden_layers)])
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.ropes = Ropes(args)
+        self.hasher: NgramHasher | None = None
+
+    def bind_token_map(self, token_map: list[int]) -> None:
+        """Engram needs the tokenizer-derived compressed token map (§2.9)."""
+        self.hasher = NgramHasher.from_map(self.args, token_map)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int = 1) -> Cache:
+        return Cache(self.args, batch=batch, device=self.device)
+
+    def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, *,
+                image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Run every layer on ``input_ids`` [B, S], continuing ``cache`` (fresh if None)."""
+        cache = cache if cache is not None else self.new_cache(input_ids.shape[0])
+        streams, pre, step = self.begin(input_ids, cache, start=cache.length,
+                                        image_embeds=image_embeds, image_mask=image_mask)
+        streams, pre = self.run_layers(streams, pre, step, cache, range(self.args.num_hidden_layers))
+        cache.length = max(cache.length, step.end)
+        return self.logits(streams, pre)
+
+    def begin(self, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None, image_mask=None):
+        """Embeddings copied into the hc streams, the one-hot first ``pre``, and the Step."""
+        x = self.embed(ids)
+        if image_mask is not None and image_embeds is not None:
+            x = torch.where(image_mask.unsqueeze(-1), image_embeds.to(x.dtype), x)
+        step = Step(start=start, length=ids.shape[1], image_mask=image_mask)
+        step.hash_ids = self.engram_hash(ids, cache, start, image_mask)
+        streams = x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
+        pre = torch.zeros(*streams.shape[:-1], dtype=torch.float32, device=x.device)
+        pre[..., 0] = 1.0
+        return streams, pre, step
+
+    def engram_hash(self, ids, cache: Cache, start: int, image_mask=None) -> torch.Tensor | None:
+        if not self.args.engram_layer_ids:
+            return None
+        if self.hasher is None:
+            raise RuntimeError("this model has Engram layers: call bind_token_map() with the tokenizer's map")
+        compressed = self.hasher.compress(ids, image_mask)
+        history = cache.engram_history(start, self.args.engram_max_ngram_size - 1)
+        hash_ids, _ = self.hasher(compressed, history)
+        cache.record_engram(compressed, start)
+        return hash_ids
+
+    def run_layers(self, streams, pre, step: Step, cache: Cache, layers: range):
+        for i in layers:
+            streams, pre = self.layers[i](streams, pre, step, cache, self.ropes)
+        return streams, pre
+
+    def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return self.head(self.final_hidden(streams, pre)).float()
+
+    def final_hidden(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+        return self.norm(hc_collapse(streams, pre))
+
+    def project_decoder_source(self, streams, pre, step: Step, cache: Cache) -> None:
+        """CED: the decoder's KV source turns the encoder output into global KV and index
+        keys for every token, without running the decoder layers (ARCHITECTURE.md §2.7)."""
+        layer = self.layers[self.args.decoder_start]
+        if layer.engram is not None and step.hash_ids is not None:
+            streams = layer.engram(streams, step.hash_ids[:, :, layer.engram.slot], None)
+        x = layer.attn_norm(hc_collapse(streams, pre))
+        layer.attn._update_source(x, step, cache, self.ropes)
+
+
+DEAD_ID = DEAD

@@ -1,0 +1,23 @@
+"""The session store: transcripts, token logs, images and global-KV chunks in one
+SQLite file (WAL, zstd frames), plus the RAM pool for sliding-window state.
+
+Owns: persistence and integrity of what it is handed. Does not own: the model, the
+meaning of KV bytes, recomputing KV, or printing; it imports neither `model`,
+`tools` nor `dsagent`.
+"""
+
+from .blob import DEFAULT_ZSTD_LEVEL, FORMAT_VERSION, ImageSpan, KVChunk
+from .errors import (
+    BlobError, NotADatabase, SchemaTooNew, SessionExists, SessionInUse, SessionNotFound, StoreError,
+)
+from .manage import GcResult, PruneResult, SessionStorage, StorageReport, VerifyResult
+from .pool import LocalStatePool, ResumePlan, plan_resume
+from .store import DB_NAME, Loaded, SaveResult, SessionInfo, Store, default_home
+
+__all__ = [
+    "DB_NAME", "DEFAULT_ZSTD_LEVEL", "FORMAT_VERSION", "BlobError", "GcResult", "ImageSpan",
+    "KVChunk", "LocalStatePool", "Loaded", "NotADatabase", "PruneResult", "ResumePlan",
+    "SaveResult", "SchemaTooNew", "SessionExists", "SessionInUse", "SessionInfo",
+    "SessionNotFound", "SessionStorage", "StorageReport", "Store", "StoreError",
+    "VerifyResult", "default_home", "plan_resume",
+]
