@@ -1,0 +1,178 @@
+"""`dsagent sessions ...`: list, show, export, fork, rm, prune, verify, gc, storage.
+
+Owns: turning the session store's results into stdout text or JSON, confirmation
+prompts for destructive commands, and exit codes (0 ok, 1 error or a failed verify).
+Does not own: any storage logic; every command is a thin call into `sessions.Store`.
+The store lives in `$DSAGENT_HOME` (else the platform's user data directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+from pathlib import Path
+from typing import Iterator, Optional
+
+import typer
+
+from sessions import Store, StoreError
+
+app = typer.Typer(help="Manage stored sessions.", no_args_is_help=True)
+
+
+@contextlib.contextmanager
+def _store() -> Iterator[Store]:
+    """Open the store; any StoreError becomes a message on stderr and exit code 1."""
+    try:
+        with Store.open() as store:
+            yield store
+    except StoreError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _json(obj: object) -> None:
+    typer.echo(json.dumps(obj, indent=2, default=str))
+
+
+def _when(ts: float) -> str:
+    return dt.datetime.fromtimestamp(ts).strftime("%Y-%m-%d %H:%M")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.2f} MiB"
+
+
+@app.command("list")
+def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
+    """List sessions, most recently used first."""
+    with _store() as store:
+        infos = store.list_sessions()
+    if as_json:
+        return _json([dataclasses.asdict(i) for i in infos])
+    for i in infos:
+        typer.echo(f"{i.name:<24} {_when(i.updated_at)}  {i.n_messages:>5} msgs  {i.n_tokens:>8} tokens")
+
+
+@app.command()
+def show(name: str, as_json: bool = typer.Option(False, "--json")) -> None:
+    """Show one session: its record and the storage it uses."""
+    with _store() as store:
+        info = store.get_session(name)
+        usage = next(s for s in store.storage().sessions if s.name == name)
+    if as_json:
+        return _json({"session": dataclasses.asdict(info), "storage": dataclasses.asdict(usage)})
+    for key, value in {**dataclasses.asdict(info), **dataclasses.asdict(usage)}.items():
+        if key.endswith("_at"):
+            value = _when(value)
+        typer.echo(f"{key:<20} {value}")
+
+
+@app.command()
+def export(
+    name: str,
+    fmt: str = typer.Option("markdown", "--format", "-f", help="markdown, json or jsonl"),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write here instead of stdout."),
+) -> None:
+    """Export a transcript."""
+    with _store() as store:
+        text = store.export(name, fmt)
+    if output is None:
+        typer.echo(text, nl=False)
+    else:
+        output.write_text(text)
+
+
+@app.command()
+def fork(src: str, dst: str) -> None:
+    """Copy a session under a new name; its stored KV is shared, not copied."""
+    with _store() as store:
+        info = store.fork(src, dst)
+    typer.echo(f"forked {src} -> {info.name} ({info.n_tokens} tokens)")
+
+
+def _confirm(question: str, yes: bool) -> None:
+    if not yes and not typer.confirm(question, default=False):
+        typer.echo("aborted", err=True)
+        raise typer.Exit(1)
+
+
+@app.command()
+def rm(
+    name: str,
+    yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be removed."),
+) -> None:
+    """Delete a session (transcript, token log and its KV), then collect garbage."""
+    with _store() as store:
+        info = store.get_session(name)
+        if dry_run:
+            return typer.echo(f"would remove {info.name} ({info.n_messages} messages, {info.n_tokens} tokens)")
+        _confirm(f"Delete session '{name}' and its transcript?", yes)
+        store.rm(name)
+        freed = store.gc()
+    typer.echo(f"removed {name}; freed {_mib(freed.kv_bytes + freed.image_bytes)}")
+
+
+@app.command()
+def prune(
+    older_than: float = typer.Option(..., "--older-than", help="Days since last use."),
+    yes: bool = typer.Option(False, "--yes", "-y"),
+    dry_run: bool = typer.Option(False, "--dry-run"),
+) -> None:
+    """Delete sessions not used for --older-than days."""
+    with _store() as store:
+        todo = store.prune(older_than, dry_run=True).removed
+        if dry_run or not todo:
+            return typer.echo("\n".join(f"would remove {n}" for n in todo) or "nothing to prune")
+        _confirm(f"Delete {len(todo)} session(s): {', '.join(todo)}?", yes)
+        result = store.prune(older_than)
+        store.gc()
+    for n in result.removed:
+        typer.echo(f"removed {n}")
+    for n in result.in_use:
+        typer.echo(f"skipped {n} (in use)", err=True)
+
+
+@app.command()
+def verify(name: Optional[str] = typer.Argument(None), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Check chunk chains, checksums and images; exit 1 if anything is wrong."""
+    with _store() as store:
+        results = store.verify(name)
+    if as_json:
+        _json([{**dataclasses.asdict(r), "ok": r.ok} for r in results])
+    else:
+        for r in results:
+            typer.echo(f"{r.name:<24} {'ok' if r.ok else 'BAD'}  {r.chunks - r.bad_chunks}/{r.chunks} chunks good")
+            for p in r.problems:
+                typer.echo(f"  {p}")
+    if not all(r.ok for r in results):
+        raise typer.Exit(1)
+
+
+@app.command()
+def gc(dry_run: bool = typer.Option(False, "--dry-run"), as_json: bool = typer.Option(False, "--json")) -> None:
+    """Delete KV chunks and images no session references."""
+    with _store() as store:
+        r = store.gc(dry_run=dry_run)
+    if as_json:
+        return _json(dataclasses.asdict(r))
+    verb = "would free" if dry_run else "freed"
+    typer.echo(f"{verb} {r.kv_rows} KV rows ({_mib(r.kv_bytes)}) and {r.images} images ({_mib(r.image_bytes)}); "
+               f"file {_mib(r.file_bytes_before)} -> {_mib(r.file_bytes_after)}")
+
+
+@app.command()
+def storage(as_json: bool = typer.Option(False, "--json")) -> None:
+    """Bytes per session and stored KV bytes per token."""
+    with _store() as store:
+        rep = store.storage()
+    if as_json:
+        return _json(dataclasses.asdict(rep))
+    for s in rep.sessions:
+        typer.echo(f"{s.name:<24} kv {_mib(s.kv_bytes):>12}  {s.kv_bytes_per_token:>8.1f} B/token  "
+                   f"transcript {s.transcript_bytes} B  images {s.image_bytes} B")
+    typer.echo(f"file {_mib(rep.file_bytes)}; unique KV {_mib(rep.kv_unique_bytes)}; "
+               f"unreferenced {_mib(rep.kv_unreferenced_bytes)}")

@@ -1,0 +1,505 @@
+"""The session store: one SQLite file (WAL) holding transcripts, token logs, images
+and the global-KV chunks derived from them.
+
+Owns: opening the file (and refusing one that is not SQLite or is too new), the
+session rows, the save point (one transaction per turn), and loading a session with
+the longest prefix of KV chunks that passes every check. Does not own: what the
+messages, tokens or KV bytes mean (`dsagent` and `model` decide), recomputing KV
+(the engine prefills what we could not return), or printing anything.
+
+Management (fork, rm, prune, verify, gc, storage, export) lives in `manage.py`;
+the methods here only delegate to it, so that callers see one object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import platformdirs
+import sqlite_utils
+
+from . import export as _export
+from . import manage
+from . import schema
+from .blob import (
+    DEFAULT_ZSTD_LEVEL, FORMAT_VERSION, ROOT_KEY, ImageSpan, KVChunk, chunk_key,
+    decode_blob, encode_blob, tokens_from_bytes, tokens_to_bytes,
+)
+from .errors import BlobError, NotADatabase, SessionExists, SessionNotFound, StoreError
+from .lock import SessionLock
+
+DB_NAME = "sessions.db"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def default_home() -> Path:
+    """`$DSAGENT_HOME` if set, else the platform's user data directory."""
+    env = os.environ.get("DSAGENT_HOME")
+    if env:
+        return Path(env).expanduser()
+    return Path(platformdirs.user_data_dir("dsagent", appauthor=False))
+
+
+def check_name(name: str) -> str:
+    if not _NAME_RE.match(name or ""):
+        raise StoreError(
+            f"invalid session name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    name: str
+    fingerprint: str
+    chunk_tokens: int | None
+    meta: dict[str, Any]
+    parent: str | None
+    created_at: float
+    updated_at: float
+    n_tokens: int
+    n_messages: int
+
+
+@dataclass
+class Loaded:
+    """A session as `load` returns it: everything needed to resume."""
+
+    session: SessionInfo
+    messages: list[dict]
+    tokens: list[int]
+    image_spans: list[ImageSpan]
+    kv: list[KVChunk]  # longest valid prefix, payloads decoded
+    kv_tokens: int  # tokens [0, kv_tokens) have KV in `kv`
+    warnings: list[str]
+    chunk_tokens: int
+
+    @property
+    def next_chunk_start(self) -> int:
+        """Where the first chunk of the next save point must start."""
+        return self.kv_tokens - self.kv_tokens % self.chunk_tokens
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    n_tokens: int
+    n_messages: int
+    kv_tokens: int
+    next_chunk_start: int
+    chunks_written: int
+    kv_bytes_written: int
+
+
+def _info(row: dict) -> SessionInfo:
+    return SessionInfo(
+        name=row["name"], fingerprint=row["fingerprint"], chunk_tokens=row["chunk_tokens"],
+        meta=json.loads(row["meta"]), parent=row["parent"], created_at=row["created_at"],
+        updated_at=row["updated_at"], n_tokens=row["n_tokens"], n_messages=row["n_messages"],
+    )
+
+
+def _check_is_sqlite(path: Path) -> None:
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    with open(path, "rb") as f:
+        head = f.read(len(_SQLITE_MAGIC))
+    if head != _SQLITE_MAGIC:
+        raise NotADatabase(
+            f"{path} is not an SQLite database; move it away, or set DSAGENT_HOME "
+            "to another directory"
+        )
+
+
+def spans_in(spans: Sequence[ImageSpan], start: int, end: int) -> list[ImageSpan]:
+    """Image spans overlapping tokens [start, end)."""
+    return [s for s in spans if s.start < end and s.end > start]
+
+
+class Store:
+    """An open session store. Create with `Store.open()`."""
+
+    def __init__(
+        self, path: Path, *, zstd_level: int = DEFAULT_ZSTD_LEVEL,
+        lock_timeout: float = 0.0, busy_timeout_s: float = 30.0,
+    ):
+        self.path = path
+        self.zstd_level = zstd_level
+        self.lock_timeout = lock_timeout
+        self._held: dict[str, SessionLock] = {}
+        _check_is_sqlite(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_s)
+        try:
+            self.db = sqlite_utils.Database(self.conn)
+            schema.check_not_newer(self.db, str(path))  # before anything could write
+            self._configure()
+            schema.migrate(self.db, str(path))
+        except sqlite3.DatabaseError as exc:
+            self.conn.close()
+            raise NotADatabase(f"{path} cannot be read as an SQLite database ({exc})") from None
+        except BaseException:
+            self.conn.close()
+            raise
+
+    @classmethod
+    def open(cls, path_or_home: str | Path | None = None, **kwargs: Any) -> "Store":
+        """Open (creating if needed) `<home>/sessions.db`, or a `.db` file given directly."""
+        p = Path(path_or_home).expanduser() if path_or_home is not None else default_home()
+        if not (p.suffix == ".db" or p.is_file()):
+            p = p / DB_NAME
+        return cls(p, **kwargs)
+
+    def _configure(self) -> None:
+        # auto_vacuum only takes effect before the first table exists; it lets gc
+        # hand freed pages back to the file system.
+        self.conn.execute("PRAGMA auto_vacuum=INCREMENTAL")
+        self.conn.execute("PRAGMA journal_mode=WAL")
+        # NORMAL in WAL: a killed process never loses a commit; a power cut may lose
+        # the last turn but never corrupts the file.
+        self.conn.execute("PRAGMA synchronous=NORMAL")
+
+    def close(self) -> None:
+        for lk in list(self._held.values()):
+            lk.release()
+        self._held.clear()
+        self.conn.close()
+
+    def __enter__(self) -> "Store":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def home(self) -> Path:
+        return self.path.parent
+
+    # -- transactions and locks ------------------------------------------------
+
+    @contextlib.contextmanager
+    def _tx(self, mode: str = "IMMEDIATE") -> Iterator[None]:
+        """One transaction; joins the caller's when one is already open."""
+        if self.conn.in_transaction:
+            yield
+            return
+        self.conn.execute(f"BEGIN {mode}")
+        try:
+            yield
+        except BaseException:
+            self.conn.execute("ROLLBACK")
+            raise
+        try:
+            self.conn.execute("COMMIT")
+        except BaseException:
+            if self.conn.in_transaction:
+                self.conn.execute("ROLLBACK")
+            raise
+
+    def _read(self) -> contextlib.AbstractContextManager[None]:
+        """A read transaction: one consistent snapshot across several queries."""
+        return self._tx("DEFERRED")
+
+    @contextlib.contextmanager
+    def lock(self, name: str, timeout: float = 0.0) -> Iterator[None]:
+        """Hold the session's cross-process lock; raises SessionInUse after `timeout` s."""
+        check_name(name)
+        if name in self._held:
+            yield
+            return
+        path = self.home / "locks" / f"{name}.lock"
+        self._held[name] = SessionLock(path, name, timeout)
+        try:
+            yield
+        finally:
+            self._held.pop(name).release()
+
+    def _locked(self, name: str) -> contextlib.AbstractContextManager[None]:
+        return self.lock(name, self.lock_timeout)
+
+    # -- sessions --------------------------------------------------------------
+
+    def _row(self, name: str) -> dict:
+        rows = list(self.db.query("select * from sessions where name = ?", [name]))
+        if not rows:
+            raise SessionNotFound(name)
+        return rows[0]
+
+    def create_session(self, name: str, *, fingerprint: str, meta: dict | None = None) -> SessionInfo:
+        check_name(name)
+        now = time.time()
+        with self._tx():
+            if list(self.db.query("select 1 from sessions where name = ?", [name])):
+                raise SessionExists(name)
+            self.conn.execute(
+                "insert into sessions (name, fingerprint, meta, created_at, updated_at,"
+                " n_tokens, n_messages) values (?, ?, ?, ?, ?, 0, 0)",
+                [name, fingerprint, json.dumps(meta or {}), now, now],
+            )
+        return self.get_session(name)
+
+    def get_session(self, name: str) -> SessionInfo:
+        return _info(self._row(name))
+
+    def latest_session(self) -> SessionInfo | None:
+        rows = list(self.db.query("select * from sessions order by updated_at desc limit 1"))
+        return _info(rows[0]) if rows else None
+
+    def list_sessions(self) -> list[SessionInfo]:
+        return [_info(r) for r in self.db.query("select * from sessions order by updated_at desc")]
+
+    def messages(self, name: str) -> list[dict]:
+        """The transcript of a session, oldest first."""
+        with self._read():
+            sid = self._row(name)["id"]
+            return [json.loads(r["body"]) for r in
+                    self.db.query("select body from messages where session_id = ? order by seq", [sid])]
+
+    # -- save point ------------------------------------------------------------
+
+    def save_point(
+        self, name: str, *, messages: Sequence[dict] = (), new_tokens: Sequence[int] = (),
+        image_spans: Sequence[ImageSpan] = (), images: dict[str, bytes] | None = None,
+        kv_chunks: Sequence[KVChunk] = (), fingerprint: str, chunk_tokens: int,
+    ) -> SaveResult:
+        """Append one turn (messages, tokens, images, KV chunks) in ONE transaction.
+
+        `kv_chunks` must start at a chunk boundary no later than the previous save's
+        `next_chunk_start` (earlier rewrites the chain from there), be contiguous,
+        all of `chunk_tokens` tokens but the last, and end within the token log.
+        """
+        images = dict(images or {})
+        _check_images(images)
+        encoded = [self._encode(ch) for ch in kv_chunks]  # compress outside the write lock
+        with self._locked(name), self._tx():
+            row = self._row(name)
+            sid, n0 = row["id"], row["n_tokens"]
+            n1 = n0 + len(new_tokens)
+            self._append_messages(sid, row["n_messages"], messages)
+            self._append_tokens(sid, n0, new_tokens)
+            self._add_images(sid, images, image_spans, n1)
+            kv_tokens, written = self._write_kv(row, n1, encoded, fingerprint, chunk_tokens)
+            n_messages = row["n_messages"] + len(messages)
+            self.conn.execute(
+                "update sessions set n_tokens = ?, n_messages = ?, updated_at = ?,"
+                " fingerprint = ?, chunk_tokens = ? where id = ?",
+                [n1, n_messages, time.time(), fingerprint, chunk_tokens, sid],
+            )
+        return SaveResult(n1, n_messages, kv_tokens, kv_tokens - kv_tokens % chunk_tokens,
+                          len(kv_chunks), written)
+
+    def _encode(self, ch: KVChunk) -> tuple[KVChunk, dict[str, bytes]]:
+        blobs = {layer: encode_blob(layer, ch.start, ch.end, payload, self.zstd_level)
+                 for layer, payload in sorted(ch.blobs.items())}
+        return ch, blobs
+
+    def _append_messages(self, sid: int, seq0: int, messages: Sequence[dict]) -> None:
+        now = time.time()
+        rows = [(sid, seq0 + i, str(m.get("role", "")), json.dumps(m), now)
+                for i, m in enumerate(messages)]
+        self.conn.executemany("insert into messages values (?, ?, ?, ?, ?)", rows)
+
+    def _append_tokens(self, sid: int, start: int, tokens: Sequence[int]) -> None:
+        if not tokens:
+            return
+        try:
+            ids = tokens_to_bytes(tokens)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids must be integers in [0, 2**32)") from None
+        self.conn.execute("insert into token_segments values (?, ?, ?, ?)",
+                          [sid, start, start + len(tokens), ids])
+
+    def _add_images(self, sid: int, images: dict[str, bytes], spans: Sequence[ImageSpan], n_tokens: int) -> None:
+        now = time.time()
+        for sha, data in images.items():
+            self.conn.execute("insert or ignore into images values (?, ?, ?, ?)", [sha, len(data), data, now])
+            self.conn.execute("insert or ignore into session_images values (?, ?)", [sid, sha])
+        known = {r["sha256"] for r in self.db.query("select sha256 from session_images where session_id = ?", [sid])}
+        for s in spans:
+            if not (0 <= s.start < s.end <= n_tokens) or s.sha256 not in known:
+                raise ValueError(f"image span {s} is outside the token log or names an image not handed in")
+            self.conn.execute("insert into image_spans values (?, ?, ?, ?)", [sid, s.start, s.end, s.sha256])
+
+    # -- KV chain --------------------------------------------------------------
+
+    def _chain(self, sid: int) -> list[dict]:
+        return list(self.db.query("select * from session_chunks where session_id = ? order by idx", [sid]))
+
+    def _tokens_from(self, sid: int, start: int) -> list[int]:
+        """The token log from `start` on."""
+        segs = list(self.db.query("select * from token_segments where session_id = ? and end > ?"
+                                  " order by start", [sid, start]))
+        out: list[int] = []
+        pos = segs[0]["start"] if segs else start
+        if pos > start:
+            raise StoreError(f"token log of session id {sid} has a gap at {start}; run `dsagent sessions verify`")
+        base = pos
+        for seg in segs:
+            if seg["start"] != pos:
+                raise StoreError(f"token log of session id {sid} has a gap at {pos}; run `dsagent sessions verify`")
+            out.extend(tokens_from_bytes(seg["ids"]))
+            pos = seg["end"]
+        return out[start - base :]
+
+    def _spans(self, sid: int) -> list[ImageSpan]:
+        rows = self.db.query("select start, end, sha256 from image_spans where session_id = ? order by start", [sid])
+        return [ImageSpan(r["start"], r["end"], r["sha256"]) for r in rows]
+
+    def _truncate_chain(self, sid: int, chain: list[dict], start: int) -> None:
+        keys = [c["key"] for c in chain if c["start"] >= start]
+        self.conn.execute("delete from session_chunks where session_id = ? and start >= ?", [sid, start])
+        for key in keys:
+            self.conn.execute("delete from kv_chunks where key = ? and not exists"
+                              " (select 1 from session_chunks where key = ?)", [key, key])
+
+    def _write_kv(self, row: dict, n_tokens: int, encoded: list, fingerprint: str, C: int) -> tuple[int, int]:
+        sid, chain = row["id"], self._chain(row["id"])
+        if row["fingerprint"] != fingerprint or row["chunk_tokens"] not in (None, C):
+            self._truncate_chain(sid, chain, 0)
+            chain = []
+        if not encoded:
+            return (chain[-1]["end"] if chain else 0), 0
+        first = encoded[0][0].start
+        keep = [c for c in chain if c["end"] <= first]
+        _validate_chunks([e[0] for e in encoded], chain, keep, C, n_tokens)
+        self._truncate_chain(sid, chain, first)
+        parent = keep[-1]["key"] if keep else ROOT_KEY
+        tokens, spans = self._tokens_from(sid, first), self._spans(sid)
+        written = 0
+        for ch, blobs in encoded:
+            key = chunk_key(parent, ch.start, tokens[ch.start - first : ch.end - first],
+                            spans_in(spans, ch.start, ch.end), fingerprint)
+            written += self._put_chunk(sid, ch.start // C, key, ch, blobs, fingerprint)
+            parent = key
+        return encoded[-1][0].end, written
+
+    def _put_chunk(self, sid: int, idx: int, key: str, ch: KVChunk, blobs: dict[str, bytes], fingerprint: str) -> int:
+        for layer, blob in blobs.items():
+            self.conn.execute(
+                "insert or replace into kv_chunks values (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [key, layer, ch.start, ch.end, fingerprint, FORMAT_VERSION,
+                 len(ch.blobs[layer]), len(blob), blob],
+            )
+        self.conn.execute("insert into session_chunks values (?, ?, ?, ?, ?, ?)",
+                          [sid, idx, key, ch.start, ch.end, json.dumps(sorted(blobs))])
+        return sum(len(b) for b in blobs.values())
+
+    # -- load ------------------------------------------------------------------
+
+    def load(self, name: str, *, fingerprint: str, chunk_tokens: int) -> Loaded:
+        """Transcript, token log and the longest prefix of KV chunks that passes every check."""
+        with self._read():
+            row = self._row(name)
+            info, sid = _info(row), row["id"]
+            messages = self.messages(name)
+            tokens, spans = self._tokens_from(sid, 0), self._spans(sid)
+            refusal = _kv_refusal(info, fingerprint, chunk_tokens)
+            kv, problems = ([], [refusal]) if refusal else self.check_chain(sid, tokens, spans, fingerprint, chunk_tokens)
+        kv_tokens = kv[-1].end if kv else 0
+        warnings = [f"session '{name}': {p}; dropping its KV from token {kv_tokens} on, "
+                    f"it will be rebuilt by prefilling the token log" for p in problems]
+        return Loaded(info, messages, tokens, spans, kv, kv_tokens, warnings, chunk_tokens)
+
+    def check_chain(
+        self, sid: int, tokens: list[int], spans: list[ImageSpan], fingerprint: str,
+        C: int, *, stop_first: bool = True,
+    ) -> tuple[list[KVChunk], list[str]]:
+        """Walk a session's chunk chain; return the valid prefix and the problems found."""
+        good: list[KVChunk] = []
+        problems: list[str] = []
+        parent = ROOT_KEY
+        chain = self._chain(sid)
+        for i, link in enumerate(chain):
+            try:
+                chunk = self._check_link(i, link, i == len(chain) - 1, parent, tokens, spans, fingerprint, C)
+                if not problems:
+                    good.append(chunk)
+            except BlobError as exc:
+                problems.append(f"KV chunk {i} (tokens {link['start']}-{link['end']}) {exc}")
+                if stop_first:
+                    break
+            parent = link["key"]
+        return good, problems
+
+    def _check_link(self, i: int, link: dict, last: bool, parent: str, tokens: list[int],
+                    spans: list[ImageSpan], fingerprint: str, C: int) -> KVChunk:
+        start, end = link["start"], link["end"]
+        if start != i * C or not (0 < end - start <= C) or (end - start < C and not last) or end > len(tokens):
+            raise BlobError("is not where the chain expects it (a chunk is missing)")
+        key = chunk_key(parent, start, tokens[start:end], spans_in(spans, start, end), fingerprint)
+        if key != link["key"]:
+            raise BlobError("does not match the token log or model (chain hash differs)")
+        rows = {r["layer"]: r for r in self.db.query("select * from kv_chunks where key = ?", [key])}
+        missing = sorted(set(json.loads(link["layers"])) - rows.keys())
+        if missing:
+            raise BlobError(f"is missing layer(s) {', '.join(missing)}")
+        blobs = {}
+        for layer in json.loads(link["layers"]):
+            if rows[layer]["fingerprint"] != fingerprint:
+                raise BlobError(f"layer {layer} was made by another model")
+            blobs[layer] = decode_blob(rows[layer]["blob"], layer=layer, start=start, end=end)
+        return KVChunk(start, end, blobs)
+
+    # -- management (see manage.py) --------------------------------------------
+
+    def fork(self, src: str, dst: str) -> SessionInfo:
+        return manage.fork(self, src, dst)
+
+    def rm(self, name: str) -> None:
+        manage.rm(self, name)
+
+    def prune(self, older_than_days: float, dry_run: bool = False) -> manage.PruneResult:
+        return manage.prune(self, older_than_days, dry_run)
+
+    def verify(self, name: str | None = None) -> list[manage.VerifyResult]:
+        return manage.verify(self, name)
+
+    def gc(self, dry_run: bool = False) -> manage.GcResult:
+        return manage.gc(self, dry_run)
+
+    def storage(self) -> manage.StorageReport:
+        return manage.storage(self)
+
+    def export(self, name: str, fmt: str = "markdown") -> str:
+        return _export.export(self, name, fmt)
+
+
+def _check_images(images: dict[str, bytes]) -> None:
+    for sha, data in images.items():
+        if hashlib.sha256(data).hexdigest() != sha:
+            raise ValueError(f"image {sha[:12]}... does not hash to its key (sha256 of the bytes)")
+
+
+def _kv_refusal(info: SessionInfo, fingerprint: str, C: int) -> str | None:
+    if info.fingerprint != fingerprint:
+        return f"KV was made by another model (fingerprint {info.fingerprint[:12]}..., now {fingerprint[:12]}...)"
+    if info.chunk_tokens not in (None, C):
+        return f"KV was stored in chunks of {info.chunk_tokens} tokens, now {C}"
+    return None
+
+
+def _validate_chunks(chunks: list[KVChunk], chain: list[dict], keep: list[dict], C: int, n_tokens: int) -> None:
+    if C <= 0:
+        raise ValueError("chunk_tokens must be positive")
+    complete_end = sum(1 for c in chain if c["end"] - c["start"] == C) * C
+    if chunks[0].start % C or chunks[0].start > complete_end:
+        raise ValueError(f"first KV chunk starts at {chunks[0].start}; it must be a multiple of "
+                         f"{C} no later than {complete_end}")
+    layers = set(chunks[0].blobs) if not keep else set(json.loads(keep[-1]["layers"]))
+    for i, ch in enumerate(chunks):
+        size_ok = ch.end - ch.start == C or (i == len(chunks) - 1 and 0 < ch.end - ch.start < C)
+        if not size_ok or (i and ch.start != chunks[i - 1].end) or ch.end > n_tokens:
+            raise ValueError(f"KV chunk {ch.start}-{ch.end} is not contiguous, not {C} tokens, "
+                             f"or beyond the token log ({n_tokens})")
+        if not ch.blobs or set(ch.blobs) != layers:
+            raise ValueError(f"KV chunk {ch.start}-{ch.end} has layers {sorted(ch.blobs)}, expected {sorted(layers)}")
