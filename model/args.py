@@ -345,9 +345,9 @@ def _tiny() -> ModelArgs:
         index_topk=16, sliding_window=128, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=128, engram_layer_ids=(1, 4), engram_n_heads=2, engram_head_dim=32,
         engram_vocab_size=1000, engram_num_embeddings=_engram_sums(1000, 2, 4, (1, 4)),
-        engram_compressed_vocab_size=0, num_nextn_predict_layers=0, dspark_target_layer_ids=(7, 8, 9),
+        engram_compressed_vocab_size=3074, num_nextn_predict_layers=0, dspark_target_layer_ids=(7, 8, 9),
         dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, dspark_markov_rank=32,
-        dspark_noise_token_id=4095, image_token_id=4094,
+        dspark_noise_token_id=7, image_token_id=8,  # ids of </think> and the image token in the bundled tokenizer
         vision=VisionArgs(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
                           intermediate_size=128, max_image_tokens=64, min_pixels=126 * 126))
 

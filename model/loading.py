@@ -101,13 +101,18 @@ def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float
         from model.checkpoint import read_checkpoint
 
         tensors = read_checkpoint(path, expected, dtype=torch.float32, device="cpu", progress=progress,
-                                  ignore_prefixes=("mtp.", "vision.", "aligner.", "image_"))
+                                  ignore_prefixes=_unbuilt_prefixes(model))
     else:
         tensors = _read_single_file(path, expected)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.ropes.to_empty(device=device)
     model.ropes.__init__(model.args)
     cast_model(model.to(device), dtype)
+
+
+def _unbuilt_prefixes(model: Transformer) -> tuple:
+    """Checkpoint families this build does not use (draft stages; vision without a tower)."""
+    return ("mtp.",) if model.args.vision is not None else ("mtp.", "vision.", "aligner.", "image_")
 
 
 def _read_single_file(path: Path, expected: dict) -> dict[str, torch.Tensor]:

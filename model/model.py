@@ -26,7 +26,8 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.cache import Cache, SourceKV
-from model.engram import DEAD, NgramHasher
+from model.engram import NgramHasher
+from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
 from model.quant import INDEX_BLOCK, fake_quant_fp4, fake_quant_fp8, pack_index, pack_main, unpack_index, \
     unpack_main
 
@@ -472,6 +473,22 @@ class Transformer(nn.Module):
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.ropes = Ropes(args)
         self.hasher: NgramHasher | None = None
+        if args.vision is not None:
+            self.vision = VisionTransformer(args.vision)
+            self.aligner = Aligner(args.vision, args.hidden_size)
+            self.image_start = nn.Parameter(torch.zeros(args.hidden_size))
+            self.image_end = nn.Parameter(torch.zeros(args.hidden_size))
+            self.image_newline = nn.Parameter(torch.zeros(args.hidden_size))
+
+    @torch.no_grad()
+    def encode_image(self, image) -> torch.Tensor:
+        """A decoded RGB PIL image -> its span embeddings [n_tokens, D] (start, rows+newlines, end)."""
+        if self.args.vision is None:
+            raise ValueError("this checkpoint has no vision tower; it cannot read images")
+        pixels, plan = preprocess(image, self.args.vision)
+        span = encode_image_span(self.vision, self.aligner, self.image_start, self.image_newline,
+                                 self.image_end, pixels.to(self.device, self.embed.weight.dtype), plan)
+        return span.to(self.embed.weight.dtype)
 
     def bind_token_map(self, token_map: list[int]) -> None:
         """Engram needs the tokenizer-derived compressed token map (§2.9)."""
@@ -537,5 +554,3 @@ class Transformer(nn.Module):
         x = layer.attn_norm(hc_collapse(streams, pre))
         layer.attn._update_source(x, step, cache, self.ropes)
 
-
-DEAD_ID = DEAD

@@ -1,0 +1,115 @@
+"""Engine benchmarks: every figure a ratio measured side by side in one run (RUNTIME.md §9).
+
+Owns the measurements behind ``dsagent bench prefill|decode|resume``: CED vs exact prefill
+(tokens/s and output agreement), decode step time at two context lengths, and resume from
+exported bytes vs a full re-prefill. Returns plain dicts; printing is the CLI's job.
+Not a test: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from model.engine import Engine, Sampling, State
+from model.model import Transformer
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed(fn, device):
+    _sync(device)
+    t = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t
+
+
+def prompt_ids(model: Transformer, n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, model.args.vocab_size, (1, n), generator=g).to(model.device)
+
+
+def greedy(engine: Engine, state: State, n: int) -> list[int]:
+    return list(engine.generate(state, Sampling(max_new_tokens=n)))
+
+
+def agreement(a: list[int], b: list[int]) -> float:
+    """Fraction of positions before the first disagreement (prefix agreement)."""
+    same = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return same / max(1, min(len(a), len(b)))
+
+
+def bench_prefill(model: Transformer, ctx: int, *, chunk: int = 512, gen: int = 64) -> dict:
+    ids = prompt_ids(model, ctx)
+    runs = {}
+    for mode in ("exact", "ced"):
+        engine = Engine(model, mode=mode, chunk=chunk)
+        state = engine.new_state()
+        logits, secs = _timed(lambda: engine.prefill(state, ids), model.device)
+        runs[mode] = {"seconds": secs, "tokens_per_s": ctx / secs, "logits": logits.float(),
+                      "greedy": greedy(engine, state, gen)}
+    diff = (runs["ced"]["logits"] - runs["exact"]["logits"]).abs().max().item()
+    return {"bench": "prefill", "ctx": ctx, "chunk": chunk,
+            "exact_tokens_per_s": runs["exact"]["tokens_per_s"], "ced_tokens_per_s": runs["ced"]["tokens_per_s"],
+            "ced_speedup": runs["exact"]["seconds"] / runs["ced"]["seconds"],
+            "first_token_max_logit_diff": diff,
+            "greedy_agreement": agreement(runs["ced"]["greedy"], runs["exact"]["greedy"]), "greedy_tokens": gen}
+
+
+def bench_decode(model: Transformer, ctx: int, *, short: int | None = None, steps: int = 16, chunk: int = 512) -> dict:
+    short = short or max(model.args.sliding_window, ctx // 32)
+    times = {}
+    for n in (short, ctx):
+        engine = Engine(model, mode="ced", chunk=chunk)
+        state = engine.new_state()
+        engine.prefill(state, prompt_ids(model, n))
+        token = state.last_logits.argmax(-1)
+        engine.decode(state, token)  # warm-up
+        _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
+        times[n] = secs / steps
+    return {"bench": "decode", "ctx_short": short, "ctx_long": ctx, "step_ms_short": 1e3 * times[short],
+            "step_ms_long": 1e3 * times[ctx], "long_over_short": times[ctx] / times[short],
+            "decode_tokens_per_s_long": 1 / times[ctx]}
+
+
+def export_bytes(engine: Engine, state: State) -> tuple[bytes, dict]:
+    tensors, meta = engine.export_global(state)
+    return st_save(tensors), meta
+
+
+def bench_resume(model: Transformer, ctx: int, *, chunk: int = 512, gen: int = 64,
+                 replay_tokens: tuple = ()) -> dict:
+    """Uninterrupted CED run vs export -> bytes -> import -> replay, and vs re-prefill."""
+    ids = prompt_ids(model, ctx)
+    engine = Engine(model, mode="ced", chunk=chunk)
+    state, prefill_s = _timed(lambda: _prefilled(engine, ids), model.device)
+    blob, meta = export_bytes(engine, state)
+    base_logits, base_greedy = state.last_logits.float(), greedy(engine, state, gen)
+    out = {"bench": "resume", "ctx": ctx, "full_prefill_s": prefill_s, "state_bytes": len(blob),
+           "state_bytes_per_token": len(blob) / ctx, "formula_bytes_per_token": model.args.kv_bytes_per_token(),
+           "replays": []}
+    out["state_over_formula"] = out["state_bytes_per_token"] / out["formula_bytes_per_token"]
+    for r in replay_tokens or (model.args.sliding_window,):
+        resumed, secs = _timed(lambda: _resume(engine, blob, meta, ids, r), model.device)
+        out["replays"].append({"replay_tokens": r, "resume_s": secs, "resume_over_prefill": secs / prefill_s,
+                               "first_token_max_logit_diff": (resumed.last_logits.float() - base_logits).abs().max().item(),
+                               "greedy_agreement": agreement(greedy(engine, resumed, gen), base_greedy)})
+    return out
+
+
+def _prefilled(engine: Engine, ids: torch.Tensor) -> State:
+    state = engine.new_state()
+    engine.prefill(state, ids)
+    return state
+
+
+def _resume(engine: Engine, blob: bytes, meta: dict, ids: torch.Tensor, replay: int) -> State:
+    state = engine.import_global(st_load(blob), meta)
+    engine.replay(state, ids, tokens=replay)
+    return state

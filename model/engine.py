@@ -1,0 +1,226 @@
+"""Inference engine: CED prefill with bounded decoder replay, decode, sampling, resume.
+
+Owns how tokens go through the model (RUNTIME.md §4, ARCHITECTURE.md §2.7):
+- ``prefill(state, ids)``: in ``ced`` mode the new tokens run through the encoder layers
+  only, the decoder's KV source projects the encoder output into global KV and index keys
+  for every token, and only the last ``window`` tokens run through the decoder layers.
+  ``exact`` mode runs every token through every layer. Both work in chunks, so memory
+  stays bounded on long prompts.
+- ``decode(state, token)`` / ``generate(...)``: one token through all layers; greedy,
+  temperature, top-k, top-p, seeded; stop ids; a streaming iterator of ids.
+- ``export_global`` / ``import_global`` / ``replay``: the session state in two parts; the
+  local part is rebuilt by replaying the last ``window`` tokens, as a resume does.
+
+Knows nothing of tokenization, chat formats or storage: ids in, ids and bytes out.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+from model.cache import Cache
+from model.model import Step, Transformer
+
+
+class ContextLimitError(ValueError):
+    """The prompt would not fit in the configured context."""
+
+
+@dataclass
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 256
+    stop_ids: tuple = ()
+
+
+@dataclass
+class State:
+    """One live sequence batch: its cache and the logits of the newest position."""
+    cache: Cache
+    last_logits: torch.Tensor | None = None  # [B, vocab]
+    generator: torch.Generator | None = field(default=None, repr=False)
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+
+@dataclass
+class _Tail:
+    """Encoder output of the newest ``window`` tokens, kept for the decoder replay."""
+    streams: torch.Tensor | None = None
+    pre: torch.Tensor | None = None
+    hash_ids: torch.Tensor | None = None
+    image_mask: torch.Tensor | None = None
+
+    def push(self, keep: int, streams, pre, hash_ids, image_mask) -> None:
+        self.streams = _cat_tail(self.streams, streams, keep)
+        self.pre = _cat_tail(self.pre, pre, keep)
+        self.hash_ids = _cat_tail(self.hash_ids, hash_ids, keep)
+        self.image_mask = _cat_tail(self.image_mask, image_mask, keep)
+
+
+def _cat_tail(old, new, keep: int):
+    if new is None:
+        return None
+    return (new if old is None else torch.cat([old, new], dim=1))[:, -keep:]
+
+
+class Engine:
+    def __init__(self, model: Transformer, *, mode: str = "ced", chunk: int = 512, max_context: int | None = None):
+        if mode not in ("ced", "exact"):
+            raise ValueError(f"prefill mode must be 'ced' or 'exact', not {mode!r}")
+        self.model, self.args = model, model.args
+        self.mode = mode if model.args.supports_ced else "exact"
+        self.chunk = chunk
+        self.max_context = max_context or model.args.max_position_embeddings
+
+    # ------------------------------------------------------------------ state
+    def new_state(self, batch: int = 1) -> State:
+        return State(cache=self.model.new_cache(batch))
+
+    def _check_room(self, state: State, n: int) -> None:
+        if state.length + n > self.max_context:
+            raise ContextLimitError(f"{state.length} cached + {n} new tokens exceed the context limit of "
+                                    f"{self.max_context} tokens; start a new session or raise --max-context")
+
+    # ------------------------------------------------------------------ prefill
+    @torch.no_grad()
+    def prefill(self, state: State, ids: torch.Tensor, *, mode: str | None = None, images=None) -> torch.Tensor:
+        """Consume ``ids`` [B, n]; returns (and keeps) the logits of the last position [B, vocab].
+        ``images``: optional (image_embeds [B, n, D], image_mask [B, n])."""
+        ids = ids.to(self.model.device)
+        self._check_room(state, ids.shape[1])
+        if ids.shape[1] == 0:
+            return state.last_logits
+        mode = mode or self.mode
+        if mode == "exact" or not self.args.supports_ced:
+            state.last_logits = self._exact(state, ids, images)
+        else:
+            state.last_logits = self._ced(state, ids, images)
+        return state.last_logits
+
+    def _chunks(self, ids: torch.Tensor, images):
+        for s in range(0, ids.shape[1], self.chunk):
+            part = slice(s, s + self.chunk)
+            emb, mask = (None, None) if images is None else (images[0][:, part], images[1][:, part])
+            yield ids[:, part], emb, mask
+
+    def _exact(self, state: State, ids, images) -> torch.Tensor:
+        for chunk, emb, mask in self._chunks(ids, images):
+            logits = self.model(chunk, state.cache, image_embeds=emb, image_mask=mask)
+        return logits[:, -1]
+
+    def _ced(self, state: State, ids, images) -> torch.Tensor:
+        m, cache, window = self.model, state.cache, self.args.sliding_window
+        encoder = range(self.args.decoder_start)
+        start, tail = cache.length, _Tail()
+        for chunk, emb, mask in self._chunks(ids, images):
+            streams, pre, step = m.begin(chunk, cache, cache.length, image_embeds=emb, image_mask=mask)
+            streams, pre = m.run_layers(streams, pre, step, cache, encoder)
+            m.project_decoder_source(streams, pre, step, cache)
+            tail.push(window, streams, pre, step.hash_ids, mask)
+            cache.length = step.end
+        return self._decoder_replay(state, tail, start)
+
+    def _decoder_replay(self, state: State, tail: _Tail, start: int) -> torch.Tensor:
+        """Run the decoder layers on the newest ``window`` tokens only (bounded replay)."""
+        r = tail.streams.shape[1]
+        step = Step(start=state.cache.length - r, length=r, hash_ids=tail.hash_ids, image_mask=tail.image_mask)
+        decoder = range(self.args.decoder_start, self.args.num_hidden_layers)
+        streams, pre = self.model.run_layers(tail.streams, tail.pre, step, state.cache, decoder)
+        return self.model.logits(streams[:, -1:], pre[:, -1:])[:, -1]
+
+    # ------------------------------------------------------------------ decode
+    @torch.no_grad()
+    def decode(self, state: State, token: torch.Tensor) -> torch.Tensor:
+        """One token per row ([B] or [B, 1]) through every layer; returns logits [B, vocab]."""
+        self._check_room(state, 1)
+        token = token.reshape(-1, 1).to(self.model.device)
+        state.last_logits = self.model(token, state.cache)[:, -1]
+        return state.last_logits
+
+    def sample(self, state: State, params: Sampling) -> torch.Tensor:
+        if state.generator is None and params.seed is not None:
+            state.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        return sample_logits(state.last_logits, params, state.generator)
+
+    def generate(self, state: State, params: Sampling) -> Iterator[int]:
+        """Stream sampled ids (batch row 0) from the current state until a stop id or the limit.
+        A stop id is yielded but not fed back (the caller decides whether to consume it)."""
+        for i in range(params.max_new_tokens):
+            if state.length >= self.max_context:
+                return
+            token = self.sample(state, params)
+            yield int(token[0])
+            if int(token[0]) in params.stop_ids or i == params.max_new_tokens - 1:
+                return
+            self.decode(state, token)
+
+    # ------------------------------------------------------------------ session state
+    def export_global(self, state: State) -> tuple[dict[str, torch.Tensor], dict]:
+        return state.cache.global_state()
+
+    def import_global(self, tensors: dict[str, torch.Tensor], meta: dict) -> State:
+        """A state holding only the global KV; call :meth:`replay` before continuing."""
+        return State(cache=Cache.from_state(self.args, tensors, meta, device=self.model.device))
+
+    @torch.no_grad()
+    def replay(self, state: State, log_ids: torch.Tensor, images=None, tokens: int | None = None) -> torch.Tensor:
+        """Rebuild the local part (windows, pending compressor tokens, engram look-back) from
+        the token log [B, N] by running its last ``tokens`` (default: ``window``) tokens
+        through every layer. Records already stored are kept, never recomputed. Returns
+        the last logits."""
+        n, window = log_ids.shape[1], tokens or self.args.sliding_window
+        if n != state.length:
+            raise ValueError(f"the token log has {n} tokens but the state covers {state.length}")
+        if n == 0:
+            return None
+        begin = max(0, n - window)
+        self._seed_engram(state, log_ids, begin, images)
+        tail = log_ids[:, begin:].to(self.model.device)
+        emb, mask = (None, None) if images is None else (images[0][:, begin:], images[1][:, begin:])
+        state.last_logits = self._replay_forward(state, tail, begin, emb, mask)
+        return state.last_logits
+
+    def _replay_forward(self, state: State, tail, begin: int, emb, mask) -> torch.Tensor:
+        m, cache = self.model, state.cache
+        streams, pre, step = m.begin(tail, cache, begin, image_embeds=emb, image_mask=mask)
+        streams, pre = m.run_layers(streams, pre, step, cache, range(self.args.num_hidden_layers))
+        return m.logits(streams[:, -1:], pre[:, -1:])[:, -1]
+
+    def _seed_engram(self, state: State, log_ids: torch.Tensor, begin: int, images) -> None:
+        """Give the replay the n-gram look-back of the tokens just before it."""
+        if not self.args.engram_layer_ids or begin == 0:
+            return
+        h = self.args.engram_max_ngram_size - 1
+        ids = log_ids[:, max(0, begin - h): begin].to(self.model.device)
+        dead = None if images is None else images[1][:, max(0, begin - h): begin]
+        state.cache.record_engram(self.model.hasher.compress(ids, dead), begin - ids.shape[1])
+
+
+def sample_logits(logits: torch.Tensor, p: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """[B, V] logits -> [B] ids."""
+    if p.temperature <= 0:
+        return logits.argmax(-1)
+    scores = logits.float() / p.temperature
+    if p.top_k > 0:
+        kth = scores.topk(min(p.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        scores = _top_p(scores, p.top_p)
+    probs = scores.softmax(-1).cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_scores, order = scores.sort(dim=-1, descending=True)
+    cum = sorted_scores.softmax(-1).cumsum(-1)
+    drop = cum - sorted_scores.softmax(-1) >= top_p  # keep the smallest prefix reaching top_p
+    sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+    return torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
