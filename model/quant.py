@@ -174,10 +174,20 @@ def quantize_fp8_weight(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
     return q[:out_f, :in_f].to(torch.float8_e4m3fn), ue8m0_encode(scale).view(torch.float8_e8m0fnu)
 
 
-def dequantize_fp8_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8_weight`; the block size is read from the shapes."""
+def fp8_block_from_shapes(shape: tuple, scale_shape: tuple) -> tuple[int, int]:
+    """The power-of-two block (rows, cols) whose ceil-division of ``shape`` gives ``scale_shape``."""
+    def fit(n: int, blocks: int) -> int:
+        for b in (2 ** k for k in range(16)):
+            if -(-n // b) == blocks:
+                return b
+        raise ValueError(f"no power-of-two block turns {n} into {blocks} scale blocks")
+    return fit(shape[0], scale_shape[0]), fit(shape[1], scale_shape[1])
+
+
+def dequantize_fp8_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
+    """Inverse of :func:`quantize_fp8_weight`; the block size is read from the shapes if not given."""
     out_f, in_f = q.shape
-    bo, bi = -(-out_f // scale.shape[0]), -(-in_f // scale.shape[1])
+    bo, bi = block or fp8_block_from_shapes(tuple(q.shape), tuple(scale.shape))
     s = ue8m0_decode(scale.view(torch.uint8))
     s = s.repeat_interleave(bo, 0)[:out_f].repeat_interleave(bi, 1)[:, :in_f]
     return q.float() * s
