@@ -183,6 +183,37 @@ class Cache:
         tensors, meta = self.global_state()
         return {**tensors, **self.local_state()}, meta
 
+    # ------------------------------------------------------------------ chunked global KV
+    def stored_tokens(self, multiple: int) -> int:
+        """Tokens whose records every source holds, rounded down to ``multiple``."""
+        covered = min((src.covered for src in self.sources.values()), default=self.length)
+        return min(covered, self.length) // multiple * multiple
+
+    def export_range(self, start: int, end: int) -> dict[str, bytes]:
+        """Packed records / index keys of tokens [start, end) of batch row 0, per blob name.
+        ``start`` and ``end`` must be multiples of every source's ratio."""
+        out = {}
+        for s, src in self.sources.items():
+            a, b = start // src.ratio, end // src.ratio
+            assert a * src.ratio == start and b * src.ratio == end and b <= src.n
+            out[f"layers.{s}.kv"] = src.records[0, a:b].contiguous().cpu().numpy().tobytes()
+            out[f"layers.{s}.index"] = src.index[0, a:b].contiguous().cpu().numpy().tobytes()
+        return out
+
+    @classmethod
+    def from_chunks(cls, args: ModelArgs, chunks: list[dict[str, bytes]], length: int, device="cpu") -> "Cache":
+        """A batch-1 cache holding the global KV of ``length`` tokens from stored chunk blobs."""
+        cache = cls(args, batch=1, device=device)
+        for s, src in cache.sources.items():
+            rec = _rows(b"".join(c[f"layers.{s}.kv"] for c in chunks), src.records.shape[2], f"layers.{s}.kv")
+            idx = _rows(b"".join(c[f"layers.{s}.index"] for c in chunks), src.index.shape[2], f"layers.{s}.index")
+            if rec.shape[0] != length // src.ratio or idx.shape[0] != rec.shape[0]:
+                raise CacheFormatError(f"layers.{s}: {rec.shape[0]} records / {idx.shape[0]} index keys "
+                                       f"for {length} tokens at ratio {src.ratio}")
+            src.append(rec[None].to(cache.device), idx[None].to(cache.device))
+        cache.length = length
+        return cache
+
     @classmethod
     def from_state(cls, args: ModelArgs, tensors: dict[str, torch.Tensor], meta: dict,
                    device="cpu") -> "Cache":
@@ -205,6 +236,12 @@ class Cache:
             src.pending_kv = t[f"layers.{s}.pending_kv"].to(self.device)
             src.pending_gate = t[f"layers.{s}.pending_gate"].to(self.device)
         self.engram_ids.copy_(t["engram.ids"]), self.engram_pos.copy_(t["engram.pos"])
+
+
+def _rows(data: bytes, width: int, name: str) -> torch.Tensor:
+    if len(data) % width:
+        raise CacheFormatError(f"{name}: {len(data)} bytes is not a whole number of {width}-byte records")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, width)
 
 
 def _check_meta(args: ModelArgs, meta: dict) -> None:

@@ -174,8 +174,9 @@ class Engine:
     def replay(self, state: State, log_ids: torch.Tensor, images=None, tokens: int | None = None) -> torch.Tensor:
         """Rebuild the local part (windows, pending compressor tokens, engram look-back) from
         the token log [B, N] by running its last ``tokens`` (default: ``window``) tokens
-        through every layer. Records already stored are kept, never recomputed. Returns
-        the last logits."""
+        through every layer. Records already stored are kept, never recomputed. ``images``
+        is a callable ``(begin, end) -> (embeds, mask) | None`` for the image spans of a
+        range of the log. Returns the last logits."""
         n, window = log_ids.shape[1], tokens or self.args.sliding_window
         if n != state.length:
             raise ValueError(f"the token log has {n} tokens but the state covers {state.length}")
@@ -184,24 +185,21 @@ class Engine:
         begin = max(0, n - window)
         self._seed_engram(state, log_ids, begin, images)
         tail = log_ids[:, begin:].to(self.model.device)
-        emb, mask = (None, None) if images is None else (images[0][:, begin:], images[1][:, begin:])
-        state.last_logits = self._replay_forward(state, tail, begin, emb, mask)
-        return state.last_logits
-
-    def _replay_forward(self, state: State, tail, begin: int, emb, mask) -> torch.Tensor:
+        emb, mask = (images and images(begin, n)) or (None, None)
         m, cache = self.model, state.cache
         streams, pre, step = m.begin(tail, cache, begin, image_embeds=emb, image_mask=mask)
         streams, pre = m.run_layers(streams, pre, step, cache, range(self.args.num_hidden_layers))
-        return m.logits(streams[:, -1:], pre[:, -1:])[:, -1]
+        state.last_logits = m.logits(streams[:, -1:], pre[:, -1:])[:, -1]
+        return state.last_logits
 
     def _seed_engram(self, state: State, log_ids: torch.Tensor, begin: int, images) -> None:
         """Give the replay the n-gram look-back of the tokens just before it."""
         if not self.args.engram_layer_ids or begin == 0:
             return
-        h = self.args.engram_max_ngram_size - 1
-        ids = log_ids[:, max(0, begin - h): begin].to(self.model.device)
-        dead = None if images is None else images[1][:, max(0, begin - h): begin]
-        state.cache.record_engram(self.model.hasher.compress(ids, dead), begin - ids.shape[1])
+        first = max(0, begin - (self.args.engram_max_ngram_size - 1))
+        ids = log_ids[:, first:begin].to(self.model.device)
+        dead = (images and images(first, begin) or (None, None))[1]
+        state.cache.record_engram(self.model.hasher.compress(ids, dead), first)
 
 
 def sample_logits(logits: torch.Tensor, p: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -127,3 +127,30 @@ def _read_single_file(path: Path, expected: dict) -> dict[str, torch.Tensor]:
     if missing or bad:
         raise ConfigError(f"{file}: missing {missing[:20]} mis-shaped {bad[:20]}")
     return {k: v.float() for k, v in tensors.items()}
+
+
+def fingerprint(model: Transformer, source: str | Path, seed: int = 0) -> str:
+    """Identity of what a KV cache depends on: architecture, weights, tokenizer, KV format.
+    A checkpoint's weights are identified by its index/config files and shard sizes (cheap);
+    a preset by its name and seed."""
+    import hashlib
+    import json
+
+    from model.cache import FORMAT_VERSION
+
+    h = hashlib.sha256()
+    h.update(json.dumps(model.args.to_config(), sort_keys=True, default=str).encode())
+    h.update(f"kv-format:{FORMAT_VERSION}".encode())
+    path = Path(source)
+    if str(source) in PRESETS:
+        h.update(f"preset:{source}:seed:{seed}".encode())
+        tok = BUNDLED_TOKENIZER
+    else:
+        for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
+            h.update(f.name.encode() + str(f.stat().st_size).encode())
+            if f.suffix == ".json":
+                h.update(f.read_bytes())
+        tok = find_tokenizer_json(path)
+    if tok is not None and tok.is_file():
+        h.update(tok.read_bytes())
+    return h.hexdigest()

@@ -265,6 +265,16 @@ class Store:
             return [json.loads(r["body"]) for r in
                     self.db.query("select body from messages where session_id = ? order by seq", [sid])]
 
+    def image(self, sha256: str) -> bytes:
+        """The bytes of a stored image; verified against its hash."""
+        rows = list(self.db.query("select data from images where sha256 = ?", [sha256]))
+        if not rows:
+            raise StoreError(f"image {sha256[:12]}… is not in the store")
+        data = bytes(rows[0]["data"])
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise StoreError(f"image {sha256[:12]}… is damaged (hash mismatch)")
+        return data
+
     # -- save point ------------------------------------------------------------
 
     def save_point(

@@ -1,0 +1,365 @@
+"""The agent turn loop (RUNTIME.md §4-§5): one session, its token log, its live state.
+
+Owns: opening or resuming a session (fingerprint check, stored KV chunks, RAM-pool hit
+or bounded replay), appending user input to the token log with the V4.1 encoding (never
+re-rendering history), prefill, streamed generation parsed for DSML tool calls, running
+tools under the approval policy, feeding results and images back, and one save point
+per turn. Emits events to a callback instead of printing; the CLI renders them.
+
+Invariant: ``self.log`` holds every token the session has, and the model state covers
+its first ``state.length`` tokens; the rest (at most a turn's worth) is prefilled next.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from dsagent.runtime import Runtime
+from model.cache import Cache, CacheFormatError
+from model.chat import encode_messages
+from model.dsml import DSMLError, StreamParser, TextDelta, ReasoningDelta, parse_completion
+from model.engine import Sampling, State
+from sessions import ImageSpan, KVChunk, LocalStatePool, Store
+from tools import ToolRunner, Workspace, builtin_toolbox
+
+DEFAULT_SYSTEM = ("You are dsagent, a local assistant running a DeepSeek-V4.1-style model. "
+                  "Answer briefly. Use a tool when it helps, then answer from its result.")
+
+Event = dict
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0  # tokens prefilled by this run (new input and un-cached log)
+    completion_tokens: int = 0  # tokens generated
+    cached_tokens: int = 0  # tokens whose state came from disk or the RAM pool
+    replayed_tokens: int = 0  # tokens re-run to rebuild the sliding-window state
+
+
+@dataclass
+class AgentOptions:
+    session: str | None = None
+    thinking_mode: str = "chat"
+    reasoning_effort: str | int | None = None
+    system_prompt: str = DEFAULT_SYSTEM
+    tools: list[str] | None = None  # None: every built-in tool; []: none
+    policy: str = "ask"
+    workspace: Path = field(default_factory=Path.cwd)
+    max_steps: int = 8
+    sampling: Sampling = field(default_factory=Sampling)
+    chunk_tokens: int = 256
+    replay_tokens: int | None = None  # None: the sliding window
+    tool_timeout_s: float = 30.0
+    tool_output_cap: int = 16_000
+
+
+@dataclass
+class TurnResult:
+    session: str
+    text: str = ""
+    reasoning: str = ""
+    tool_calls: list[dict] = field(default_factory=list)
+    usage: Usage = field(default_factory=Usage)
+    steps: int = 0
+    stop: str = "eos"  # eos | max_tokens | max_steps | interrupted
+
+    def to_json(self) -> dict:
+        return {"session": self.session, "text": self.text, "reasoning": self.reasoning,
+                "tool_calls": self.tool_calls, "usage": asdict(self.usage), "steps": self.steps, "stop": self.stop}
+
+
+class Agent:
+    def __init__(self, runtime: Runtime, store: Store, options: AgentOptions, *,
+                 pool: LocalStatePool | None = None, on_event: Callable[[Event], None] | None = None,
+                 approver=None):
+        self.rt, self.store, self.opts, self.pool = runtime, store, options, pool
+        self.emit = on_event or (lambda e: None)
+        toolbox = builtin_toolbox() if options.tools is None else builtin_toolbox().select(options.tools)
+        self.runner = ToolRunner(toolbox, Workspace(options.workspace), policy=options.policy,
+                                 approver=approver, timeout_s=options.tool_timeout_s,
+                                 output_cap=options.tool_output_cap)
+        self.usage = Usage()
+        self._stack = ExitStack()
+        self.name = ""
+
+    # ------------------------------------------------------------------ open / resume
+    def open(self) -> "Agent":
+        """Create the session or resume it from disk (or from the RAM pool)."""
+        name = self.opts.session or time.strftime("s-%Y%m%d-%H%M%S")
+        self.name = name
+        self._stack.enter_context(self.store.lock(name))
+        if _exists(self.store, name):
+            self._resume(name)
+        else:
+            self.store.create_session(name, fingerprint=self.rt.fingerprint,
+                                      meta={"model": self.rt.source, "thinking_mode": self.opts.thinking_mode})
+            self._fresh()
+        return self
+
+    def _fresh(self) -> None:
+        self.messages, self.log, self.spans = [], [], []
+        self.saved_messages = self.saved_tokens = self.saved_spans = self.next_chunk = 0
+        self.new_images: dict[str, bytes] = {}
+        self.state = self.rt.engine.new_state()
+
+    def _resume(self, name: str) -> None:
+        self._fresh()
+        loaded = self.store.load(name, fingerprint=self.rt.fingerprint, chunk_tokens=self.opts.chunk_tokens)
+        for w in loaded.warnings:
+            self.emit({"event": "warning", "message": w})
+        self.messages, self.log, self.spans = list(loaded.messages), list(loaded.tokens), list(loaded.image_spans)
+        self.saved_messages, self.saved_tokens, self.saved_spans = len(self.messages), len(self.log), len(self.spans)
+        pooled = self.pool.get(name, position=len(self.log)) if self.pool else None
+        if pooled is not None:
+            self.state = pooled
+            self.usage.cached_tokens = self.state.length
+            self.next_chunk = loaded.next_chunk_start
+            return
+        self._restore_kv(loaded)
+
+    def _restore_kv(self, loaded) -> None:
+        """Import the stored global KV, then replay the window before it."""
+        k = loaded.kv_tokens
+        try:
+            cache = Cache.from_chunks(self.rt.args, [c.blobs for c in loaded.kv], k, device=self.rt.model.device)
+        except CacheFormatError as e:
+            self.emit({"event": "warning", "message": f"stored KV refused ({e}); rebuilding from the token log"})
+            cache, k = self.rt.model.new_cache(1), 0
+        self.state = State(cache=cache)
+        self.next_chunk = loaded.next_chunk_start if k else 0
+        self.usage.cached_tokens = k
+        if k:
+            log = torch.tensor([self.log[:k]])
+            self.rt.engine.replay(self.state, log, images=self._images, tokens=self.opts.replay_tokens)
+            self.usage.replayed_tokens = min(k, self.opts.replay_tokens or self.rt.args.sliding_window)
+
+    # ------------------------------------------------------------------ the turn
+    def turn(self, text: str, images: list[bytes] = ()) -> TurnResult:
+        """One user turn: prompt, generate, run tools until an answer or the step limit; save."""
+        result = TurnResult(session=self.name, usage=self.usage)
+        content = self._user_content(text, images)
+        pending = self._opening_messages() + [{"role": "user", "content": content}]
+        try:
+            for result.steps in range(1, self.opts.max_steps + 1):
+                self._append(pending)
+                message, calls, stop = self._respond()
+                result.text, result.reasoning, result.stop = message["content"], message["reasoning_content"], stop
+                if stop == "interrupted" or not calls:
+                    break
+                pending = self._run_tools(calls, result)
+            else:
+                result.stop = "max_steps"
+        finally:
+            self.save()
+        self.emit({"event": "usage", **asdict(self.usage)})
+        return result
+
+    def _opening_messages(self) -> list[dict]:
+        if self.log:
+            return []
+        system = {"role": "system", "content": self.opts.system_prompt}
+        schemas = self.runner.schemas()
+        if schemas:
+            system["tools"] = schemas
+        return [system]
+
+    def _user_content(self, text: str, images: list[bytes]):
+        if not images:
+            return text
+        blocks = [{"type": "text", "text": text}] if text else []
+        for data in images:
+            blocks.append(self._image_block(data))
+        return blocks
+
+    def _image_block(self, data: bytes) -> dict:
+        sha, _ = self.rt.image_span(data)  # decodes and checks; raises ImageError on bad input
+        self.new_images[sha] = data
+        return {"type": "image_url", "image_url": {"url": f"sha256:{sha}"}}
+
+    def _append(self, messages: list[dict]) -> None:
+        """Render ``messages`` after the logged ones and append their ids, expanding images."""
+        rendered = encode_messages(messages, context=self.messages, thinking_mode=self.opts.thinking_mode,
+                                   reasoning_effort=self.opts.reasoning_effort)
+        tokens = rendered.tokenize(self.rt.tokenizer)
+        ids, shas = tokens.ids, [r["url"].removeprefix("sha256:") for r in rendered.images]
+        out, last = [], 0
+        for pos, sha in zip(tokens.image_positions, shas):
+            out += ids[last:pos]
+            n = self._image_embeds(sha).shape[0]
+            self.spans.append(ImageSpan(len(self.log) + len(out), len(self.log) + len(out) + n, sha))
+            out += [self.rt.args.image_token_id] * n
+            last = pos + 1
+        self.log += out + ids[last:]
+        self.messages += messages
+
+    # ------------------------------------------------------------------ model I/O
+    def _prefill_pending(self) -> None:
+        start, end = self.state.length, len(self.log)
+        if start == end:
+            return
+        ids = torch.tensor([self.log[start:end]])
+        self.rt.engine.prefill(self.state, ids, images=self._images(start, end))
+        self.usage.prompt_tokens += end - start
+
+    def _respond(self) -> tuple[dict, list[dict], str]:
+        """Prefill what is pending, stream the reply, parse it into a message and calls."""
+        self._prefill_pending()
+        ids, stop = self._generate()
+        text = self.rt.tokenizer.decode(ids)
+        try:
+            message = parse_completion(text, self.opts.thinking_mode)
+            error = None
+        except DSMLError as e:
+            message, error = _unparsed(text, self.rt.tokenizer), str(e)
+        calls = [{**c, "id": f"call_{len(self.log)}_{i}"} for i, c in enumerate(message.get("tool_calls", []))]
+        message["tool_calls"] = calls
+        self.messages.append(message)
+        if error and stop != "interrupted":
+            self.emit({"event": "tool_error", "message": error})
+            calls = [{"id": None, "error": error}]
+        return message, calls, stop
+
+    def _generate(self) -> tuple[list[int], str]:
+        """Generate until EOS / the limit / Ctrl-C; the ids go to the log. A reply that did not
+        end in EOS gets one appended, so the next turn starts from a closed assistant turn."""
+        eos, ids, stop = self.rt.tokenizer.eos_id, [], "max_tokens"
+        params = Sampling(**{**asdict(self.opts.sampling), "stop_ids": (eos,)})
+        stream = _TextStream(self.rt.tokenizer, StreamParser(self.opts.thinking_mode), self.emit)
+        try:
+            for token in self.rt.engine.generate(self.state, params):
+                ids.append(token)
+                self.log.append(token)
+                stream.push(ids)
+                if token == eos:
+                    stop = "eos"
+        except KeyboardInterrupt:
+            stop = "interrupted"
+        if stop != "eos":
+            ids.append(eos)
+            self.log.append(eos)
+        self.usage.completion_tokens += len(ids)
+        return ids, stop
+
+    def _images(self, begin: int, end: int):
+        """(embeds [1, n, D], mask [1, n]) of the image spans in log[begin:end], or None."""
+        spans = [s for s in self.spans if s.start < end and s.end > begin]
+        if not spans:
+            return None
+        d = self.rt.args.hidden_size
+        emb = torch.zeros(1, end - begin, d, dtype=self.rt.model.embed.weight.dtype, device=self.rt.model.device)
+        mask = torch.zeros(1, end - begin, dtype=torch.bool, device=self.rt.model.device)
+        for s in spans:
+            rows = self._image_embeds(s.sha256)
+            a, b = max(s.start, begin), min(s.end, end)
+            emb[0, a - begin:b - begin] = rows[a - s.start:b - s.start]
+            mask[0, a - begin:b - begin] = True
+        return emb, mask
+
+    def _image_embeds(self, sha: str) -> torch.Tensor:
+        data = self.new_images.get(sha) or self.store.image(sha)
+        return self.rt.image_span(data)[1]
+
+    # ------------------------------------------------------------------ tools
+    def _run_tools(self, calls: list[dict], result: TurnResult) -> list[dict]:
+        """Run each call (or report its parse error) and return the tool messages to append."""
+        out = []
+        for call in calls:
+            if call.get("error"):
+                out.append({"role": "user", "content": f"Your tool call could not be parsed: {call['error']}. "
+                                                       "Write tool calls in the DSML format."})
+                continue
+            name, raw = call["function"]["name"], call["function"]["arguments"]
+            self.emit({"event": "tool_call", "id": call["id"], "name": name, "arguments": raw})
+            res = self.runner.run(name, raw)
+            record = {"id": call["id"], "name": name, "arguments": raw, "ok": res.ok, "result": res.text,
+                      "denied": res.denied, "images": len(res.images)}
+            result.tool_calls.append(record)
+            self.emit({"event": "tool_result", **record})
+            out.append({"role": "tool", "tool_call_id": call["id"], "content": self._tool_content(res)})
+        return out
+
+    def _tool_content(self, res):
+        blocks = []
+        for data in res.images:
+            try:
+                blocks.append(self._image_block(data))
+            except Exception as e:  # a broken or unreadable image is reported, never fatal
+                res.text += f"\n[image not shown: {e}]"
+        return [{"type": "text", "text": res.text}] + blocks if blocks else res.text
+
+    # ------------------------------------------------------------------ save / close
+    def save(self) -> None:
+        """One transaction: new messages, tokens, image spans, images and KV chunks."""
+        mult = math.lcm(*(r for r in self.rt.args.ratios if r)) if any(self.rt.args.ratios) else 1
+        k = self.state.cache.stored_tokens(mult)
+        ct, chunks = self.opts.chunk_tokens, []
+        for c in range(self.next_chunk, k, ct):
+            chunks.append(KVChunk(c, min(c + ct, k), self.state.cache.export_range(c, min(c + ct, k))))
+        res = self.store.save_point(
+            self.name, messages=self.messages[self.saved_messages:], new_tokens=self.log[self.saved_tokens:],
+            image_spans=self.spans[self.saved_spans:], images=self.new_images, kv_chunks=chunks,
+            fingerprint=self.rt.fingerprint, chunk_tokens=ct)
+        self.saved_messages, self.saved_tokens, self.saved_spans = len(self.messages), len(self.log), len(self.spans)
+        self.next_chunk, self.new_images = res.next_chunk_start, {}
+
+    def stats(self) -> dict:
+        c = self.state.cache
+        return {"session": self.name, "tokens": len(self.log), "state_tokens": self.state.length,
+                "kv_global_bytes": c.global_bytes(), "local_state_bytes": c.local_bytes(),
+                "images": len(self.spans), "usage": asdict(self.usage)}
+
+    def close(self) -> None:
+        if self.pool is not None and self.name:
+            c = self.state.cache
+            self.pool.put(self.name, self.state, c.global_bytes() + c.local_bytes(), position=len(self.log))
+        self._stack.close()
+
+    def __enter__(self) -> "Agent":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _TextStream:
+    """Incremental detokenisation into the DSML stream parser, holding back split UTF-8."""
+
+    def __init__(self, tokenizer, parser: StreamParser, emit):
+        self.tok, self.parser, self.emit, self.sent = tokenizer, parser, emit, 0
+
+    def push(self, ids: list[int]) -> None:
+        text = self.tok.decode(ids)
+        if text.endswith("\ufffd"):
+            return
+        for ev in self.parser.feed(text[self.sent:]):
+            if isinstance(ev, TextDelta):
+                self.emit({"event": "token", "text": ev.text})
+            elif isinstance(ev, ReasoningDelta):
+                self.emit({"event": "reasoning", "text": ev.text})
+        self.sent = len(text)
+
+
+def _unparsed(text: str, tokenizer) -> dict:
+    eos = tokenizer.decode([tokenizer.eos_id])
+    return {"role": "assistant", "content": text.removesuffix(eos), "reasoning_content": "", "tool_calls": []}
+
+
+def _exists(store: Store, name: str) -> bool:
+    from sessions import SessionNotFound
+
+    try:
+        store.get_session(name)
+        return True
+    except SessionNotFound:
+        return False
+
+
+def dumps(event: Event) -> str:
+    return json.dumps(event, ensure_ascii=False)

@@ -1,0 +1,84 @@
+"""The loaded model as the application sees it: weights, tokenizer, engine, fingerprint.
+
+Owns: choosing the model (``--model DIR``, ``--preset NAME`` or the embedded default),
+the runtime settings (device, dtype, prefill mode, context limit), and turning image
+bytes into span embeddings (one path for user images and tool images). Does not own the
+turn loop (``dsagent.agent``) or any printing.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model.engine import Engine
+from model.engram import find_tokenizer_json
+from model.loading import PRESETS, fingerprint, load
+from model.model import Transformer
+from model.tokenizer import Tokenizer
+from model.vision import decode_image, span_length, plan_image
+
+EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "model" / "assets" / "default"
+
+
+@dataclass
+class Settings:
+    """Runtime settings: never part of ModelArgs."""
+    model: str | None = None  # checkpoint directory; None = the embedded default
+    preset: str | None = None  # random weights of a preset instead of a checkpoint
+    seed: int = 0  # weight seed for presets
+    device: str = "cpu"
+    dtype: str = "float32"
+    prefill: str = "ced"  # or "exact"
+    chunk: int = 512  # prefill chunk (tokens)
+    max_context: int | None = None
+
+
+def default_source() -> str:
+    return str(EMBEDDED_MODEL) if (EMBEDDED_MODEL / "config.json").is_file() else "tiny"
+
+
+class Runtime:
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, engine: Engine, fingerprint: str, source: str):
+        self.model, self.tokenizer, self.engine = model, tokenizer, engine
+        self.fingerprint, self.source = fingerprint, source
+        self._spans: dict[str, torch.Tensor] = {}
+
+    @classmethod
+    def load(cls, settings: Settings, progress=None) -> "Runtime":
+        source = settings.preset or settings.model or default_source()
+        dtype = getattr(torch, settings.dtype)
+        model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress)
+        tokenizer = _tokenizer_for(source)
+        engine = Engine(model, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context)
+        return cls(model, tokenizer, engine, fingerprint(model, source, settings.seed), source)
+
+    @property
+    def args(self):
+        return self.model.args
+
+    @property
+    def reads_images(self) -> bool:
+        return self.args.vision is not None
+
+    def image_span(self, data: bytes) -> tuple[str, torch.Tensor]:
+        """(sha256, span embeddings [n, D]) of image bytes; raises ImageError on bad input."""
+        sha = hashlib.sha256(data).hexdigest()
+        if sha not in self._spans:
+            if not self.reads_images:
+                raise ValueError("this model has no vision tower, so it cannot read images")
+            self._spans[sha] = self.model.encode_image(decode_image(data))
+        return sha, self._spans[sha]
+
+    def image_span_length(self, data: bytes) -> int:
+        img = decode_image(data)
+        return span_length(plan_image(img.width, img.height, self.args.vision))
+
+
+def _tokenizer_for(source: str) -> Tokenizer:
+    if source in PRESETS:
+        return Tokenizer.bundled()
+    path = find_tokenizer_json(source)
+    return Tokenizer.from_file(path) if path else Tokenizer.bundled()
