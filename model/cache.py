@@ -55,9 +55,14 @@ class WindowRing:
 class SourceKV:
     """Global KV of one KV-source layer: packed records + index keys, and pending tokens."""
 
-    def __init__(self, batch: int, ratio: int, dim: int, index_dim: int, device):
+    def __init__(self, batch: int, ratio: int, dim: int, index_dim: int, device, spare: int = 16):
         self.ratio, self.dim, self.index_dim = ratio, dim, index_dim
         self.n = 0
+        # projections of the newest tokens, so a rollback can rebuild the pending group
+        hist = ratio + spare if ratio > 1 else 0
+        self.hist_kv = torch.zeros(batch, hist, dim, device=device)
+        self.hist_gate = torch.zeros(batch, hist, dim, device=device)
+        self.hist_pos = torch.full((hist,), -1, dtype=torch.long, device=device)
         self.records = torch.zeros(batch, 16, main_record_bytes(dim), dtype=torch.uint8, device=device)
         self.index = torch.zeros(batch, 16, index_record_bytes(index_dim), dtype=torch.uint8, device=device)
         empty = torch.zeros(batch, 0, dim, device=device)
@@ -95,11 +100,28 @@ class SourceKV:
     def view(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.records[:, : self.n], self.index[:, : self.n]
 
+    def remember(self, kv: torch.Tensor, gate: torch.Tensor, start: int) -> None:
+        """Keep the projections of tokens [start, start + S) for :meth:`truncate`."""
+        cap = self.hist_pos.shape[0]
+        if cap == 0:
+            return
+        positions = torch.arange(start, start + kv.shape[1], device=kv.device)[-cap:]
+        slots = positions % cap
+        self.hist_kv[:, slots], self.hist_gate[:, slots] = kv[:, -cap:], gate[:, -cap:]
+        self.hist_pos[slots] = positions
+
     def truncate(self, length: int) -> None:
-        """Drop records of groups that are not complete within ``length`` tokens."""
+        """Forget tokens >= ``length``: drop their records and rebuild the pending group."""
+        if length >= self.done:
+            return
         self.n = min(self.n, length // self.ratio)
-        keep = max(0, min(self.pending_kv.shape[1], length - self.covered))
-        self.pending_kv, self.pending_gate = self.pending_kv[:, :keep], self.pending_gate[:, :keep]
+        wanted = torch.arange(self.covered, length, device=self.hist_pos.device)
+        if wanted.numel() == 0:
+            self.pending_kv, self.pending_gate = self.pending_kv[:, :0], self.pending_gate[:, :0]
+            return
+        slots = wanted % max(1, self.hist_pos.shape[0])
+        assert bool((self.hist_pos[slots] == wanted).all()), "rollback deeper than the projection history"
+        self.pending_kv, self.pending_gate = self.hist_kv[:, slots], self.hist_gate[:, slots]
 
 
 class Cache:
@@ -110,7 +132,7 @@ class Cache:
         self.length = 0  # positions consumed: the next new token is at this position
         cap = args.sliding_window + spare  # spare slots let speculation roll back
         self.windows = [WindowRing(batch, cap, args.head_dim, self.device) for _ in range(args.num_hidden_layers)]
-        self.sources = {s: SourceKV(batch, args.ratios[s], args.head_dim, args.index_head_dim, self.device)
+        self.sources = {s: SourceKV(batch, args.ratios[s], args.head_dim, args.index_head_dim, self.device, spare)
                         for s in args.kv_source_layer_ids}
         hist = cap + args.engram_max_ngram_size
         self.engram_ids = torch.full((batch, hist), DEAD, dtype=torch.long, device=self.device)

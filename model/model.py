@@ -127,8 +127,9 @@ class Compressor(nn.Module):
             return None, src.covered
         if self.wgate is None:
             return self.norm(self.wkv(x)), src.covered
-        kv = torch.cat([src.pending_kv, F.linear(x.float(), self.wkv.weight.float())], dim=1)
-        gate = torch.cat([src.pending_gate, F.linear(x.float(), self.wgate.weight.float())], dim=1)
+        new_kv, new_gate = F.linear(x.float(), self.wkv.weight.float()), F.linear(x.float(), self.wgate.weight.float())
+        src.remember(new_kv, new_gate, src.done)
+        kv, gate = torch.cat([src.pending_kv, new_kv], dim=1), torch.cat([src.pending_gate, new_gate], dim=1)
         usable = kv.shape[1] // self.ratio * self.ratio
         src.pending_kv, src.pending_gate = kv[:, usable:], gate[:, usable:]
         if usable == 0:
@@ -178,8 +179,16 @@ class Indexer(nn.Module):
                                                          self.args.candidate_block_size)
         elif self.args.uses_candidates(self.layer) and "candidates" in step.shared:
             s = s.masked_fill(~step.shared["candidates"], float("-inf"))
-        top = s.topk(min(self.args.index_topk, s.shape[-1]), dim=-1)
-        return top.indices.masked_fill(top.values == float("-inf"), -1)
+        values, indices = stable_topk(s, self.args.index_topk)
+        return indices.masked_fill(values == float("-inf"), -1)
+
+
+def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim with exact ties broken towards the lower index, so the
+    choice never depends on how long the tensor is (chunked prefill vs one pass). FP4
+    index scores make exact ties common; the reference leaves them unspecified."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
 
 
 def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
@@ -190,8 +199,8 @@ def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int,
     blocks = padded.unflatten(-1, (-1, block)).amax(-1)
     newest = ((lens - 1) // block)[:, None]  # (S, 1); -1 when nothing is visible
     blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
-    top = blocks.topk(min(topk_blocks, blocks.shape[-1]), dim=-1)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+    values, indices = stable_topk(blocks, topk_blocks)
+    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :n]
 
 

@@ -1,0 +1,189 @@
+"""Parameter and KV census of a V4.1 config, counted from real module shapes.
+
+Owns ``census(args)``: the numbers behind ``dsagent model info``. The backbone is built as
+:class:`model.model.Transformer` on the ``meta`` device (no memory, no weights) and its
+parameters are counted by official name. Does not own: reading checkpoints (the dtype
+census of a directory is ``model.checkpoint.census``), printing (the CLI renders).
+
+Definitions (ARCHITECTURE.md §5.3):
+
+- **backbone**: ``embed``, ``head``, the final ``norm`` and every ``layers.*`` parameter
+  except the Engram ones (``layers.N.engram.*``).
+- **engram**: every ``layers.N.engram.*`` parameter: the hashed tables (``engram.embed``)
+  and their projections (``engram.wkv``, ``q_weight``, ``k_weight``).
+- **vision**: the ViT, the aligner and the three image vectors (``vision.*``,
+  ``aligner.*``, ``image_*``), built by the Transformer when the config has a vision part.
+- **dspark**: the draft stages are not built by the Transformer yet, so
+  :func:`dspark_params` counts them from the config (their attention shapes are layer 0's
+  and their MoE is a real ``MoE`` module). ``params_total`` = backbone + engram + vision +
+  dspark.
+- **active per decoded token**: every backbone parameter a token touches: for each layer
+  its attention (with the CSA2 compressor / indexer it owns), mHC, router, shared expert
+  and ``num_experts_per_tok`` routed experts; the ``head`` and final ``norm``; one
+  embedding row; and for each Engram layer its projections plus the ``n_cols`` table rows
+  it reads. DSpark drafting and vision are not counted (they are separate passes).
+- **active per prefilled token** (amortised over a long prompt): the encoder layers
+  (``i < args.decoder_start``) as above, one embedding row, and the decoder KV source's
+  projection of the encoder output (its ``attn_norm``, ``compressor.*``, ``indexer.wk`` /
+  ``k_norm`` and, if it has one, its Engram). The decoder layers run only on the last
+  ``sliding_window`` tokens and the head only on the last token, so they amortise to zero.
+
+The routed experts make a full meta build slow (~46K modules for ``v41-flash``). The
+model is therefore built with only ``num_experts_per_tok`` routed experts and every
+layer's ``ffn.*`` entries are taken from one real ``MoE(args)``: ``MoE`` takes no layer
+argument, so all layers share its shapes (``tests/test_census.py`` checks this against a
+full build of ``tiny``).
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from model.args import ModelArgs
+from model.engram import engram_primes
+from model.model import MoE, Transformer
+from model.quant import window_record_bytes
+
+_LAYER = re.compile(r"layers\.(\d+)\.(.*)")
+
+
+# ----------------------------------------------------------------------------- counting
+
+def backbone_counts(args: ModelArgs) -> dict[str, int]:
+    """Elements per parameter name of ``Transformer(args)``, from modules built on meta."""
+    with torch.device("meta"):
+        model = Transformer(args.replace(n_routed_experts=args.num_experts_per_tok))
+        ffn = {name: p.numel() for name, p in MoE(args).named_parameters()}
+    counts = {name: p.numel() for name, p in model.named_parameters() if ".ffn." not in name}
+    for i in range(args.num_hidden_layers):
+        counts.update({f"layers.{i}.ffn.{name}": n for name, n in ffn.items()})
+    return counts
+
+
+def part_of(name: str) -> str:
+    """The census part of one official parameter name."""
+    if name.startswith("embed."):
+        return "embed"
+    if name.startswith(("vision.", "aligner.", "image_")):
+        return "vision"
+    if name.startswith(("head.", "norm.")):
+        return "head"
+    rest = _LAYER.fullmatch(name).group(2)
+    prefixes = (("engram.embed.", "engram_tables"), ("engram.", "engram_proj"),
+                ("attn.compressor.", "csa2_sources"), ("attn.indexer.", "csa2_sources"),
+                ("attn.", "attention"), ("attn_norm.", "attention"), ("hc_", "mhc"),
+                ("ffn.experts.", "routed_experts"), ("ffn.shared_experts.", "shared_expert"))
+    return next((part for prefix, part in prefixes if rest.startswith(prefix)), "router")
+
+
+def _by_layer(counts: dict[str, int]) -> dict[int, dict[str, int]]:
+    layers: dict[int, dict[str, int]] = {}
+    for name, n in counts.items():
+        m = _LAYER.fullmatch(name)
+        if m:
+            layers.setdefault(int(m.group(1)), {})[m.group(2)] = n
+    return layers
+
+
+def _expert_params(layer: dict[str, int]) -> int:
+    """Parameters of one routed expert (layer 0's expert 0; all experts share its shapes)."""
+    return sum(n for name, n in layer.items() if name.startswith("ffn.experts.0."))
+
+
+def _layer_active(args: ModelArgs, layer: dict[str, int]) -> int:
+    """What one token touches in one layer (see the module docstring)."""
+    fixed = sum(n for name, n in layer.items()
+                if not name.startswith(("ffn.experts.", "engram.embed.")))
+    rows = args.engram_n_cols * args.engram_head_dim if "engram.embed.weight" in layer else 0
+    return fixed + args.num_experts_per_tok * _expert_params(layer) + rows
+
+
+def _source_projection(args: ModelArgs, layer: dict[str, int]) -> int:
+    """The decoder KV source's work on a prefilled token: project the encoder output."""
+    keep = ("attn_norm.", "attn.compressor.", "attn.indexer.wk.", "attn.indexer.k_norm.", "engram.wkv.",
+            "engram.q_weight", "engram.k_weight")
+    rows = args.engram_n_cols * args.engram_head_dim if "engram.embed.weight" in layer else 0
+    return sum(n for name, n in layer.items() if name.startswith(keep)) + rows
+
+
+# ----------------------------------------------------------------------------- DSpark (not built yet)
+
+def dspark_params(args: ModelArgs, counts: dict[str, int]) -> int:
+    """DSpark draft stages (§2.11, §3.3): ratio-0 blocks with their own MoE, plus the
+    context projection (stage 0) and the Markov and confidence heads (last stage).
+
+    A stage's attention, norms and mHC have the shapes of layer 0's without a compressor
+    or indexer; its MoE is a real ``MoE`` with ``dspark_n_routed_experts`` experts."""
+    n = args.num_nextn_predict_layers
+    if n == 0:
+        return 0
+    layer0 = _by_layer(counts)[0]
+    block = sum(v for k, v in layer0.items()
+                if k.startswith(("attn.", "attn_norm.", "ffn_norm.", "hc_"))
+                and not k.startswith(("attn.compressor.", "attn.indexer.")))
+    with torch.device("meta"):
+        moe = MoE(args, args.dspark_n_routed_experts, args.dspark_num_experts_per_tok)
+    block += sum(p.numel() for p in moe.parameters())
+    D, rank = args.hidden_size, args.dspark_markov_rank
+    context = D * D * len(args.dspark_target_layer_ids) + D  # main_proj + main_norm
+    heads = D + 2 * args.vocab_size * rank + (D + rank)  # norm, markov embed/head, confidence proj
+    return n * block + context + heads
+
+
+# ----------------------------------------------------------------------------- census
+
+def _layer_rows(args: ModelArgs, layers: dict[int, dict[str, int]]) -> list[dict]:
+    rows = []
+    for i in range(args.num_hidden_layers):
+        rows.append({
+            "index": i, "ratio": args.ratios[i], "role": args.role(i), "kv_source": args.kv_source(i),
+            "index_source": args.index_source(i), "candidates": args.uses_candidates(i),
+            "candidate_source": i == args.candidate_source_layer_id, "engram": i in args.engram_layer_ids,
+            "part": "encoder" if i < args.decoder_start else "decoder",
+            "params": sum(layers[i].values()), "params_active_decode": _layer_active(args, layers[i])})
+    return rows
+
+
+def _engram_rows(args: ModelArgs, layers: dict[int, dict[str, int]]) -> list[dict]:
+    primes = engram_primes(args.engram_vocab_size, args.engram_n_heads, args.engram_max_ngram_size,
+                           len(args.engram_layer_ids))
+    rows = []
+    for slot, layer in enumerate(args.engram_layer_ids):
+        primes_sum = sum(sum(p) for p in primes[slot])
+        rows_built = layers[layer]["engram.embed.weight"] // args.engram_head_dim
+        rows.append({"layer": layer, "primes_sum": primes_sum, "num_embeddings": rows_built,
+                     "match": primes_sum == rows_built == args.engram_num_embeddings[slot]})
+    return rows
+
+
+def _whole(x: float) -> float | int:
+    return int(x) if float(x).is_integer() else x
+
+
+def census(args: ModelArgs) -> dict:
+    """Parameter counts, KV bytes and the layer schedule of ``args`` (definitions above)."""
+    counts = backbone_counts(args)
+    layers = _by_layer(counts)
+    parts: dict[str, int] = {}
+    for name, n in counts.items():
+        parts[part_of(name)] = parts.get(part_of(name), 0) + n
+    engram = parts.get("engram_tables", 0) + parts.get("engram_proj", 0)
+    vision = parts.get("vision", 0)
+    backbone = sum(counts.values()) - engram - vision
+    dspark = dspark_params(args, counts)
+    head = parts["head"]
+    decode = head + args.hidden_size + sum(_layer_active(args, layers[i]) for i in layers)
+    prefill = args.hidden_size + sum(_layer_active(args, layers[i]) for i in layers if i < args.decoder_start)
+    if args.decoder_start < args.num_hidden_layers:
+        prefill += _source_projection(args, layers[args.decoder_start])
+    return {
+        "params_total": backbone + engram + dspark + vision,
+        "params_backbone": backbone, "params_engram": engram, "params_dspark": dspark,
+        "params_vision": vision, "params_active_decode": decode, "params_active_prefill": prefill,
+        "params_by_part": {**parts, "dspark": dspark},
+        "kv_global_bytes_per_token": _whole(args.kv_bytes_per_token()),
+        "kv_window_bytes": args.num_hidden_layers * args.sliding_window * window_record_bytes(args.head_dim),
+        "layers": _layer_rows(args, layers),
+        "engram_tables": _engram_rows(args, layers),
+    }
