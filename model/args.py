@@ -320,14 +320,14 @@ def _v41_flash() -> ModelArgs:
 def _small() -> ModelArgs:
     """The V4.1 schedule (40 layers, same sources, window, top-k and candidate pool) at a
     width that fits one H200 in bf16: D=2048, 16 heads x 512, 64 experts top-6 of width
-    768, engram tables of ~2.4M rows. ≈ 13.4B parameters (see `dsagent model info`)."""
+    768, engram tables of ~2.4M rows, the bundled 4096-token tokenizer; 14.3B parameters."""
     base = ModelArgs()
     return base.replace(
-        vocab_size=32768, hidden_size=2048, num_attention_heads=16, q_lora_rank=512,
+        vocab_size=4096, hidden_size=2048, num_attention_heads=16, q_lora_rank=512,
         o_groups=4, o_lora_rank=512, index_n_heads=16, n_routed_experts=64,
         moe_intermediate_size=768, engram_vocab_size=100000,
-        engram_num_embeddings=_engram_sums(100000, 8, 4, (1, 14)), engram_compressed_vocab_size=0,
-        dspark_n_routed_experts=16, dspark_noise_token_id=32767, image_token_id=32766,
+        engram_num_embeddings=_engram_sums(100000, 8, 4, (1, 14)), engram_compressed_vocab_size=3074,
+        dspark_n_routed_experts=16, dspark_noise_token_id=7, image_token_id=8,  # bundled tokenizer ids
         vision=VisionArgs(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, intermediate_size=1408))
 
 

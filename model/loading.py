@@ -71,23 +71,24 @@ def bind_tokenizer(model: Transformer, tokenizer_json: Path | None) -> None:
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
     """Seeded random weights with sane scales: N(0, 1/fan_in) linears, unit norms, small hc."""
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device=model.device).manual_seed(seed)
     for name, p in model.named_parameters():
         p.copy_(_init_value(name, p, g))
 
 
 def _init_value(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
     leaf = name.rsplit(".", 1)[-1]
-    shape = p.shape
+    shape, dev = p.shape, p.device
     if leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
-        return torch.zeros(shape)
+        return torch.zeros(shape, device=dev)
     if leaf.endswith("_scale") or leaf in ("q_weight", "k_weight") or "norm" in name:
-        return torch.ones(shape)
+        return torch.ones(shape, device=dev)
+    noise = torch.randn(shape, generator=g, device=dev)
     if leaf.endswith("_fn"):
-        return torch.randn(shape, generator=g) * 0.02
+        return noise * 0.02
     if name.endswith("embed.weight"):
-        return torch.randn(shape, generator=g)
-    return torch.randn(shape, generator=g) / math.sqrt(shape[-1])
+        return noise
+    return noise / math.sqrt(shape[-1])
 
 
 def expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:

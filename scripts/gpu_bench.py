@@ -1,0 +1,71 @@
+"""Run the engine benchmarks on a GPU (the device machine) and write JSON lines.
+
+Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
+Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
+machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from model import load
+from model.bench import bench_decode, bench_prefill, bench_resume
+
+
+def device_ceilings() -> dict:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ a
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    flops = 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
+    x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(10):
+        y.copy_(x)
+    torch.cuda.synchronize()
+    return {"bf16_matmul_tflops": flops / 1e12, "copy_tb_per_s": 10 * 2 * 2 ** 30 / (time.perf_counter() - t) / 1e12}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--prefill", default="8192")
+    p.add_argument("--decode", default="4096,32768")
+    p.add_argument("--resume", default="8192")
+    a = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    with open(a.out, "w") as out:
+        def emit(d):
+            out.write(json.dumps(d) + "\n")
+            out.flush()
+            print(json.dumps(d), file=sys.stderr, flush=True)
+
+        emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **device_ceilings()})
+        t = time.perf_counter()
+        model = load(a.preset, device="cuda", dtype=torch.bfloat16)
+        emit({"load_s": time.perf_counter() - t, "params": sum(x.numel() for x in model.parameters()),
+              "gpu_mem_gb": torch.cuda.memory_allocated() / 1e9})
+        for n in map(int, filter(None, a.prefill.split(","))):
+            emit(bench_prefill(model, n, gen=16))
+        short, *longs = map(int, filter(None, a.decode.split(",")))
+        for n in longs:
+            emit(bench_decode(model, n, short=short, steps=8))
+        for n in map(int, filter(None, a.resume.split(","))):
+            emit(bench_resume(model, n, gen=16))
+
+
+if __name__ == "__main__":
+    main()
