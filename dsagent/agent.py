@@ -153,9 +153,10 @@ class Agent:
                 result.text, result.reasoning, result.stop = message["content"], message["reasoning_content"], stop
                 if stop == "interrupted" or not calls:
                     break
+                if result.steps == self.opts.max_steps:  # results could not be fed back: don't run
+                    result.stop = "max_steps"
+                    break
                 pending = self._run_tools(calls, result)
-            else:
-                result.stop = "max_steps"
         finally:
             self.save()
         self.emit({"event": "usage", **asdict(self.usage)})

@@ -320,7 +320,8 @@ def _v41_flash() -> ModelArgs:
 def _small() -> ModelArgs:
     """The V4.1 schedule (40 layers, same sources, window, top-k and candidate pool) at a
     width that fits one H200 in bf16: D=2048, 16 heads x 512, 64 experts top-6 of width
-    768, engram tables of ~2.4M rows, the bundled 4096-token tokenizer; 14.3B parameters."""
+    768, engram tables of ~2.4M rows, the bundled 4096-token tokenizer: 12.9B backbone and
+    14.6B total parameters (`dsagent model info --preset small`)."""
     base = ModelArgs()
     return base.replace(
         vocab_size=4096, hidden_size=2048, num_attention_heads=16, q_lora_rank=512,

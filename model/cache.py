@@ -22,7 +22,7 @@ from model.args import ModelArgs
 from model.engram import DEAD
 from model.quant import index_record_bytes, main_record_bytes, pack_window, unpack_window, window_record_bytes
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 class CacheFormatError(ValueError):
@@ -129,6 +129,7 @@ class Cache:
 
     def __init__(self, args: ModelArgs, batch: int = 1, device="cpu", spare: int = 16):
         self.args, self.batch, self.device = args, batch, torch.device(device)
+        self.spare = spare
         self.length = 0  # positions consumed: the next new token is at this position
         cap = args.sliding_window + spare  # spare slots let speculation roll back
         self.windows = [WindowRing(batch, cap, args.head_dim, self.device) for _ in range(args.num_hidden_layers)]
@@ -156,7 +157,9 @@ class Cache:
     # ------------------------------------------------------------------ rollback
     def truncate(self, length: int) -> None:
         """Forget every position >= ``length`` (speculative rollback)."""
-        assert length <= self.length
+        if length < 0 or length > self.length or self.length - length > self.spare:
+            raise ValueError(f"cannot roll back {self.length - length} tokens: the cache keeps {self.spare} "
+                             "spare positions; rebuild it from the token log")
         for ring in self.windows:
             ring.truncate(length)
         for src in self.sources.values():
@@ -198,6 +201,8 @@ class Cache:
         for s, src in self.sources.items():
             out[f"layers.{s}.pending_kv"] = src.pending_kv.clone()
             out[f"layers.{s}.pending_gate"] = src.pending_gate.clone()
+            for part in ("hist_kv", "hist_gate", "hist_pos"):
+                out[f"layers.{s}.{part}"] = getattr(src, part).clone()
         out["engram.ids"], out["engram.pos"] = self.engram_ids.clone(), self.engram_pos.clone()
         return out
 
@@ -257,6 +262,8 @@ class Cache:
         for s, src in self.sources.items():
             src.pending_kv = t[f"layers.{s}.pending_kv"].to(self.device)
             src.pending_gate = t[f"layers.{s}.pending_gate"].to(self.device)
+            for part in ("hist_kv", "hist_gate", "hist_pos"):
+                getattr(src, part).copy_(t[f"layers.{s}.{part}"])
         self.engram_ids.copy_(t["engram.ids"]), self.engram_pos.copy_(t["engram.pos"])
 
 

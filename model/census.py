@@ -87,7 +87,7 @@ def _by_layer(counts: dict[str, int]) -> dict[int, dict[str, int]]:
 
 
 def _expert_params(layer: dict[str, int]) -> int:
-    """Parameters of one routed expert (layer 0's expert 0; all experts share its shapes)."""
+    """Parameters of one routed expert of this layer (expert 0; all share its shapes)."""
     return sum(n for name, n in layer.items() if name.startswith("ffn.experts.0."))
 
 

@@ -1,0 +1,141 @@
+"""The census behind ``dsagent model info``: v41-flash against ARCHITECTURE.md §5, tiny sanity,
+the counting shortcut against a full build, and the CLI's JSON.
+
+Expected figures (§5.1, §5.3, §1.3): ≈552B backbone, ≈16B active per decoded token,
+≈8B per prefilled token, ≈763B in total, exactly 890 B/token of global KV, and Engram
+prime sums equal to ``engram_num_embeddings``. The vision tower is also checked against
+an independent count from the shapes listed in §3.3.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dsagent.commands.model import app
+from model.args import ModelArgs
+from model.census import backbone_counts, census
+from model.model import Transformer
+
+JSON_KEYS = {"params_total", "params_backbone", "params_active_decode", "params_active_prefill",
+             "kv_global_bytes_per_token", "layers"}
+
+
+@pytest.fixture(scope="module")
+def flash() -> dict:
+    return census(ModelArgs.preset("v41-flash"))
+
+
+@pytest.fixture(scope="module")
+def tiny() -> dict:
+    return census(ModelArgs.preset("tiny"))
+
+
+def test_v41_flash_parameters(flash) -> None:
+    assert flash["params_backbone"] == pytest.approx(552e9, rel=0.01)
+    assert flash["params_active_decode"] == pytest.approx(16e9, rel=0.05)
+    assert flash["params_active_prefill"] == pytest.approx(8e9, rel=0.10)
+    assert flash["params_total"] == pytest.approx(763e9, rel=0.02)
+    assert flash["params_engram"] == pytest.approx(196.9e9, rel=0.01)
+    assert flash["params_dspark"] == pytest.approx(14.2e9, rel=0.02)
+    assert flash["params_total"] == sum(flash[k] for k in ("params_backbone", "params_engram", "params_dspark",
+                                                           "params_vision"))
+
+
+def test_v41_flash_routed_experts_from_module_shapes(flash) -> None:
+    """384 experts x 3 x 5120 x 2304 per layer, 40 layers (§5.3)."""
+    assert flash["params_by_part"]["routed_experts"] == 40 * 384 * 3 * 5120 * 2304
+
+
+def test_v41_flash_vision_matches_an_independent_count(flash) -> None:
+    h, inter, D = 1024, 2816, 5120
+    block = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + h * 2 * inter + inter * h
+    aligner = (9 * h * D + D) + (D * D + D)
+    assert flash["params_vision"] == (588 * h + h) + 32 * block + h + aligner + 3 * D
+
+
+def test_v41_flash_kv_bytes_exact(flash) -> None:
+    assert flash["kv_global_bytes_per_token"] == 890
+    assert isinstance(flash["kv_global_bytes_per_token"], int)
+
+
+def test_v41_flash_engram_prime_sums(flash) -> None:
+    assert [(t["layer"], t["primes_sum"]) for t in flash["engram_tables"]] == [(1, 384006168), (14, 384016682)]
+    assert all(t["match"] and t["num_embeddings"] == t["primes_sum"] for t in flash["engram_tables"])
+
+
+def test_v41_flash_layer_roles(flash) -> None:
+    layers = flash["layers"]
+    assert len(layers) == 40 and [r["index"] for r in layers] == list(range(40))
+    roles = {r["index"]: r["role"] for r in layers}
+    assert [i for i, r in roles.items() if r == "full"] == [2, 8, 14, 20]
+    assert [i for i, r in roles.items() if r == "reindex"] == [24, 28, 32, 36]
+    assert [i for i, r in roles.items() if r == "swa"] == [0, 1]
+    assert sum(r == "reuse" for r in roles.values()) == 30
+    assert [r["index"] for r in layers if r["candidates"]] == [24, 28, 32, 36]
+    assert [r["index"] for r in layers if r["candidate_source"]] == [20]
+    assert [r["index"] for r in layers if r["engram"]] == [1, 14]
+    assert {r["part"] for r in layers[:20]} == {"encoder"} and {r["part"] for r in layers[20:]} == {"decoder"}
+    assert layers[9]["kv_source"] == 8 and layers[33]["kv_source"] == 20 and layers[33]["index_source"] == 32
+    assert layers[0]["kv_source"] is None and layers[0]["ratio"] == 0
+
+
+def test_counting_shortcut_equals_a_full_build() -> None:
+    """backbone_counts builds one MoE and reuses it per layer; a full build must agree."""
+    args = ModelArgs.preset("tiny")
+    with torch.device("meta"):
+        full = {n: p.numel() for n, p in Transformer(args).named_parameters()}
+    assert backbone_counts(args) == full
+
+
+def test_tiny_census_is_sane(tiny) -> None:
+    args = ModelArgs.preset("tiny")
+    with torch.device("meta"):
+        total_built = sum(p.numel() for p in Transformer(args).parameters())
+    assert tiny["params_backbone"] + tiny["params_engram"] + tiny["params_vision"] == total_built
+    assert tiny["params_dspark"] == 0  # no draft stages in tiny
+    assert tiny["params_active_prefill"] < tiny["params_active_decode"] < tiny["params_backbone"]
+    assert tiny["kv_global_bytes_per_token"] == 2 * (288 + 68) / 2 + (288 + 68)  # sources 2, 4 (ratio 2) and 6
+    assert [r["role"] for r in tiny["layers"]] == ["swa", "swa", "full", "reuse", "full", "reuse", "full", "reuse",
+                                                  "reindex", "reuse"]
+    assert all(t["match"] for t in tiny["engram_tables"])
+    assert sum(r["params"] for r in tiny["layers"]) + tiny["params_by_part"]["embed"] \
+        + tiny["params_by_part"]["head"] + tiny["params_vision"] == total_built
+
+
+def test_cli_info_json() -> None:
+    result = CliRunner().invoke(app, ["info", "--preset", "tiny", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert JSON_KEYS <= set(data)
+    assert data["kv_global_bytes_per_token"] == 712 and len(data["layers"]) == 10
+
+
+def test_cli_info_table_and_errors() -> None:
+    result = CliRunner().invoke(app, ["info", "--preset", "tiny"], env={"COLUMNS": "160"})
+    assert result.exit_code == 0 and "global KV bytes per token" in result.output and "reindex" in result.output
+    bad = CliRunner().invoke(app, ["info", "--preset", "nope"])
+    assert bad.exit_code == 1 and "unknown preset" in bad.output
+
+
+def test_cli_info_on_a_directory_without_shards(tmp_path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(ModelArgs.preset("tiny").to_config()))
+    result = CliRunner().invoke(app, ["info", "--model", str(tmp_path), "--json"])
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data["params_backbone"] == census(ModelArgs.preset("tiny"))["params_backbone"]
+    assert "checkpoint" not in data  # no shard index: a warning on stderr, no dtype census
+
+
+def test_cli_info_adds_the_checkpoint_census(tmp_path, monkeypatch) -> None:
+    from model import checkpoint
+
+    (tmp_path / "config.json").write_text(json.dumps(ModelArgs.preset("tiny").to_config()))
+    fake = {"tensors": 3, "bytes": 12, "by_dtype": {"F32": {"tensors": 3, "bytes": 12, "parameters": 3}}}
+    monkeypatch.setattr(checkpoint, "census", lambda path: fake)  # test double for the reader
+    result = CliRunner().invoke(app, ["info", "--model", str(tmp_path), "--json"])
+    assert json.loads(result.stdout)["checkpoint"] == fake
+    table = CliRunner().invoke(app, ["info", "--model", str(tmp_path)])
+    assert table.exit_code == 0 and "Checkpoint tensors by dtype" in table.stdout
