@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
@@ -86,21 +87,26 @@ class Agent:
                                  approver=approver, timeout_s=options.tool_timeout_s,
                                  output_cap=options.tool_output_cap)
         self.usage = Usage()
+        self.kv_refused: list[str] = []  # why stored KV was dropped on resume (rebuilt from the log)
         self._stack = ExitStack()
         self.name = ""
 
     # ------------------------------------------------------------------ open / resume
     def open(self) -> "Agent":
         """Create the session or resume it from disk (or from the RAM pool)."""
-        name = self.opts.session or time.strftime("s-%Y%m%d-%H%M%S")
+        name = self.opts.session or time.strftime("s-%Y%m%d-%H%M%S-") + secrets.token_hex(2)
         self.name = name
         self._stack.enter_context(self.store.lock(name))
-        if _exists(self.store, name):
-            self._resume(name)
-        else:
-            self.store.create_session(name, fingerprint=self.rt.fingerprint,
-                                      meta={"model": self.rt.source, "thinking_mode": self.opts.thinking_mode})
-            self._fresh()
+        try:
+            if _exists(self.store, name):
+                self._resume(name)
+            else:
+                self.store.create_session(name, fingerprint=self.rt.fingerprint,
+                                          meta={"model": self.rt.source, "thinking_mode": self.opts.thinking_mode})
+                self._fresh()
+        except BaseException:
+            self._stack.close()
+            raise
         return self
 
     def _fresh(self) -> None:
@@ -114,6 +120,7 @@ class Agent:
         loaded = self.store.load(name, fingerprint=self.rt.fingerprint, chunk_tokens=self.opts.chunk_tokens)
         for w in loaded.warnings:
             self.emit({"event": "warning", "message": w})
+        self.kv_refused += loaded.warnings
         self.messages, self.log, self.spans = list(loaded.messages), list(loaded.tokens), list(loaded.image_spans)
         self.saved_messages, self.saved_tokens, self.saved_spans = len(self.messages), len(self.log), len(self.spans)
         pooled = self.pool.get(name, position=len(self.log)) if self.pool else None
@@ -130,7 +137,9 @@ class Agent:
         try:
             cache = Cache.from_chunks(self.rt.args, [c.blobs for c in loaded.kv], k, device=self.rt.model.device)
         except CacheFormatError as e:
-            self.emit({"event": "warning", "message": f"stored KV refused ({e}); rebuilding from the token log"})
+            message = f"stored KV refused ({e}); rebuilding from the token log"
+            self.emit({"event": "warning", "message": message})
+            self.kv_refused.append(message)
             cache, k = self.rt.model.new_cache(1), 0
         self.state = State(cache=cache)
         self.next_chunk = loaded.next_chunk_start if k else 0
@@ -242,10 +251,10 @@ class Agent:
                     stop = "eos"
         except KeyboardInterrupt:
             stop = "interrupted"
+        self.usage.completion_tokens += len(ids)
         if stop != "eos":
             ids.append(eos)
             self.log.append(eos)
-        self.usage.completion_tokens += len(ids)
         return ids, stop
 
     def _images(self, begin: int, end: int):

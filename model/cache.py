@@ -268,6 +268,8 @@ class Cache:
 
 
 def _rows(data: bytes, width: int, name: str) -> torch.Tensor:
+    if not data:
+        return torch.zeros(0, width, dtype=torch.uint8)
     if len(data) % width:
         raise CacheFormatError(f"{name}: {len(data)} bytes is not a whole number of {width}-byte records")
     return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(-1, width)

@@ -1,0 +1,228 @@
+'''The interactive loop of `dsagent chat`: read input, run turns, slash commands.
+
+Owns: reading multi-line input with plain `input()` (a line ending in `\\` continues; a
+line `"""` opens a block that the next `"""` line closes), the slash commands, switching
+sessions (`/session NAME`, `/fork NAME`, `/clear`), asking the person to approve tool
+calls, and what Ctrl-C / Ctrl-D mean at the prompt (Ctrl-C clears the input, Ctrl-D
+leaves; Ctrl-C during generation is caught by the agent and keeps the session).
+Does not own the turn loop (`dsagent.agent`), event rendering (`dsagent.render`) or
+loading the model (`dsagent.cli`).
+'''
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from rich.console import Console
+from rich.markup import escape
+
+from dsagent.agent import Agent, AgentOptions
+from dsagent.errors import exit_code_for
+from dsagent.render import PrefillNotice, StreamView, usage_line
+from dsagent.runtime import Runtime
+from sessions import LocalStatePool, Store, StoreError
+from tools import ToolCallRequest
+
+PROMPT, MORE = "› ", "… "
+BLOCK = '"""'
+HELP = """\
+/image PATH     attach an image to your next message
+/tools          the tools the model may call
+/session [NAME] show this session, or switch to NAME (created if new)
+/fork NAME      copy this session to NAME and continue there
+/stats          tokens, KV bytes and cache state
+/clear          start a new, empty session
+/exit           leave (Ctrl-D works too)
+End a line with \\ to continue it; wrap several lines in \"\"\" ... \"\"\"."""
+
+
+def read_message(read=input) -> str | None:
+    """One message from the person, or None at end of input (Ctrl-D)."""
+    try:
+        line = read(PROMPT)
+    except EOFError:
+        return None
+    if line.strip() == BLOCK:
+        return _read_block(read)
+    lines = [line]
+    while lines[-1].endswith("\\"):
+        lines[-1] = lines[-1][:-1]
+        try:
+            lines.append(read(MORE))
+        except EOFError:
+            break
+    return "\n".join(lines)
+
+
+def _read_block(read) -> str:
+    lines = []
+    while True:
+        try:
+            line = read(MORE)
+        except EOFError:
+            break
+        if line.strip() == BLOCK:
+            break
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def terminal_approver(err: Console, read=input):
+    """An approver that asks on the terminal; anything but y/yes refuses."""
+    def approve(request: ToolCallRequest) -> bool:
+        action = "writes files" if request.writes else "runs a program"
+        err.print(f"[bold yellow]approve?[/] {escape(request.summary())} ({action})")
+        try:
+            return read("allow [y/N] ").strip().lower() in ("y", "yes")
+        except (EOFError, KeyboardInterrupt):
+            return False
+    return approve
+
+
+def new_session_name(store: Store) -> str:
+    """A fresh `chat-<time>` name, suffixed when a session of that name exists already."""
+    base = time.strftime("chat-%Y%m%d-%H%M%S")
+    names = {s.name for s in store.list_sessions()}
+    return next(n for n in (base if i == 0 else f"{base}-{i + 1}" for i in range(len(names) + 1)) if n not in names)
+
+
+class ChatShell:
+    """One interactive session at a time over a loaded runtime and an open store."""
+
+    def __init__(self, runtime: Runtime, store: Store, options: AgentOptions, out: Console, err: Console,
+                 read=input):
+        self.rt, self.store, self.opts = runtime, store, options
+        self.out, self.err, self.read = out, err, read
+        self.pool = LocalStatePool(ttl_s=600, max_bytes=2**31)
+        self.view = StreamView(out, err)
+        self.notice = PrefillNotice(err, self.view)
+        self.agent: Agent | None = None
+        self.images: list[bytes] = []
+
+    # ------------------------------------------------------------------ sessions
+    def open(self, name: str | None) -> None:
+        """Close the current session (its state stays in the RAM pool) and open ``name``."""
+        name = name or new_session_name(self.store)
+        if self.agent is not None and name == self.agent.name:
+            return
+        agent = Agent(self.rt, self.store, replace(self.opts, session=name), pool=self.pool,
+                      on_event=self.notice, approver=terminal_approver(self.err, self.read)).open()
+        if self.agent is not None:  # only now: a session that fails to open leaves us where we were
+            self.agent.close()
+        self.agent, self.images = agent, []
+        state = "resumed" if self.agent.log else "new"
+        self.err.print(f"[dim]session [bold]{escape(name)}[/bold] ({state}, {len(self.agent.log)} tokens)[/]")
+
+    def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
+
+    # ------------------------------------------------------------------ the loop
+    def loop(self) -> None:
+        self.err.print("[dim]dsagent chat — /help for commands, Ctrl-D to leave[/]")
+        while True:
+            try:
+                text = read_message(self.read)
+            except KeyboardInterrupt:
+                self.err.print("\n[dim](input cleared; /exit or Ctrl-D leaves)[/]")
+                continue
+            if text is None or (text.startswith("/") and self.command(text.strip()) == "exit"):
+                return
+            if text.strip() and not text.startswith("/"):
+                self.turn(text)
+
+    def turn(self, text: str) -> None:
+        images, self.images = self.images, []
+        self.notice.start()
+        try:
+            result = self.agent.turn(text, images)
+        except Exception as e:
+            self.error(e)
+            return
+        except KeyboardInterrupt:
+            result = None
+        finally:
+            self.notice.stop()
+            self.view.newline()
+        if result is None or result.stop == "interrupted":
+            self.err.print("[yellow]interrupted[/] [dim](the session is kept)[/]")
+        elif result.stop in ("max_tokens", "max_steps"):
+            self.err.print(f"[dim]stopped: {result.stop}[/]")
+
+    def error(self, e: BaseException) -> None:
+        self.err.print(f"[red]error:[/] {escape(exit_code_for(e)[1])}")
+
+    # ------------------------------------------------------------------ slash commands
+    def command(self, line: str) -> str | None:
+        name, _, arg = line.partition(" ")
+        handler = getattr(self, "cmd_" + name[1:], None)
+        if handler is None:
+            self.err.print(f"unknown command {escape(name)}; /help lists them")
+            return None
+        try:
+            return handler(arg.strip())
+        except (StoreError, OSError, ValueError) as e:
+            self.error(e)
+            return None
+
+    def cmd_help(self, arg: str) -> None:
+        self.err.print(HELP, markup=False)
+
+    def cmd_exit(self, arg: str) -> str:
+        return "exit"
+
+    cmd_quit = cmd_exit
+
+    def cmd_image(self, arg: str) -> None:
+        if not arg:
+            raise ValueError("usage: /image PATH")
+        data = Path(arg).expanduser().read_bytes()
+        self.rt.image_span(data)  # refuses a bad image now rather than at the next turn
+        self.images.append(data)
+        self.err.print(f"[dim]image attached ({len(data)} bytes); it goes with your next message[/]")
+
+    def cmd_tools(self, arg: str) -> None:
+        tools = list(self.agent.runner.toolbox)
+        for t in tools:
+            flag = " [yellow](asks first)[/]" if t.needs_approval and self.opts.policy == "ask" else ""
+            self.out.print(f"[bold]{t.name}[/]{flag} — {escape(t.description.splitlines()[0])}")
+        if not tools:
+            self.out.print("no tools enabled")
+
+    def cmd_session(self, arg: str) -> None:
+        if arg:
+            return self.open(arg)
+        info = self.store.get_session(self.agent.name)
+        self.out.print(f"{info.name}: {len(self.agent.log)} tokens, {len(self.agent.messages)} messages, "
+                       f"model {info.meta.get('model', '?')}, parent {info.parent or '-'}")
+
+    def cmd_fork(self, arg: str) -> None:
+        if not arg:
+            raise ValueError("usage: /fork NAME")
+        self.agent.save()
+        self.store.fork(self.agent.name, arg)
+        self.open(arg)
+
+    def cmd_clear(self, arg: str) -> None:
+        self.open(None)
+
+    def cmd_stats(self, arg: str) -> None:
+        s = self.agent.stats()
+        self.out.print(f"session {s['session']}: {s['tokens']} tokens in the log, {s['state_tokens']} in the model state")
+        self.out.print(f"KV: {s['kv_global_bytes']:,} B global (stored), {s['local_state_bytes']:,} B local (RAM)")
+        self.out.print(f"cache: {_cache_state(s['usage'])}; usage: {usage_line(s['usage'])}")
+
+
+def _cache_state(usage: dict) -> str:
+    if usage["cached_tokens"] and usage["replayed_tokens"]:
+        return f"resumed from disk ({usage['cached_tokens']} tokens), window replayed ({usage['replayed_tokens']})"
+    if usage["cached_tokens"]:
+        return f"resumed from the RAM pool ({usage['cached_tokens']} tokens)"
+    return "live (built in this process)"
+
+
+def latest_session(store: Store) -> str | None:
+    info = store.latest_session()
+    return info.name if info else None

@@ -1,0 +1,124 @@
+"""`dsagent model ...`: inspect a model configuration or checkpoint.
+
+Owns: turning ``model.census.census`` (and, for a checkpoint directory, the dtype census
+of ``model.checkpoint``) into JSON or readable tables, and exit codes (0 ok, 1 a config or
+checkpoint problem, with the message on stderr). Does not own any counting: every number
+comes from the ``model`` package.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from model import checkpoint
+from model.args import ConfigError, ModelArgs
+from model.census import census
+
+app = typer.Typer(help="Inspect model configurations and checkpoints.", no_args_is_help=True)
+
+
+@app.callback()
+def _group() -> None:
+    """Inspect model configurations and checkpoints."""
+
+
+def _args(preset: str, model_dir: Optional[Path]) -> ModelArgs:
+    try:
+        return ModelArgs.from_file(model_dir) if model_dir else ModelArgs.preset(preset)
+    except ConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _checkpoint_census(model_dir: Path) -> Optional[dict]:
+    """The directory's per-dtype tensor census, when ``model.checkpoint`` offers one."""
+    if not hasattr(checkpoint, "census"):
+        return None
+    try:
+        return checkpoint.census(model_dir)
+    except checkpoint.CheckpointError as exc:
+        typer.echo(f"warning: no checkpoint census: {exc}", err=True)
+        return None
+
+
+def _n(x: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(x) >= size:
+            return f"{x / size:,.2f}{unit}"
+    return str(x)
+
+
+def _summary(c: dict) -> Table:
+    t = Table(title="Parameters and KV", show_header=False)
+    rows = [("total", _n(c["params_total"])), ("backbone", _n(c["params_backbone"])),
+            ("engram", _n(c["params_engram"])), ("dspark (counted from config)", _n(c["params_dspark"])),
+            ("vision", _n(c["params_vision"])), ("active per decoded token", _n(c["params_active_decode"])),
+            ("active per prefilled token (amortised)", _n(c["params_active_prefill"])),
+            ("global KV bytes per token", str(c["kv_global_bytes_per_token"])),
+            ("window KV bytes (bounded)", f"{c['kv_window_bytes']:,}")]
+    rows += [(f"  part: {k}", _n(v)) for k, v in c["params_by_part"].items()]
+    for row in rows:
+        t.add_row(*row)
+    return t
+
+
+def _layers(c: dict) -> Table:
+    t = Table(title="Layers")
+    for col in ("layer", "ratio", "role", "kv src", "index src", "candidates", "engram", "part", "params"):
+        t.add_column(col)
+    for r in c["layers"]:
+        cand = "source" if r["candidate_source"] else ("yes" if r["candidates"] else "")
+        t.add_row(str(r["index"]), str(r["ratio"]), r["role"], str(r["kv_source"] if r["kv_source"] is not None else ""),
+                  str(r["index_source"] if r["index_source"] is not None else ""), cand,
+                  "yes" if r["engram"] else "", r["part"], _n(r["params"]))
+    return t
+
+
+def _tables(c: dict) -> list[Table]:
+    out = [_summary(c), _layers(c)]
+    if c["engram_tables"]:
+        t = Table(title="Engram tables")
+        for col in ("layer", "prime sum", "rows", "match"):
+            t.add_column(col)
+        for r in c["engram_tables"]:
+            t.add_row(str(r["layer"]), f"{r['primes_sum']:,}", f"{r['num_embeddings']:,}", "yes" if r["match"] else "NO")
+        out.append(t)
+    if "checkpoint" in c:
+        t = Table(title="Checkpoint tensors by dtype")
+        for col in ("dtype", "tensors", "bytes"):
+            t.add_column(col)
+        for dtype, e in c["checkpoint"].get("by_dtype", {}).items():
+            t.add_row(dtype, f"{e['tensors']:,}", f"{e['bytes']:,}")
+        out.append(t)
+    return out
+
+
+@app.command()
+def info(preset: str = typer.Option("tiny", "--preset", help="v41-flash, small or tiny."),
+         model_dir: Optional[Path] = typer.Option(None, "--model", help="A checkpoint directory (overrides --preset)."),
+         as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+    """Parameter census (total, backbone, active), global KV bytes per token and layer roles."""
+    c = census(_args(preset, model_dir))
+    if model_dir is not None:
+        ckpt = _checkpoint_census(model_dir)
+        if ckpt is not None:
+            c["checkpoint"] = ckpt
+    if as_json:
+        typer.echo(json.dumps(c, indent=2, default=str))
+        return
+    console = Console()
+    for table in _tables(c):
+        console.print(table)
+
+
+# `dsagent model init` is added here by the engineer who owns checkpoint creation.
+# Its body lives in model_init.py, beside the writer scripts/make_default_model.py shares.
+from dsagent.commands.model_init import init as _init  # noqa: E402
+
+app.command("init")(_init)

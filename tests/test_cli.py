@@ -1,0 +1,201 @@
+"""Every `dsagent` command through typer's CliRunner.
+
+`run` and `chat` go through the scripted test double (tests/scripted_runtime.py) so that
+flags, output modes and exit codes are checked fast; `bench`, `model init` and `doctor`
+use the real tiny model. The real model's turn loop is tests/test_e2e.py.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+import dsagent.cli as cli
+from dsagent.settings import resolve
+from sessions import Store
+from tests.scripted_runtime import ScriptedRuntime, tool_call
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    for var in ("DSAGENT_MODEL", "DSAGENT_PRESET", "DSAGENT_POLICY", "NO_COLOR"):
+        monkeypatch.delenv(var, raising=False)
+    return tmp_path / "home"
+
+
+@pytest.fixture
+def script(monkeypatch):
+    """Make `run`/`chat` load a ScriptedRuntime (a test double) replying with the given completions."""
+    def use(*replies: str) -> ScriptedRuntime:
+        rt = ScriptedRuntime(list(replies))
+        monkeypatch.setattr(cli, "load_runtime", lambda d, device: rt)
+        return rt
+    return use
+
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(cli.app, list(args), input=input)
+
+
+# ---------------------------------------------------------------------------- run
+def test_run_json_has_result_and_usage(script):
+    script(tool_call("calculator", expression="6*7"), "It is 42.")
+    r = invoke("run", "6*7?", "--session", "a", "--tool", "calculator", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["session"] == "a" and out["text"] == "It is 42." and out["tool_calls"][0]["result"] == "42"
+    assert set(out["usage"]) == {"prompt_tokens", "completion_tokens", "cached_tokens", "replayed_tokens"}
+
+
+def test_run_jsonl_streams_events_then_the_result(script):
+    script(tool_call("calculator", expression="1+2"), "3")
+    r = invoke("run", "1+2?", "--tool", "calculator", "--jsonl")
+    events = [json.loads(line) for line in r.stdout.splitlines()]
+    kinds = [e["event"] for e in events]
+    assert {"token", "tool_call", "tool_result", "usage"} <= set(kinds) and kinds[-1] == "result"
+    assert events[-1]["text"] == "3"
+
+
+def test_run_plain_streams_text_to_stdout(script):
+    script("Hello there.")
+    r = invoke("run", "hi", "--tool", "calculator")
+    assert r.exit_code == 0 and "Hello there." in r.stdout and "session" in r.stderr
+
+
+def test_run_exit_3_when_approval_is_needed(script, tmp_path):
+    script(tool_call("write_file", path="x.txt", content="hi"), "Could not.")
+    r = invoke("run", "write", "--tool", "write_file", "--json")
+    assert r.exit_code == 3 and json.loads(r.stdout)["tool_calls"][0]["denied"]
+    assert not (tmp_path / "x.txt").exists()
+
+
+def test_run_yes_approves(script, tmp_path):
+    script(tool_call("write_file", path="x.txt", content="hi"), "Done.")
+    r = invoke("run", "write", "--tool", "write_file", "--yes", "--json")
+    assert r.exit_code == 0 and (tmp_path / "x.txt").read_text() == "hi"
+
+
+def test_run_policy_deny_is_not_exit_3(script):
+    script(tool_call("write_file", path="x.txt", content="hi"), "Denied.")
+    r = invoke("run", "write", "--tool", "write_file", "--policy", "deny", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["tool_calls"][0]["denied"]
+
+
+@pytest.mark.parametrize("args", [["--json", "--jsonl"], ["--model", "x", "--preset", "tiny"],
+                                  ["--image", "missing.png"], ["--policy", "sometimes"], ["--max-steps", "0"]])
+def test_run_usage_errors_exit_2(script, args):
+    script("unused")
+    r = invoke("run", "hi", *args)
+    assert r.exit_code == 2, r.output
+
+
+def test_run_unknown_tool_exits_1(script):
+    script("unused")
+    r = invoke("run", "hi", "--tool", "nope")
+    assert r.exit_code == 1 and "no tool named 'nope'" in r.stderr
+
+
+def test_run_bad_model_dir_exits_1():
+    r = invoke("run", "hi", "--model", "/no/such/dir")  # the real loader
+    assert r.exit_code == 1 and "error:" in r.stderr and "/no/such/dir" in r.stderr
+
+
+def test_run_interrupted_exits_130(script, monkeypatch):
+    rt = script("never")
+    def interrupted(state, params):
+        raise KeyboardInterrupt
+        yield
+    monkeypatch.setattr(rt.engine, "generate", interrupted)
+    r = invoke("run", "hi", "--tool", "calculator", "--session", "k", "--json")
+    assert r.exit_code == 130 and json.loads(r.stdout)["stop"] == "interrupted"
+    with Store.open() as st:
+        assert st.get_session("k").n_messages >= 2  # the session was kept
+
+
+# ---------------------------------------------------------------------------- chat
+def test_chat_slash_commands(script, home):
+    script("Hi!", "Second.")
+    text = "\n".join(["hello", "/tools", "/stats", "/session", "/image missing.png", "/bogus",
+                      "/session other", "two \\", "lines", "/help", "/exit", ""])
+    r = invoke("chat", "--session", "first", "--tool", "calculator", input=text)
+    assert r.exit_code == 0, r.output
+    assert "Hi!" in r.stdout and "Second." in r.stdout and "calculator" in r.stdout
+    assert "tokens in the log" in r.stdout and "first:" in r.stdout
+    assert "missing.png" in r.stderr and "unknown command /bogus" in r.stderr
+    with Store.open() as st:
+        assert st.messages("other")[1]["content"] == "two \nlines"
+        assert [s.name for s in st.list_sessions()] == ["other", "first"]
+
+
+def test_chat_block_input_clear_and_eof(script):
+    script("ok", "ok2")
+    r = invoke("chat", "--tool", "calculator", input='"""\na\nb\n"""\n/clear\nnext\n')
+    assert r.exit_code == 0, r.output
+    with Store.open() as st:
+        sessions = st.list_sessions()
+        assert len(sessions) == 2 and st.messages(sessions[1].name)[1]["content"] == "a\nb"
+
+
+def test_chat_continue_without_sessions_starts_one(script):
+    script("fresh")
+    r = invoke("chat", "-c", "--tool", "calculator", input="hey\n")
+    assert r.exit_code == 0 and "no session to continue" in r.stderr
+    assert invoke("chat", "-c", "--session", "x", input="").exit_code == 2
+
+
+# ---------------------------------------------------------------------------- settings
+def test_config_file_env_and_flags(home, monkeypatch):
+    home.mkdir(parents=True)
+    (home / "config.toml").write_text('preset = "tiny"\npolicy = "deny"\nmax_new_tokens = 9\n')
+    d = resolve()
+    assert (d.preset, d.policy, d.max_new_tokens) == ("tiny", "deny", 9)
+    monkeypatch.setenv("DSAGENT_POLICY", "yes")
+    assert resolve().policy == "yes" and resolve(policy="ask").policy == "ask"
+    assert resolve(model="/m").preset is None  # a model flag overrides a configured preset
+    (home / "config.toml").write_text("colour = 1\n")
+    with pytest.raises(ValueError, match="unknown key"):
+        resolve()
+
+
+def test_no_color_is_honoured(monkeypatch):
+    from dsagent.render import consoles
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert all(c.no_color for c in consoles())
+
+
+# ---------------------------------------------------------------------------- other commands
+def test_doctor_json():
+    r = invoke("doctor", "--json")
+    checks = json.loads(r.stdout)
+    assert r.exit_code == 0 and checks["packages"]["ok"] and "sessions.db" in checks["store"]["detail"]
+    assert {"torch", "flash-attn", "embedded model"} <= set(checks)
+
+
+def test_sessions_are_mounted(script):
+    script("x")
+    invoke("run", "hi", "--session", "kept", "--tool", "calculator")
+    r = invoke("sessions", "list", "--json")
+    assert [s["name"] for s in json.loads(r.stdout)] == ["kept"]
+
+
+def test_model_init_writes_a_loadable_checkpoint(tmp_path):
+    r = invoke("model", "init", str(tmp_path / "ck"), "--preset", "tiny", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tensors"] > 0 and (tmp_path / "ck" / "config.json").is_file()
+    assert invoke("model", "init", str(tmp_path / "ck")).exit_code == 1  # not empty: refused
+    assert invoke("model", "info", "--model", str(tmp_path / "ck"), "--json").exit_code == 0  # mounted beside init
+
+
+@pytest.mark.parametrize("which", ["prefill", "decode", "resume", "store"])
+def test_bench_commands(which):
+    r = invoke("bench", which, "--preset", "tiny", "--ctx", "32", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["bench"] == which
+
+
+def test_python_m_dsagent_help():
+    r = subprocess.run([sys.executable, "-m", "dsagent", "--help"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "chat" in r.stdout and "sessions" in r.stdout

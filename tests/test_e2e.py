@@ -1,0 +1,57 @@
+"""End to end with the real model: the embedded default checkpoint, two processes.
+
+Process 1: `dsagent chat --session S` takes two turns from piped input and exits.
+Process 2: `dsagent run --session S --json` resumes from disk and takes a third turn; its
+usage shows the stored KV was used (cached tokens) and the window replayed.
+"""
+import json
+import os
+import subprocess
+import sys
+
+from sessions import Store
+
+ARGS = ["--tool", "calculator", "--max-new-tokens", "4"]
+
+
+def dsagent(home, *args, input=None):
+    env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1"}
+    return subprocess.run([sys.executable, "-m", "dsagent", *args], input=input, capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_two_turns_exit_resume_third_turn(tmp_path):
+    home = tmp_path / "home"
+    first = dsagent(home, "chat", "--session", "S", *ARGS, input="What is 2+3?\nAnd 4*5?\n/exit\n")
+    assert first.returncode == 0, first.stderr
+    with Store.open(home) as st:
+        assert [m["role"] for m in st.messages("S")] == ["system", "user", "assistant", "user", "assistant"]
+        logged = st.get_session("S").n_tokens
+    third = dsagent(home, "run", "Thanks!", "--session", "S", *ARGS, "--json")
+    assert third.returncode == 0, third.stderr
+    usage = json.loads(third.stdout)["usage"]
+    assert usage["cached_tokens"] > 0 and usage["replayed_tokens"] > 0
+    assert usage["cached_tokens"] <= logged and usage["prompt_tokens"] < logged  # no full re-prefill
+    with Store.open(home) as st:
+        assert st.get_session("S").n_messages == 7
+
+
+def test_corrupt_stored_kv_is_refused_rebuilt_and_exit_4(tmp_path):
+    import sqlite3
+
+    home = tmp_path / "home"
+    assert dsagent(home, "run", "What is 2+3?", "--session", "K", *ARGS).returncode == 0
+    db = sqlite3.connect(home / "sessions.db")
+    key, layer, blob = db.execute("select key, layer, blob from kv_chunks order by start limit 1").fetchone()
+    flipped = bytearray(blob)
+    flipped[len(flipped) // 2] ^= 0xFF
+    db.execute("update kv_chunks set blob = ? where key = ? and layer = ?", (bytes(flipped), key, layer))
+    db.commit()
+    db.close()
+    second = dsagent(home, "run", "And 4*5?", "--session", "K", *ARGS, "--json")
+    assert second.returncode == 4, second.stderr  # documented: cache refused, rebuilt from the log
+    assert "warning" in second.stderr.lower()
+    assert json.loads(second.stdout)["usage"]["cached_tokens"] == 0
+    third = dsagent(home, "run", "Thanks", "--session", "K", *ARGS, "--json")
+    assert third.returncode == 0, third.stderr  # the rebuilt KV was stored again
+    assert json.loads(third.stdout)["usage"]["cached_tokens"] > 0
