@@ -17,7 +17,7 @@ def test_chat_in_a_terminal(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
     child = pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", "--session", "tty", "--tool", "calculator",
-                                           "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=120,
+                                           "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=300,
                           dimensions=(40, 120))
     try:
         child.expect("/help for commands")

@@ -55,3 +55,25 @@ def test_corrupt_stored_kv_is_refused_rebuilt_and_exit_4(tmp_path):
     third = dsagent(home, "run", "Thanks", "--session", "K", *ARGS, "--json")
     assert third.returncode == 0, third.stderr  # the rebuilt KV was stored again
     assert json.loads(third.stdout)["usage"]["cached_tokens"] > 0
+
+
+def test_image_from_the_command_line_is_stored_once_and_spanned(tmp_path):
+    from PIL import Image
+
+    home, pic = tmp_path / "home", tmp_path / "red.png"
+    Image.new("RGB", (300, 200), (200, 30, 30)).save(pic)
+    args = ["--session", "I", "--tool", "calculator", "--max-new-tokens", "2", "--json"]
+    first = dsagent(home, "run", "What colour is this?", "--image", str(pic), *args)
+    assert first.returncode == 0, first.stderr
+    broken = tmp_path / "broken.png"
+    broken.write_bytes(pic.read_bytes()[:100])
+    refused = dsagent(home, "run", "And this?", "--image", str(broken), *args)
+    assert refused.returncode == 2 and "image" in refused.stderr.lower()  # a clear error, session intact
+    again = dsagent(home, "run", "Same picture again", "--image", str(pic), *args)
+    assert again.returncode == 0, again.stderr
+    with Store.open(home) as st:
+        loaded = st.load("I", fingerprint="-", chunk_tokens=256)
+        assert len(loaded.image_spans) == 2 and loaded.image_spans[0].sha256 == loaded.image_spans[1].sha256
+        assert all(s.end - s.start > 2 for s in loaded.image_spans)
+        assert st.storage().image_unique_bytes == pic.stat().st_size  # stored once
+        assert [m["role"] for m in loaded.messages].count("user") == 2

@@ -399,5 +399,6 @@ def test_an_image_changes_the_model_output(tower):
             embeds, mask = image_inputs(ids, args.image_token_id, [span])
             outs.append(model(ids, image_embeds=embeds, image_mask=mask))
     assert torch.equal(outs[0], outs[2])  # deterministic
-    assert (outs[0][:, :3] - outs[1][:, :3]).abs().max() < 1e-4  # causal: text before the image is unchanged
+    # causal: text before the image is unchanged up to float noise (row blocking of the matmuls)
+    assert (outs[0][:, :3] - outs[1][:, :3]).abs().max() < 1e-3
     assert not torch.allclose(outs[0][:, -1], outs[1][:, -1])  # the image reaches later tokens
