@@ -25,6 +25,7 @@ import torch
 from dsagent.runtime import Runtime
 from model.cache import Cache, CacheFormatError
 from model.chat import encode_messages
+from model.dspark import speculator_for
 from model.dsml import DSMLError, StreamParser, TextDelta, ReasoningDelta, parse_completion
 from model.engine import Sampling, State
 from sessions import ImageSpan, KVChunk, LocalStatePool, Store
@@ -59,6 +60,7 @@ class AgentOptions:
     replay_tokens: int | None = None  # None: the sliding window
     tool_timeout_s: float = 30.0
     tool_output_cap: int = 16_000
+    speculative: bool = True  # DSpark when the checkpoint has draft stages
 
 
 @dataclass
@@ -86,6 +88,7 @@ class Agent:
         self.runner = ToolRunner(toolbox, Workspace(options.workspace), policy=options.policy,
                                  approver=approver, timeout_s=options.tool_timeout_s,
                                  output_cap=options.tool_output_cap)
+        self.speculator = speculator_for(runtime.model, runtime.engine, requested=options.speculative)
         self.usage = Usage()
         self.kv_refused: list[str] = []  # why stored KV was dropped on resume (rebuilt from the log)
         self._stack = ExitStack()
@@ -242,8 +245,10 @@ class Agent:
         eos, ids, stop = self.rt.tokenizer.eos_id, [], "max_tokens"
         params = Sampling(**{**asdict(self.opts.sampling), "stop_ids": (eos,)})
         stream = _TextStream(self.rt.tokenizer, StreamParser(self.opts.thinking_mode), self.emit)
+        tokens = self.speculator.generate(self.state, params, list(self.log)) if self.speculator \
+            else self.rt.engine.generate(self.state, params)
         try:
-            for token in self.rt.engine.generate(self.state, params):
+            for token in tokens:
                 ids.append(token)
                 self.log.append(token)
                 stream.push(ids)

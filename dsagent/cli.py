@@ -52,6 +52,8 @@ YES = typer.Option(False, "--yes", "-y", help="Approve every tool call (same as 
 THINKING = typer.Option(None, "--thinking", help="chat or thinking.")
 WORKSPACE = typer.Option(None, "--workspace", help="Root directory tools may touch (default: the current one).")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
+SPECULATIVE = typer.Option(True, "--speculative/--no-speculative",
+                           help="DSpark speculative decoding (off by itself when the checkpoint has no draft stages).")
 
 
 def load_runtime(d: Defaults, device: str) -> Runtime:
@@ -62,10 +64,11 @@ def load_runtime(d: Defaults, device: str) -> Runtime:
         return Runtime.load(Settings(model=d.model, preset=d.preset, device=device, dtype=dtype), progress=progress)
 
 
-def agent_options(d: Defaults, session, tools, max_steps, seed, workspace) -> AgentOptions:
+def agent_options(d: Defaults, session, tools, max_steps, seed, workspace, speculative=True) -> AgentOptions:
     sampling = Sampling(temperature=d.temperature, seed=seed, max_new_tokens=d.max_new_tokens)
     return AgentOptions(session=session, thinking_mode=d.thinking, tools=tools or None, policy=d.policy,
-                        workspace=workspace or Path.cwd(), max_steps=max_steps, sampling=sampling)
+                        workspace=workspace or Path.cwd(), max_steps=max_steps, sampling=sampling,
+                        speculative=speculative)
 
 
 def _defaults(model, preset, policy, yes, thinking, max_new, temperature) -> Defaults:
@@ -84,6 +87,7 @@ def run(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
+    speculative: bool = SPECULATIVE,
     as_json: bool = typer.Option(False, "--json", help="Print one result object on stdout."),
     jsonl: bool = typer.Option(False, "--jsonl", help="Print every event as a JSON line on stdout."),
 ) -> None:
@@ -97,7 +101,7 @@ def run(
         rt = load_runtime(d, device)
         approver = terminal_approver(err) if d.policy == "ask" and sys.stdin.isatty() else None
         sink = _event_sink(as_json, jsonl, out, err)
-        opts = agent_options(d, session, tool, max_steps, seed, workspace)
+        opts = agent_options(d, session, tool, max_steps, seed, workspace, speculative)
         with Store.open() as store, Agent(rt, store, opts, on_event=sink, approver=approver) as agent:
             sink.start()
             try:
@@ -145,6 +149,7 @@ def chat(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
+    speculative: bool = SPECULATIVE,
 ) -> None:
     """Chat interactively; /help lists the slash commands, Ctrl-C stops a reply, Ctrl-D leaves."""
     out, err = consoles()
@@ -157,7 +162,7 @@ def chat(
             name = latest_session(store) if resume_latest else session
             if resume_latest and name is None:
                 err.print("[dim]no session to continue; starting a new one[/]")
-            shell = ChatShell(rt, store, agent_options(d, None, tool, max_steps, seed, workspace), out, err)
+            shell = ChatShell(rt, store, agent_options(d, None, tool, max_steps, seed, workspace, speculative), out, err)
             try:
                 shell.open(name)
                 shell.loop()

@@ -1,12 +1,14 @@
 """Engine benchmarks: every figure a ratio measured side by side in one run (RUNTIME.md §9).
 
 Owns the measurements behind ``dsagent bench prefill|decode|resume``: CED vs exact prefill
-(tokens/s and output agreement), decode step time at two context lengths, and resume from
-exported bytes vs a full re-prefill. Returns plain dicts; printing is the CLI's job.
+(tokens/s and output agreement), decode step time at two context lengths, resume from
+exported bytes vs a full re-prefill, and DSpark speculative decoding (verify-block cost vs
+one decode step, accepted length, tokens per target forward). Returns plain dicts; printing is the CLI's job.
 Not a test: nothing here asserts a speed.
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -113,3 +115,45 @@ def _resume(engine: Engine, blob: bytes, meta: dict, ids: torch.Tensor, replay: 
     state = engine.import_global(st_load(blob), meta)
     engine.replay(state, ids, tokens=replay)
     return state
+
+
+def bench_speculative(model: Transformer, ctx: int, *, gen: int = 64, chunk: int = 512, repeats: int = 4,
+                      params: Sampling | None = None) -> dict:
+    """DSpark speculation from one CED-prefilled state: the cost of verifying a full block
+    (anchor + ``dspark_block_size`` proposals) in one forward against one decode step, then
+    ``gen`` tokens plain and speculative (greedy unless ``params``). The measured cost per
+    extra verified token sets the speculator's γ rule. Raises SpeculationUnavailable
+    when the model has no draft stages."""
+    from model.dspark import Speculator
+
+    ids, block = prompt_ids(model, ctx), model.args.dspark_block_size
+    engine = Engine(model, mode="ced", chunk=chunk)
+    state = _prefilled(engine, ids)
+    anchor = int(state.last_logits.argmax())
+    step_s = _forward_seconds(model, state, [anchor], repeats)
+    verify_s = _forward_seconds(model, state, [anchor] + ids[0, :block].tolist(), repeats)
+    params = params or Sampling(max_new_tokens=gen)
+    plain, plain_s = _timed(lambda: list(engine.generate(copy.deepcopy(state), params)), model.device)
+    spec = Speculator(model, engine, extra_token_cost=max(0.0, verify_s / step_s - 1) / block)
+    fast, spec_s = _timed(lambda: list(spec.generate(copy.deepcopy(state), params, ids[0])), model.device)
+    s = spec.stats
+    return {"bench": "speculative", "ctx": ctx, "block_size": block, "gen": len(fast),
+            "decode_step_ms": 1e3 * step_s, "verify_block_ms": 1e3 * verify_s, "verify_over_decode": verify_s / step_s,
+            "extra_token_cost": spec.extra_token_cost, "target_forwards": s.forwards,
+            "mean_accepted": s.mean_accepted, "acceptance_rate": s.acceptance_rate,
+            "tokens_per_forward": s.tokens_per_forward, "plain_tokens_per_s": len(plain) / plain_s,
+            "spec_tokens_per_s": len(fast) / spec_s, "speedup": plain_s / spec_s * len(fast) / max(1, len(plain)),
+            "greedy_agreement": agreement(fast, plain)}
+
+
+def _forward_seconds(model: Transformer, state: State, ids: list[int], repeats: int) -> float:
+    """Mean seconds of one target forward over ``ids`` from ``state`` (rolled back each time,
+    after one warm-up)."""
+    n, x = state.length, torch.tensor([ids], device=model.device)
+    total = 0.0
+    for i in range(repeats + 1):
+        with torch.no_grad():
+            _, secs = _timed(lambda: model(x, state.cache), model.device)
+        state.cache.truncate(n)
+        total += secs if i else 0.0
+    return total / repeats

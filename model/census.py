@@ -55,7 +55,8 @@ def backbone_counts(args: ModelArgs) -> dict[str, int]:
     with torch.device("meta"):
         model = Transformer(args.replace(n_routed_experts=args.num_experts_per_tok))
         ffn = {name: p.numel() for name, p in MoE(args).named_parameters()}
-    counts = {name: p.numel() for name, p in model.named_parameters() if ".ffn." not in name}
+    counts = {name: p.numel() for name, p in model.named_parameters()
+              if ".ffn." not in name and not name.startswith("mtp.")}  # draft stages: dspark_params
     for i in range(args.num_hidden_layers):
         counts.update({f"layers.{i}.ffn.{name}": n for name, n in ffn.items()})
     return counts

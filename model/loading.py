@@ -112,8 +112,9 @@ def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float
 
 
 def _unbuilt_prefixes(model: Transformer) -> tuple:
-    """Checkpoint families this build does not use (draft stages; vision without a tower)."""
-    return ("mtp.",) if model.args.vision is not None else ("mtp.", "vision.", "aligner.", "image_")
+    """Checkpoint families this build does not use (draft stages it did not build; vision without a tower)."""
+    drafts = () if hasattr(model, "mtp") else ("mtp.",)
+    return drafts if model.args.vision is not None else drafts + ("vision.", "aligner.", "image_")
 
 
 def _read_single_file(path: Path, expected: dict) -> dict[str, torch.Tensor]:

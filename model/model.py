@@ -460,6 +460,9 @@ class Block(nn.Module):
         if self.engram is not None and step.hash_ids is not None:
             live = None if step.image_mask is None else ~step.image_mask
             streams = self.engram(streams, step.hash_ids[:, :, self.engram.slot], live)
+        taps = step.shared.get("taps")
+        if isinstance(taps, dict) and self.layer in self.args.dspark_target_layer_ids:
+            taps[self.layer] = streams.mean(dim=2)  # DSpark context: this layer's input, averaged over hc
         a_pre, a_post, a_comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.args)
         y = self.attn(self.attn_norm(hc_collapse(streams, pre)), step, cache, ropes)
         streams = hc_expand(y, streams, a_post, a_comb)
@@ -488,6 +491,10 @@ class Transformer(nn.Module):
             self.image_start = nn.Parameter(torch.zeros(args.hidden_size))
             self.image_end = nn.Parameter(torch.zeros(args.hidden_size))
             self.image_newline = nn.Parameter(torch.zeros(args.hidden_size))
+        if args.num_nextn_predict_layers:
+            from model.dspark import DSpark  # imported here: model.dspark builds on this module
+
+            self.mtp = DSpark(args)  # the draft stages, checkpoint names mtp.K.*
 
     @torch.no_grad()
     def encode_image(self, image) -> torch.Tensor:

@@ -16,7 +16,7 @@ import typer
 from dsagent.errors import handled
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
-from model.bench import bench_decode, bench_prefill, bench_resume, prompt_ids
+from model.bench import bench_speculative, bench_decode, bench_prefill, bench_resume, prompt_ids
 from model.engine import Engine
 from sessions import DEFAULT_ZSTD_LEVEL, KVChunk
 from sessions.bench import store_throughput, zstd_levels
@@ -55,10 +55,13 @@ def prefill(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: i
 
 @app.command()
 def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int = CTX,
-           device: str = DEVICE, as_json: bool = JSON) -> None:
+           device: str = DEVICE, as_json: bool = JSON,
+           speculative: bool = typer.Option(False, "--speculative", help="DSpark: verify cost, accepted length, "
+                                                                          "tokens per target forward.")) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with handled():
-        _emit(bench_decode(_runtime(model, preset, device).model, ctx, steps=8), as_json)
+        m = _runtime(model, preset, device).model
+        _emit(bench_speculative(m, ctx) if speculative else bench_decode(m, ctx, steps=8), as_json)
 
 
 @app.command()

@@ -1,0 +1,452 @@
+"""DSpark: the block drafter of V4.1 (ARCHITECTURE.md §2.11) and speculative generation with it.
+
+Owns:
+- the draft stages ``mtp.K`` (:class:`DSpark`, attached to the Transformer as ``model.mtp``):
+  window-only blocks with their own MoE and mHC, the context projection ``main_proj`` /
+  ``main_norm`` on stage 0, and the final ``norm``, Markov head and confidence head on the
+  last stage. Names are the checkpoint's (§3.3), so loading is a name-for-name copy;
+- the drafter's own window state (:class:`DraftContext`): per stage, FP8 entries made from
+  the context feature c_t of every position the target has run;
+- :class:`Speculator`: draft a block, choose how many tokens to verify from the confidence
+  head, verify them in ONE forward of the target, accept (greedy: longest agreeing prefix;
+  sampling: speculative rejection sampling against the draft's shaped distribution) and roll
+  the target cache back to exactly the accepted length with ``Cache.truncate``.
+
+Context feature: c_t = main_norm(main_proj([tap_l(t) for l in dspark_target_layer_ids])),
+tap_l = the input streams of target layer l (after Engram) averaged over the hc streams
+(§7 question 1, [INF]). The last stage collapses with its lagged ``pre`` (no ``hc_head`` in
+V4.1, §7 question 2, [INF]); stages have a shared expert and gate ``bias_vl`` (question 3).
+Block position i (anchor at i = 0) predicts the token at anchor_pos + i + 1, so a block of
+``dspark_block_size`` queries proposes up to that many tokens.
+
+Correctness never depends on the draft: a stale or wrong draft context only lowers the
+acceptance. Does not own the target network (``model.model``), the cache layout
+(``model.cache``) or plain decoding and sampling (``model.engine``).
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from model.args import ModelArgs
+from model.cache import Cache, WindowRing
+from model.engine import Engine, Sampling, State, _top_p  # same shaping as plain sampling, by construction
+from model.model import MoE, Attention, Block, RMSNorm, Step, Transformer, apply_rope, hc_collapse
+from model.quant import fake_quant_fp8
+
+
+class SpeculationUnavailable(ValueError):
+    """Speculative decoding was asked of a model that cannot do it."""
+
+
+# ----------------------------------------------------------------------------- draft stages
+
+class DraftAttention(Attention):
+    """A draft stage's attention: the block's queries see the stage's context entries of the
+    newest ``sliding_window`` positions before the anchor and every block position (both
+    directions). Same tensors as a window-only backbone layer; main RoPE."""
+
+    def __init__(self, args: ModelArgs, stage: int):
+        nn.Module.__init__(self)
+        self.args, self.stage, self.layer, self.ratio = args, stage, args.num_hidden_layers + stage, 0
+        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        group_in = self.n_heads * self.head_dim // args.o_groups
+        self.wo_a = nn.Linear(group_in, args.o_groups * args.o_lora_rank, bias=False)
+        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.compressor = self.indexer = None
+
+    def context_kv(self, c: torch.Tensor, positions: torch.Tensor, ropes) -> torch.Tensor:
+        """Context entries (pre-FP8) of features c [B, S, D]: this stage's wkv, kv_norm, RoPE."""
+        return apply_rope(self.kv_norm(self.wkv(c)), positions, ropes.main)
+
+    def forward(self, x: torch.Tensor, step: Step, ctx: "DraftContext", ropes) -> torch.Tensor:
+        B, S, _ = x.shape
+        pos = step.positions(x.device)
+        q_res = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, ropes.main)
+        kv = fake_quant_fp8(apply_rope(self.kv_norm(self.wkv(x)), pos, ropes.main))
+        old, old_pos = ctx.rings[self.stage].read()
+        seen = (old_pos >= 0) & (old_pos < step.start) & (old_pos >= step.start - self.args.sliding_window)
+        mask = torch.cat([seen, torch.ones(S, dtype=torch.bool, device=x.device)]).expand(S, -1)
+        out = self._attend(q, torch.cat([old.to(kv.dtype), kv], dim=1), mask, None)
+        out = apply_rope(out, pos, ropes.main, inverse=True)
+        return self.wo_b(self._grouped_wo_a(out).flatten(2))
+
+
+class MarkovHead(nn.Module):
+    """Low-rank first-order bias: logits_k += head(embed(previous token))."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, rank)
+        self.head = nn.Linear(rank, vocab, bias=False)
+
+    def forward(self, prev: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(prev)).float()
+
+
+class ConfidenceHead(nn.Module):
+    """Predicted probability that a proposal is accepted: sigmoid(proj [h ; markov embed(prev)])."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.proj = nn.Linear(dim, 1, bias=False)
+
+    def forward(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.proj(torch.cat([h, prev_emb.to(h.dtype)], dim=-1)).float()).squeeze(-1)
+
+
+class DraftStage(Block):
+    """One draft stage ``mtp.K``: the backbone's lagged-mHC block (its forward is reused) with
+    a :class:`DraftAttention`, a DSpark-sized MoE and no Engram; stage 0 also owns the context
+    projection, the last stage the final norm and the two heads."""
+
+    def __init__(self, args: ModelArgs, stage: int):
+        nn.Module.__init__(self)
+        self.args, self.layer = args, args.num_hidden_layers + stage
+        self.attn = DraftAttention(args, stage)
+        self.ffn = MoE(args, args.dspark_n_routed_experts, args.dspark_num_experts_per_tok)
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.engram = None
+        mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.hidden_size
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, width)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+        D = args.hidden_size
+        if stage == 0:
+            self.main_proj = nn.Linear(len(args.dspark_target_layer_ids) * D, D, bias=False)
+            self.main_norm = RMSNorm(D, args.rms_norm_eps)
+        if stage == args.num_nextn_predict_layers - 1:
+            self.norm = RMSNorm(D, args.rms_norm_eps)
+            self.markov_head = MarkovHead(args.vocab_size, args.dspark_markov_rank)
+            self.confidence_head = ConfidenceHead(D + args.dspark_markov_rank)
+
+
+@dataclass
+class DraftBlock:
+    """What one draft forward proposes: tokens, their shaped draft distributions (None when
+    greedy) and the confidence of each proposal."""
+    tokens: list[int] = field(default_factory=list)
+    probs: list[torch.Tensor | None] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
+
+
+class DSpark(nn.ModuleList):
+    """The draft stages; item K is ``mtp.K``. Shares ``embed``, ``head`` and the RoPE tables
+    with the target, which it is given at call time (it is a submodule of the target)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__([DraftStage(args, k) for k in range(args.num_nextn_predict_layers)])
+        self.args = args
+
+    def context(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
+        """c_t [B, S, D] from the target layers' taps (each [B, S, D])."""
+        x = torch.cat([taps[layer] for layer in self.args.dspark_target_layer_ids], dim=-1)
+        return self[0].main_norm(self[0].main_proj(x.to(self[0].main_proj.weight.dtype)))
+
+    def add_context(self, ctx: "DraftContext", taps: dict[int, torch.Tensor], start: int, ropes) -> None:
+        """Append the context entries of positions [start, start + S) to every stage's ring."""
+        c = self.context(taps)
+        positions = torch.arange(start, start + c.shape[1], device=c.device)
+        for stage, ring in zip(self, ctx.rings):
+            ring.write(stage.attn.context_kv(c, positions, ropes), positions)
+        ctx.length = start + c.shape[1]
+
+    def hidden(self, target: Transformer, anchor: int, start: int, ctx: "DraftContext") -> torch.Tensor:
+        """Normed hidden [S, D] of the block [anchor, noise...] at positions start.. (S = block size)."""
+        a = self.args
+        ids = torch.full((1, a.dspark_block_size), a.dspark_noise_token_id, device=target.device)
+        ids[0, 0] = anchor
+        streams = target.embed(ids).unsqueeze(2).expand(-1, -1, a.hc_mult, -1).contiguous()
+        pre = torch.zeros(*streams.shape[:-1], dtype=torch.float32, device=streams.device)
+        pre[..., 0] = 1.0
+        step = Step(start=start, length=a.dspark_block_size)
+        for stage in self:
+            streams, pre = stage(streams, pre, step, ctx, target.ropes)
+        return self[-1].norm(hc_collapse(streams, pre))[0]
+
+    def propose(self, target: Transformer, anchor: int, start: int, ctx: "DraftContext", n: int,
+                params: Sampling, generator: torch.Generator | None) -> DraftBlock:
+        """Up to ``n`` proposals, left to right through the Markov head (prev = anchor, then
+        each proposal); greedy takes the argmax, sampling draws from the shaped distribution."""
+        h = self.hidden(target, anchor, start, ctx)
+        base = target.head(h).float()
+        last, out, prev = self[-1], DraftBlock(), anchor
+        for i in range(min(n, h.shape[0])):
+            prev_t = torch.tensor(prev, device=h.device)
+            logits = base[i] + last.markov_head(prev_t)
+            out.confidence.append(float(last.confidence_head(h[i], last.markov_head.embed(prev_t))))
+            probs = None if params.temperature <= 0 else shaped_probs(logits, params)
+            prev = int(logits.argmax()) if probs is None else int(torch.multinomial(probs.cpu(), 1, generator=generator))
+            out.tokens.append(prev)
+            out.probs.append(probs)
+        return out
+
+
+class DraftContext:
+    """The drafter's window state: per stage a ring of FP8 context entries (keys from c_t),
+    for positions [length - window - spare, length)."""
+
+    def __init__(self, args: ModelArgs, device, spare: int):
+        cap = args.sliding_window + spare  # spare slots: a generator closed mid-block rolls back
+        self.rings = [WindowRing(1, cap, args.head_dim, device) for _ in range(args.num_nextn_predict_layers)]
+        self.length = 0  # the next position to receive an entry
+
+    def truncate(self, length: int) -> None:
+        for ring in self.rings:
+            ring.truncate(length)
+        self.length = min(self.length, length)
+
+
+# ----------------------------------------------------------------------------- sampling helpers
+
+def shaped_probs(logits: torch.Tensor, p: Sampling) -> torch.Tensor:
+    """The distribution ``model.engine.sample_logits`` draws from (temperature, top-k, top-p)."""
+    scores = logits.float() / p.temperature
+    if p.top_k > 0:
+        kth = scores.topk(min(p.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if p.top_p < 1.0:
+        scores = _top_p(scores, p.top_p)
+    return scores.softmax(-1)
+
+
+def choose_gamma(confidence: Sequence[float], extra_token_cost: float, cap: int) -> int:
+    """How many proposals to verify: the γ in [1, cap] maximising expected tokens per unit of
+    target time. Reading confidence[i] as P(proposal i accepted | all before it were), a
+    verification of γ proposals emits E(γ) = 1 + Σ_{j<γ} Π_{i<=j} confidence[i] tokens (the
+    bonus token is free) and costs 1 + extra_token_cost·γ decode steps. Ties go to the
+    shorter block. ``cap`` <= 0 means verify the anchor alone (a plain decode step)."""
+    best, best_rate, expected, alive = 0, 1.0, 1.0, 1.0
+    for g in range(1, min(cap, len(confidence)) + 1):
+        alive *= confidence[g - 1]
+        expected += alive
+        rate = expected / (1.0 + extra_token_cost * g)
+        if g == 1 or rate > best_rate:
+            best, best_rate = g, rate
+    return best
+
+
+def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    """(accepted count k, bonus token): the longest prefix that equals the target's argmax."""
+    target = logits.argmax(-1).tolist()
+    k = next((i for i, t in enumerate(proposals) if t != target[i]), len(proposals))
+    return k, target[k]
+
+
+def accept_sampled(block: DraftBlock, gamma: int, logits: torch.Tensor, params: Sampling,
+                   generator: torch.Generator | None) -> tuple[int, int]:
+    """Speculative rejection sampling: accept proposal i with probability min(1, p_i/q_i);
+    at the first rejection draw from norm(max(0, p_i - q_i)); after γ acceptances draw the
+    bonus from p_γ. The emitted tokens are distributed exactly as plain sampling's."""
+    for i in range(gamma):
+        p, q, token = shaped_probs(logits[i], params).cpu(), block.probs[i].cpu(), block.tokens[i]
+        if float(torch.rand((), generator=generator)) * float(q[token]) < float(p[token]):
+            continue
+        residual = (p - q).clamp_min(0)
+        residual = residual if float(residual.sum()) > 0 else p
+        return i, int(torch.multinomial(residual, 1, generator=generator))
+    p = shaped_probs(logits[gamma], params).cpu()
+    return gamma, int(torch.multinomial(p, 1, generator=generator))
+
+
+# ----------------------------------------------------------------------------- speculation
+
+@dataclass
+class SpecStats:
+    """Counters of one speculator; ratios are per target verification forward."""
+    forwards: int = 0  # target forwards that verified a block
+    drafted: int = 0  # proposals sent to verification
+    accepted: int = 0  # proposals accepted
+    emitted: int = 0  # tokens those forwards produced (accepted + bonus, before stop/limit cuts)
+
+    @property
+    def mean_accepted(self) -> float:
+        return self.accepted / max(1, self.forwards)
+
+    @property
+    def tokens_per_forward(self) -> float:
+        return self.emitted / max(1, self.forwards)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / max(1, self.drafted)
+
+
+def has_draft_stages(model: Transformer) -> bool:
+    return isinstance(getattr(model, "mtp", None), DSpark)
+
+
+@dataclass
+class _Round:
+    """One verification: the cache holds anchor + proposals at [n, n + γ + 1)."""
+    n: int
+    tokens: list[int]  # to emit: accepted proposals, then the bonus token
+    logits: torch.Tensor  # [γ + 1, vocab]; row j predicts tokens[j]
+    taps: dict[int, torch.Tensor]
+
+
+class Speculator:
+    """Speculative generation for one sequence at a time (batch row 0, like ``Engine.generate``).
+
+    ``extra_token_cost``: the cost of one more verified token in decode steps (see
+    :func:`choose_gamma`; ``bench_speculative`` measures it). ``drafter``: anything with
+    DSpark's ``propose`` signature (the tests pass scripted doubles); default ``model.mtp``.
+    """
+
+    def __init__(self, model: Transformer, engine: Engine, *, extra_token_cost: float = 0.05, drafter=None):
+        if drafter is None and not has_draft_stages(model):
+            raise SpeculationUnavailable("this checkpoint has no DSpark draft stages (mtp.*); run without --speculative")
+        a = model.args
+        if not 0 <= a.dspark_noise_token_id < a.vocab_size or a.dspark_block_size < 1:
+            raise SpeculationUnavailable(f"dspark_noise_token_id {a.dspark_noise_token_id} / dspark_block_size "
+                                         f"{a.dspark_block_size} do not fit a vocabulary of {a.vocab_size}")
+        self.model, self.engine, self.args = model, engine, a
+        self.drafter = drafter if drafter is not None else model.mtp
+        self.extra_token_cost = extra_token_cost
+        self.context = DraftContext(a, model.device, spare=a.dspark_block_size + 1)
+        self.stats = SpecStats()
+
+    # ------------------------------------------------------------------ draft context
+    @torch.no_grad()
+    def sync(self, state: State, history: Sequence[int] | torch.Tensor) -> None:
+        """Bring the draft context up to ``state.length`` from the tail of ``history`` (the ids
+        the state covers; image spans are read as their placeholder ids). Trusts a context of
+        the same length: a stale or approximate context only costs acceptance."""
+        n, ctx, window = state.length, self.context, self.args.sliding_window
+        if ctx.length > n:
+            ctx.truncate(n)
+        start = max(ctx.length, n - window, 0)
+        if start == n or not hasattr(self.drafter, "add_context"):
+            ctx.length = n
+            return
+        ids = torch.as_tensor(history, dtype=torch.long).reshape(1, -1)
+        if ids.shape[1] < n - start:
+            raise ValueError(f"history has {ids.shape[1]} ids; the draft context needs the last {n - start}")
+        ids = ids[:, ids.shape[1] - (n - start):].to(self.model.device)
+        self.drafter_extend(self._tail_taps(state.cache, ids, start), start)
+
+    def drafter_extend(self, taps: dict[int, torch.Tensor], start: int) -> None:
+        """Give the drafter the taps of positions [start, start + S) (drafters without a
+        context, like the tests' scripted ones, only advance the length)."""
+        self.context.truncate(start)
+        add = getattr(self.drafter, "add_context", None)
+        if add is None:
+            self.context.length = start + next(iter(taps.values())).shape[1]
+        else:
+            add(self.context, taps, start, self.model.ropes)
+
+    def _tail_taps(self, cache: Cache, ids: torch.Tensor, start: int) -> dict[int, torch.Tensor]:
+        """Taps of positions the cache already covers, from a forward on a scratch view: the
+        window rings and Engram look-back are copied; the global KV is shared read-only, since
+        every source has consumed these positions and appends nothing."""
+        view = copy.copy(cache)
+        view.windows = [_ring_copy(r) for r in cache.windows]
+        view.engram_ids, view.engram_pos = cache.engram_ids.clone(), cache.engram_pos.clone()
+        streams, pre, step = self.model.begin(ids, view, start)
+        step.shared["taps"] = taps = {}
+        self.model.run_layers(streams, pre, step, view, range(max(self.args.dspark_target_layer_ids) + 1))
+        return taps
+
+    # ------------------------------------------------------------------ verification
+    def _verify(self, state: State, ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """ONE target forward over [anchor, proposals...]: logits [S, vocab] and the taps."""
+        m, cache = self.model, state.cache
+        x = torch.tensor([ids], device=m.device)
+        streams, pre, step = m.begin(x, cache, start=cache.length)
+        step.shared["taps"] = taps = {}
+        streams, pre = m.run_layers(streams, pre, step, cache, range(self.args.num_hidden_layers))
+        cache.length = step.end
+        return m.logits(streams, pre)[0], taps
+
+    def _round(self, state: State, anchor: int, params: Sampling, cap: int) -> _Round:
+        n, gen = state.length, self._generator(state, params)
+        block = DraftBlock()
+        if cap > 0:
+            block = self.drafter.propose(self.model, anchor, n, self.context, cap, params, gen)
+        gamma = choose_gamma(block.confidence, self.extra_token_cost, cap)
+        proposals = block.tokens[:gamma]
+        logits, taps = self._verify(state, [anchor] + proposals)
+        if params.temperature <= 0:
+            k, bonus = accept_greedy(proposals, logits)
+        else:
+            k, bonus = accept_sampled(block, gamma, logits, params, gen)
+        s = self.stats
+        s.forwards, s.drafted, s.accepted, s.emitted = s.forwards + 1, s.drafted + gamma, s.accepted + k, s.emitted + k + 1
+        return _Round(n, proposals[:k] + [bonus], logits, taps)
+
+    def _settle(self, state: State, r: _Round, fed: int) -> None:
+        """Keep anchor + the first ``fed`` - 1 emitted tokens in the target and the draft context."""
+        state.cache.truncate(r.n + fed)
+        state.last_logits = r.logits[fed - 1: fed]
+        self.drafter_extend({k: v[:, :fed] for k, v in r.taps.items()}, r.n)
+
+    @staticmethod
+    def _generator(state: State, params: Sampling) -> torch.Generator | None:
+        if state.generator is None and params.seed is not None:
+            state.generator = torch.Generator(device="cpu").manual_seed(params.seed)
+        return state.generator
+
+    # ------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def generate(self, state: State, params: Sampling, history: Sequence[int] | torch.Tensor) -> Iterator[int]:
+        """``Engine.generate`` with speculation: the same ids (greedy) or the same distribution
+        (sampling), and the same final state — the last yielded id is not fed, ``last_logits``
+        predicted it. ``history``: the ids ``state`` covers (at least its last window)."""
+        if state.cache.batch != 1:
+            raise ValueError("speculative generation runs one sequence; use Engine.generate for batches")
+        if params.max_new_tokens <= 0 or state.length >= self.engine.max_context:
+            return
+        token = int(self.engine.sample(state, params)[0])
+        yield token
+        emitted = 1
+        if token not in params.stop_ids and emitted < params.max_new_tokens:
+            self.sync(state, history)
+        done = token in params.stop_ids or emitted >= params.max_new_tokens
+        while not done:
+            room, left = self.engine.max_context - state.length - 1, params.max_new_tokens - emitted - 1
+            depth = state.cache.spare - 1  # rejected proposals must fit the cache's rollback room
+            r = self._round(state, token, params, min(room, left, depth, self.args.dspark_block_size))
+            emit, fed, done = self._cut(r, params, emitted)
+            self._settle(state, r, fed)
+            for j, token in enumerate(emit):
+                try:
+                    yield token
+                except GeneratorExit:
+                    self._settle(state, r, j + 1)
+                    raise
+            emitted += len(emit)
+
+    def _cut(self, r: _Round, params: Sampling, emitted: int) -> tuple[list[int], int, bool]:
+        """(ids to yield, tokens of the round to keep fed, finished): stop at a stop id, the
+        token limit or the context limit exactly where ``Engine.generate`` would."""
+        for j, token in enumerate(r.tokens):
+            if r.n + 1 + j >= self.engine.max_context:
+                return r.tokens[:j], j + 1, True
+            if token in params.stop_ids or emitted + j + 1 >= params.max_new_tokens:
+                return r.tokens[: j + 1], j + 1, True
+        return r.tokens, len(r.tokens), False
+
+
+def _ring_copy(ring: WindowRing) -> WindowRing:
+    out = copy.copy(ring)
+    out.data, out.pos = ring.data.clone(), ring.pos.clone()
+    return out
+
+
+def speculator_for(model: Transformer, engine: Engine, requested: bool = True, **kwargs) -> Speculator | None:
+    """The CLI's switch: a Speculator when asked for and the checkpoint has draft stages, else None."""
+    return Speculator(model, engine, **kwargs) if requested and has_draft_stages(model) else None
+
