@@ -157,3 +157,18 @@ def _forward_seconds(model: Transformer, state: State, ids: list[int], repeats: 
         state.cache.truncate(n)
         total += secs if i else 0.0
     return total / repeats
+
+
+def bench_batch(model: Transformer, ctx: int, *, batch: int = 16, steps: int = 8, chunk: int = 512) -> dict:
+    """Decode tokens/s at ``batch`` rows against one row, same context length."""
+    rates = {}
+    for b in (1, batch):
+        engine = Engine(model, mode="ced", chunk=chunk)
+        state = engine.new_state(batch=b)
+        engine.prefill(state, prompt_ids(model, ctx).expand(b, -1))
+        token = state.last_logits.argmax(-1)
+        engine.decode(state, token)  # warm-up
+        _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
+        rates[b] = b * steps / secs
+    return {"bench": "batch", "ctx": ctx, "batch": batch, "tokens_per_s_batch1": rates[1],
+            f"tokens_per_s_batch{batch}": rates[batch], "batch_speedup": rates[batch] / rates[1]}

@@ -14,7 +14,7 @@ import time
 import torch
 
 from model import load
-from model.bench import bench_decode, bench_prefill, bench_resume
+from model.bench import bench_batch, bench_decode, bench_prefill, bench_resume
 
 
 def device_ceilings() -> dict:
@@ -45,6 +45,7 @@ def main() -> None:
     p.add_argument("--prefill", default="8192")
     p.add_argument("--decode", default="4096,32768")
     p.add_argument("--resume", default="8192")
+    p.add_argument("--batch", default="4096")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     with open(a.out, "w") as out:
@@ -63,6 +64,8 @@ def main() -> None:
         short, *longs = map(int, filter(None, a.decode.split(",")))
         for n in longs:
             emit(bench_decode(model, n, short=short, steps=8))
+        for n in map(int, filter(None, a.batch.split(","))):
+            emit(bench_batch(model, n, batch=16))
         for n in map(int, filter(None, a.resume.split(","))):
             emit(bench_resume(model, n, gen=16))
 
