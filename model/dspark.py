@@ -53,16 +53,7 @@ class DraftAttention(Attention):
     def __init__(self, args: ModelArgs, stage: int):
         nn.Module.__init__(self)
         self.args, self.stage, self.layer, self.ratio = args, stage, args.num_hidden_layers + stage, 0
-        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
-        self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
-        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.wkv = nn.Linear(args.hidden_size, self.head_dim, bias=False)
-        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        group_in = self.n_heads * self.head_dim // args.o_groups
-        self.wo_a = nn.Linear(group_in, args.o_groups * args.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
-        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self._projections(args)
         self.compressor = self.indexer = None
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor, ropes) -> torch.Tensor:

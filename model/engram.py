@@ -7,7 +7,6 @@ its gated injection into the streams (``model.model.Engram``).
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -153,6 +152,3 @@ class NgramHasher:
                               f"differs from the prime sums {hasher.table_sizes}")
         return hasher
 
-
-def load_token_map_json(path: Path) -> list[int]:
-    return json.loads(Path(path).read_text())

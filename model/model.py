@@ -213,6 +213,12 @@ class Attention(nn.Module):
         super().__init__()
         self.args, self.layer = args, layer
         self.ratio = args.ratios[layer]
+        self._projections(args)
+        self.compressor = Compressor(args, self.ratio) if layer in args.kv_source_layer_ids else None
+        self.indexer = Indexer(args, layer) if layer in args.index_source_layer_ids else None
+
+    def _projections(self, args: ModelArgs) -> None:
+        """The query low-rank path, the K=V latent, the grouped output and the sinks."""
         self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
         self.wq_a = nn.Linear(args.hidden_size, args.q_lora_rank, bias=False)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
@@ -223,8 +229,6 @@ class Attention(nn.Module):
         self.wo_a = nn.Linear(group_in, args.o_groups * args.o_lora_rank, bias=False)
         self.wo_b = nn.Linear(args.o_groups * args.o_lora_rank, args.hidden_size, bias=False)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
-        self.compressor = Compressor(args, self.ratio) if layer in args.kv_source_layer_ids else None
-        self.indexer = Indexer(args, layer) if layer in args.index_source_layer_ids else None
 
     def forward(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
         B, S, _ = x.shape

@@ -2,7 +2,6 @@
 of its saves, a writer killed inside its transaction, lock contention, and two
 writers at once. The child process is tests/sessions_child.py."""
 
-import os
 import random
 import signal
 import subprocess
