@@ -218,7 +218,8 @@ class Agent:
         if start == end:
             return
         ids = torch.tensor([self.log[start:end]])
-        self.rt.engine.prefill(self.state, ids, images=self._images(start, end))
+        self.rt.engine.prefill(self.state, ids, images=self._images(start, end),
+                               progress=lambda done, total: self.emit({"event": "prefill", "done": done, "total": total}))
         self.usage.prompt_tokens += end - start
 
     def _respond(self) -> tuple[dict, list[dict], str]:

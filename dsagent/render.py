@@ -119,6 +119,7 @@ class PrefillNotice:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._status = None
+        self._done = (0, None)
 
     def start(self) -> None:
         if self.show and self.err.is_terminal:
@@ -129,8 +130,12 @@ class PrefillNotice:
     def _show(self) -> None:
         with self._lock:
             if self._timer is not None:
-                self._status = self.err.status("prefilling the prompt…", spinner="dots")
+                self._status = Progress(TextColumn("prefilling"), BarColumn(), MofNCompleteColumn(),
+                                        TextColumn("tokens"), TimeElapsedColumn(), console=self.err,
+                                        transient=True)
+                self._task = self._status.add_task("prefill", total=self._done[1], completed=self._done[0])
                 self._status.start()
+                self._status.refresh()  # draw now: short prefills end before the first auto refresh
 
     def stop(self) -> None:
         with self._lock:
@@ -141,8 +146,16 @@ class PrefillNotice:
                 self._status.stop()
                 self._status = None
 
+    def _progress(self, event: dict) -> None:
+        with self._lock:
+            self._done = (event["done"], event["total"])
+            if self._status is not None:
+                self._status.update(self._task, completed=event["done"], total=event["total"])
+
     def __call__(self, event: dict) -> None:
-        if event["event"] != "usage":
+        if event["event"] == "prefill":
+            self._progress(event)
+        elif event["event"] != "usage":
             self.stop()
         self.on_event(event)
         if event["event"] == "tool_result":  # the results are prefilled next

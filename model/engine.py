@@ -91,36 +91,42 @@ class Engine:
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
-    def prefill(self, state: State, ids: torch.Tensor, *, mode: str | None = None, images=None) -> torch.Tensor:
+    def prefill(self, state: State, ids: torch.Tensor, *, mode: str | None = None, images=None,
+                progress=None) -> torch.Tensor:
         """Consume ``ids`` [B, n]; returns (and keeps) the logits of the last position [B, vocab].
-        ``images``: optional (image_embeds [B, n, D], image_mask [B, n])."""
+        ``images``: optional (image_embeds [B, n, D], image_mask [B, n]); ``progress``: called
+        with (tokens done, total) after each chunk."""
         ids = ids.to(self.model.device)
         self._check_room(state, ids.shape[1])
         if ids.shape[1] == 0:
             return state.last_logits
         mode = mode or self.mode
+        chunks = self._chunks(ids, images, progress)
         if mode == "exact" or not self.args.supports_ced:
-            state.last_logits = self._exact(state, ids, images)
+            state.last_logits = self._exact(state, chunks)
         else:
-            state.last_logits = self._ced(state, ids, images)
+            state.last_logits = self._ced(state, chunks)
         return state.last_logits
 
-    def _chunks(self, ids: torch.Tensor, images):
-        for s in range(0, ids.shape[1], self.chunk):
+    def _chunks(self, ids: torch.Tensor, images, progress=None):
+        n = ids.shape[1]
+        for s in range(0, n, self.chunk):
             part = slice(s, s + self.chunk)
             emb, mask = (None, None) if images is None else (images[0][:, part], images[1][:, part])
             yield ids[:, part], emb, mask
+            if progress is not None:
+                progress(min(n, s + self.chunk), n)
 
-    def _exact(self, state: State, ids, images) -> torch.Tensor:
-        for chunk, emb, mask in self._chunks(ids, images):
+    def _exact(self, state: State, chunks) -> torch.Tensor:
+        for chunk, emb, mask in chunks:
             logits = self.model(chunk, state.cache, image_embeds=emb, image_mask=mask)
         return logits[:, -1]
 
-    def _ced(self, state: State, ids, images) -> torch.Tensor:
+    def _ced(self, state: State, chunks) -> torch.Tensor:
         m, cache, window = self.model, state.cache, self.args.sliding_window
         encoder = range(self.args.decoder_start)
         start, tail = cache.length, _Tail()
-        for chunk, emb, mask in self._chunks(ids, images):
+        for chunk, emb, mask in chunks:
             streams, pre, step = m.begin(chunk, cache, cache.length, image_embeds=emb, image_mask=mask)
             streams, pre = m.run_layers(streams, pre, step, cache, encoder)
             m.project_decoder_source(streams, pre, step, cache)

@@ -50,9 +50,11 @@ class ScriptedEngine:
     def new_state(self) -> State:
         return State(cache=_NoKV())
 
-    def prefill(self, state: State, ids: torch.Tensor, images=None):
+    def prefill(self, state: State, ids: torch.Tensor, images=None, progress=None):
         self.prompts.append(ids[0].tolist())
         state.cache.length += ids.shape[1]
+        if progress is not None:
+            progress(ids.shape[1], ids.shape[1])
 
     def replay(self, state: State, log_ids: torch.Tensor, images=None, tokens=None):
         return None

@@ -13,16 +13,20 @@ from sessions import Store
 pexpect = pytest.importorskip("pexpect")
 
 
+MESSAGE = "please read this carefully " * 120
+
+
 def test_chat_in_a_terminal(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
-    child = pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", "--session", "tty", "--tool", "calculator",
+    # every built-in tool (a long system prompt) and a long message: the prefill takes seconds
+    child = pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", "--session", "tty",
                                            "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=300,
                           dimensions=(40, 120))
     try:
         child.expect("/help for commands")
         child.expect("› ")
-        child.sendline("hello")
+        child.sendline(MESSAGE)
         child.expect("prefilling")  # the prompt takes more than a second
         child.sendcontrol("c")
         child.expect("interrupted")
@@ -36,4 +40,4 @@ def test_chat_in_a_terminal(tmp_path):
         child.close(force=True)
     assert child.exitstatus == 0
     with Store.open(home) as st:
-        assert st.messages("tty")[1]["content"] == "hello"  # the interrupted turn was kept
+        assert st.messages("tty")[1]["content"] == MESSAGE  # the interrupted turn was kept
