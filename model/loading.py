@@ -70,7 +70,9 @@ def bind_tokenizer(model: Transformer, tokenizer_json: Path | None) -> None:
 
 @torch.no_grad()
 def init_weights(model: Transformer, seed: int) -> None:
-    """Seeded random weights with sane scales: N(0, 1/fan_in) linears, unit norms, small hc."""
+    """Seeded random weights with sane scales: N(0, 1/fan_in) linears, unit norms, small hc.
+    The generator lives on the model's device (fast for GPU-sized presets), so the same seed
+    gives other weights on another device type; the fingerprint records it."""
     g = torch.Generator(device=model.device).manual_seed(seed)
     for name, p in model.named_parameters():
         p.copy_(_init_value(name, p, g))
@@ -144,8 +146,8 @@ def fingerprint(model: Transformer, source: str | Path, seed: int = 0) -> str:
     h.update(json.dumps(model.args.to_config(), sort_keys=True, default=str).encode())
     h.update(f"kv-format:{FORMAT_VERSION}".encode())
     path = Path(source)
-    if str(source) in PRESETS:
-        h.update(f"preset:{source}:seed:{seed}".encode())
+    if str(source) in PRESETS:  # random weights depend on the generator of the init device
+        h.update(f"preset:{source}:seed:{seed}:init:{model.device.type}".encode())
         tok = BUNDLED_TOKENIZER
     else:
         for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
