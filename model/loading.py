@@ -98,19 +98,24 @@ def expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
 
 
 def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float32, progress=None) -> None:
-    """Fill a meta-device model from an official checkpoint directory (sharded or single file)."""
+    """Fill a meta-device model from an official checkpoint directory (sharded or single file),
+    one layer group at a time, so peak memory is the model in ``dtype`` plus one group."""
     expected = expected_shapes(model)
     if (path / "model.safetensors.index.json").is_file():
-        from model.checkpoint import read_checkpoint
+        from model.checkpoint import iter_checkpoint
 
-        tensors = read_checkpoint(path, expected, dtype=torch.float32, device="cpu", progress=progress,
-                                  ignore_prefixes=_unbuilt_prefixes(model))
+        groups = iter_checkpoint(path, expected, dtype=dtype, device="cpu", progress=progress,
+                                 ignore_prefixes=_unbuilt_prefixes(model))
     else:
-        tensors = _read_single_file(path, expected)
-    model.load_state_dict(tensors, strict=True, assign=True)
+        groups = [("all", _read_single_file(path, expected))]
+    for _, tensors in groups:
+        tensors = {k: v.to(device, torch.float32 if _keeps_fp32(k) else dtype) for k, v in tensors.items()}
+        model.load_state_dict(tensors, strict=False, assign=True)
+    left = [n for n, p in model.named_parameters() if p.is_meta]
+    assert not left, f"checkpoint reader left parameters unloaded: {left[:5]}"
     model.ropes.to_empty(device=device)
     model.ropes.__init__(model.args)
-    cast_model(model.to(device), dtype)
+    model.to(device)
 
 
 def _unbuilt_prefixes(model: Transformer) -> tuple:
