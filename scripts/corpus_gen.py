@@ -1,0 +1,492 @@
+"""The synthetic training corpus of the embedded default model (issue 11), record by record.
+
+Owns: building one conversation per record in the shape the agent really produces
+(DEFAULT_SYSTEM with every built-in tool schema, OpenAI-style messages, DSML tool calls
+as `tool_calls`, tool results as `tool` messages, images as `sha256:` image blocks),
+for five kinds:
+
+  a  chat        short questions about this runtime and simple facts
+  b  tools       calculator arithmetic, read_file / list_dir questions, a shell command,
+                 view_image; the tools really run in a temporary workspace
+  c  images      Pillow-drawn shapes (colour, kind, count) to describe or count
+  d  recall      a `key: value` planted early in 2,000-6,000 tokens of filler, asked at the end
+  e  multi_turn  sessions whose later turns depend on earlier answers or results
+
+Every record carries its ground truth (`truth`) so tests and evaluations can check it,
+and `encode_record` turns one into token ids plus the mask of trained (assistant) ids
+the way the agent appends turns. Each record draws from its own RNG seeded by
+(CORPUS_VERSION, seed, index), so records are independent and the corpus is
+byte-for-byte reproducible.
+
+Does not own: writing shards and the manifest (make_corpus.py), training, or expanding
+image placeholders into image spans (the vision model does that at train time).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, ImageDraw
+
+from dsagent.agent import DEFAULT_SYSTEM
+from model.chat import Conversation
+from model.tokenizer import Tokenizer
+from model.vision import image_sha256
+from tools import ToolResult, ToolRunner, Workspace, builtin_toolbox
+
+CORPUS_VERSION = 1
+THINKING_MODE = "chat"  # the agent's default; every completion follows `</think>`
+KINDS = {"a": "chat", "b": "tools", "c": "images", "d": "recall", "e": "multi_turn"}
+TRAIN_ROLES = ["assistant"]
+
+COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220),
+           "yellow": (240, 210, 20), "orange": (245, 130, 20), "purple": (140, 50, 170)}
+BACKGROUNDS = [(255, 255, 255), (235, 235, 235), (20, 20, 20)]
+SHAPES = ("circle", "square", "triangle")
+NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six"]
+IMAGE_SIDE, GRID = 126, 3  # 3x3 cells of 42 px: shapes never touch
+RECALL_TOKENS = (2000, 6000)
+
+
+# -- one conversation -------------------------------------------------------------------
+
+@dataclass
+class Builder:
+    """A conversation under construction; tool calls run for real in `workspace`."""
+
+    rng: random.Random
+    workspace: Path | None = None
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    images: dict[str, bytes] = field(default_factory=dict)
+    truth: dict[str, Any] = field(default_factory=dict)
+    calls: int = 0
+
+    def __post_init__(self) -> None:
+        self.messages.append({"role": "system", "content": DEFAULT_SYSTEM,
+                              "tools": builtin_toolbox().schemas()})
+
+    def user(self, text: str, image: bytes | None = None) -> None:
+        if image is None:
+            self.messages.append({"role": "user", "content": text})
+            return
+        blocks = [{"type": "text", "text": text}, self.image_block(image)]
+        self.messages.append({"role": "user", "content": blocks if self.rng.random() < 0.5 else blocks[::-1]})
+
+    def say(self, text: str) -> None:
+        self.messages.append({"role": "assistant", "content": text})
+
+    def image_block(self, data: bytes) -> dict[str, Any]:
+        sha = image_sha256(data)
+        self.images[sha] = data
+        return {"type": "image_url", "image_url": {"url": f"sha256:{sha}"}}
+
+    def call(self, *calls: tuple[str, dict[str, Any]]) -> list[ToolResult]:
+        """One assistant step with these tool calls, then their real results."""
+        ids = [f"call_{self.calls + i}" for i in range(len(calls))]
+        self.calls += len(calls)
+        self.messages.append({"role": "assistant", "content": "", "tool_calls": [
+            {"id": cid, "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+            for cid, (name, args) in zip(ids, calls)]})
+        results = [self.run(name, args) for name, args in calls]
+        for cid, res in zip(ids, results):
+            content = [{"type": "text", "text": res.text}] + [self.image_block(d) for d in res.images]
+            self.messages.append({"role": "tool", "tool_call_id": cid,
+                                  "content": content if res.images else res.text})
+        return results
+
+    def run(self, name: str, args: dict[str, Any]) -> ToolResult:
+        assert self.workspace is not None, "tool calls need a workspace"
+        return ToolRunner(builtin_toolbox(), Workspace(self.workspace), policy="yes").run(name, args)
+
+    def record(self, rid: str, kind: str) -> dict[str, Any]:
+        return {"id": rid, "kind": kind, "version": CORPUS_VERSION, "thinking_mode": THINKING_MODE,
+                "messages": self.messages, "train_mask_roles": TRAIN_ROLES, "truth": self.truth,
+                "images": {sha: base64.b64encode(d).decode("ascii") for sha, d in self.images.items()}}
+
+
+def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer) -> dict[str, Any]:
+    """Record `index` of the corpus for `seed`, of kind a-e."""
+    rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
+    rid = f"{seed}-{index:07d}-{kind}"
+    with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
+        b = Builder(rng, Path(tmp))
+        if kind == "d":
+            recall_conversation(b, tokenizer)
+        else:
+            {"a": chat_conversation, "b": tool_conversation, "c": image_conversation,
+             "e": multi_turn_conversation}[kind](b)
+        return b.record(rid, kind)
+
+
+def encode_record(record: dict[str, Any], tokenizer: Tokenizer) -> tuple[Conversation, list[bool]]:
+    """Append the record's messages as the agent does (system+user, each assistant reply,
+    the tool results of a step); returns the conversation and a per-id trained mask."""
+    conv = Conversation(tokenizer, thinking_mode=record["thinking_mode"])
+    mask: list[bool] = []
+    for group in turn_groups(record["messages"]):
+        trained = group[0]["role"] in record["train_mask_roles"]
+        mask += [trained] * len(conv.append(group))
+    return conv, mask
+
+
+def turn_groups(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """Each assistant message alone; runs of other messages together."""
+    groups: list[list[dict[str, Any]]] = []
+    for msg in messages:
+        if msg["role"] == "assistant" or not groups or groups[-1][0]["role"] == "assistant":
+            groups.append([msg])
+        else:
+            groups[-1].append(msg)
+    return groups
+
+
+# -- (a) short chat ---------------------------------------------------------------------
+
+def _runtime_facts() -> list[tuple[str, str]]:
+    tools = ", ".join(builtin_toolbox().names())
+    return [
+        ("Who are you?", "I am dsagent, a local assistant running a DeepSeek-V4.1-style model."),
+        ("What model do you run?", "A small DeepSeek-V4.1-style model, running locally on this machine."),
+        ("Do you need the internet?", "No. I run locally; the model and the tools work offline."),
+        ("Which tools can you use?", f"I can use these tools: {tools}."),
+        ("Can you look at pictures?", "Yes. Attach an image and I can describe it, or I can open one with view_image."),
+        ("Do you remember our earlier sessions?", "Yes. Sessions are saved on disk, so a session can be resumed later."),
+        ("How do I ask you a single question from the shell?", 'Run: dsagent run "your question"'),
+        ("How do I start a chat with you?", "Run: dsagent chat"),
+        ("Can you do arithmetic?", "Yes. I use the calculator tool for exact results."),
+        ("Can you run shell commands?", "Yes, with run_shell, inside the workspace, after you approve it."),
+    ]
+
+
+FACTS = [
+    ("What colour is the sky on a clear day?", "Blue."), ("What colour is grass?", "Green."),
+    ("What colour is snow?", "White."), ("How many days are in a week?", "Seven."),
+    ("How many months are in a year?", "Twelve."), ("How many legs does a spider have?", "Eight."),
+    ("How many sides does a triangle have?", "Three."), ("How many sides does a square have?", "Four."),
+    ("What is the opposite of hot?", "Cold."), ("What is the opposite of up?", "Down."),
+    ("What is the capital of France?", "Paris."), ("What is the capital of Japan?", "Tokyo."),
+    ("What is the capital of Italy?", "Rome."), ("Which planet do we live on?", "Earth."),
+    ("What do bees make?", "Honey."), ("At what temperature does water freeze, in Celsius?", "0 °C."),
+]
+GREETINGS = [("Hello!", "Hello! How can I help?"), ("Hi", "Hi! What can I do for you?"),
+             ("Thanks!", "You're welcome."), ("Good morning.", "Good morning! How can I help?")]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+
+
+def _sequence_fact(rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 0.5:
+        i = rng.randrange(7)
+        return f"What day comes after {DAYS[i]}?", f"{DAYS[(i + 1) % 7]}."
+    n = rng.randrange(1, 99)
+    return f"What number comes after {n}?", f"{n + 1}."
+
+
+def chat_conversation(b: Builder) -> None:
+    pick = b.rng.random()
+    pool = _runtime_facts() if pick < 0.4 else FACTS if pick < 0.75 else GREETINGS
+    q, a = b.rng.choice(pool) if pick < 0.9 else _sequence_fact(b.rng)
+    b.user(q)
+    b.say(a)
+    b.truth = {"answer": a}
+
+
+# -- (b) tools --------------------------------------------------------------------------
+
+WORDS = ["falcon", "maple", "orbit", "harbor", "cedar", "lumen", "quartz", "willow", "ember", "delta",
+         "sable", "tundra", "meadow", "cobalt", "juniper", "nimbus"]
+NAMES = ["Mira", "Tomas", "Ada", "Kenji", "Lena", "Omar", "Priya", "Jonas", "Sofia", "Ravi"]
+
+
+def arithmetic(rng: random.Random) -> str:
+    """A small expression the calculator evaluates exactly."""
+    a, b, c = rng.randint(2, 99), rng.randint(2, 99), rng.randint(2, 12)
+    return rng.choice([f"{a} + {b}", f"{a} - {b}", f"{a} * {b}", f"({a} + {b}) * {c}",
+                       f"{a * c} / {c}", f"{a} ** 2", f"{a * b} // {b}", f"{a} % {c}",
+                       f"sqrt({a * a})", f"{a} * {b} - {c}"])
+
+
+def number_text(result: str) -> str:
+    """The calculator's repr as a person writes it: 12.0 -> 12."""
+    return result[:-2] if result.endswith(".0") else result
+
+
+def ask_calculator(b: Builder, expr: str, question: str) -> str:
+    b.user(question)
+    value = number_text(b.call(("calculator", {"expression": expr}))[0].text)
+    b.truth.setdefault("arithmetic", []).append({"expression": expr, "value": value})
+    return value
+
+
+def make_files(b: Builder) -> dict[str, str]:
+    """A small workspace: notes, a todo list, a log and a data folder; returns their text."""
+    rng, root = b.rng, b.workspace
+    owner, project, day = rng.choice(NAMES), rng.choice(WORDS), rng.choice(DAYS)
+    todo = [f"- [ ] {w} the {v}" for w, v in zip(rng.sample(["fix", "test", "write", "check", "clean"], 3),
+                                                 rng.sample(WORDS, 3))][: rng.randint(1, 3)]
+    log = [f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR'])} step {i} {rng.choice(WORDS)}" for i in range(rng.randint(3, 12))]
+    files = {"notes.txt": f"owner: {owner}\nproject: {project}\nmeeting: {day}\n",
+             "todo.md": "\n".join(todo) + "\n", "logs/run.log": "\n".join(log) + "\n"}
+    for name in rng.sample(WORDS, rng.randint(1, 4)):
+        files[f"data/{name}.{rng.choice(['txt', 'csv', 'py'])}"] = f"{name} {rng.randint(1, 999)}\n"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    b.truth["files"] = files
+    return files
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}es" if word.endswith("s") else f"{n} {word}s"
+
+
+def read_question(b: Builder, files: dict[str, str]) -> None:
+    key = b.rng.choice(["owner", "project", "meeting"])
+    value = dict(line.split(": ") for line in files["notes.txt"].splitlines())[key]
+    b.user(b.rng.choice([f"What is the {key} in notes.txt?", f"Check notes.txt: what is the {key}?"]))
+    b.call(("read_file", {"path": "notes.txt"}))
+    b.say(f"The {key} in notes.txt is {value}.")
+    b.truth["answer"] = value
+
+
+def list_question(b: Builder, files: dict[str, str]) -> None:
+    names = sorted(p.split("/", 1)[1] for p in files if p.startswith("data/"))
+    b.user(b.rng.choice(["What files are in the data folder?", "List the data directory."]))
+    b.call(("list_dir", {"path": "data"}))
+    b.say(f"The data folder has {_plural(len(names), 'file')}: {', '.join(names)}.")
+    b.truth["answer"] = len(names)
+
+
+def shell_question(b: Builder, files: dict[str, str]) -> None:
+    log = files["logs/run.log"].splitlines()
+    if b.rng.random() < 0.5:
+        b.user("How many lines does logs/run.log have? Use the shell.")
+        out = b.call(("run_shell", {"command": "wc -l < logs/run.log"}))[0].text
+        n, what = len(log), "lines"
+    else:
+        b.user("How many ERROR lines are in logs/run.log? Use a shell command.")
+        out = b.call(("run_shell", {"command": "grep -c ERROR logs/run.log"}))[0].text
+        n, what = sum("ERROR" in line for line in log), "ERROR lines"
+    assert out.splitlines()[1].strip() == str(n), out
+    b.say(f"logs/run.log has {n} {what}.")
+    b.truth["answer"] = n
+
+
+def view_question(b: Builder) -> None:
+    shape = draw_shapes(b.rng)
+    name = f"{b.rng.choice(WORDS)}.png"
+    (b.workspace / name).write_bytes(shape.png)
+    b.user(b.rng.choice([f"What is in {name}?", f"Look at {name} and tell me how many shapes it shows."]))
+    b.call(("view_image", {"path": name}))
+    b.say(describe(shape))
+    b.truth["image"] = shape.truth()
+
+
+def calc_question(b: Builder) -> None:
+    if b.rng.random() < 0.2:  # two independent sums in one step
+        e1, e2 = arithmetic(b.rng), arithmetic(b.rng)
+        b.user(f"Compute {e1} and {e2}.")
+        v1, v2 = (number_text(r.text) for r in b.call(("calculator", {"expression": e1}),
+                                                      ("calculator", {"expression": e2})))
+        b.truth["arithmetic"] = [{"expression": e1, "value": v1}, {"expression": e2, "value": v2}]
+        b.say(f"{e1} = {v1} and {e2} = {v2}.")
+        return
+    expr = arithmetic(b.rng)
+    q = b.rng.choice([f"What is {expr}?", f"Calculate {expr}.", f"Use the calculator: {expr}"])
+    b.say(f"{expr} = {ask_calculator(b, expr, q)}.")
+
+
+def tool_conversation(b: Builder) -> None:
+    pick = b.rng.random()
+    if pick < 0.35:
+        calc_question(b)
+    elif pick < 0.85:
+        files = make_files(b)
+        b.rng.choice([read_question, list_question, shell_question])(b, files)
+    else:
+        view_question(b)
+
+
+# -- (c) images -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Shapes:
+    png: bytes
+    kind: str
+    colour: str
+    count: int
+
+    def truth(self) -> dict[str, Any]:
+        return {"kind": self.kind, "colour": self.colour, "count": self.count,
+                "rgb": list(COLOURS[self.colour])}
+
+
+def _draw_one(draw: ImageDraw.ImageDraw, kind: str, box: tuple[int, int, int, int], rgb) -> None:
+    x0, y0, x1, y1 = box
+    if kind == "circle":
+        draw.ellipse(box, fill=rgb)
+    elif kind == "square":
+        draw.rectangle(box, fill=rgb)
+    else:
+        draw.polygon([((x0 + x1) // 2, y0), (x1, y1), (x0, y1)], fill=rgb)
+
+
+def draw_shapes(rng: random.Random) -> Shapes:
+    """1-5 same-coloured shapes of one kind in distinct grid cells on a plain background."""
+    kind, colour, count = rng.choice(SHAPES), rng.choice(sorted(COLOURS)), rng.randint(1, 5)
+    img = Image.new("RGB", (IMAGE_SIDE, IMAGE_SIDE), rng.choice(BACKGROUNDS))
+    draw, cell = ImageDraw.Draw(img), IMAGE_SIDE // GRID
+    for c in rng.sample(range(GRID * GRID), count):
+        size = rng.randint(18, 30)
+        x = (c % GRID) * cell + rng.randint(4, cell - size - 4)
+        y = (c // GRID) * cell + rng.randint(4, cell - size - 4)
+        _draw_one(draw, kind, (x, y, x + size, y + size), COLOURS[colour])
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return Shapes(buf.getvalue(), kind, colour, count)
+
+
+def describe(s: Shapes) -> str:
+    verb = "is" if s.count == 1 else "are"
+    return f"There {verb} {NUMBER_WORDS[s.count]} {s.colour} {_plural(s.count, s.kind).split(' ', 1)[1]}."
+
+
+IMAGE_QUESTIONS = {
+    "count": ["How many shapes are in this picture?", "Count the shapes."],
+    "colour": ["What colour are the shapes?", "Which colour do you see?"],
+    "kind": ["What kind of shapes are these?", "Which shape is drawn here?"],
+    "describe": ["Describe this image.", "What do you see?"],
+}
+
+
+def image_answer(s: Shapes, aspect: str) -> str:
+    lead = {"count": f"{s.count}.", "colour": f"{s.colour.capitalize()}.",
+            "kind": f"{_plural(2, s.kind).split(' ', 1)[1].capitalize()}.", "describe": ""}[aspect]
+    return f"{lead} {describe(s)}".strip()
+
+
+def image_conversation(b: Builder) -> None:
+    s = draw_shapes(b.rng)
+    aspect = b.rng.choice(sorted(IMAGE_QUESTIONS))
+    b.user(b.rng.choice(IMAGE_QUESTIONS[aspect]), image=s.png)
+    b.say(image_answer(s, aspect))
+    b.truth["image"] = s.truth()
+
+
+# -- (d) long-context recall --------------------------------------------------------------
+
+PLACES = ["the north hall", "the lab", "room four", "the garden", "the depot", "the archive", "the harbor"]
+THINGS = ["lamp", "crate", "ladder", "kettle", "map", "bell", "rope", "barrel", "clock", "ledger"]
+ADJS = ["old", "small", "heavy", "bright", "quiet", "dusty", "narrow", "round"]
+KEY_KINDS = ["access code", "locker number", "password", "badge id"]
+
+
+def filler_line(rng: random.Random) -> str:
+    if rng.random() < 0.5:
+        return (f"On {rng.choice(DAYS)} {rng.choice(NAMES)} moved the {rng.choice(ADJS)} "
+                f"{rng.choice(THINGS)} to {rng.choice(PLACES)}.")
+    return (f"Inventory: {rng.choice(ADJS)} {rng.choice(THINGS)}, shelf {rng.choice(WORDS)}, "
+            f"checked by {rng.choice(NAMES)}.")
+
+
+def secret(rng: random.Random) -> str:
+    """A value that no filler line can contain (letters, a dash, digits)."""
+    letters = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(3))
+    return f"{letters}-{rng.randint(1000, 9999)}"
+
+
+def recall_document(rng: random.Random, tokenizer: Tokenizer, key: str, value: str) -> list[str]:
+    """Filler lines up to the drawn length, the key planted in the first fifth, decoys after."""
+    target = rng.randint(*RECALL_TOKENS)
+    lines, tokens = [], 0
+    while tokens < target:
+        lines.append(filler_line(rng))
+        tokens += len(tokenizer.encode_content(lines[-1] + "\n"))
+    lines.insert(rng.randrange(1, max(2, len(lines) // 5)), f"{key}: {value}")
+    return lines
+
+
+def plant_decoys(rng: random.Random, lines: list[str], key_kind: str, owner: str) -> None:
+    for other in rng.sample([n for n in WORDS if n != owner], rng.randint(2, 4)):
+        lines.insert(rng.randrange(len(lines) // 5, len(lines)), f"{key_kind} of {other}: {secret(rng)}")
+
+
+def recall_conversation(b: Builder, tokenizer: Tokenizer) -> None:
+    rng = b.rng
+    key_kind, owner, value = rng.choice(KEY_KINDS), rng.choice(WORDS), secret(rng)
+    key = f"{key_kind} of {owner}"
+    lines = recall_document(rng, tokenizer, key, value)
+    plant_decoys(rng, lines, key_kind, owner)
+    document, question = "\n".join(lines), f"What is the {key}?"
+    if rng.random() < 0.5:
+        b.user(f"Here is a log.\n\n{document}\n\n{question}")
+    else:
+        b.user(f"Read this log; I will ask about it.\n\n{document}")
+        b.say("I have read the log. What would you like to know?")
+        b.user(question)
+    b.say(f"The {key} is {value}.")
+    b.truth = {"key": key, "value": value, "question": question}
+
+
+# -- (e) multi-turn ------------------------------------------------------------------------
+
+def remember_session(b: Builder) -> None:
+    name, pet, colour = b.rng.choice(NAMES), b.rng.choice(WORDS).capitalize(), b.rng.choice(sorted(COLOURS))
+    b.user(f"My name is {name}, my cat is called {pet} and my favourite colour is {colour}.")
+    b.say(f"Nice to meet you, {name}. I'll remember that.")
+    q, a = b.rng.choice(FACTS)
+    b.user(q)
+    b.say(a)
+    ask = b.rng.choice([("What is my cat called?", f"Your cat is called {pet}.", pet),
+                        ("What is my name?", f"Your name is {name}.", name),
+                        ("What is my favourite colour?", f"Your favourite colour is {colour}.", colour)])
+    b.user(ask[0])
+    b.say(ask[1])
+    b.truth = {"answer": ask[2]}
+
+
+def calc_session(b: Builder) -> None:
+    expr = arithmetic(b.rng)
+    value = ask_calculator(b, expr, f"What is {expr}?")
+    b.say(f"{expr} = {value}.")
+    for _ in range(b.rng.randint(1, 2)):
+        n, op, word = b.rng.randint(2, 50), *b.rng.choice([("+", "Add {} to that."), ("*", "Multiply that by {}."),
+                                                           ("-", "Subtract {} from that.")])
+        expr = f"{value} {op} {n}"
+        value = ask_calculator(b, expr, word.format(n))
+        b.say(f"{expr} = {value}.")
+    b.truth["answer"] = value
+
+
+def file_session(b: Builder) -> None:
+    files = make_files(b)
+    names = sorted(p.split("/", 1)[1] for p in files if p.startswith("data/"))
+    b.user("What is in the data folder?")
+    b.call(("list_dir", {"path": "data"}))
+    b.say(f"The data folder has {_plural(len(names), 'file')}: {', '.join(names)}.")
+    b.user("Show me the first one." if b.rng.random() < 0.5 else f"Read {names[0]}.")
+    text = b.call(("read_file", {"path": f"data/{names[0]}"}))[0].text
+    b.say(f"data/{names[0]} contains: {text.strip()}")
+    b.truth["answer"] = text.strip()
+
+
+def image_session(b: Builder) -> None:
+    s = draw_shapes(b.rng)
+    aspects = b.rng.sample(sorted(IMAGE_QUESTIONS), 2)
+    b.user(b.rng.choice(IMAGE_QUESTIONS[aspects[0]]), image=s.png)
+    b.say(image_answer(s, aspects[0]))
+    follow = {"count": "And how many are there?", "colour": "And their colour?",
+              "kind": "And what shape are they?", "describe": "Describe it in one sentence."}[aspects[1]]
+    b.user(follow)
+    b.say(image_answer(s, aspects[1]))
+    b.truth["image"] = s.truth()
+
+
+def multi_turn_conversation(b: Builder) -> None:
+    b.rng.choice([remember_session, calc_session, file_session, image_session])(b)

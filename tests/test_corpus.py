@@ -1,0 +1,232 @@
+"""Tests of the synthetic corpus generator (scripts/make_corpus.py, scripts/corpus_gen.py).
+
+Checks reproducibility, that every kind is written, that every assistant turn renders
+to a completion `parse_completion` reads back, that tool results are what the real
+tools return, that arithmetic, image and recall answers match the stored ground truth,
+and that a record's ids are append-only across turns.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import sys
+from collections import deque
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import corpus_gen  # noqa: E402
+import make_corpus  # noqa: E402
+from model.chat import encode_messages  # noqa: E402
+from model.dsml import parse_completion  # noqa: E402
+from model.tokenizer import Tokenizer  # noqa: E402
+from model.vision import decode_image, image_sha256  # noqa: E402
+from tools import ToolRunner, Workspace, builtin_toolbox  # noqa: E402
+
+N, SEED = 30, 7
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.bundled()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("corpus")
+    make_corpus.main(["--out", str(out), "--n", str(N), "--seed", str(SEED)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def records(corpus) -> list[dict]:
+    return [json.loads(line) for line in (corpus / "corpus-00000.jsonl").read_text().splitlines()]
+
+
+def _of(records, *kinds):
+    return [r for r in records if r["kind"] in kinds]
+
+
+def _text(content) -> str:
+    if isinstance(content, list):
+        return "\n\n".join(b.get("text", "") for b in content if b.get("type") == "text")
+    return content or ""
+
+
+# -- the files -------------------------------------------------------------------------
+
+def test_same_seed_same_bytes_other_seed_differs(corpus, tmp_path):
+    make_corpus.main(["--out", str(tmp_path / "again"), "--n", str(N), "--seed", str(SEED)])
+    make_corpus.main(["--out", str(tmp_path / "other"), "--n", str(N), "--seed", str(SEED + 1)])
+    for name in ("manifest.json", "corpus-00000.jsonl"):
+        assert (corpus / name).read_bytes() == (tmp_path / "again" / name).read_bytes()
+    assert (corpus / "corpus-00000.jsonl").read_bytes() != (tmp_path / "other" / "corpus-00000.jsonl").read_bytes()
+
+
+def test_manifest_and_every_kind_present(corpus, records):
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    assert manifest["version"] == corpus_gen.CORPUS_VERSION and manifest["seed"] == SEED
+    assert manifest["counts"] == {name: N // 5 for name in corpus_gen.KINDS.values()}
+    assert {r["kind"] for r in records} == set(corpus_gen.KINDS)
+    assert all(s["min"] > 0 and s["trained"] > 0 for s in manifest["tokens"].values())
+    assert len({r["id"] for r in records}) == N
+
+
+def test_kinds_subset_and_bad_arguments(tmp_path):
+    make_corpus.main(["--out", str(tmp_path), "--n", "4", "--seed", "1", "--kinds", "c,a"])
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "corpus-00000.jsonl").read_text().splitlines()]
+    assert kinds == ["c", "a", "c", "a"]
+    for bad in (["--n", "3", "--kinds", "a,z"], ["--n", "0"]):
+        with pytest.raises(SystemExit):
+            make_corpus.parse_args(["--out", str(tmp_path), *bad])
+
+
+# -- the encoding ------------------------------------------------------------------------
+
+def test_every_assistant_turn_parses_back(records):
+    for r in records:
+        for i, msg in enumerate(r["messages"]):
+            if msg["role"] != "assistant":
+                continue
+            text = encode_messages([msg], context=r["messages"][:i], thinking_mode=r["thinking_mode"]).text
+            parsed = parse_completion(text, r["thinking_mode"])
+            assert parsed["content"] == msg["content"], r["id"]
+            got = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in parsed["tool_calls"]]
+            want = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg.get("tool_calls", [])]
+            assert got == want, r["id"]
+
+
+def test_ids_are_append_only_across_turns(records, tokenizer):
+    for r in records:
+        conv, mask = corpus_gen.encode_record(r, tokenizer)
+        full = encode_messages(r["messages"], thinking_mode=r["thinking_mode"]).tokenize(tokenizer)
+        assert conv.ids == full.ids and conv.image_positions == full.image_positions, r["id"]
+        assert len(mask) == len(conv.ids) and mask[-1] and conv.ids[-1] == tokenizer.eos_id
+        assert len(full.image_positions) == sum(
+            1 for m in r["messages"] if isinstance(m.get("content"), list)
+            for b in m["content"] if b["type"] == "image_url")
+
+
+def test_system_prompt_is_the_agents(records):
+    for r in records:
+        system = r["messages"][0]
+        assert system["role"] == "system" and system["tools"] == builtin_toolbox().schemas()
+        assert system["content"] == corpus_gen.DEFAULT_SYSTEM
+
+
+# -- tools -------------------------------------------------------------------------------
+
+def _replay_workspace(record: dict, root: Path) -> None:
+    for rel, text in record["truth"].get("files", {}).items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text, encoding="utf-8")
+    for i, msg in enumerate(record["messages"]):
+        for call in msg.get("tool_calls") or []:
+            if call["function"]["name"] == "view_image":
+                result = record["messages"][i + 1]["content"]
+                sha = result[1]["image_url"]["url"].removeprefix("sha256:")
+                path = json.loads(call["function"]["arguments"])["path"]
+                (root / path).write_bytes(base64.b64decode(record["images"][sha]))
+
+
+def test_tool_results_are_what_the_real_tools_return(records, tmp_path):
+    checked = set()
+    for n, r in enumerate(_of(records, "b", "e")):
+        root = tmp_path / str(n)
+        root.mkdir()
+        _replay_workspace(r, root)
+        runner = ToolRunner(builtin_toolbox(), Workspace(root), policy="yes")
+        results = {m["tool_call_id"]: m["content"] for m in r["messages"] if m["role"] == "tool"}
+        for msg in r["messages"]:
+            for call in msg.get("tool_calls") or []:
+                res = runner.run(call["function"]["name"], call["function"]["arguments"])
+                content = results[call["id"]]
+                assert res.ok and res.text == _text(content), r["id"]
+                shown = [b["image_url"]["url"] for b in content if b["type"] == "image_url"] \
+                    if isinstance(content, list) else []
+                assert shown == [f"sha256:{image_sha256(d)}" for d in res.images], r["id"]
+                checked.add(call["function"]["name"])
+    assert "calculator" in checked and checked & {"read_file", "list_dir", "run_shell", "view_image"}
+
+
+def _python_value(expression: str) -> str:
+    value = eval(expression, {"__builtins__": {}}, {"sqrt": math.sqrt})  # noqa: S307 - our own expressions
+    return corpus_gen.number_text(repr(value))
+
+
+def test_arithmetic_answers_are_correct(records):
+    sums = [(r, a) for r in records for a in r["truth"].get("arithmetic", [])]
+    assert sums
+    for r, a in sums:
+        assert a["value"] == _python_value(a["expression"]), r["id"]
+        assert any(f"{a['expression']} = {a['value']}" in m["content"] for m in r["messages"]
+                   if m["role"] == "assistant"), r["id"]
+
+
+def test_every_tool_and_generator_branch_is_reachable(tokenizer):
+    names = set()
+    for i in range(60):
+        r = corpus_gen.make_record(11, i, "b", tokenizer)
+        names |= {c["function"]["name"] for m in r["messages"] for c in m.get("tool_calls") or []}
+    assert {"calculator", "read_file", "list_dir", "run_shell", "view_image"} <= names
+
+
+# -- images ------------------------------------------------------------------------------
+
+def _components(mask: np.ndarray) -> int:
+    seen, count = np.zeros_like(mask), 0
+    for y, x in zip(*np.nonzero(mask)):
+        if seen[y, x]:
+            continue
+        count += 1
+        queue, seen[y, x] = deque([(y, x)]), True
+        while queue:
+            cy, cx = queue.popleft()
+            for ny, nx in ((cy + 1, cx), (cy - 1, cx), (cy, cx + 1), (cy, cx - 1)):
+                if 0 <= ny < mask.shape[0] and 0 <= nx < mask.shape[1] and mask[ny, nx] and not seen[ny, nx]:
+                    seen[ny, nx] = True
+                    queue.append((ny, nx))
+    return count
+
+
+def test_images_decode_and_answers_match_what_was_drawn(records):
+    with_images = [r for r in records if "image" in r["truth"]]
+    assert _of(with_images, "c")
+    for r in with_images:
+        truth = r["truth"]["image"]
+        (data,) = [base64.b64decode(v) for v in r["images"].values()]
+        pixels = np.asarray(decode_image(data))
+        mask = np.any(pixels != pixels[0, 0], axis=-1)
+        assert _components(mask) == truth["count"], r["id"]
+        assert {tuple(p) for p in pixels[mask]} == {tuple(truth["rgb"])}, r["id"]
+        answer = r["messages"][-1]["content"]
+        assert truth["colour"] in answer and truth["kind"] in answer, r["id"]
+        assert corpus_gen.NUMBER_WORDS[truth["count"]] in answer, r["id"]
+
+
+# -- long context and multi-turn ----------------------------------------------------------
+
+def test_recall_plants_the_value_once_in_a_long_context(records, tokenizer):
+    for r in _of(records, "d"):
+        truth, users = r["truth"], [m for m in r["messages"] if m["role"] == "user"]
+        before = "\n".join(_text(m["content"]) for m in r["messages"][1:])
+        before = before[:before.rindex(truth["question"])]
+        assert len(tokenizer.encode_content(before)) > 2000, r["id"]
+        assert before.count(truth["value"]) == 1, r["id"]
+        assert before.index(truth["value"]) < len(before) // 4, r["id"]
+        assert users[-1]["content"].endswith(truth["question"])
+        assert r["messages"][-1]["content"] == f"The {truth['key']} is {truth['value']}."
+
+
+def test_multi_turn_final_answers_depend_on_earlier_turns(records):
+    for r in _of(records, "e"):
+        assert sum(m["role"] == "user" for m in r["messages"]) >= 2, r["id"]
+        final = r["messages"][-1]["content"]
+        last_user = [m for m in r["messages"] if m["role"] == "user"][-1]
+        answer = str(r["truth"]["answer"]) if "answer" in r["truth"] else r["truth"]["image"]["colour"]
+        assert answer in final and answer not in _text(last_user["content"]), r["id"]
