@@ -199,7 +199,7 @@ class Agent:
     def _append(self, messages: list[dict]) -> None:
         """Render ``messages`` after the logged ones and append their ids, expanding images."""
         rendered = encode_messages(messages, context=self.messages, thinking_mode=self.opts.thinking_mode,
-                                   reasoning_effort=self.opts.reasoning_effort)
+                                   reasoning_effort=self.opts.reasoning_effort, literal_placeholders=True)
         tokens = rendered.tokenize(self.rt.tokenizer)
         ids, shas = tokens.ids, [r["url"].removeprefix("sha256:") for r in rendered.images]
         out, last = [], 0

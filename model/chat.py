@@ -195,15 +195,15 @@ def _image_record(block: dict[str, Any]) -> dict[str, Any]:
     return record
 
 
-def _check_no_placeholder(text: Any, where: str) -> None:
-    if isinstance(text, str) and IMAGE_PLACEHOLDER in text:
+def _check_no_placeholder(text: Any, where: str, literal_ok: bool = False) -> None:
+    if not literal_ok and isinstance(text, str) and IMAGE_PLACEHOLDER in text:
         raise ChatFormatError(
             f"{where} contains the image token {IMAGE_PLACEHOLDER!r}; "
             "give images as image content blocks instead"
         )
 
 
-def _blocks(content: list[Any], images: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _blocks(content: list[Any], images: list[dict[str, Any]], literal_ok: bool = False) -> list[dict[str, Any]]:
     """Validate content blocks; image blocks become {'type': 'image'} markers."""
     out = []
     for block in content:
@@ -214,7 +214,7 @@ def _blocks(content: list[Any], images: list[dict[str, Any]]) -> list[dict[str, 
             out.append({"type": "image"})
             continue
         if block.get("type") == "text":
-            _check_no_placeholder(block.get("text"), "a text block")
+            _check_no_placeholder(block.get("text"), "a text block", literal_ok)
         out.append(block)
     return out
 
@@ -232,17 +232,17 @@ def _joined_parts(blocks: list[dict[str, Any]]) -> list[tuple[str, str]]:
     return parts
 
 
-def _normalize(msg: dict[str, Any], images: list[dict[str, Any]]) -> dict[str, Any]:
+def _normalize(msg: dict[str, Any], images: list[dict[str, Any]], literal_ok: bool = False) -> dict[str, Any]:
     """A deep copy with `parts` (the content as tagged parts) and, for list content,
     `blocks`; placeholders typed into text are refused."""
     if not isinstance(msg, dict):
         raise ChatFormatError(f"a message must be an object, got {type(msg).__name__}")
     msg = copy.deepcopy(msg)
     content = msg.get("content")
-    _check_no_placeholder(content, "message content")
-    _check_no_placeholder(msg.get("reasoning_content"), "reasoning_content")
+    _check_no_placeholder(content, "message content", literal_ok)
+    _check_no_placeholder(msg.get("reasoning_content"), "reasoning_content", literal_ok)
     if isinstance(content, list):
-        msg["blocks"] = _blocks(content, images)
+        msg["blocks"] = _blocks(content, images, literal_ok)
         msg["parts"] = _joined_parts(msg["blocks"])
     elif content is None or isinstance(content, str):
         msg["parts"] = [(CONTENT, content)] if content else []
@@ -525,13 +525,13 @@ def _render_message(index: int, ctx: _Ctx) -> list[Segment]:
 
 # -- the encoder ---------------------------------------------------------------------------
 
-def _prepare(messages: list[dict[str, Any]], context: list[dict[str, Any]]):
+def _prepare(messages: list[dict[str, Any]], context: list[dict[str, Any]], literal_ok: bool = False):
     """Normalise, merge tool messages and sort tool results. Returns (context, messages,
     images of `messages`). Context is merged apart from the new messages, as the
     reference does, so new tool results never join a cached user turn."""
     images: list[dict[str, Any]] = []
-    ctx_norm = [_normalize(m, []) for m in context]
-    new_norm = [_normalize(m, images) for m in messages]
+    ctx_norm = [_normalize(m, [], literal_ok) for m in context]
+    new_norm = [_normalize(m, images, literal_ok) for m in messages]
     ctx_merged, new_merged = _merge_tools(ctx_norm), _merge_tools(new_norm)
     _sort_tool_results(ctx_norm + new_merged)  # calls in the context order new results
     _sort_tool_results(ctx_merged)
@@ -546,13 +546,18 @@ def encode_messages(
     drop_thinking: bool = True,
     add_default_bos_token: bool = True,
     context: list[dict[str, Any]] | None = None,
+    literal_placeholders: bool = False,
 ) -> Rendered:
     """Render `messages` as the V4.1 prompt; `context` is already in the cache: it is
     not rendered (and gets no BOS) but counts for indices, drop_thinking, tools and
-    tool-result order. Raises ChatFormatError for what the reference refuses."""
+    tool-result order. Raises ChatFormatError for what the reference refuses.
+
+    `literal_placeholders=True` accepts a literal image placeholder inside text (a file or
+    tool output quoting it) instead of refusing it as the reference does: the text is
+    content, so its tokens never include the image id; only image blocks make images."""
     _check_mode(thinking_mode)
     budget = effort_budget(reasoning_effort)
-    ctx_msgs, new_msgs, images = _prepare(messages, context or [])
+    ctx_msgs, new_msgs, images = _prepare(messages, context or [], literal_placeholders)
     full = ctx_msgs + new_msgs
     drop = drop_thinking and not any(m.get("tools") for m in full)
     thinking = thinking_mode == "thinking"

@@ -226,3 +226,16 @@ def test_conversation_rejects_non_assistant_generation(tok):
         conv.add_generated({"role": "user", "content": "x"}, [1])
     with pytest.raises(ChatFormatError):
         Conversation(tok, thinking_mode="chat", reasoning_effort="xhigh")
+
+
+def test_literal_placeholder_is_refused_by_default_and_text_on_request():
+    from model.chat import ChatFormatError, encode_messages
+    from model.tokenizer import Tokenizer
+
+    msgs = [{"role": "user", "content": "quote: <｜deepseek_image｜> end"}]
+    with pytest.raises(ChatFormatError):
+        encode_messages(msgs, thinking_mode="chat")  # the reference refuses it
+    rendered = encode_messages(msgs, thinking_mode="chat", literal_placeholders=True)
+    tok = Tokenizer.bundled()
+    assert "quote: <｜deepseek_image｜> end" in rendered.text and rendered.images == []
+    assert tok.image_token_id not in rendered.ids(tok)
