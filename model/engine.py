@@ -119,22 +119,30 @@ class Engine:
 
     def _exact(self, state: State, chunks) -> torch.Tensor:
         for chunk, emb, mask in chunks:
-            logits = self.model(chunk, state.cache, image_embeds=emb, image_mask=mask)
-        return logits[:, -1]
+            logits = self._all_layers(state, chunk, state.cache.length, emb, mask)
+        return logits
+
+    def _all_layers(self, state: State, ids, start: int, emb, mask) -> torch.Tensor:
+        """Every layer on ``ids`` at positions [start, ...); the head only on the last one."""
+        m, cache = self.model, state.cache
+        streams, pre, step = m.begin(ids, cache, start, image_embeds=emb, image_mask=mask)
+        streams, pre = m.run_layers(streams, pre, step, cache, range(self.args.num_hidden_layers))
+        cache.length = max(cache.length, step.end)
+        return m.logits(streams[:, -1:], pre[:, -1:])[:, -1]
 
     def _ced(self, state: State, chunks) -> torch.Tensor:
         m, cache, window = self.model, state.cache, self.args.sliding_window
         encoder = range(self.args.decoder_start)
-        start, tail = cache.length, _Tail()
+        tail = _Tail()
         for chunk, emb, mask in chunks:
             streams, pre, step = m.begin(chunk, cache, cache.length, image_embeds=emb, image_mask=mask)
             streams, pre = m.run_layers(streams, pre, step, cache, encoder)
             m.project_decoder_source(streams, pre, step, cache)
             tail.push(window, streams, pre, step.hash_ids, mask)
             cache.length = step.end
-        return self._decoder_replay(state, tail, start)
+        return self._decoder_replay(state, tail)
 
-    def _decoder_replay(self, state: State, tail: _Tail, start: int) -> torch.Tensor:
+    def _decoder_replay(self, state: State, tail: _Tail) -> torch.Tensor:
         """Run the decoder layers on the newest ``window`` tokens only (bounded replay)."""
         r = tail.streams.shape[1]
         step = Step(start=state.cache.length - r, length=r, hash_ids=tail.hash_ids, image_mask=tail.image_mask)
@@ -192,10 +200,7 @@ class Engine:
         self._seed_engram(state, log_ids, begin, images)
         tail = log_ids[:, begin:].to(self.model.device)
         emb, mask = (images and images(begin, n)) or (None, None)
-        m, cache = self.model, state.cache
-        streams, pre, step = m.begin(tail, cache, begin, image_embeds=emb, image_mask=mask)
-        streams, pre = m.run_layers(streams, pre, step, cache, range(self.args.num_hidden_layers))
-        state.last_logits = m.logits(streams[:, -1:], pre[:, -1:])[:, -1]
+        state.last_logits = self._all_layers(state, tail, begin, emb, mask)
         return state.last_logits
 
     def _seed_engram(self, state: State, log_ids: torch.Tensor, begin: int, images) -> None:
