@@ -11,7 +11,6 @@ its first ``state.length`` tokens; the rest (at most a turn's worth) is prefille
 """
 from __future__ import annotations
 
-import json
 import math
 import secrets
 import time
@@ -376,6 +375,3 @@ def _exists(store: Store, name: str) -> bool:
     except SessionNotFound:
         return False
 
-
-def dumps(event: Event) -> str:
-    return json.dumps(event, ensure_ascii=False)

@@ -18,7 +18,7 @@ from model.engram import find_tokenizer_json
 from model.loading import PRESETS, fingerprint, load
 from model.model import Transformer
 from model.tokenizer import Tokenizer
-from model.vision import decode_image, span_length, plan_image
+from model.vision import decode_image
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "model" / "assets" / "default"
 
@@ -71,10 +71,6 @@ class Runtime:
                 raise ValueError("this model has no vision tower, so it cannot read images")
             self._spans[sha] = self.model.encode_image(decode_image(data))
         return sha, self._spans[sha]
-
-    def image_span_length(self, data: bytes) -> int:
-        img = decode_image(data)
-        return span_length(plan_image(img.width, img.height, self.args.vision))
 
 
 def _tokenizer_for(source: str) -> Tokenizer:

@@ -66,18 +66,21 @@ def bench_prefill(model: Transformer, ctx: int, *, chunk: int = 512, gen: int = 
 
 def bench_decode(model: Transformer, ctx: int, *, short: int | None = None, steps: int = 16, chunk: int = 512) -> dict:
     short = short or max(model.args.sliding_window, ctx // 32)
-    times = {}
-    for n in (short, ctx):
-        engine = Engine(model, mode="ced", chunk=chunk)
-        state = engine.new_state()
-        engine.prefill(state, prompt_ids(model, n))
-        token = state.last_logits.argmax(-1)
-        engine.decode(state, token)  # warm-up
-        _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
-        times[n] = secs / steps
+    times = {n: _step_seconds(model, n, 1, steps, chunk) for n in (short, ctx)}
     return {"bench": "decode", "ctx_short": short, "ctx_long": ctx, "step_ms_short": 1e3 * times[short],
             "step_ms_long": 1e3 * times[ctx], "long_over_short": times[ctx] / times[short],
             "decode_tokens_per_s_long": 1 / times[ctx]}
+
+
+def _step_seconds(model: Transformer, ctx: int, batch: int, steps: int, chunk: int) -> float:
+    """Mean decode step time of ``batch`` rows after a CED prefill of ``ctx`` tokens."""
+    engine = Engine(model, mode="ced", chunk=chunk)
+    state = engine.new_state(batch=batch)
+    engine.prefill(state, prompt_ids(model, ctx).expand(batch, -1))
+    token = state.last_logits.argmax(-1)
+    engine.decode(state, token)  # warm-up
+    _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
+    return secs / steps
 
 
 def export_bytes(engine: Engine, state: State) -> tuple[bytes, dict]:
@@ -161,14 +164,6 @@ def _forward_seconds(model: Transformer, state: State, ids: list[int], repeats: 
 
 def bench_batch(model: Transformer, ctx: int, *, batch: int = 16, steps: int = 8, chunk: int = 512) -> dict:
     """Decode tokens/s at ``batch`` rows against one row, same context length."""
-    rates = {}
-    for b in (1, batch):
-        engine = Engine(model, mode="ced", chunk=chunk)
-        state = engine.new_state(batch=b)
-        engine.prefill(state, prompt_ids(model, ctx).expand(b, -1))
-        token = state.last_logits.argmax(-1)
-        engine.decode(state, token)  # warm-up
-        _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
-        rates[b] = b * steps / secs
+    rates = {b: b / _step_seconds(model, ctx, b, steps, chunk) for b in (1, batch)}
     return {"bench": "batch", "ctx": ctx, "batch": batch, "tokens_per_s_batch1": rates[1],
             f"tokens_per_s_batch{batch}": rates[batch], "batch_speedup": rates[batch] / rates[1]}

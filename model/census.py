@@ -13,10 +13,8 @@ Definitions (ARCHITECTURE.md §5.3):
   and their projections (``engram.wkv``, ``q_weight``, ``k_weight``).
 - **vision**: the ViT, the aligner and the three image vectors (``vision.*``,
   ``aligner.*``, ``image_*``), built by the Transformer when the config has a vision part.
-- **dspark**: the draft stages are not built by the Transformer yet, so
-  :func:`dspark_params` counts them from the config (their attention shapes are layer 0's
-  and their MoE is a real ``MoE`` module). ``params_total`` = backbone + engram + vision +
-  dspark.
+- **dspark**: the draft stages ``mtp.*`` the Transformer builds when the config has
+  ``num_nextn_predict_layers``. ``params_total`` = backbone + engram + vision + dspark.
 - **active per decoded token**: every backbone parameter a token touches: for each layer
   its attention (with the CSA2 compressor / indexer it owns), mHC, router, shared expert
   and ``num_experts_per_tok`` routed experts; the ``head`` and final ``norm``; one
@@ -56,7 +54,7 @@ def backbone_counts(args: ModelArgs) -> dict[str, int]:
         model = Transformer(args.replace(n_routed_experts=args.num_experts_per_tok))
         ffn = {name: p.numel() for name, p in MoE(args).named_parameters()}
     counts = {name: p.numel() for name, p in model.named_parameters()
-              if ".ffn." not in name and not name.startswith("mtp.")}  # draft stages: dspark_params
+              if ".ffn." not in name or name.startswith("mtp.")}  # draft stages keep their real MoE
     for i in range(args.num_hidden_layers):
         counts.update({f"layers.{i}.ffn.{name}": n for name, n in ffn.items()})
     return counts
@@ -70,6 +68,8 @@ def part_of(name: str) -> str:
         return "vision"
     if name.startswith(("head.", "norm.")):
         return "head"
+    if name.startswith("mtp."):
+        return "dspark"
     rest = _LAYER.fullmatch(name).group(2)
     prefixes = (("engram.embed.", "engram_tables"), ("engram.", "engram_proj"),
                 ("attn.compressor.", "csa2_sources"), ("attn.indexer.", "csa2_sources"),
@@ -110,28 +110,6 @@ def _source_projection(args: ModelArgs, layer: dict[str, int]) -> int:
 
 # ----------------------------------------------------------------------------- DSpark (not built yet)
 
-def dspark_params(args: ModelArgs, counts: dict[str, int]) -> int:
-    """DSpark draft stages (§2.11, §3.3): ratio-0 blocks with their own MoE, plus the
-    context projection (stage 0) and the Markov and confidence heads (last stage).
-
-    A stage's attention, norms and mHC have the shapes of layer 0's without a compressor
-    or indexer; its MoE is a real ``MoE`` with ``dspark_n_routed_experts`` experts."""
-    n = args.num_nextn_predict_layers
-    if n == 0:
-        return 0
-    layer0 = _by_layer(counts)[0]
-    block = sum(v for k, v in layer0.items()
-                if k.startswith(("attn.", "attn_norm.", "ffn_norm.", "hc_"))
-                and not k.startswith(("attn.compressor.", "attn.indexer.")))
-    with torch.device("meta"):
-        moe = MoE(args, args.dspark_n_routed_experts, args.dspark_num_experts_per_tok)
-    block += sum(p.numel() for p in moe.parameters())
-    D, rank = args.hidden_size, args.dspark_markov_rank
-    context = D * D * len(args.dspark_target_layer_ids) + D  # main_proj + main_norm
-    heads = D + 2 * args.vocab_size * rank + (D + rank)  # norm, markov embed/head, confidence proj
-    return n * block + context + heads
-
-
 # ----------------------------------------------------------------------------- census
 
 def _layer_rows(args: ModelArgs, layers: dict[int, dict[str, int]]) -> list[dict]:
@@ -170,9 +148,8 @@ def census(args: ModelArgs) -> dict:
     for name, n in counts.items():
         parts[part_of(name)] = parts.get(part_of(name), 0) + n
     engram = parts.get("engram_tables", 0) + parts.get("engram_proj", 0)
-    vision = parts.get("vision", 0)
-    backbone = sum(counts.values()) - engram - vision
-    dspark = dspark_params(args, counts)
+    vision, dspark = parts.get("vision", 0), parts.get("dspark", 0)
+    backbone = sum(counts.values()) - engram - vision - dspark
     head = parts["head"]
     decode = head + args.hidden_size + sum(_layer_active(args, layers[i]) for i in layers)
     prefill = args.hidden_size + sum(_layer_active(args, layers[i]) for i in layers if i < args.decoder_start)
@@ -182,7 +159,7 @@ def census(args: ModelArgs) -> dict:
         "params_total": backbone + engram + dspark + vision,
         "params_backbone": backbone, "params_engram": engram, "params_dspark": dspark,
         "params_vision": vision, "params_active_decode": decode, "params_active_prefill": prefill,
-        "params_by_part": {**parts, "dspark": dspark},
+        "params_by_part": parts,
         "kv_global_bytes_per_token": _whole(args.kv_bytes_per_token()),
         "kv_window_bytes": args.num_hidden_layers * args.sliding_window * window_record_bytes(args.head_dim),
         "layers": _layer_rows(args, layers),

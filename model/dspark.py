@@ -34,7 +34,7 @@ from torch import nn
 
 from model.args import ModelArgs
 from model.cache import Cache, WindowRing
-from model.engine import Engine, Sampling, State, _top_p  # same shaping as plain sampling, by construction
+from model.engine import Engine, Sampling, State, shaped_probs  # the same shaping as plain sampling
 from model.model import MoE, Attention, Block, RMSNorm, Step, Transformer, apply_rope, hc_collapse
 from model.quant import fake_quant_fp8
 
@@ -202,17 +202,6 @@ class DraftContext:
 
 
 # ----------------------------------------------------------------------------- sampling helpers
-
-def shaped_probs(logits: torch.Tensor, p: Sampling) -> torch.Tensor:
-    """The distribution ``model.engine.sample_logits`` draws from (temperature, top-k, top-p)."""
-    scores = logits.float() / p.temperature
-    if p.top_k > 0:
-        kth = scores.topk(min(p.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if p.top_p < 1.0:
-        scores = _top_p(scores, p.top_p)
-    return scores.softmax(-1)
-
 
 def choose_gamma(confidence: Sequence[float], extra_token_cost: float, cap: int) -> int:
     """How many proposals to verify: the γ in [1, cap] maximising expected tokens per unit of

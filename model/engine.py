@@ -217,14 +217,19 @@ def sample_logits(logits: torch.Tensor, p: Sampling, generator: torch.Generator 
     """[B, V] logits -> [B] ids."""
     if p.temperature <= 0:
         return logits.argmax(-1)
+    probs = shaped_probs(logits, p).cpu()
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+
+
+def shaped_probs(logits: torch.Tensor, p: Sampling) -> torch.Tensor:
+    """The distribution sampling draws from: temperature, then top-k, then top-p."""
     scores = logits.float() / p.temperature
     if p.top_k > 0:
-        kth = scores.topk(min(p.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        kth = scores.topk(min(p.top_k, scores.shape[-1]), dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if p.top_p < 1.0:
         scores = _top_p(scores, p.top_p)
-    probs = scores.softmax(-1).cpu()
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1).to(logits.device)
+    return scores.softmax(-1)
 
 
 def _top_p(scores: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -131,11 +131,6 @@ class NgramHasher:
         return ids, seq[:, -h:] if h else history
 
     @classmethod
-    def from_tokenizer(cls, args, tokenizer_json: str | Path) -> "NgramHasher":
-        token_map, size = compressed_token_map(tokenizer_json)
-        return cls.from_map(args, token_map, size)
-
-    @classmethod
     def from_map(cls, args, token_map: list[int], size: int | None = None) -> "NgramHasher":
         from model.args import ConfigError
 

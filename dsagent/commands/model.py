@@ -57,7 +57,7 @@ def _n(x: int) -> str:
 def _summary(c: dict) -> Table:
     t = Table(title="Parameters and KV", show_header=False)
     rows = [("total", _n(c["params_total"])), ("backbone", _n(c["params_backbone"])),
-            ("engram", _n(c["params_engram"])), ("dspark (counted from config)", _n(c["params_dspark"])),
+            ("engram", _n(c["params_engram"])), ("dspark", _n(c["params_dspark"])),
             ("vision", _n(c["params_vision"])), ("active per decoded token", _n(c["params_active_decode"])),
             ("active per prefilled token (amortised)", _n(c["params_active_prefill"])),
             ("global KV bytes per token", str(c["kv_global_bytes_per_token"])),
