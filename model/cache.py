@@ -20,7 +20,7 @@ import torch
 
 from model.args import ModelArgs
 from model.engram import DEAD
-from model.quant import index_record_bytes, main_record_bytes, pack_window, unpack_window, window_record_bytes
+from model.quant import KVFormat
 
 FORMAT_VERSION = 2
 
@@ -32,20 +32,21 @@ class CacheFormatError(ValueError):
 class WindowRing:
     """FP8 window entries of one layer for the last ``cap`` positions."""
 
-    def __init__(self, batch: int, cap: int, dim: int, device):
-        self.dim = dim
-        self.data = torch.zeros(batch, cap, window_record_bytes(dim), dtype=torch.uint8, device=device)
+    def __init__(self, batch: int, cap: int, dim: int, device, kv: KVFormat = KVFormat.PACKED):
+        self.dim, self.kv = dim, kv
+        width, dtype = kv.window_row(dim)
+        self.data = torch.zeros(batch, cap, width, dtype=dtype, device=device)
         self.pos = torch.full((cap,), -1, dtype=torch.long, device=device)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(entries [B, cap, D] fp32, positions [cap]; -1 marks an empty slot)."""
-        return unpack_window(self.data, self.dim), self.pos
+        return self.kv.unpack_window(self.data, self.dim), self.pos
 
     def write(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
         cap = self.pos.shape[0]
         kv, positions = kv[:, -cap:], positions[-cap:]
         slots = positions % cap
-        self.data[:, slots] = pack_window(kv)
+        self.data[:, slots] = self.kv.pack_window(kv)
         self.pos[slots] = positions
 
     def truncate(self, length: int) -> None:
@@ -55,16 +56,18 @@ class WindowRing:
 class SourceKV:
     """Global KV of one KV-source layer: packed records + index keys, and pending tokens."""
 
-    def __init__(self, batch: int, ratio: int, dim: int, index_dim: int, device, spare: int = 16):
-        self.ratio, self.dim, self.index_dim = ratio, dim, index_dim
+    def __init__(self, batch: int, ratio: int, dim: int, index_dim: int, device, spare: int = 16,
+                 kv: KVFormat = KVFormat.PACKED):
+        self.ratio, self.dim, self.index_dim, self.kv = ratio, dim, index_dim, kv
         self.n = 0
         # projections of the newest tokens, so a rollback can rebuild the pending group
         hist = ratio + spare if ratio > 1 else 0
         self.hist_kv = torch.zeros(batch, hist, dim, device=device)
         self.hist_gate = torch.zeros(batch, hist, dim, device=device)
         self.hist_pos = torch.full((hist,), -1, dtype=torch.long, device=device)
-        self.records = torch.zeros(batch, 16, main_record_bytes(dim), dtype=torch.uint8, device=device)
-        self.index = torch.zeros(batch, 16, index_record_bytes(index_dim), dtype=torch.uint8, device=device)
+        (rec_w, rec_t), (idx_w, idx_t) = kv.main_row(dim), kv.index_row(index_dim)
+        self.records = torch.zeros(batch, 16, rec_w, dtype=rec_t, device=device)
+        self.index = torch.zeros(batch, 16, idx_w, dtype=idx_t, device=device)
         empty = torch.zeros(batch, 0, dim, device=device)
         self.pending_kv, self.pending_gate = empty, empty.clone()
 
@@ -90,7 +93,7 @@ class SourceKV:
             setattr(self, name, grown)
 
     def append(self, records: torch.Tensor, index: torch.Tensor) -> None:
-        """Append packed rows [B, G, 288] / [B, G, 68]."""
+        """Append rows made by the format's ``pack_main`` / ``pack_index`` ([B, G, 288] / [B, G, 68] packed)."""
         g = records.shape[1]
         self._grow(self.n + g)
         self.records[:, self.n: self.n + g] = records
@@ -127,13 +130,14 @@ class SourceKV:
 class Cache:
     """All inference state of a batch of sequences that share positions."""
 
-    def __init__(self, args: ModelArgs, batch: int = 1, device="cpu", spare: int = 16):
+    def __init__(self, args: ModelArgs, batch: int = 1, device="cpu", spare: int = 16,
+                 kv: KVFormat = KVFormat.PACKED):
         self.args, self.batch, self.device = args, batch, torch.device(device)
-        self.spare = spare
+        self.spare, self.kv = spare, kv
         self.length = 0  # positions consumed: the next new token is at this position
         cap = args.sliding_window + spare  # spare slots let speculation roll back
-        self.windows = [WindowRing(batch, cap, args.head_dim, self.device) for _ in range(args.num_hidden_layers)]
-        self.sources = {s: SourceKV(batch, args.ratios[s], args.head_dim, args.index_head_dim, self.device, spare)
+        self.windows = [WindowRing(batch, cap, args.head_dim, self.device, kv) for _ in range(args.num_hidden_layers)]
+        self.sources = {s: SourceKV(batch, args.ratios[s], args.head_dim, args.index_head_dim, self.device, spare, kv)
                         for s in args.kv_source_layer_ids}
         hist = cap + args.engram_max_ngram_size
         self.engram_ids = torch.full((batch, hist), DEAD, dtype=torch.long, device=self.device)
@@ -184,8 +188,13 @@ class Cache:
                 "sources": {str(s): {"ratio": v.ratio, "n": v.n} for s, v in self.sources.items()},
                 "layers": a.num_hidden_layers}
 
+    def _check_packed(self) -> None:
+        if not self.kv.packed:
+            raise CacheFormatError(f"a {self.kv} cache holds floats; only packed caches are exported")
+
     def global_state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Packed records and index keys per KV source (the part the session store keeps)."""
+        self._check_packed()
         tensors = {}
         for s, src in self.sources.items():
             rec, idx = src.view()
@@ -219,6 +228,7 @@ class Cache:
     def export_range(self, start: int, end: int) -> dict[str, bytes]:
         """Packed records / index keys of tokens [start, end) of batch row 0, per blob name.
         ``start`` and ``end`` must be multiples of every source's ratio."""
+        self._check_packed()
         out = {}
         for s, src in self.sources.items():
             a, b = start // src.ratio, end // src.ratio

@@ -69,7 +69,7 @@ class DraftAttention(Attention):
         old, old_pos = ctx.rings[self.stage].read()
         seen = (old_pos >= 0) & (old_pos < step.start) & (old_pos >= step.start - self.args.sliding_window)
         mask = torch.cat([seen, torch.ones(S, dtype=torch.bool, device=x.device)]).expand(S, -1)
-        out = self._attend(q, torch.cat([old.to(kv.dtype), kv], dim=1), mask, None)
+        out = self._attend(q, torch.cat([old.to(kv.dtype), kv], dim=1), mask[None], None)
         out = apply_rope(out, pos, ropes.main, inverse=True)
         return self.wo_b(self._grouped_wo_a(out).flatten(2))
 

@@ -28,8 +28,8 @@ from model.args import ModelArgs
 from model.cache import Cache, SourceKV
 from model.engram import NgramHasher
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
-from model.quant import INDEX_BLOCK, fake_quant_fp4, fake_quant_fp8, pack_index, pack_main, unpack_index, \
-    unpack_main
+from model import kernels
+from model.quant import KVFormat, main_record_bytes
 
 
 # ----------------------------------------------------------------------------- basics
@@ -85,6 +85,11 @@ class Step:
     hash_ids: torch.Tensor | None = None  # [B, S, n_engram_layers, n_cols]
     image_mask: torch.Tensor | None = None  # [B, S] True on image-span tokens
     shared: dict = field(default_factory=dict)  # per-forward: kv source, top-k, candidates
+    # training only (model.training): bounded replay simulated per row — the window of
+    # layer l holds no position below floor[b, l] (-1: no floor), as after a replay from there
+    floor: torch.Tensor | None = None  # [B, n_layers] long
+    dense: bool = False  # select every visible record (the indexer's dense warm-up)
+    index_losses: list | None = None  # when a list, index layers append their KL to attention
 
     @property
     def end(self) -> int:
@@ -152,27 +157,49 @@ class Indexer(nn.Module):
             self.wk = nn.Linear(args.head_dim, self.head_dim, bias=False)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
-    def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-        """Packed FP4 index keys of fresh latents (from the pre-RoPE latent)."""
-        return pack_index(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq))
+    def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, kv: KVFormat) -> torch.Tensor:
+        """FP4 index keys of fresh latents (from the pre-RoPE latent), stored as ``kv`` stores them."""
+        return kv.pack_index(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq))
 
-    def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq) -> torch.Tensor:
-        """[B, S, n] index scores; -inf where a record is not yet visible to the query."""
+    def _query(self, x, q_res, step: Step, inv_freq, kv: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP4 queries [B, S, h, d] and head weights [B, S, h]."""
         B, S, _ = x.shape
-        pos = step.positions(x.device)
         q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
-        q = fake_quant_fp4(apply_rope(q, pos, inv_freq), INDEX_BLOCK)
+        q = kv.index_query(apply_rope(q, step.positions(x.device), inv_freq))
+        return q, self.weights_proj(x).float() * self.n_heads ** -0.5
+
+    def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq, kv: KVFormat) -> torch.Tensor:
+        """[B, S, n] index scores; -inf where a record is not yet visible to the query."""
+        q, w = self._query(x, q_res, step, inv_freq, kv)
         s = torch.einsum("bshd,bnd->bshn", q.float(), keys).relu_() * self.head_dim ** -0.5
-        w = self.weights_proj(x).float() * self.n_heads ** -0.5
         s = (s * w.unsqueeze(-1)).sum(dim=2)
+        pos = step.positions(x.device)
         visible = torch.arange(keys.shape[1], device=x.device) < ((pos + 1) // self.args.ratios[self.layer])[:, None]
         return s.masked_fill(~visible, float("-inf"))
+
+    def fused_scores(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor:
+        """:meth:`scores` of one decode step, by the fused kernel on the packed index keys."""
+        q, w = self._query(x, q_res, step, inv_freq, src.kv)
+        n_visible = (step.start + 1) // self.args.ratios[self.layer]
+        s = kernels.indexer_scores(q[:, 0].float(), w[:, 0], src.view()[1], n_visible, self.head_dim ** -0.5)
+        return s[:, None]
 
     def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor | None:
         """Selected record indices [B, S, k] (-1 = none), or None when no record exists."""
         if src.n == 0:
             return None
-        s = self.scores(x, q_res, step, unpack_index(src.view()[1], self.head_dim), inv_freq)
+        # the indexer learns from its own loss only (its inputs are cut from the graph; so
+        # are the latents its keys come from, in Attention._update_source)
+        if _fused_step(x, step, src.kv):
+            s = self.fused_scores(x, q_res, step, src, inv_freq)
+        else:
+            keys = src.kv.unpack_index(src.view()[1], self.head_dim)
+            s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv)
+        if step.index_losses is not None:
+            step.shared["index_scores"] = s
+        if step.dense:
+            visible = s > float("-inf")
+            return torch.arange(s.shape[-1], device=s.device).expand_as(s).masked_fill(~visible, -1)
         if self.layer == self.args.candidate_source_layer_id:
             lens = (step.positions(x.device) + 1) // self.args.ratios[self.layer]
             step.shared["candidates"] = candidate_blocks(s, lens, self.args.candidate_topk_blocks,
@@ -181,6 +208,13 @@ class Indexer(nn.Module):
             s = s.masked_fill(~step.shared["candidates"], float("-inf"))
         values, indices = stable_topk(s, self.args.index_topk)
         return indices.masked_fill(values == float("-inf"), -1)
+
+
+def _fused_step(x: torch.Tensor, step: Step, kv: KVFormat) -> bool:
+    """A decode step (one position) on a packed cache, outside training, where the fused
+    kernels of ``model.kernels`` run (CUDA with Triton; ``DSAGENT_KERNELS=0`` turns them off)."""
+    return (x.shape[1] == 1 and kv.packed and step.floor is None and step.index_losses is None
+            and not step.dense and kernels.enabled(x))
 
 
 def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,21 +270,27 @@ class Attention(nn.Module):
         inv = ropes.compress if self.ratio else ropes.main
         q_res = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
-        kv = fake_quant_fp8(apply_rope(self.kv_norm(self.wkv(x)), pos, inv))
-        keys, key_mask = self._window_keys(kv, step, cache)
+        kv = cache.kv.window(apply_rope(self.kv_norm(self.wkv(x)), pos, inv))
+        fused = _fused_step(x, step, cache.kv)
+        if fused:
+            cache.windows[self.layer].write(kv, pos)
+        else:
+            keys, key_mask = self._window_keys(kv, step, cache)
         records = None
         if self.ratio:
             self._update_source(x, step, cache, ropes)
             if self.indexer is not None:
                 src = cache.sources[self.args.kv_source(self.layer)]
                 step.shared["topk"] = self.indexer(x, q_res, step, src, ropes.compress)
-            records = self._selected_records(cache, step)
-        out = self._attend(q, keys, key_mask, records)
+                if step.index_losses is not None and "index_scores" in step.shared:
+                    step.index_losses.append(self._index_loss(q, src, step.shared.pop("index_scores")))
+            records = None if fused else self._selected_records(cache, step)
+        out = self._fused_attend(q, step, cache) if fused else self._attend(q, keys, key_mask, records)
         out = apply_rope(out, pos, inv, inverse=True)
         return self.wo_b(self._grouped_wo_a(out).flatten(2))
 
     def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
-        """Window keys [B, cap+S, D] and the per-query mask [S, cap+S]; writes the ring."""
+        """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""
         ring = cache.windows[self.layer]
         old, old_pos = ring.read()
         pos = step.positions(kv.device)
@@ -258,6 +298,9 @@ class Attention(nn.Module):
         key_pos = torch.cat([old_pos, pos])
         mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= pos[:, None]) \
             & (key_pos[None, :] > pos[:, None] - self.args.sliding_window)
+        mask = mask[None]
+        if step.floor is not None:
+            mask = mask & (key_pos[None, None, :] >= step.floor[:, self.layer, None, None])
         ring.write(kv, pos)
         return torch.cat([old.to(kv.dtype), kv], dim=1), mask
 
@@ -268,35 +311,72 @@ class Attention(nn.Module):
         latent, first = self.compressor(x, step, src)
         if latent is not None:
             positions = first + self.ratio * torch.arange(latent.shape[1], device=x.device)
-            records = pack_main(apply_rope(latent, positions, ropes.compress))
-            src.append(records, self.indexer.keys(latent, positions, ropes.compress))
+            records = src.kv.pack_main(apply_rope(latent, positions, ropes.compress))
+            src.append(records, self.indexer.keys(latent.detach(), positions, ropes.compress, src.kv))
 
     def _selected_records(self, cache: Cache, step: Step):
+        """(rows [B, S, k, D], valid [B, S, k]) gathered per query; while training, the
+        dense-mask form (every record [B, n, D], selected [B, S, n]) of the same softmax."""
         idx = step.shared.get("topk")
         src = cache.sources[self.args.kv_source(self.layer)]
         if idx is None or src.n == 0:
             return None
         B, S, k = idx.shape
         packed = src.view()[0]
+        if step.index_losses is not None:
+            selected = torch.zeros(B, S, src.n, dtype=torch.bool, device=idx.device)
+            selected.scatter_(-1, idx.clamp_min(0), idx >= 0)
+            return src.kv.unpack_main(packed, self.head_dim), selected
         rows = packed.gather(1, idx.clamp_min(0).reshape(B, S * k, 1).expand(-1, -1, packed.shape[-1]))
-        return unpack_main(rows, self.head_dim).view(B, S, k, -1), idx >= 0
+        return src.kv.unpack_main(rows, self.head_dim).view(B, S, k, -1), idx >= 0
 
     def _attend(self, q, keys, key_mask, records) -> torch.Tensor:
         """One softmax over window entries, selected records and the per-head sink."""
         scale = self.head_dim ** -0.5
         logits = [torch.einsum("bshd,bjd->bshj", q.float(), keys.float()) * scale]
-        logits[0] = logits[0].masked_fill(~key_mask[None, :, None, :], float("-inf"))
+        logits[0] = logits[0].masked_fill(~key_mask[:, :, None, :], float("-inf"))
+        per_query = records is not None and records[0].dim() == 4
         if records is not None:
             rec, valid = records
-            r = torch.einsum("bshd,bskd->bshk", q.float(), rec) * scale
+            r = torch.einsum("bshd,bskd->bshk" if per_query else "bshd,bkd->bshk", q.float(), rec) * scale
             logits.append(r.masked_fill(~valid[:, :, None, :], float("-inf")))
         sink = self.attn_sink.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1)
         probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
         n_win = keys.shape[1]
         out = torch.einsum("bshj,bjd->bshd", probs[..., :n_win], keys.float())
         if records is not None:
-            out = out + torch.einsum("bshk,bskd->bshd", probs[..., n_win:-1], records[0])
+            out = out + torch.einsum("bshk,bskd->bshd" if per_query else "bshk,bkd->bshd",
+                                     probs[..., n_win:-1], records[0])
         return out.to(q.dtype)
+
+    def _fused_attend(self, q: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
+        """:meth:`_attend` of one decode step, by the fused kernel on the packed ring (already
+        holding this step's entry) and the packed records the indexer selected."""
+        ring, t, B = cache.windows[self.layer], step.start, q.shape[0]
+        valid = (ring.pos >= 0) & (ring.pos <= t) & (ring.pos > t - self.args.sliding_window)
+        idx = step.shared.get("topk") if self.ratio else None
+        if idx is None:
+            records = ring.data.new_zeros(B, 0, main_record_bytes(self.head_dim))
+            idx = torch.zeros(B, 0, dtype=torch.long, device=q.device)
+        else:
+            records, idx = cache.sources[self.args.kv_source(self.layer)].view()[0], idx[:, 0]
+        out = kernels.sparse_attention(q[:, 0], ring.data, valid.expand(B, -1), records, idx,
+                                       self.attn_sink.float(), self.head_dim ** -0.5)
+        return out[:, None].to(q.dtype)
+
+    def _index_loss(self, q: torch.Tensor, src: SourceKV, scores: torch.Tensor) -> torch.Tensor:
+        """KL from this layer's dense attention over every visible record (heads summed,
+        no gradient) to the indexer's softmax, per query with a visible record — the
+        indexer's training signal (DeepSeek-V3.2's lightning-indexer objective)."""
+        visible = scores > float("-inf")
+        with torch.no_grad():
+            rec = src.kv.unpack_main(src.view()[0], self.head_dim)
+            r = torch.einsum("bshd,bnd->bshn", q.float(), rec) * self.head_dim ** -0.5
+            target = r.masked_fill(~visible[:, :, None, :], float("-inf")).softmax(-1).nan_to_num(0.0).mean(2)
+        logp = scores.masked_fill(~visible, -1e4).log_softmax(-1)
+        kl = (target * (target.clamp_min(1e-12).log() - logp)).sum(-1)
+        rows = visible.any(-1)
+        return (kl * rows).sum() / rows.sum().clamp_min(1)
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         B, S = out.shape[:2]
@@ -500,14 +580,15 @@ class Transformer(nn.Module):
 
             self.mtp = DSpark(args)  # the draft stages, checkpoint names mtp.K.*
 
-    @torch.no_grad()
-    def encode_image(self, image) -> torch.Tensor:
-        """A decoded RGB PIL image -> its span embeddings [n_tokens, D] (start, rows+newlines, end)."""
+    def encode_image(self, image, *, grad: bool = False) -> torch.Tensor:
+        """A decoded RGB PIL image -> its span embeddings [n_tokens, D] (start, rows+newlines, end);
+        differentiable only when ``grad`` (training)."""
         if self.args.vision is None:
             raise ValueError("this checkpoint has no vision tower; it cannot read images")
         pixels, plan = preprocess(image, self.args.vision)
-        span = encode_image_span(self.vision, self.aligner, self.image_start, self.image_newline,
-                                 self.image_end, pixels.to(self.device, self.embed.weight.dtype), plan)
+        with torch.set_grad_enabled(grad):
+            span = encode_image_span(self.vision, self.aligner, self.image_start, self.image_newline,
+                                     self.image_end, pixels.to(self.device, self.embed.weight.dtype), plan)
         return span.to(self.embed.weight.dtype)
 
     def bind_token_map(self, token_map: list[int]) -> None:
@@ -518,8 +599,8 @@ class Transformer(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self, batch: int = 1) -> Cache:
-        return Cache(self.args, batch=batch, device=self.device)
+    def new_cache(self, batch: int = 1, kv: KVFormat = KVFormat.PACKED) -> Cache:
+        return Cache(self.args, batch=batch, device=self.device, kv=kv)
 
     def forward(self, input_ids: torch.Tensor, cache: Cache | None = None, *,
                 image_embeds: torch.Tensor | None = None, image_mask: torch.Tensor | None = None) -> torch.Tensor:

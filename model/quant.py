@@ -161,17 +161,104 @@ def unpack_index(b: torch.Tensor, dim: int) -> torch.Tensor:
     return (values.reshape(*b.shape[:-1], -1, INDEX_BLOCK) * scale.unsqueeze(-1)).reshape(*b.shape[:-1], dim)
 
 
+# ----------------------------------------------------------------------------- KV formats
+
+def straight_through(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
+    """``quantised`` in the forward pass, the identity's gradient in the backward pass."""
+    return x + (quantised - x).detach()
+
+
+class KVFormat:
+    """How a cache holds KV. ``PACKED``: the byte layouts above (inference, the store).
+    ``TRAIN``: the same values as floats, with straight-through gradients (QAT training).
+    ``FLOAT``: floats without any KV quantisation (the unquantised reference of the eval).
+    Attention sees identical numbers under PACKED and TRAIN."""
+
+    def __init__(self, name: str, packed: bool, quantise: bool):
+        self.name, self.packed, self.quantise = name, packed, quantise
+
+    def __repr__(self) -> str:
+        return f"KVFormat.{self.name}"
+
+    def _fake(self, x: torch.Tensor, quant) -> torch.Tensor:
+        if not self.quantise:
+            return x
+        return straight_through(x, quant(x)) if torch.is_grad_enabled() and x.requires_grad else quant(x)
+
+    # fresh values, as attention and the indexer see them
+    def window(self, kv: torch.Tensor) -> torch.Tensor:
+        return self._fake(kv, fake_quant_fp8)
+
+    def index_query(self, q: torch.Tensor) -> torch.Tensor:
+        return self._fake(q, lambda t: fake_quant_fp4(t, INDEX_BLOCK))
+
+    # stored rows: width and dtype of one row of ``dim`` channels
+    def window_row(self, dim: int) -> tuple[int, torch.dtype]:
+        return (window_record_bytes(dim), torch.uint8) if self.packed else (dim, torch.float32)
+
+    def main_row(self, dim: int) -> tuple[int, torch.dtype]:
+        return (main_record_bytes(dim), torch.uint8) if self.packed else (dim, torch.float32)
+
+    def index_row(self, dim: int) -> tuple[int, torch.dtype]:
+        return (index_record_bytes(dim), torch.uint8) if self.packed else (dim, torch.float32)
+
+    def pack_window(self, kv: torch.Tensor) -> torch.Tensor:
+        """``kv`` is already what :meth:`window` returned."""
+        return pack_window(kv) if self.packed else kv.float()
+
+    def unpack_window(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
+        return unpack_window(rows, dim) if self.packed else _snapshot(rows)
+
+    def pack_main(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            return pack_main(x)
+        return self._fake(x.float(), lambda t: fake_quant_fp4(t, RECORD_BLOCK, e4m3_scales=True))
+
+    def unpack_main(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
+        return unpack_main(rows, dim) if self.packed else _snapshot(rows)
+
+    def pack_index(self, x: torch.Tensor) -> torch.Tensor:
+        return pack_index(x) if self.packed else self._fake(x.float(), lambda t: fake_quant_fp4(t, INDEX_BLOCK))
+
+    def unpack_index(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
+        return unpack_index(rows, dim) if self.packed else _snapshot(rows)
+
+
+def _snapshot(rows: torch.Tensor) -> torch.Tensor:
+    """Float rows as read now: a copy when they carry gradients, since the cache keeps
+    writing into its buffers in place after autograd has saved what it read."""
+    return rows.clone() if rows.requires_grad else rows
+
+
+KVFormat.PACKED = KVFormat("PACKED", packed=True, quantise=True)
+KVFormat.TRAIN = KVFormat("TRAIN", packed=False, quantise=True)
+KVFormat.FLOAT = KVFormat("FLOAT", packed=False, quantise=False)
+
+
 # ----------------------------------------------------------------------------- weight formats
 
 def quantize_fp8_weight(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] -> (float8_e4m3fn [out, in], float8_e8m0fnu [ceil(out/B), ceil(in/B)])."""
-    out_f, in_f = w.shape
-    pad = torch.zeros(-(-out_f // block) * block, -(-in_f // block) * block, dtype=torch.float32)
+    q, scale = _fp8_tiles(w, (block, block))
+    return q.to(torch.float8_e4m3fn), ue8m0_encode(scale).view(torch.float8_e8m0fnu)
+
+
+def _fp8_tiles(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled (not yet rounded) values [out, in] and the power-of-two tile scales."""
+    (out_f, in_f), (bo, bi) = w.shape, block
+    pad = torch.zeros(-(-out_f // bo) * bo, -(-in_f // bi) * bi, dtype=torch.float32, device=w.device)
     pad[:out_f, :in_f] = w.float()
-    tiles = pad.reshape(pad.shape[0] // block, block, pad.shape[1] // block, block)
+    tiles = pad.reshape(pad.shape[0] // bo, bo, pad.shape[1] // bi, bi)
     scale = pow2_ceil(tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4) / FP8_MAX)
     q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(pad.shape)
-    return q[:out_f, :in_f].to(torch.float8_e4m3fn), ue8m0_encode(scale).view(torch.float8_e8m0fnu)
+    return q[:out_f, :in_f], scale
+
+
+def fake_quant_fp8_weight(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """FP8 weight with one power-of-two scale per (rows, cols) tile, dequantised on ``w``'s device."""
+    q, scale = _fp8_tiles(w, block)
+    s = scale.repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1)[:, : w.shape[1]]
+    return (q.to(torch.float8_e4m3fn).float() * s).to(w.dtype)
 
 
 def fp8_block_from_shapes(shape: tuple, scale_shape: tuple) -> tuple[int, int]:

@@ -2,13 +2,13 @@
 
     python3 scripts/make_corpus.py --out DIR --n N --seed S [--kinds a,b,c,d,e]
 
-Record i has kind `kinds[i % len(kinds)]` and is built by `corpus_gen.make_record` from
+Record i has kind `kinds[i % len(kinds)]` and is built by `dsagent.corpus.make_record` from
 its own seeded RNG, so the output is byte-for-byte the same for the same arguments.
 Writes `corpus-NNNNN.jsonl` shards (SHARD_RECORDS records each) and `manifest.json`
 (version, seed, kinds, counts per kind, token statistics, shard names). Token counts
 are of the rendered conversation with each image as one placeholder token.
 
-Does not own the records themselves (corpus_gen.py) or training.
+Does not own the records themselves (dsagent/corpus.py) or training.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from corpus_gen import CORPUS_VERSION, KINDS, THINKING_MODE, encode_record, make_record  # noqa: E402
+from dsagent.corpus import CORPUS_VERSION, KINDS, THINKING_MODE, encode_record, make_record  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SHARD_RECORDS = 1000

@@ -1,4 +1,4 @@
-"""Tests of the synthetic corpus generator (scripts/make_corpus.py, scripts/corpus_gen.py).
+"""Tests of the synthetic corpus generator (scripts/make_corpus.py, dsagent/corpus.py).
 
 Checks reproducibility, that every kind is written, that every assistant turn renders
 to a completion `parse_completion` reads back, that tool results are what the real
@@ -20,7 +20,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 
-import corpus_gen  # noqa: E402
+import dsagent.corpus as corpus_gen  # noqa: E402
 import make_corpus  # noqa: E402
 from model.chat import encode_messages  # noqa: E402
 from model.dsml import parse_completion  # noqa: E402

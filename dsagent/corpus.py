@@ -18,8 +18,9 @@ the way the agent appends turns. Each record draws from its own RNG seeded by
 (CORPUS_VERSION, seed, index), so records are independent and the corpus is
 byte-for-byte reproducible.
 
-Does not own: writing shards and the manifest (make_corpus.py), training, or expanding
-image placeholders into image spans (the vision model does that at train time).
+Does not own: writing shards and the manifest (scripts/make_corpus.py) or training
+(model.training, scripts/train_default.py); `training_example` only lays a record out
+as the agent's token log.
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from typing import Any
 from PIL import Image, ImageDraw
 
 from dsagent.agent import DEFAULT_SYSTEM
+from model.args import ModelArgs
 from model.chat import Conversation
 from model.tokenizer import Tokenizer
-from model.vision import image_sha256
+from model.training import Example
+from model.vision import decode_image, image_sha256, plan_image, span_length
 from tools import ToolResult, ToolRunner, Workspace, builtin_toolbox
 
 CORPUS_VERSION = 1
@@ -134,6 +137,26 @@ def encode_record(record: dict[str, Any], tokenizer: Tokenizer) -> tuple[Convers
         trained = group[0]["role"] in record["train_mask_roles"]
         mask += [trained] * len(conv.append(group))
     return conv, mask
+
+
+def training_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:
+    """The record's ids as the agent logs them — each image placeholder expanded to its
+    span of image tokens, as ``Agent._append`` does — with the trained mask and images."""
+    conv, mask = encode_record(record, tokenizer)
+    ids: list[int] = []
+    trained: list[bool] = []
+    images = []
+    last = 0
+    for pos, ref in zip(conv.image_positions, conv.images):
+        ids += conv.ids[last:pos]
+        trained += mask[last:pos]
+        image = decode_image(base64.b64decode(record["images"][ref["url"].removeprefix("sha256:")]))
+        n = span_length(plan_image(image.width, image.height, args.vision))
+        images.append((len(ids), image))
+        ids += [args.image_token_id] * n
+        trained += [False] * n
+        last = pos + 1
+    return Example(ids + conv.ids[last:], trained + mask[last:], images)
 
 
 def turn_groups(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -1,0 +1,68 @@
+"""Fused decode kernels on packed cache bytes, and the one place that picks kernel or twin.
+
+Public functions (one decode step, one query per batch row):
+- ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
+  fp32: ``Attention._attend`` for S=1 on FP8 window rows and selected FP4 records.
+- ``indexer_scores(q, weights, keys, n_visible, head_scale)`` -> [B, N] fp32:
+  ``Indexer.scores`` for S=1 on FP4 index keys. Top-k stays in torch
+  (``model.model.stable_topk``): it is a sort over at most ~16k scores per row, and its
+  tie order must stay the model's.
+
+Each runs the Triton kernel of ``model.kernels.fused`` when :func:`triton_available` and the
+tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU interpreter, for tests), else
+the pure-PyTorch twin of ``model.kernels.reference``; both compute the same function
+(``tests/test_kernels.py``). Triton is optional (``pip install .[gpu]``) and is imported only
+when a kernel runs. Does not own: where the inputs come from (``model.model``, ``model.cache``).
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from model.kernels.reference import indexer_scores_ref, sparse_attention_ref
+
+__all__ = ["triton_available", "enabled", "sparse_attention", "indexer_scores", "sparse_attention_ref", "indexer_scores_ref"]
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_available() -> bool:
+    """Triton is importable and has somewhere to run: a CUDA device, or its CPU interpreter."""
+    return importlib.util.find_spec("triton") is not None and (torch.cuda.is_available() or _interpreting())
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    return triton_available() and (t.is_cuda or _interpreting())
+
+
+def enabled(t: torch.Tensor) -> bool:
+    """Whether the model's decode steps on ``t``'s device use these kernels: Triton can run
+    there and ``DSAGENT_KERNELS`` is not ``0``."""
+    return os.environ.get("DSAGENT_KERNELS", "1") != "0" and _use_triton(t)
+
+
+def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor, records: torch.Tensor,
+                     record_idx: torch.Tensor, sink: torch.Tensor, scale: float,
+                     splits: int | None = None) -> torch.Tensor:
+    """One decode step of window + selected-record attention with the sink; see
+    :func:`model.kernels.reference.sparse_attention_ref` for shapes. ``splits`` fixes how
+    many programs share one row's keys on the kernel path (None: enough to fill the GPU)."""
+    if _use_triton(q):
+        from model.kernels import fused
+
+        return fused.sparse_attention(q, window, window_valid, records, record_idx, sink, scale, splits)
+    return sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale)
+
+
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int,
+                   head_scale: float) -> torch.Tensor:
+    """Index scores [B, N] of one decode step; see :func:`model.kernels.reference.indexer_scores_ref`."""
+    if _use_triton(q):
+        from model.kernels import fused
+
+        return fused.indexer_scores(q, weights, keys, n_visible, head_scale)
+    return indexer_scores_ref(q, weights, keys, n_visible, head_scale)

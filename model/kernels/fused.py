@@ -1,0 +1,248 @@
+"""Triton decode kernels on packed cache bytes, each beside a short launcher that checks layout.
+
+Owns ``sparse_attention`` (one decode step of the shared K=V latent attention over FP8
+window rows + selected FP4 records + the per-head sink) and ``indexer_scores`` (the
+weighted-ReLU index scores against FP4 index keys). The semantics are those of the twins
+in ``model.kernels.reference``; ``tests/test_kernels.py`` compares the two.
+
+How the numbers stay within ~2^-20 of fp32:
+- FP8 e4m3, FP4 e2m1 and the ue8m0 / e4m3 scale bytes are decoded in registers with
+  integer bit manipulation (no float8 types, so the CPU interpreter runs it too).
+- A dequantised key is exact in tf32 (e4m3 x 2^k has 4 significant bits, e2m1 x e4m3 at
+  most 5), so each dot runs on tf32 tensor cores as two: the fp32 side (queries,
+  probabilities) split into a tf32-exact part and a remainder (``_tf32_split``). Only the
+  remainder is rounded: about 2^-20 relative, far below the test tolerance.
+- Attention dots are batched over 64-channel chunks (one chunk per warp), because a
+  [16 heads, 512] fp32 operand per warp does not fit in registers.
+
+Sparse attention runs flash-decoding style: grid (B, head groups of 16, splits), the splits
+so that one decode row (B=1) fills the GPU rather than one SM. Each program walks its share
+of the window blocks, then of the record blocks, in one pass with an online softmax whose
+running max starts at the head's sink logit (finite, so never -inf - -inf); a second small
+kernel merges the splits and adds the sink to the denominator once.
+
+Does not own: the choice of kernel or twin (``model.kernels``), top-k (torch), or
+anything about caches. Imported only when Triton is importable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
+CHUNK = 64  # channels per warp-level dot
+BLOCK_N = 16  # window entries / records per inner step (untuned; see model.kernels.bench)
+ATTN_WARPS = 8  # the [16, 512] fp32 accumulator and key tile need the registers of 8 warps
+INDEX_BLOCK_N = 64  # index keys per program
+INDEX_WARPS = 8
+MIN_BLOCKS_PER_SPLIT = 4  # fewer and the partial results cost more than the split saves
+
+
+# ----------------------------------------------------------------------------- byte decoding
+
+@triton.jit
+def _e4m3(b):
+    """int32 bytes of float8_e4m3fn -> fp32 (0x7F / 0xFF NaN codes are never packed)."""
+    exp = (b >> 3) & 0xF
+    man = b & 0x7
+    normal = (((exp + 120) << 23) | (man << 20)).to(tl.float32, bitcast=True)
+    mag = tl.where(exp == 0, man.to(tl.float32) * 0.001953125, normal)  # subnormal: man * 2^-9
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit
+def _e2m1(c):
+    """int32 4-bit codes (sign in bit 3) -> fp32 on {0, .5, 1, 1.5, 2, 3, 4, 6}."""
+    exp = (c >> 1) & 0x3
+    man = c & 0x1
+    normal = (((exp + 126) << 23) | (man << 22)).to(tl.float32, bitcast=True)
+    mag = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
+    return tl.where((c & 0x8) != 0, -mag, mag)
+
+
+@triton.jit
+def _ue8m0(b):
+    """int32 exponent bytes -> 2^(b - 127) (byte 0 is never packed: scales are >= 2^-126)."""
+    return (b << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp4_rows(row_ptr, cols, mask, D: tl.constexpr, BLOCK: tl.constexpr, SCALE_E4M3: tl.constexpr):
+    """Rows of packed e2m1 pairs (even channel in the low nibble) + per-BLOCK scale bytes."""
+    byte = tl.load(row_ptr + cols // 2, mask=mask, other=0).to(tl.int32)
+    code = (byte >> ((cols & 1) * 4)) & 0xF
+    sb = tl.load(row_ptr + D // 2 + cols // BLOCK, mask=mask, other=0).to(tl.int32)
+    if SCALE_E4M3:
+        return _e2m1(code) * _e4m3(sb)
+    return _e2m1(code) * _ue8m0(sb)
+
+
+# ----------------------------------------------------------------------------- sparse attention
+
+@triton.jit
+def _tf32_split(x):
+    """x = big + small with big exact in tf32 (low 13 mantissa bits cleared): a dot of each
+    against tf32-exact keys loses only small's rounding, 2^-10 of 2^-10 of x."""
+    big = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
+    return big, x - big
+
+
+@triton.jit
+def _online_step(q_big, q_small, kv, valid, m, l, acc, scale):
+    """Fold one block of keys (= values, exact in tf32) into the running max, denominator and
+    sum. Channels are split into chunks on the leading axis, so each warp's dots reduce over
+    one chunk: q, kv, acc are (chunks, heads or keys, CH); valid, m, l are per key / head."""
+    kt = tl.permute(kv, (0, 2, 1))
+    s = tl.dot(q_small, kt, input_precision="tf32")
+    s = tl.sum(tl.dot(q_big, kt, s, input_precision="tf32"), 0) * scale  # (BLOCK_H, BLOCK_N)
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m, tl.max(s, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    l = l * alpha + tl.sum(p, 1)
+    p_big, p_small = _tf32_split(tl.broadcast_to(p[None, :, :], (kv.shape[0], p.shape[0], p.shape[1])))
+    acc = tl.dot(p_small, kv, acc * alpha[None, :, None], input_precision="tf32")
+    acc = tl.dot(p_big, kv, acc, input_precision="tf32")
+    return m_new, l, acc
+
+
+@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib"])  # decode-varying sizes: one compile
+def _sparse_attention_kernel(
+    q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
+    H, W, N, K, SPLITS, scale,
+    s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
+    D: tl.constexpr, CH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b64 = b.to(tl.int64)
+    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    # channel c * CH + j of a row sits at [c, :, j]: (D / CH, 1, CH)
+    chan = tl.arange(0, D // CH)[:, None, None] * CH + tl.arange(0, CH)[None, None, :]
+    q = tl.load(q_ptr + b64 * s_qb + heads[None, :, None] * s_qh + chan, mask=head_ok[None, :, None], other=0.0)
+    q_big, q_small = _tf32_split(q.to(tl.float32))
+    # the running max starts at the sink logit: finite, and the sink itself is added once, when merging
+    m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([D // CH, BLOCK_H, CH], dtype=tl.float32)
+
+    # split s takes blocks s, s + SPLITS, ...; a while loop, because a for loop over runtime
+    # bounds stops Triton 3.6's interpreter under numpy >= 2.4 (its scalars are 1-element arrays)
+    blk = split
+    while blk * BLOCK_N < W:
+        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        blk += SPLITS
+        valid = tl.load(valid_ptr + b64 * s_vb + n, mask=n < W, other=0) != 0
+        row = win_ptr + b64 * s_wb + n.to(tl.int64)[None, :, None] * s_wn
+        data = tl.load(row + chan, mask=valid[None, :, None], other=0).to(tl.int32)
+        sb = tl.load(row + D + chan // 32, mask=valid[None, :, None], other=0).to(tl.int32)
+        m, l, acc = _online_step(q_big, q_small, _e4m3(data) * _ue8m0(sb), valid, m, l, acc, scale)
+
+    blk = split
+    while blk * BLOCK_N < K:
+        k = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+        blk += SPLITS
+        idx = tl.load(idx_ptr + b64 * s_ib + k, mask=k < K, other=-1).to(tl.int64)
+        valid = (idx >= 0) & (idx < N)  # the bound only keeps a bad index from reading out of range
+        row = rec_ptr + b64 * s_rb + tl.where(valid, idx, 0)[None, :, None] * s_rn
+        kv = _fp4_rows(row, chan, valid[None, :, None], D, 16, True)
+        m, l, acc = _online_step(q_big, q_small, kv, valid, m, l, acc, scale)
+
+    part = (b64 * SPLITS + split) * H + heads  # partials are [B, SPLITS, H(, D)]
+    tl.store(m_ptr + part, m, mask=head_ok)
+    tl.store(l_ptr + part, l, mask=head_ok)
+    tl.store(acc_ptr + part[None, :, None] * D + chan, acc, mask=head_ok[None, :, None])
+
+
+@triton.jit(do_not_specialize=["SPLITS"])
+def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS,
+                         D: tl.constexpr, SPLITS_P2: tl.constexpr):
+    b, h = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, SPLITS_P2)
+    part = (b.to(tl.int64) * SPLITS + s) * H + h
+    m = tl.load(m_ptr + part, mask=s < SPLITS, other=float("-inf"))
+    l = tl.load(l_ptr + part, mask=s < SPLITS, other=0.0)
+    sink = tl.load(sink_ptr + h).to(tl.float32)
+    top = tl.maximum(tl.max(m, 0), sink)
+    w = tl.exp(m - top)
+    denom = tl.sum(l * w, 0) + tl.exp(sink - top)
+    cols = tl.arange(0, D)
+    acc = tl.load(acc_ptr + part[:, None] * D + cols[None, :], mask=(s < SPLITS)[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + cols, out)
+
+
+def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
+    """Enough programs to cover the SMs once, but never splits of fewer than a few blocks."""
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    want = -(-sms // (q.shape[0] * groups))
+    return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: float,
+                     splits: int | None = None) -> torch.Tensor:
+    B, H, D = q.shape
+    W, N, K = window.shape[1], records.shape[1], record_idx.shape[1]
+    assert D % CHUNK == 0 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= {CHUNK}"
+    assert window.dtype == records.dtype == torch.uint8 and window.shape[2] == D + D // 32
+    assert records.shape[2] == D // 2 + D // 16 and window_valid.shape == (B, W) and sink.shape == (H,)
+    q, window, records, record_idx = (t.contiguous() for t in (q, window, records, record_idx))
+    valid = window_valid.contiguous().view(torch.uint8)
+    if N == 0 or K == 0:  # nothing to select: skip the loop, hand the kernel real (unused) memory
+        K, records, record_idx = 0, records.new_zeros(B, 1, records.shape[2]), record_idx.new_full((B, 1), -1)
+    groups = triton.cdiv(H, BLOCK_H)
+    splits = splits or _auto_splits(q, groups, triton.cdiv(W, BLOCK_N) + triton.cdiv(K, BLOCK_N))
+    m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
+    l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
+    sink = sink.float().contiguous()
+    _sparse_attention_kernel[(B, groups, splits)](
+        q, window, valid, records, record_idx, sink, m, l, acc,
+        H, W, N, K, splits, float(scale),
+        q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
+        records.stride(0), records.stride(1), record_idx.stride(0),
+        D=D, CH=CHUNK, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=ATTN_WARPS)
+    out = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
+    _merge_splits_kernel[(B, H)](m, l, acc, sink, out, H, splits, D=D, SPLITS_P2=triton.next_power_of_2(splits))
+    return out
+
+
+# ----------------------------------------------------------------------------- indexer
+
+@triton.jit(do_not_specialize=["N", "n_visible", "s_ob"])
+def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, HI, N, n_visible, head_scale,
+                    s_qb, s_qh, s_wb, s_kb, s_kn, s_ob,
+                    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr):
+    b, blk = tl.program_id(0), tl.program_id(1)
+    b64 = b.to(tl.int64)
+    heads = tl.arange(0, BLOCK_HI)
+    head_ok = heads < HI
+    cols = tl.arange(0, DI)[None, :]
+    q = tl.load(q_ptr + b64 * s_qb + heads[:, None] * s_qh + cols, mask=head_ok[:, None], other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + b64 * s_wb + heads, mask=head_ok, other=0.0).to(tl.float32)
+    n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = n < N
+    row = key_ptr + b64 * s_kb + n.to(tl.int64)[:, None] * s_kn
+    keys = _fp4_rows(row, cols, live[:, None], DI, 32, False)
+    q_big, q_small = _tf32_split(q)
+    kt = tl.trans(keys)
+    s = tl.dot(q_big, kt, tl.dot(q_small, kt, input_precision="tf32"), input_precision="tf32")  # (BLOCK_HI, BLOCK_N)
+    score = tl.sum(tl.maximum(s, 0.0) * head_scale * w[:, None], 0)
+    score = tl.where(n < n_visible, score, float("-inf"))
+    tl.store(out_ptr + b64 * s_ob + n, score, mask=live)
+
+
+def indexer_scores(q, weights, keys, n_visible: int, head_scale: float) -> torch.Tensor:
+    B, HI, DI = q.shape
+    N = keys.shape[1]
+    assert DI % 32 == 0 and DI & (DI - 1) == 0, f"index_head_dim {DI} must be a power of two"
+    assert keys.dtype == torch.uint8 and keys.shape[2] == DI // 2 + DI // 32 and weights.shape == (B, HI)
+    out = torch.empty(B, N, dtype=torch.float32, device=q.device)
+    if N == 0:
+        return out
+    q, weights, keys = q.contiguous(), weights.contiguous(), keys.contiguous()
+    _indexer_kernel[(B, triton.cdiv(N, INDEX_BLOCK_N))](
+        q, weights, keys, out, HI, N, int(n_visible), float(head_scale),
+        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
+        DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_N=INDEX_BLOCK_N, num_warps=INDEX_WARPS)
+    return out

@@ -1,0 +1,74 @@
+"""Pure-PyTorch twins of the fused decode kernels: the semantics the kernels must match.
+
+Owns two functions on *packed* cache bytes, one decode step (one query per row):
+``sparse_attention_ref`` (``Attention._attend`` for S=1: one softmax over the valid window
+entries, the selected FP4 records and the per-head sink, shared K=V latent) and
+``indexer_scores_ref`` (``Indexer.scores`` for S=1: weighted-ReLU scores against FP4 index
+keys). Both unpack with ``model.quant`` and compute in fp32, in the same order as the
+model, so ``tests/test_kernels.py`` can check twin == model on a tiny model and kernel ==
+twin on random bytes. Runs on any device.
+
+Does not own: choosing kernel or twin (``model.kernels``), top-k (stays in torch:
+``model.model.stable_topk`` on the scores), building ``window_valid`` from ring positions,
+or gathering anything out of a cache.
+"""
+from __future__ import annotations
+
+import torch
+
+from model.quant import unpack_index, unpack_main, unpack_window
+
+
+def sparse_attention_ref(q: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor,
+                         records: torch.Tensor, record_idx: torch.Tensor, sink: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """Out [B, H, D] fp32 of one decode step.
+
+    q [B, H, D] float; window uint8 [B, W, D + D/32] (FP8 rows); window_valid bool [B, W];
+    records uint8 [B, N, D/2 + D/16] (FP4 rows); record_idx int [B, K] into records, -1 =
+    none (every entry must be -1 or < N); sink fp32 [H]; scale: the softmax scale.
+    """
+    B, H, D = q.shape
+    qf = q.float()
+    keys = unpack_window(window, D)  # (B, W, D)
+    logits = [(torch.einsum("bhd,bjd->bhj", qf, keys) * scale).masked_fill(~window_valid[:, None, :], float("-inf"))]
+    rec = _selected_records(records, record_idx, D)
+    if rec is not None:
+        r = torch.einsum("bhd,bkd->bhk", qf, rec) * scale
+        logits.append(r.masked_fill(record_idx[:, None, :] < 0, float("-inf")))
+    logits.append(sink.float().view(1, H, 1).expand(B, H, 1))
+    probs = torch.cat(logits, dim=-1).softmax(dim=-1)
+    W = keys.shape[1]
+    out = torch.einsum("bhj,bjd->bhd", probs[..., :W], keys)
+    if rec is not None:
+        out = out + torch.einsum("bhk,bkd->bhd", probs[..., W:-1], rec)
+    return out
+
+
+def _selected_records(records: torch.Tensor, record_idx: torch.Tensor, dim: int) -> torch.Tensor | None:
+    """Unpacked rows [B, K, D] at ``record_idx`` (row 0 stands in for -1), or None when
+    nothing can be selected."""
+    B, K = record_idx.shape
+    if K == 0 or records.shape[1] == 0:
+        return None
+    rows = records.gather(1, record_idx.long().clamp_min(0)[..., None].expand(B, K, records.shape[-1]))
+    return unpack_main(rows, dim)
+
+
+def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int,
+                       head_scale: float) -> torch.Tensor:
+    """Scores [B, N] fp32: sum_h weights[b, h] * relu(q[b, h] . key[b, n]) * head_scale,
+    -inf at n >= n_visible.
+
+    q [B, Hi, d] float (already FP4-fake-quantised, as ``KVFormat.index_query`` makes it);
+    weights [B, Hi] float: ``weights_proj(x) * n_heads**-0.5``; keys uint8 [B, N, d/2 + d/32]
+    (FP4 index keys); head_scale: ``head_dim**-0.5``. Top-k is the caller's (torch).
+    """
+    (B, _, d), N = q.shape, keys.shape[1]
+    if N == 0:
+        return torch.zeros(B, 0, device=keys.device)
+    k = unpack_index(keys, d)  # (B, N, d)
+    s = torch.einsum("bhd,bnd->bhn", q.float(), k).relu_() * head_scale
+    s = (s * weights.float().unsqueeze(-1)).sum(dim=1)
+    visible = torch.arange(N, device=keys.device) < n_visible
+    return s.masked_fill(~visible, float("-inf"))

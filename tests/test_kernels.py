@@ -1,0 +1,345 @@
+"""The fused decode kernels (``model.kernels``) against their PyTorch twins, and the twins
+against the model's own decode step.
+
+- Twin == model: after a prefill of a tiny model, one decode step's ``Attention._attend``
+  and ``Indexer.scores`` are reproduced by ``sparse_attention_ref`` / ``indexer_scores_ref``
+  from the cache's packed bytes (ring, records, index keys). Always runs (CI too).
+- Kernel == twin: random float latents packed with ``model.quant.pack_*``, over the shapes
+  of the brief (B, H, N, K, all-invalid window rows, -1 selections). Runs on CUDA when
+  present, else under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) with a smaller
+  set of cases, else skips.
+
+Tolerances: the kernels compute in fp32 but round the query / probability side of each
+dot to about 2^-20 (see ``model.kernels.fused``) and sum in another order; 1e-4 relative.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+
+import pytest
+import torch
+
+from model.args import ModelArgs
+from model.kernels import indexer_scores, indexer_scores_ref, sparse_attention, sparse_attention_ref, triton_available
+from model.loading import build
+from model.model import apply_rope
+from model.quant import INDEX_BLOCK, fake_quant_fp4, main_record_bytes, pack_index, pack_main, pack_window
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+needs_kernel = pytest.mark.skipif(not triton_available(),
+                                  reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def assert_out_close(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4, msg: str | None = None) -> None:
+    """Attention outputs: ``rtol`` per element, plus 0.1 * rtol of the largest value for the
+    small ones (the kernels' ~2^-20 rounding is relative to the whole sum)."""
+    torch.testing.assert_close(out, ref, rtol=rtol, atol=0.1 * rtol * max(1.0, ref.abs().max().item()), msg=msg)
+
+
+def on_device(inputs) -> list:
+    return [a.to(DEVICE) if torch.is_tensor(a) else a for a in inputs]
+
+
+def assert_scores_close(out: torch.Tensor, ref: torch.Tensor, rtol: float = 1e-4) -> None:
+    """Same -inf pattern; finite values within ``rtol`` of the largest one."""
+    assert torch.equal(out.isneginf(), ref.isneginf())
+    fin = ref.isfinite()
+    scale = ref[fin].abs().max().item() if fin.any() else 1.0
+    torch.testing.assert_close(out[fin], ref[fin], rtol=rtol, atol=rtol * max(scale, 1e-3))
+
+
+# ----------------------------------------------------------------------------- twin == model
+
+def tiny_net():
+    """The tiny preset without Engram (no tokenizer needed; attention does not depend on it)
+    and with a candidate pool of 2 blocks x 4 = 8 records, fewer than top-k 16, so the
+    Reindex layer and its Reuse layer select -1 in their top-k."""
+    args = ModelArgs.preset("tiny").replace(engram_layer_ids=(), engram_num_embeddings=(), candidate_topk_blocks=2)
+    return build(args).eval()
+
+
+def capture_decode(net, prefill: int, batch: int = 2, seed: int = 0):
+    """Prefill ``prefill`` tokens, then run one decode step while recording, per layer, the
+    query and output of ``_attend``, the top-k it gathered, and the indexer's inputs and scores
+    (the model's reference path: its own use of the kernels is turned off here)."""
+    ids = torch.randint(3, net.args.vocab_size, (batch, prefill + 1), generator=torch.Generator().manual_seed(seed))
+    cache = net.new_cache(batch)
+    seen = {i: {} for i in range(net.args.num_hidden_layers)}
+    with torch.no_grad(), _kernels_off():
+        net(ids[:, :prefill], cache)
+        for i, block in enumerate(net.layers):
+            _wrap(block.attn, seen[i])
+        try:
+            net(ids[:, prefill:], cache)
+        finally:
+            for block in net.layers:
+                vars(block.attn).pop("_attend")
+                vars(block.attn).pop("_selected_records")
+                if block.attn.indexer is not None:
+                    vars(block.attn.indexer).pop("scores")
+    return cache, seen
+
+
+@contextlib.contextmanager
+def _kernels_off():
+    before = os.environ.get("DSAGENT_KERNELS")
+    os.environ["DSAGENT_KERNELS"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["DSAGENT_KERNELS"]
+        else:
+            os.environ["DSAGENT_KERNELS"] = before
+
+
+@needs_kernel
+def test_model_decode_runs_the_kernels_and_matches_its_reference_path():
+    """The wiring in model.model: decode steps on a packed cache go through the kernels
+    (counted) and give the reference path's logits; prefill never does."""
+    import model.kernels as kernels
+
+    net = tiny_net().to(DEVICE)
+    ids = torch.randint(3, net.args.vocab_size, (2, 160), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    calls = {"attention": 0, "indexer": 0}
+    real_attention, real_indexer = kernels.sparse_attention, kernels.indexer_scores
+
+    def counted(name, fn):
+        def run(*args, **kw):
+            calls[name] += 1
+            return fn(*args, **kw)
+        return run
+
+    logits = {}
+    with torch.no_grad():
+        for use in (False, True):
+            cache = net.new_cache(2)
+            if use:
+                kernels.sparse_attention = counted("attention", real_attention)
+                kernels.indexer_scores = counted("indexer", real_indexer)
+            try:
+                with (contextlib.nullcontext() if use else _kernels_off()):
+                    net(ids[:, :150], cache)
+                    assert calls == {"attention": 0, "indexer": 0}  # prefill: reference path
+                    logits[use] = torch.stack([net(ids[:, t: t + 1], cache)[:, -1] for t in range(150, 153)])
+            finally:
+                kernels.sparse_attention, kernels.indexer_scores = real_attention, real_indexer
+    n = net.args.num_hidden_layers
+    assert calls == {"attention": 3 * n, "indexer": 3 * len(net.args.index_source_layer_ids)}
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-3, atol=1e-3)
+
+
+def _wrap(attn, seen: dict) -> None:
+    """Instance attributes shadow the methods, so only this model's modules record."""
+    attend, select = attn._attend, attn._selected_records
+
+    def _attend(q, keys, key_mask, records):
+        seen["q"], seen["out"] = q, attend(q, keys, key_mask, records)
+        return seen["out"]
+
+    def _selected_records(cache, step):
+        seen["topk"] = step.shared.get("topk")
+        return select(cache, step)
+
+    attn._attend, attn._selected_records = _attend, _selected_records
+    if attn.indexer is not None:
+        scores = attn.indexer.scores
+
+        def _scores(*args):
+            seen["index_args"], seen["index_scores"] = args, scores(*args)
+            return seen["index_scores"]
+
+        attn.indexer.scores = _scores
+
+
+@torch.no_grad()
+def attention_inputs(net, cache, seen: dict, layer: int, t: int):
+    """The kernel's inputs for layer ``layer`` at decode position ``t``, read from the cache."""
+    args, attn = net.args, net.layers[layer].attn
+    ring = cache.windows[layer]
+    B = ring.data.shape[0]
+    pos = ring.pos
+    valid = ((pos >= 0) & (pos <= t) & (pos > t - args.sliding_window)).expand(B, -1)
+    if args.ratios[layer] and seen.get("topk") is not None:
+        records, idx = cache.sources[args.kv_source(layer)].view()[0], seen["topk"][:, 0]
+    else:
+        records, idx = ring.data.new_zeros(B, 0, main_record_bytes(attn.head_dim)), torch.zeros(B, 0, dtype=torch.long)
+    return seen["q"][:, 0], ring.data, valid, records, idx, attn.attn_sink.detach(), attn.head_dim ** -0.5
+
+
+@torch.no_grad()
+def index_inputs(net, cache, seen: dict, layer: int, t: int):
+    """The kernel's inputs for the indexer of ``layer``: q and weights rebuilt the model's way
+    from the captured arguments of ``Indexer.scores``, and the source's packed keys."""
+    ix, args = net.layers[layer].attn.indexer, net.args
+    x, q_res, step, _, inv_freq, kv = seen["index_args"]
+    B = x.shape[0]
+    q = ix.wq_b(q_res).view(B, 1, ix.n_heads, ix.head_dim)
+    q = kv.index_query(apply_rope(q, step.positions(x.device), inv_freq))
+    w = ix.weights_proj(x).float() * ix.n_heads ** -0.5
+    keys = cache.sources[args.kv_source(layer)].view()[1]
+    return q[:, 0].float(), w[:, 0], keys, (t + 1) // args.ratios[layer], ix.head_dim ** -0.5
+
+
+@pytest.fixture(scope="module", params=[20, 149], ids=["prefill20", "prefill149"])
+def decoded(request):
+    """prefill20: fewer visible records than top-k (the top-k is shorter); prefill149: the
+    ring has wrapped, so some of its slots hold positions outside the window."""
+    net = tiny_net()
+    cache, seen = capture_decode(net, request.param)
+    return net, cache, seen, request.param
+
+
+def test_sparse_attention_twin_matches_attend(decoded) -> None:
+    net, cache, seen, t = decoded
+    for layer in range(net.args.num_hidden_layers):
+        ref = sparse_attention_ref(*attention_inputs(net, cache, seen[layer], layer, t))
+        torch.testing.assert_close(ref, seen[layer]["out"][:, 0], rtol=1e-5, atol=1e-6, msg=f"layer {layer}")
+
+
+def test_indexer_twin_matches_scores(decoded) -> None:
+    net, cache, seen, t = decoded
+    for layer in net.args.index_source_layer_ids:
+        ref = indexer_scores_ref(*index_inputs(net, cache, seen[layer], layer, t))
+        assert_scores_close(ref, seen[layer]["index_scores"][:, 0], rtol=1e-5)
+
+
+def test_decode_scenarios_cover_the_masks(decoded) -> None:
+    """What the twins must get right shows up: -1 selections, short top-k, out-of-window slots."""
+    net, cache, seen, t = decoded
+    picks = {layer: s["topk"] for layer, s in seen.items() if s.get("topk") is not None}
+    assert any(bool((p < 0).any()) for p in picks.values())
+    assert (picks[2].shape[-1] < net.args.index_topk) == (t == 20)
+    valid = attention_inputs(net, cache, seen[0], 0, t)[2]
+    assert bool(((cache.windows[0].pos >= 0) & ~valid).any()) == (t == 149)
+
+
+@needs_kernel
+def test_kernels_match_the_model(decoded) -> None:
+    net, cache, seen, t = decoded
+    for layer in range(net.args.num_hidden_layers):
+        out = sparse_attention(*on_device(attention_inputs(net, cache, seen[layer], layer, t)))
+        assert_out_close(out.cpu(), seen[layer]["out"][:, 0], msg=f"layer {layer}")
+    for layer in net.args.index_source_layer_ids:
+        out = indexer_scores(*on_device(index_inputs(net, cache, seen[layer], layer, t)))
+        assert_scores_close(out.cpu(), seen[layer]["index_scores"][:, 0])
+
+
+# ----------------------------------------------------------------------------- kernel == twin
+
+def latents(*shape, g: torch.Generator) -> torch.Tensor:
+    """Rows of unit RMS (as after the model's RMSNorm, so logits stay O(1) and fp32 keeps
+    them well conditioned) whose 32-channel blocks differ in magnitude by up to ~2^±12, so
+    scale bytes and e4m3 subnormals vary."""
+    mags = torch.exp2(torch.randn(*shape[:-1], shape[-1] // 32, 1, generator=g) * 4)
+    x = (torch.randn(*shape[:-1], shape[-1] // 32, 32, generator=g) * mags).flatten(-2)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True))
+
+
+def attention_case(B: int, H: int, N: int, K: int, *, W: int = 144, D: int = 512, seed: int = 0,
+                   q_dtype=torch.float32):
+    """Random inputs; with B=3, row 1 sees no window entry and row 2 selects nothing."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(B, H, D, generator=g) * 3).to(q_dtype)
+    window = pack_window(latents(B, W, D, g=g))
+    valid = torch.rand(B, W, generator=g) < 0.6
+    records = pack_main(latents(B, N, D, g=g)) if N else torch.zeros(B, 0, D // 2 + D // 16, dtype=torch.uint8)
+    idx = torch.full((B, K), -1, dtype=torch.long)
+    for b in range(B):
+        pick = torch.randperm(N, generator=g)[:K]
+        idx[b, : len(pick)] = pick[torch.randperm(len(pick), generator=g)]
+    idx[:, 1::4] = -1
+    if B == 3:
+        valid[1], idx[2] = False, -1
+    sink = torch.randn(H, generator=g)
+    return on_device([q, window, valid, records, idx, sink, D ** -0.5])
+
+
+FULL = list(itertools.product([1, 3], [4, 16], [0, 1, 37, 300], [0, 5, 16, 64]))
+# the interpreter runs every program in Python: a subset that still covers each value and edge
+INTERPRETED = [(1, 4, 0, 0), (3, 16, 300, 64), (3, 4, 1, 5), (1, 16, 37, 16), (3, 4, 0, 16), (1, 4, 300, 5)]
+CASES = FULL if ON_CUDA else INTERPRETED
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,H,N,K", CASES)
+def test_sparse_attention_kernel(B, H, N, K) -> None:
+    inputs = attention_case(B, H, N, K)
+    ref = sparse_attention_ref(*inputs)
+    out = sparse_attention(*inputs)
+    assert out.shape == (B, H, 512) and out.dtype == torch.float32
+    assert_out_close(out, ref)
+    if B == 3 and not (N and K):
+        assert torch.equal(out[1], torch.zeros_like(out[1]))  # row 1 sees only the sink
+
+
+@needs_kernel
+@pytest.mark.parametrize("splits", [1, 2, 7])
+def test_sparse_attention_kernel_splits(splits) -> None:
+    """Every way of sharing a row between programs merges to the same softmax, including
+    splits that get no block at all."""
+    inputs = attention_case(3, 16, 300, 64, seed=1)
+    ref = sparse_attention_ref(*inputs)
+    assert_out_close(sparse_attention(*inputs, splits=splits), ref)
+
+
+@needs_kernel
+def test_sparse_attention_kernel_head_groups() -> None:
+    """40 heads: three programs of 16 heads per row, the last one two-thirds masked; int32
+    selections (the model's top-k is int64) read the same."""
+    inputs = attention_case(1, 40, 37, 16, seed=4)
+    inputs[4] = inputs[4].int()
+    ref = sparse_attention_ref(*inputs)
+    assert_out_close(sparse_attention(*inputs), ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("peak", [1.0, 30.0], ids=["soft", "peaked"])
+def test_sparse_attention_kernel_bf16_query(peak) -> None:
+    """bf16 queries (the model's dtype) are upcast exactly on both paths; a peaked softmax
+    checks the online rescaling across blocks."""
+    inputs = attention_case(3, 16, 300, 64, seed=2, q_dtype=torch.bfloat16)
+    inputs[0] = (inputs[0].float() * peak).bfloat16()
+    ref = sparse_attention_ref(*inputs)
+    assert_out_close(sparse_attention(*inputs), ref, rtol=2e-4)
+
+
+def index_case(B: int, HI: int, N: int, *, d: int = 128, seed: int = 0, quantised: bool = True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, HI, d, generator=g)
+    q = fake_quant_fp4(q, INDEX_BLOCK) if quantised else q
+    w = torch.randn(B, HI, generator=g) * HI ** -0.5
+    keys = pack_index(latents(B, N, d, g=g)) if N else torch.zeros(B, 0, d // 2 + d // 32, dtype=torch.uint8)
+    return on_device([q, w, keys])
+
+
+INDEX_CASES = list(itertools.product([1, 3], [4, 16, 64], [0, 1, 37, 300]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,HI,N", INDEX_CASES if ON_CUDA else [(1, 4, 0), (3, 16, 300), (1, 64, 37), (3, 4, 1)])
+def test_indexer_kernel(B, HI, N) -> None:
+    q, w, keys = index_case(B, HI, N)
+    for n_visible in sorted({N, max(0, N - 3), 0}):
+        ref = indexer_scores_ref(q, w, keys, n_visible, 128 ** -0.5)
+        out = indexer_scores(q, w, keys, n_visible, 128 ** -0.5)
+        assert out.shape == (B, N) and out.dtype == torch.float32
+        assert_scores_close(out, ref)
+
+
+@needs_kernel
+def test_indexer_kernel_unquantised_query() -> None:
+    """Any float query works, not only the FP4 grid the model feeds it."""
+    q, w, keys = index_case(3, 16, 300, seed=3, quantised=False)
+    assert_scores_close(indexer_scores(q, w, keys, 290, 128 ** -0.5), indexer_scores_ref(q, w, keys, 290, 128 ** -0.5))

@@ -1,0 +1,153 @@
+"""Tests of model/training.py: the training forward pass is the serving function.
+
+- a TRAIN-format cache gives the same logits as the packed cache (QAT KV is exact);
+- QAT weights read exactly as the written checkpoint will;
+- a row simulating CED bounded replay predicts exactly what ``Engine`` CED prefill does;
+- the shared-prefix batching and chunking do not change the loss;
+- every trainable parameter gets a gradient (indexer: from its KL only);
+- the trainer's state round-trips through safetensors (resume).
+"""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.utils import parametrize
+
+from model.checkpoint import fake_quantize_like_checkpoint
+from model.engine import Engine
+from model.loading import build, load
+from model.args import ModelArgs
+from model.quant import KVFormat
+from model.training import (Example, ExpertLoads, add_weight_qat, batch_loss, common_prefix, make_batch,
+                            plain_state_dict, remove_weight_qat)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    return load("tiny", seed=3)
+
+
+def _ids(n: int, seed: int, vocab: int = 4096) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(16, vocab, (n,), generator=g).tolist()
+
+
+def _batch(model, examples, modes, seed=0):
+    a = model.args
+    return make_batch(examples, modes, window=a.sliding_window, decoder_start=a.decoder_start,
+                      layers=a.num_hidden_layers, pad_id=a.pad_token_id, rng=random.Random(seed))
+
+
+def test_train_format_cache_gives_the_packed_logits(tiny):
+    ids = torch.tensor([_ids(300, 1)])
+    with torch.no_grad():
+        packed = tiny(ids, tiny.new_cache(1))
+        train = tiny(ids, tiny.new_cache(1, kv=KVFormat.TRAIN))
+        unquantised = tiny(ids, tiny.new_cache(1, kv=KVFormat.FLOAT))
+    torch.testing.assert_close(train, packed, rtol=1e-4, atol=1e-4)
+    assert (unquantised - packed).abs().max() > 1e-3  # FLOAT really skips the quantisers
+
+
+def test_weight_qat_reads_what_the_checkpoint_stores():
+    model = build(ModelArgs.preset("tiny"), seed=5)
+    expected = fake_quantize_like_checkpoint(model.state_dict())
+    assert add_weight_qat(model) > 100
+    got = {}
+    for name, _ in plain_state_dict(model).items():
+        module_name, _, attr = name.rpartition(".")
+        got[name] = getattr(model.get_submodule(module_name), attr).detach()
+    for name, want in expected.items():
+        torch.testing.assert_close(got[name], want, rtol=0, atol=0, msg=name)
+    remove_weight_qat(model)
+    assert set(model.state_dict()) == set(expected)
+
+
+def test_ced_row_predicts_what_ced_prefill_serves(tiny):
+    """Bounded replay simulated by window floors == Engine's CED prefill (same token count,
+    since on a random model even float noise from another matmul shape is amplified)."""
+    a = tiny.args
+    n_prompt = 400
+    ids = _ids(n_prompt + 3, 7)
+    batch = _batch(tiny, [Example(ids, [False] * n_prompt + [True] * 3)], ["ced"])
+    assert batch.floor[0, : a.decoder_start].eq(-1).all()
+    assert batch.floor[0, a.decoder_start:].eq(n_prompt - a.sliding_window).all()
+    assert batch.loss_mask[0].nonzero().flatten().tolist() == [400, 401, 402]
+    prompt = torch.tensor([ids[:n_prompt]])
+    cache = tiny.new_cache(1, kv=KVFormat.TRAIN)
+    with torch.no_grad():
+        streams, pre, step = tiny.begin(prompt, cache, 0)
+        step.floor = batch.floor
+        streams, pre = tiny.run_layers(streams, pre, step, cache, range(a.num_hidden_layers))
+        simulated = tiny.logits(streams[:, -1:], pre[:, -1:])[:, 0]
+        engine = Engine(tiny, mode="ced", chunk=1024)  # one pass, as above
+        served = engine.prefill(engine.new_state(), prompt)
+        exact = Engine(tiny, mode="exact").prefill(engine.new_state(), prompt)
+    torch.testing.assert_close(simulated, served, rtol=1e-5, atol=1e-5)
+    assert (exact - served).abs().max() > 1e-3  # the floor matters: CED is not exact here
+
+
+def test_shared_prefix_leaves_the_loss_unchanged(tiny):
+    """The prefix run once on one row and repeated == every row running it (same chunk
+    boundaries: on a random model other boundaries already move the loss by float noise)."""
+    prefix = _ids(200, 11)
+    rows = [Example(prefix + _ids(60 + 20 * i, 20 + i), [False] * 200 + [True] * (60 + 20 * i)) for i in range(3)]
+    batch = _batch(tiny, rows, ["exact", "ced", "resume"])
+    shared_len = common_prefix(batch)
+    assert 0 < shared_len <= 200
+    with torch.no_grad():
+        shared = batch_loss(tiny, batch, chunk=shared_len)
+        separate = batch_loss(tiny, batch, chunk=shared_len, share_prefix=False)
+    assert shared.tokens == separate.tokens == 60 + 80 + 100
+    assert float(shared.lm) == float(separate.lm)
+    # the indexer KL is a mean over (layer, chunk) terms; a prefix chunk holds one row instead of three
+    assert abs(float(shared.index) - float(separate.index)) < 0.02 * float(separate.index)
+
+
+def test_every_parameter_learns(tiny):
+    model = build(tiny.args, seed=1)
+    model.hasher = tiny.hasher
+    add_weight_qat(model)
+    from PIL import Image
+    img = Image.new("RGB", (126, 126), (200, 30, 30))
+    span = model.encode_image(img).shape[0]
+    ids = _ids(150, 4) + [tiny.args.image_token_id] * span + _ids(40, 5)
+    trained = [False] * (150 + span) + [True] * 40
+    ex = Example(ids, trained, images=[(150, img)])
+    loads = ExpertLoads(model)
+    with parametrize.cached():
+        losses = batch_loss(model, _batch(model, [ex, ex], ["exact", "resume"]), chunk=96, dense=True)
+        losses.total.backward()
+    assert losses.index > 0 and losses.tokens == 2 * 40
+    silent = [n for n, p in model.named_parameters()
+              if (p.grad is None or p.grad.abs().sum() == 0) and not n.endswith(("gate.bias", "gate.bias_vl"))]
+    assert silent == []
+    before = {n: g.bias.clone() for n, g in loads.gates.items()}
+    assert loads.update_bias(1e-3) >= 1.0
+    assert any(not torch.equal(before[n], g.bias) for n, g in loads.gates.items())
+
+
+def test_trainer_state_round_trips(tmp_path, tiny):
+    import train_default
+
+    model = build(tiny.args, seed=2)
+    add_weight_qat(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    train_default.save_state(tmp_path, model, opt, {"step": 7, "seconds": 1.5, "history": []})
+    other = build(tiny.args, seed=9)
+    add_weight_qat(other)
+    opt2 = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    counters = train_default.load_state(tmp_path, other, opt2)
+    assert counters["step"] == 7
+    for (n, p), q in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
+        torch.testing.assert_close(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"], rtol=0, atol=0)
