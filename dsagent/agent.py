@@ -4,7 +4,9 @@ Owns: opening or resuming a session (fingerprint check, stored KV chunks, RAM-po
 or bounded replay), appending user input to the token log with the V4.1 encoding (never
 re-rendering history), prefill, streamed generation parsed for DSML tool calls, running
 tools under the approval policy, feeding results and images back, and one save point
-per turn. Emits events to a callback instead of printing; the CLI renders them.
+per turn; also logging a given history without generating (``add_history``) and
+answering the log as it stands (``reply``), as imports and evaluations need. Emits
+events to a callback instead of printing; the CLI renders them.
 
 Invariant: ``self.log`` holds every token the session has, and the model state covers
 its first ``state.length`` tokens; the rest (at most a turn's worth) is prefilled next.
@@ -210,6 +212,26 @@ class Agent:
             last = pos + 1
         self.log += out + ids[last:]
         self.messages += messages
+
+    # ------------------------------------------------------------------ history
+    def add_history(self, messages: list[dict], images: dict[str, bytes] | None = None) -> None:
+        """Log messages this session did not generate (an imported transcript, an evaluation
+        prompt) after the log, prefill them and save; nothing is generated. ``images`` holds
+        the bytes of their ``sha256:`` image blocks. When the last message is a user or tool
+        turn the log ends at the generation header, which :meth:`reply` answers."""
+        self.new_images.update(images or {})
+        self._append(messages)
+        self._prefill_pending()
+        self.save()
+
+    def reply(self) -> dict:
+        """Generate one assistant message for the log as it stands and save; its tool calls
+        are parsed, not run."""
+        try:
+            message, _, _ = self._respond()
+        finally:
+            self.save()
+        return message
 
     # ------------------------------------------------------------------ model I/O
     def _prefill_pending(self) -> None:

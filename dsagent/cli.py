@@ -1,4 +1,4 @@
-"""The `dsagent` command line: `run`, `chat`, `doctor`, and the `sessions`, `model`, `bench` groups.
+"""The `dsagent` command line: `run`, `chat`, `doctor`, `eval`, and the `sessions`, `model`, `bench` groups.
 
 Owns: flags and their defaults (config.toml < environment < flags, see `dsagent.settings`),
 loading the model with a progress bar, wiring the agent to a renderer (terminal, one JSON
@@ -20,6 +20,7 @@ import typer
 from dsagent.agent import Agent, AgentOptions, TurnResult
 from dsagent.chat import ChatShell, latest_session, terminal_approver
 from dsagent.commands import bench as bench_cmd
+from dsagent.commands import eval as eval_cmd
 from dsagent.commands import model as model_cmd
 from dsagent.commands import sessions as sessions_cmd
 from dsagent.errors import APPROVAL_NEEDED, CACHE_REFUSED, INTERRUPTED, UsageError, handled
@@ -34,6 +35,7 @@ app = typer.Typer(help="Local agent runtime for the DeepSeek-V4.1-Flash architec
 app.add_typer(sessions_cmd.app, name="sessions")
 app.add_typer(bench_cmd.app, name="bench")
 app.add_typer(model_cmd.app, name="model")
+app.command("eval")(eval_cmd.eval_command)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dsagent", "model", "sessions", "tools")
@@ -208,7 +210,7 @@ def _store_detail() -> str:
 
 def _embedded_detail() -> str:
     if default_source() != str(EMBEDDED_MODEL):
-        return "missing; the tiny preset (random weights) is used instead (scripts/make_default_model.py writes it)"
+        return "missing; the tiny preset (random weights) is used instead (scripts/train_default.py trains it)"
     size = sum(f.stat().st_size for f in EMBEDDED_MODEL.rglob("*") if f.is_file())
     return f"{EMBEDDED_MODEL} ({size / 2**20:.1f} MiB)"
 

@@ -110,3 +110,19 @@ def test_hostile_tool_output_stays_data(store, tmp_path):
     assert sorted(controls) == sorted(["<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "</think>"])
     assert tok.image_token_id not in prompt
     assert [m["role"] for m in store.messages("s")][-3:] == ["assistant", "tool", "assistant"]
+
+
+def test_add_history_logs_without_generating_and_reply_answers_it(store, tmp_path):
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "6*7?"}]
+    rt = ScriptedRuntime([tool_call("calculator", expression="6*7")])
+    with Agent(rt, store, _options(tmp_path, tools=["calculator"])) as agent:
+        agent.add_history(history)
+        assert rt.engine.script and len(rt.engine.prompts) == 1  # prefilled once, nothing generated
+        assert rt.engine.prompts[0] == agent.log and agent.state.length == len(agent.log)
+    assert store.messages("s") == history and store.get_session("s").n_tokens == len(agent.log)
+    with Agent(rt, store, _options(tmp_path, tools=["calculator"])) as agent:
+        message = agent.reply()
+    assert message["tool_calls"][0]["function"]["name"] == "calculator"
+    assert [m["role"] for m in store.messages("s")] == ["system", "user", "assistant", "user", "assistant"]
+    assert "tool_result" not in rt.tokenizer.decode(agent.log)  # the call is parsed, not run

@@ -1,0 +1,83 @@
+"""`dsagent eval`: the skill evaluation of a model on held-out corpus records, printed.
+
+Owns: the flags, loading the model with a progress bar, the evaluation progress bar,
+and printing the result as a table (rows skills, columns modes, cells correct/n) or as
+one JSON object with `--json`. Does not own cases, generation or scoring: those are
+`dsagent.evaluate`, whose docstring states the rules.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from dsagent.corpus import KINDS
+from dsagent.errors import UsageError, handled
+from dsagent.evaluate import (HELD_OUT_SEED, MAX_NEW_TOKENS, MODES, SKILLS, EvalConfigError, EvalResult,
+                              check_config, run_eval)
+from dsagent.render import consoles, load_progress
+from dsagent.runtime import Runtime, Settings
+
+
+def eval_command(
+    model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory (default: the embedded model)."),
+    preset: Optional[str] = typer.Option(None, "--preset", help="Random weights of a preset instead."),
+    n: int = typer.Option(10, "--n", min=1, help="Cases per skill."),
+    seed: int = typer.Option(HELD_OUT_SEED, "--seed", help="Corpus seed of the held-out records (0 and 1 trained the default)."),
+    skills: str = typer.Option(",".join(SKILLS), "--skills", help="Comma-separated kinds: a chat, b tools, "
+                                                                   "c images, d recall, e multi-turn."),
+    modes: str = typer.Option(",".join(MODES), "--modes", help="Comma-separated: " + ", ".join(MODES) + "."),
+    max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", min=1, help="Cap on new tokens per "
+                                       "reply (each is also capped at its target's length + 16)."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
+) -> None:
+    """Score the model on held-out cases per skill, in exact, CED, float-KV and resumed modes."""
+    out, err = consoles()
+    with handled():
+        if model and preset:
+            raise UsageError("pass --model or --preset, not both")
+        try:
+            check_config(skills=_split(skills), modes=_split(modes), seed=seed)
+        except EvalConfigError as e:
+            raise UsageError(str(e)) from None
+        rt = _runtime(model, preset, device)
+        with load_progress(err, "evaluating") as progress:
+            result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
+                              max_new_tokens=max_new_tokens, progress=progress)
+    if as_json:
+        typer.echo(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
+    else:
+        out.print(result_table(result))
+
+
+def _split(value: str) -> list[str]:
+    return [part.strip() for part in value.split(",") if part.strip()]
+
+
+def _runtime(model: str | None, preset: str | None, device: str) -> Runtime:
+    dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    _, err = consoles()
+    with load_progress(err, "loading model") as progress:
+        return Runtime.load(Settings(model=model, preset=preset, device=device, dtype=dtype), progress=progress)
+
+
+def result_table(result: EvalResult) -> Table:
+    t = Table(title=f"held-out skills (seed {result.seed}), correct/n")
+    t.add_column("skill")
+    for mode in result.modes:
+        t.add_column(mode, justify="right")
+    for skill in result.skills:
+        t.add_row(f"{skill} {KINDS[skill]}", *(_fraction(*result.cell(skill, m)) for m in result.modes))
+    totals = [[result.cell(s, m) for s in result.skills] for m in result.modes]
+    t.add_row("all", *(_fraction(sum(c for c, _ in col), sum(k for _, k in col)) for col in totals), end_section=True)
+    same = [result.identical_to_ced(m) for m in result.modes]
+    t.add_row("same reply as ced", *("" if s is None or m == "ced" else f"{s:.0%}" for s, m in zip(same, result.modes)))
+    t.add_row("seconds", *(f"{result.seconds(m):.1f}" for m in result.modes))
+    return t
+
+
+def _fraction(correct: int, n: int) -> str:
+    return f"{correct}/{n}"

@@ -1,0 +1,351 @@
+"""Skill evaluation of a model on held-out corpus records, in four cache modes.
+
+Owns: cutting held-out records of the synthetic corpus (``dsagent.corpus``) into cases,
+generating each case's reply in every mode, scoring replies, and the result (accuracy
+per skill and mode, agreement with the ``ced`` replies, seconds).
+Does not own the corpus, the engine or the store, and prints nothing (`dsagent eval`
+renders the result).
+
+Cases. Records come from ``HELD_OUT_SEED`` (7919) by default and never from the
+training seeds 0 and 1, so no case is a record the model was trained on (kind a draws its
+questions from a small fixed pool, so it tests what was learnt by heart). A case is a
+record cut before one assistant message, its target:
+
+  b (tools)       the first assistant step, which calls tools: choosing the tool and its
+                  arguments is the skill (reading the result back is what a, d test)
+  e (multi-turn)  the last tool-call step when the session uses tools (its arguments carry
+                  an earlier answer: "add 7 to that", "read the first file"), else the
+                  final reply (a name, colour or image fact said turns earlier)
+  a, c, d         the final assistant reply
+
+Generation is greedy (temperature 0) and stops at EOS or after
+``min(max_new_tokens, target tokens + SLACK)`` new tokens; a reply cut there is closed
+with EOS, as the agent closes it. Speculative decoding is off in every mode.
+
+Scoring (0 or 1 per case):
+
+  tool-call target  the completion parses (``model.dsml.parse_completion``) and its tool
+                    calls, in order, have the target's names and JSON-equal arguments;
+                    text before the calls is ignored
+  text target       the reply text (the parsed content, or the raw completion up to EOS
+                    when it does not parse) mentions every key fact of ``truth``, case-
+                    and whitespace-insensitive, as whole words:
+                    - ``truth["image"]`` (c, image sessions of e): its colour, its shape
+                      kind (singular or plural) and its count (digit or word), and no other
+                      colour, kind or count of the corpus vocabulary
+                    - ``truth["value"]`` (d): the recalled value
+                    - ``truth["answer"]`` (a, e): the answer, without trailing . ! ?
+
+Modes, one column each:
+
+  exact     Engine exact prefill: every prompt token through every layer
+  ced       CED prefill with bounded decoder replay, the product default
+  float-kv  CED with a ``KVFormat.FLOAT`` cache (unquantised): the reference the FP4
+            cache is compared against
+  resume    the prompt is logged into a sessions Store (a temporary home) by a real
+            Agent (``add_history``: CED prefill, save point with KV chunks), that Agent
+            is closed without a RAM pool (the local state is gone), a new Agent resumes
+            the session from disk (stored global KV chunks + replay of the last window
+            tokens) and generates the target (``reply``)
+
+Beside the accuracy, the result reports per mode the fraction of cases whose reply is
+identical to the ``ced`` reply (for ``float-kv``: FP4 vs float KV) and the seconds spent
+(for resume: prefill, save, load, replay and generation).
+"""
+from __future__ import annotations
+
+import base64
+import json
+import re
+import secrets
+import tempfile
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from dsagent.agent import Agent, AgentOptions
+from dsagent.corpus import COLOURS, KINDS, NUMBER_WORDS, SHAPES, make_record
+from dsagent.runtime import Runtime
+from model.chat import EOS, encode_messages
+from model.dsml import DSMLError, parse_completion
+from model.engine import Engine, Sampling, State
+from model.quant import KVFormat
+from model.tokenizer import Tokenizer
+from model.vision import image_inputs
+from sessions import Store
+
+HELD_OUT_SEED = 7919
+TRAIN_SEEDS = (0, 1)  # the corpus seeds the embedded default learnt from (model/assets/default/TRAINING.json)
+MODES = ("exact", "ced", "float-kv", "resume")
+SKILLS = tuple(KINDS)
+SLACK = 16  # new tokens allowed beyond the target's length
+MAX_NEW_TOKENS = 128
+
+
+class EvalConfigError(ValueError):
+    """Skills, modes or seed the evaluation cannot run with."""
+
+
+# -- cases ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    """A held-out record cut before its target assistant message."""
+    id: str
+    skill: str  # a-e, the record's kind
+    prompt: list[dict]  # the messages before the target
+    target: dict  # the assistant message the model should produce
+    truth: dict  # the record's ground truth
+    images: dict[str, bytes]  # sha256 -> bytes of the prompt's image blocks
+    thinking_mode: str
+    expected: str  # the target rendered as the completion it was trained to be
+    expected_tokens: int
+
+
+def target_index(record: dict) -> int:
+    """Index of the target message in ``record["messages"]`` (see the module docstring)."""
+    messages = record["messages"]
+    replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    calls = [i for i in replies if messages[i].get("tool_calls")]
+    if record["kind"] == "b":
+        return calls[0]
+    if record["kind"] == "e" and calls:
+        return calls[-1]
+    return replies[-1]
+
+
+def case_from_record(record: dict, tokenizer: Tokenizer) -> Case:
+    cut = target_index(record)
+    prompt, target = record["messages"][:cut], record["messages"][cut]
+    rendered = encode_messages([target], context=prompt, thinking_mode=record["thinking_mode"])
+    images = {sha: base64.b64decode(data) for sha, data in record["images"].items()}
+    return Case(record["id"], record["kind"], prompt, target, record["truth"], images,
+                record["thinking_mode"], rendered.text, len(rendered.tokenize(tokenizer).ids))
+
+
+def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
+               skills: Sequence[str] = SKILLS) -> list[Case]:
+    """``n`` cases per skill from records 0..n-1 of ``seed``."""
+    check_config(skills=skills, seed=seed)
+    return [case_from_record(make_record(seed, i, skill, tokenizer), tokenizer)
+            for skill in skills for i in range(n)]
+
+
+def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES, seed: int = HELD_OUT_SEED) -> None:
+    """Raise EvalConfigError for an unknown skill or mode, an empty list, or the training seed."""
+    for what, given, known in (("skill", skills, KINDS), ("mode", modes, MODES)):
+        bad = [x for x in given if x not in known]
+        if bad or not given:
+            raise EvalConfigError(f"unknown {what}(s) {bad}: use some of {','.join(known)}")
+    if seed in TRAIN_SEEDS:
+        raise EvalConfigError(f"seed {seed} is a training corpus; pick a held-out seed "
+                              f"(default {HELD_OUT_SEED})")
+
+
+# -- scoring ----------------------------------------------------------------------------
+
+def score(case: Case, completion: str) -> int:
+    """1 when ``completion`` (the decoded reply, EOS included) meets the case's rule."""
+    if case.target.get("tool_calls"):
+        return score_tool_calls(case.target["tool_calls"], completion, case.thinking_mode)
+    return score_text(case.truth, reply_text(completion, case.thinking_mode))
+
+
+def score_tool_calls(expected: list[dict], completion: str, thinking_mode: str = "chat") -> int:
+    try:
+        got = parse_completion(completion, thinking_mode)["tool_calls"]
+    except DSMLError:
+        return 0
+    return int(bool(got) and [_call_key(c) for c in got] == [_call_key(c) for c in expected])
+
+
+def _call_key(call: dict) -> tuple[str, Any]:
+    function, args = call["function"], call["function"]["arguments"]
+    try:
+        return function["name"], json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return function["name"], None  # not JSON: equal to no target
+
+
+def reply_text(completion: str, thinking_mode: str = "chat") -> str:
+    """The reply's content; the raw text up to EOS when it does not parse."""
+    try:
+        return parse_completion(completion, thinking_mode)["content"]
+    except DSMLError:
+        return completion.split(EOS, 1)[0]
+
+
+def score_text(truth: dict, text: str) -> int:
+    required, forbidden = key_facts(truth)
+    return int(all(any(_mentions(text, p) for p in group) for group in required)
+               and not any(_mentions(text, p) for p in forbidden))
+
+
+def key_facts(truth: dict) -> tuple[list[list[str]], list[str]]:
+    """(groups of phrases, one of each must be mentioned; phrases none may be mentioned)."""
+    if "image" in truth:
+        colour, kind, count = truth["image"]["colour"], truth["image"]["kind"], truth["image"]["count"]
+        counts = [[str(k), word] for k, word in enumerate(NUMBER_WORDS)]
+        required = [[colour], [kind, kind + "s"], counts[count]]
+        forbidden = [c for c in COLOURS if c != colour] + [f"{s}{p}" for s in SHAPES if s != kind for p in ("", "s")] \
+            + [w for k, pair in enumerate(counts) if k != count for w in pair]
+        return required, forbidden
+    if "value" in truth:
+        return [[truth["value"]]], []
+    return [[str(truth["answer"]).rstrip(".!?")]], []
+
+
+def _mentions(text: str, phrase: str) -> bool:
+    text, phrase = " ".join(text.split()), " ".join(phrase.split())
+    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text, re.IGNORECASE) is not None
+
+
+# -- generation -------------------------------------------------------------------------
+
+@dataclass
+class Completion:
+    text: str  # the decoded reply, EOS included
+    stats: dict = field(default_factory=dict)  # mode-specific counts (tokens, cache use)
+
+
+class Generator(Protocol):
+    def complete(self, case: Case, mode: str) -> Completion: ...
+
+
+def prompt_inputs(rt: Runtime, case: Case) -> tuple[torch.Tensor, tuple | None]:
+    """The prompt as the agent logs it: ids [1, N] with every image placeholder expanded to
+    its span, and (embeds [1, N, D], mask [1, N]) of the spans, or None without images."""
+    rendered = encode_messages(case.prompt, thinking_mode=case.thinking_mode, literal_placeholders=True)
+    tokens = rendered.tokenize(rt.tokenizer)
+    ids, spans, last = [], [], 0
+    for pos, image in zip(tokens.image_positions, rendered.images):
+        spans.append(rt.image_span(case.images[image["url"].removeprefix("sha256:")])[1])
+        ids += tokens.ids[last:pos] + [rt.args.image_token_id] * spans[-1].shape[0]
+        last = pos + 1
+    ids = torch.tensor([ids + tokens.ids[last:]], device=rt.model.device)
+    return ids, image_inputs(ids, rt.args.image_token_id, spans) if spans else None
+
+
+class ModelGenerator:
+    """The real model in the four modes; greedy, budget per case (module docstring).
+    ``store_home``: where resume sessions are stored (kept); default a temporary home."""
+
+    def __init__(self, runtime: Runtime, *, max_new_tokens: int = MAX_NEW_TOKENS, store_home: Path | None = None):
+        model, chunk, limit = runtime.model, runtime.engine.chunk, runtime.engine.max_context
+        self.engines = {mode: Engine(model, mode=mode, chunk=chunk, max_context=limit) for mode in ("exact", "ced")}
+        self.rt = Runtime(model, runtime.tokenizer, self.engines["ced"], runtime.fingerprint, runtime.source)
+        self.max_new_tokens, self.store_home = max_new_tokens, store_home
+
+    def budget(self, case: Case) -> int:
+        return min(self.max_new_tokens, case.expected_tokens + SLACK)
+
+    def complete(self, case: Case, mode: str) -> Completion:
+        if mode == "resume":
+            return self._resumed(case)
+        kv = KVFormat.FLOAT if mode == "float-kv" else KVFormat.PACKED
+        state = State(cache=self.rt.model.new_cache(1, kv=kv))
+        engine = self.engines["exact" if mode == "exact" else "ced"]
+        ids, images = prompt_inputs(self.rt, case)
+        engine.prefill(state, ids, images=images)
+        eos = self.rt.tokenizer.eos_id
+        out = list(engine.generate(state, Sampling(max_new_tokens=self.budget(case), stop_ids=(eos,))))
+        stats = {"prompt_tokens": ids.shape[1], "completion_tokens": len(out)}
+        if not out or out[-1] != eos:
+            out.append(eos)  # closed as the agent closes a cut reply
+        return Completion(self.rt.tokenizer.decode(out), stats)
+
+    def _resumed(self, case: Case) -> Completion:
+        """Log the prompt in a store, drop the live state, resume from disk, then reply."""
+        with ExitStack() as stack:
+            home = self.store_home or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dsagent-eval-")))
+            store = stack.enter_context(Store.open(home))
+            opts = AgentOptions(session=f"eval-{case.id}-{secrets.token_hex(3)}", thinking_mode=case.thinking_mode,
+                                workspace=home, sampling=Sampling(max_new_tokens=self.budget(case)), speculative=False)
+            with Agent(self.rt, store, opts) as agent:
+                agent.add_history(case.prompt, case.images)
+            with Agent(self.rt, store, opts) as agent:  # no RAM pool: resumed from disk
+                start = len(agent.log)
+                agent.reply()
+                out, usage = agent.log[start:], asdict(agent.usage)
+        return Completion(self.rt.tokenizer.decode(out), {**usage, "session": opts.session, "log_tokens": start})
+
+
+# -- the evaluation ---------------------------------------------------------------------
+
+@dataclass
+class CaseResult:
+    case: str
+    skill: str
+    mode: str
+    score: int
+    reply: str
+    seconds: float
+    stats: dict
+
+
+@dataclass
+class EvalResult:
+    skills: list[str]
+    modes: list[str]
+    results: list[CaseResult]
+    seed: int | None = None
+
+    def cell(self, skill: str, mode: str) -> tuple[int, int]:
+        """(correct, n) of one skill in one mode."""
+        rs = [r for r in self.results if r.skill == skill and r.mode == mode]
+        return sum(r.score for r in rs), len(rs)
+
+    def accuracy(self, skill: str, mode: str) -> float:
+        correct, n = self.cell(skill, mode)
+        return correct / n if n else 0.0
+
+    def seconds(self, mode: str) -> float:
+        return sum(r.seconds for r in self.results if r.mode == mode)
+
+    def identical_to_ced(self, mode: str) -> float | None:
+        """Fraction of cases whose ``mode`` reply equals the ``ced`` reply (None without ced)."""
+        ced = {r.case: r.reply for r in self.results if r.mode == "ced"}
+        pairs = [(r.reply, ced[r.case]) for r in self.results if r.mode == mode and r.case in ced]
+        return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
+
+    def to_json(self) -> dict:
+        cells = {s: {m: self._cell_json(s, m) for m in self.modes} for s in self.skills}
+        return {"seed": self.seed, "skills": self.skills, "modes": self.modes, "accuracy": cells,
+                "identical_to_ced": {m: self.identical_to_ced(m) for m in self.modes if m != "ced"},
+                "seconds": {m: round(self.seconds(m), 3) for m in self.modes},
+                "cases": [asdict(r) for r in self.results]}
+
+    def _cell_json(self, skill: str, mode: str) -> dict:
+        correct, n = self.cell(skill, mode)
+        return {"correct": correct, "n": n, "accuracy": self.accuracy(skill, mode)}
+
+
+def evaluate(generator: Generator, cases: Sequence[Case], modes: Sequence[str] = MODES, *,
+             progress: Callable[[int, int], None] | None = None) -> EvalResult:
+    """Every case in every mode, scored. ``progress(done, total)`` after each reply."""
+    check_config(modes=modes)
+    results, total = [], len(cases) * len(modes)
+    for case in cases:
+        for mode in modes:
+            start = time.perf_counter()
+            c = generator.complete(case, mode)
+            results.append(CaseResult(case.id, case.skill, mode, score(case, c.text), c.text,
+                                      time.perf_counter() - start, c.stats))
+            if progress is not None:
+                progress(len(results), total)
+    skills = list(dict.fromkeys(c.skill for c in cases))
+    return EvalResult(skills, list(modes), results)
+
+
+def run_eval(runtime: Runtime, *, n: int = 10, seed: int = HELD_OUT_SEED, skills: Sequence[str] = SKILLS,
+             modes: Sequence[str] = MODES, max_new_tokens: int = MAX_NEW_TOKENS,
+             progress: Callable[[int, int], None] | None = None) -> EvalResult:
+    """The held-out evaluation of ``runtime``'s model: ``n`` cases per skill, every mode."""
+    cases = make_cases(runtime.tokenizer, n=n, seed=seed, skills=skills)
+    result = evaluate(ModelGenerator(runtime, max_new_tokens=max_new_tokens), cases, modes, progress=progress)
+    result.seed = seed
+    return result

@@ -1,0 +1,187 @@
+"""The skill evaluation (dsagent/evaluate.py) and `dsagent eval`.
+
+Scoring rules are checked on hand-made completions; two scripted test doubles (one
+answering with the ground truth, one always wrong) go through the same `evaluate` code;
+the real embedded model runs the resume mode through a real Store on a short hand-made
+case, and the CLI on one held-out case of skill a.
+"""
+import io
+import json
+import random
+
+import pytest
+from rich.console import Console
+from typer.testing import CliRunner
+
+import dsagent.cli as cli
+from dsagent.commands.eval import result_table
+from dsagent.corpus import Builder, describe, draw_shapes
+from dsagent.evaluate import (MODES, Case, Completion, EvalConfigError, ModelGenerator, case_from_record, evaluate,
+                              make_cases, prompt_inputs, score, score_text, score_tool_calls)
+from dsagent.runtime import Runtime, Settings
+from model.chat import EOS
+from model.quant import KVFormat
+from sessions import Store
+from tests.scripted_runtime import tool_call
+
+
+@pytest.fixture(scope="module")
+def runtime() -> Runtime:
+    return Runtime.load(Settings())
+
+
+@pytest.fixture(scope="module")
+def cases(runtime) -> list[Case]:
+    return make_cases(runtime.tokenizer, n=2)
+
+
+def _call(name: str, **args) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
+
+
+# ---------------------------------------------------------------------------- scoring
+def test_tool_call_scoring():
+    want = [_call("calculator", expression="12 + 5")]
+    assert score_tool_calls(want, tool_call("calculator", expression="12 + 5") + EOS) == 1
+    assert score_tool_calls(want, tool_call("calculator", expression="12+5") + EOS) == 0  # other arguments
+    assert score_tool_calls(want, tool_call("run_shell", expression="12 + 5") + EOS) == 0  # other tool
+    assert score_tool_calls(want, "12 + 5 = 17." + EOS) == 0  # an answer, no call
+    assert score_tool_calls(want, tool_call("calculator", expression="12 + 5").replace("invoke>", "invoke")) == 0
+    two = [_call("read_file", path="a.txt"), _call("read_file", path="b.txt")]
+    assert score_tool_calls(two, tool_call("read_file", path="a.txt") + EOS) == 0  # one call of two
+
+
+def test_text_scoring():
+    assert score_text({"answer": "Cold."}, "It is cold here.") == 1
+    assert score_text({"answer": "Cold."}, "It is colder.") == 0  # whole words only
+    assert score_text({"answer": "42."}, "The answer is 420.") == 0
+    assert score_text({"value": "HUJ-1094"}, "The password of sable is HUJ-1094.") == 1
+    assert score_text({"value": "HUJ-1094"}, "The password of sable is KGX-7140.") == 0
+    image = {"image": {"kind": "circle", "colour": "red", "count": 3}}
+    assert score_text(image, "There are three red circles.") == 1
+    assert score_text(image, "3 red circles") == 1
+    assert score_text(image, "There are three red squares.") == 0  # wrong kind
+    assert score_text(image, "Three red circles and a blue one.") == 0  # another colour named
+
+
+def test_text_target_scores_the_reply_content(cases):
+    a = next(c for c in cases if c.skill == "a")
+    fact = a.truth["answer"].rstrip(".!?")
+    assert score(a, f"Sure: {fact}." + EOS) == 1
+    assert score(a, f"{fact} (cut off") == 1  # no EOS: the raw text is read
+    assert score(a, "I don't know." + EOS) == 0
+
+
+# ---------------------------------------------------------------------------- cases
+def test_cases_are_held_out_and_cut_before_their_target(cases):
+    assert [c.skill for c in cases] == [s for s in "abcde" for _ in range(2)]
+    assert all(c.id.startswith("7919-") for c in cases)
+    for c in cases:
+        assert c.target["role"] == "assistant" and c.prompt[-1]["role"] in ("user", "tool")
+        assert score(c, c.expected) == 1  # the trained completion meets its own rule
+    for b in (c for c in cases if c.skill == "b"):
+        assert b.target.get("tool_calls") and not any(m.get("tool_calls") for m in b.prompt)  # the first call
+    for e in (c for c in cases if c.skill == "e" and c.target.get("tool_calls")):
+        assert any(m.get("tool_calls") for m in e.prompt)  # a later call, after earlier results
+
+
+def test_bad_configuration_is_refused(runtime):
+    with pytest.raises(EvalConfigError, match="training"):
+        make_cases(runtime.tokenizer, n=1, seed=0)
+    with pytest.raises(EvalConfigError, match="skill"):
+        make_cases(runtime.tokenizer, n=1, skills=["x"])
+    with pytest.raises(EvalConfigError, match="mode"):
+        evaluate(TruthScriptedGenerator(), [], ["fast"])
+
+
+# ---------------------------------------------------------------------------- test doubles
+class TruthScriptedGenerator:
+    """TEST DOUBLE: a scripted generator that answers every case with its ground-truth completion."""
+
+    def complete(self, case: Case, mode: str) -> Completion:
+        return Completion(case.expected)
+
+
+class WrongScriptedGenerator:
+    """TEST DOUBLE: a scripted generator whose every reply is wrong (same text in every mode)."""
+
+    def complete(self, case: Case, mode: str) -> Completion:
+        return Completion("I do not know." + EOS)
+
+
+def test_truth_double_scores_one_and_wrong_double_zero(cases):
+    done = []
+    right = evaluate(TruthScriptedGenerator(), cases, progress=lambda i, n: done.append((i, n)))
+    wrong = evaluate(WrongScriptedGenerator(), cases)
+    assert done[-1] == (len(cases) * len(MODES), len(cases) * len(MODES))
+    for skill in "abcde":
+        for mode in MODES:
+            assert right.cell(skill, mode) == (2, 2) and wrong.cell(skill, mode) == (0, 2)
+    assert right.identical_to_ced("float-kv") == 1.0 and wrong.identical_to_ced("resume") == 1.0
+    out = right.to_json()
+    assert out["accuracy"]["d"]["resume"] == {"correct": 2, "n": 2, "accuracy": 1.0}
+    assert len(out["cases"]) == len(cases) * len(MODES)
+
+
+def test_table_has_a_row_per_skill_and_a_column_per_mode(cases):
+    result = evaluate(TruthScriptedGenerator(), cases)
+    buf = io.StringIO()
+    Console(file=buf, width=200, no_color=True).print(result_table(result))
+    text = buf.getvalue()
+    assert all(m in text for m in MODES) and "d recall" in text and "10/10" in text and "100%" in text
+
+
+# ---------------------------------------------------------------------------- the real model
+@pytest.fixture(scope="module")
+def short_case(runtime) -> Case:
+    """A hand-made image case of ~300 tokens: longer than the window, so resume has KV to load."""
+    rng = random.Random(0)
+    b = Builder(rng)
+    b.messages[0] = {"role": "system", "content": "You are dsagent. Answer briefly."}
+    shapes = draw_shapes(rng)
+    filler = " ".join(f"Item {i} is on shelf {i % 7}." for i in range(40))
+    b.user(f"{filler}\nHow many shapes are in this picture?", image=shapes.png)
+    b.say(describe(shapes))
+    b.truth["image"] = shapes.truth()
+    return case_from_record(b.record("short-0", "c"), runtime.tokenizer)
+
+
+def test_resume_goes_through_the_store(runtime, short_case, tmp_path):
+    gen = ModelGenerator(runtime, max_new_tokens=3, store_home=tmp_path)
+    stats = gen.complete(short_case, "resume").stats
+    window = runtime.args.sliding_window
+    ids, images = prompt_inputs(gen.rt, short_case)
+    assert images is not None and stats["log_tokens"] == ids.shape[1] > window
+    assert stats["cached_tokens"] > window and stats["replayed_tokens"] == window  # stored KV, then replay
+    assert stats["prompt_tokens"] == stats["log_tokens"] - stats["cached_tokens"]  # no full re-prefill
+    with Store.open(tmp_path) as store:
+        loaded = store.load(stats["session"], fingerprint=runtime.fingerprint, chunk_tokens=256)
+    assert loaded.tokens[: ids.shape[1]] == ids[0].tolist()  # the agent logged the same prompt
+    assert loaded.kv and [m["role"] for m in loaded.messages] == ["system", "user", "assistant"]
+
+
+def test_float_kv_mode_uses_an_unquantised_cache(runtime, short_case, monkeypatch):
+    gen = ModelGenerator(runtime, max_new_tokens=2)
+    formats, new_cache = [], runtime.model.new_cache
+    monkeypatch.setattr(runtime.model, "new_cache", lambda b, kv: formats.append(kv) or new_cache(b, kv=kv))
+    replies = [gen.complete(short_case, mode).text for mode in ("ced", "float-kv")]
+    assert formats == [KVFormat.PACKED, KVFormat.FLOAT]
+    assert all(r.endswith(EOS) for r in replies)
+
+
+def test_cli_eval_json_on_the_embedded_default(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(cli.app, ["eval", "--n", "1", "--skills", "a", "--max-new-tokens", "2", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["seed"] == 7919 and out["skills"] == ["a"] and out["modes"] == list(MODES)
+    assert set(out["accuracy"]["a"]) == set(MODES) and all(v["n"] == 1 for v in out["accuracy"]["a"].values())
+    assert set(out["identical_to_ced"]) == {"exact", "float-kv", "resume"}
+    resumed = next(c for c in out["cases"] if c["mode"] == "resume")
+    assert resumed["stats"]["cached_tokens"] > 0 and resumed["stats"]["completion_tokens"] <= 2
+
+
+def test_cli_eval_refuses_bad_flags_before_loading():
+    assert CliRunner().invoke(cli.app, ["eval", "--skills", "a,x"]).exit_code == 2
+    assert CliRunner().invoke(cli.app, ["eval", "--seed", "0"]).exit_code == 2
+    assert CliRunner().invoke(cli.app, ["eval", "--model", "m", "--preset", "tiny"]).exit_code == 2
