@@ -151,3 +151,20 @@ def test_trainer_state_round_trips(tmp_path, tiny):
     for (n, p), q in zip(model.named_parameters(), other.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"], rtol=0, atol=0)
+
+
+def test_trainer_batches_come_from_the_corpus_as_the_agent_logs_it(tiny):
+    """make_examples lays corpus records out with image spans expanded; next_batch draws a
+    deterministic batch per step (so a resumed run sees the batches it would have seen)."""
+    import argparse
+
+    import train_default
+
+    pools = train_default.make_examples(20, 0, tiny.args, workers=1)
+    assert len(pools["long"]) == 2 and len(pools["short"]) == 18  # SCHEDULE: one recall record in ten
+    with_images = [ex for ex in pools["short"] if ex.images]
+    assert with_images and all((ex.ids[s] == tiny.args.image_token_id) for ex in with_images for s, _ in ex.images)
+    a = argparse.Namespace(seed=0, long_prob=0.5, short_batch=3, long_batch=2)
+    first, again = train_default.next_batch(a, pools, 5, tiny.args), train_default.next_batch(a, pools, 5, tiny.args)
+    assert torch.equal(first.ids, again.ids) and torch.equal(first.floor, again.floor) and first.modes == again.modes
+    assert first.ids.shape[0] in (2, 3) and first.trained_tokens > 0
