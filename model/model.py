@@ -365,7 +365,7 @@ class Attention(nn.Module):
         return out[:, None].to(q.dtype)
 
     def _index_loss(self, q: torch.Tensor, src: SourceKV, scores: torch.Tensor) -> torch.Tensor:
-        """KL from this layer's dense attention over every visible record (heads summed,
+        """KL from this layer's dense attention over every visible record (averaged over heads,
         no gradient) to the indexer's softmax, per query with a visible record — the
         indexer's training signal (DeepSeek-V3.2's lightning-indexer objective)."""
         visible = scores > float("-inf")

@@ -264,31 +264,41 @@ def repeat_rows(cache: Cache, n: int) -> Cache:
 # ----------------------------------------------------------------------------- router balance
 
 class ExpertLoads:
-    """Counts the experts each MoE gate picks during a step (forward hooks)."""
+    """Counts the experts each MoE gate picks during a step (forward hooks), text tokens and
+    image-span tokens apart: they route with ``bias`` and ``bias_vl`` respectively."""
 
     def __init__(self, model: Transformer):
         self.gates = {name: m.gate for name, m in model.named_modules() if isinstance(m, MoE)}
-        self.counts = {name: torch.zeros(g.bias.numel(), device=g.bias.device) for name, g in self.gates.items()}
+        self.counts = {name: torch.zeros(2, g.bias.numel(), device=g.bias.device) for name, g in self.gates.items()}
         self._hooks = [g.register_forward_hook(self._hook(name)) for name, g in self.gates.items()]
 
     def _hook(self, name: str):
-        def hook(_module, _inputs, output):
-            indices = output[1]
-            self.counts[name] += torch.bincount(indices.flatten(), minlength=self.counts[name].numel()).float()
+        def hook(_module, inputs, output):
+            indices, image_mask = output[1], inputs[1]
+            counts = self.counts[name]
+            n = counts.shape[1]
+            if image_mask is None:
+                counts[0] += torch.bincount(indices.flatten(), minlength=n).float()
+                return
+            for row, picked in ((0, indices[~image_mask]), (1, indices[image_mask])):
+                counts[row] += torch.bincount(picked.flatten(), minlength=n).float()
         return hook
 
     @torch.no_grad()
     def update_bias(self, rate: float) -> float:
         """The aux-loss-free update: raise the bias of under-loaded experts, lower the
-        over-loaded; returns the worst max/mean load ratio seen, then resets the counts."""
+        over-loaded (``bias`` from text tokens, ``bias_vl`` from image tokens); returns the
+        worst max/mean text load seen, then resets the counts."""
         worst = 0.0
         for name, gate in self.gates.items():
-            load = self.counts[name]
-            if load.sum() == 0:
-                continue
-            gate.bias.add_(rate * torch.sign(load.mean() - load))
-            worst = max(worst, float(load.max() / load.mean()))
-            load.zero_()
+            for row, bias in ((0, gate.bias), (1, gate.bias_vl)):
+                load = self.counts[name][row]
+                if load.sum() == 0:
+                    continue
+                bias.add_(rate * torch.sign(load.mean() - load))
+                if row == 0:
+                    worst = max(worst, float(load.max() / load.mean()))
+            self.counts[name].zero_()
         return worst
 
     def close(self) -> None:

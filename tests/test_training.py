@@ -128,9 +128,10 @@ def test_every_parameter_learns(tiny):
     silent = [n for n, p in model.named_parameters()
               if (p.grad is None or p.grad.abs().sum() == 0) and not n.endswith(("gate.bias", "gate.bias_vl"))]
     assert silent == []
-    before = {n: g.bias.clone() for n, g in loads.gates.items()}
+    before = {n: (g.bias.clone(), g.bias_vl.clone()) for n, g in loads.gates.items()}
     assert loads.update_bias(1e-3) >= 1.0
-    assert any(not torch.equal(before[n], g.bias) for n, g in loads.gates.items())
+    assert any(not torch.equal(before[n][0], g.bias) for n, g in loads.gates.items())
+    assert any(not torch.equal(before[n][1], g.bias_vl) for n, g in loads.gates.items())  # image tokens
 
 
 def test_trainer_state_round_trips(tmp_path, tiny):
