@@ -29,6 +29,7 @@ from model.chat import encode_messages
 from model.dspark import speculator_for
 from model.dsml import DSMLError, StreamParser, TextDelta, ReasoningDelta, parse_completion
 from model.engine import Sampling, State
+from model.vision import expand_spans
 from sessions import ImageSpan, KVChunk, LocalStatePool, Store
 from tools import ToolRunner, Workspace, builtin_toolbox
 
@@ -202,15 +203,12 @@ class Agent:
         rendered = encode_messages(messages, context=self.messages, thinking_mode=self.opts.thinking_mode,
                                    reasoning_effort=self.opts.reasoning_effort, literal_placeholders=True)
         tokens = rendered.tokenize(self.rt.tokenizer)
-        ids, shas = tokens.ids, [r["url"].removeprefix("sha256:") for r in rendered.images]
-        out, last = [], 0
-        for pos, sha in zip(tokens.image_positions, shas):
-            out += ids[last:pos]
-            n = self._image_embeds(sha).shape[0]
-            self.spans.append(ImageSpan(len(self.log) + len(out), len(self.log) + len(out) + n, sha))
-            out += [self.rt.args.image_token_id] * n
-            last = pos + 1
-        self.log += out + ids[last:]
+        shas = [r["url"].removeprefix("sha256:") for r in rendered.images]
+        lengths = [self._image_embeds(sha).shape[0] for sha in shas]
+        ids, starts = expand_spans(tokens.ids, tokens.image_positions, lengths, self.rt.args.image_token_id)
+        base = len(self.log)
+        self.spans += [ImageSpan(base + a, base + a + n, sha) for a, n, sha in zip(starts, lengths, shas)]
+        self.log += ids
         self.messages += messages
 
     # ------------------------------------------------------------------ history

@@ -41,7 +41,7 @@ from model.args import ModelArgs
 from model.chat import Conversation
 from model.tokenizer import Tokenizer
 from model.training import Example
-from model.vision import decode_image, image_sha256, plan_image, span_length
+from model.vision import decode_image, expand_spans, image_sha256, plan_image, span_length
 from tools import ToolResult, ToolRunner, Workspace, builtin_toolbox
 
 CORPUS_VERSION = 1
@@ -143,20 +143,12 @@ def training_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelAr
     """The record's ids as the agent logs them — each image placeholder expanded to its
     span of image tokens, as ``Agent._append`` does — with the trained mask and images."""
     conv, mask = encode_record(record, tokenizer)
-    ids: list[int] = []
-    trained: list[bool] = []
-    images = []
-    last = 0
-    for pos, ref in zip(conv.image_positions, conv.images):
-        ids += conv.ids[last:pos]
-        trained += mask[last:pos]
-        image = decode_image(base64.b64decode(record["images"][ref["url"].removeprefix("sha256:")]))
-        n = span_length(plan_image(image.width, image.height, args.vision))
-        images.append((len(ids), image))
-        ids += [args.image_token_id] * n
-        trained += [False] * n
-        last = pos + 1
-    return Example(ids + conv.ids[last:], trained + mask[last:], images)
+    images = [decode_image(base64.b64decode(record["images"][ref["url"].removeprefix("sha256:")]))
+              for ref in conv.images]
+    lengths = [span_length(plan_image(image.width, image.height, args.vision)) for image in images]
+    ids, starts = expand_spans(conv.ids, conv.image_positions, lengths, args.image_token_id)
+    trained, _ = expand_spans(mask, conv.image_positions, lengths, False)
+    return Example(ids, trained, list(zip(starts, images)))
 
 
 def turn_groups(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

@@ -72,10 +72,10 @@ from dsagent.corpus import COLOURS, KINDS, NUMBER_WORDS, SHAPES, make_record
 from dsagent.runtime import Runtime
 from model.chat import EOS, encode_messages
 from model.dsml import DSMLError, parse_completion
-from model.engine import Engine, Sampling, State
+from model.engine import Engine, Sampling
 from model.quant import KVFormat
 from model.tokenizer import Tokenizer
-from model.vision import image_inputs
+from model.vision import expand_spans, image_inputs
 from sessions import Store
 
 HELD_OUT_SEED = 7919
@@ -221,12 +221,9 @@ def prompt_inputs(rt: Runtime, case: Case) -> tuple[torch.Tensor, tuple | None]:
     its span, and (embeds [1, N, D], mask [1, N]) of the spans, or None without images."""
     rendered = encode_messages(case.prompt, thinking_mode=case.thinking_mode, literal_placeholders=True)
     tokens = rendered.tokenize(rt.tokenizer)
-    ids, spans, last = [], [], 0
-    for pos, image in zip(tokens.image_positions, rendered.images):
-        spans.append(rt.image_span(case.images[image["url"].removeprefix("sha256:")])[1])
-        ids += tokens.ids[last:pos] + [rt.args.image_token_id] * spans[-1].shape[0]
-        last = pos + 1
-    ids = torch.tensor([ids + tokens.ids[last:]], device=rt.model.device)
+    spans = [rt.image_span(case.images[image["url"].removeprefix("sha256:")])[1] for image in rendered.images]
+    ids, _ = expand_spans(tokens.ids, tokens.image_positions, [s.shape[0] for s in spans], rt.args.image_token_id)
+    ids = torch.tensor([ids], device=rt.model.device)
     return ids, image_inputs(ids, rt.args.image_token_id, spans) if spans else None
 
 
@@ -247,8 +244,8 @@ class ModelGenerator:
         if mode == "resume":
             return self._resumed(case)
         kv = KVFormat.FLOAT if mode == "float-kv" else KVFormat.PACKED
-        state = State(cache=self.rt.model.new_cache(1, kv=kv))
         engine = self.engines["exact" if mode == "exact" else "ced"]
+        state = engine.new_state(kv=kv)
         ids, images = prompt_inputs(self.rt, case)
         engine.prefill(state, ids, images=images)
         eos = self.rt.tokenizer.eos_id

@@ -22,6 +22,7 @@ import torch
 
 from model.cache import Cache
 from model.model import Step, Transformer
+from model.quant import KVFormat
 
 
 class ContextLimitError(ValueError):
@@ -81,8 +82,8 @@ class Engine:
         self.max_context = max_context or model.args.max_position_embeddings
 
     # ------------------------------------------------------------------ state
-    def new_state(self, batch: int = 1) -> State:
-        return State(cache=self.model.new_cache(batch))
+    def new_state(self, batch: int = 1, kv: KVFormat = KVFormat.PACKED) -> State:
+        return State(cache=self.model.new_cache(batch, kv=kv))
 
     def _check_room(self, state: State, n: int) -> None:
         if state.length + n > self.max_context:

@@ -82,12 +82,14 @@ def remove_weight_qat(model: Transformer) -> None:
                 parametrize.remove_parametrizations(module, attr, leave_parametrized=False)
 
 
+def official_name(name: str) -> str:
+    """A state-dict name, with or without QAT registered -> the official checkpoint name."""
+    return name.replace("parametrizations.", "").replace(".original", "")
+
+
 def plain_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     """The state dict under official names, with or without QAT registered."""
-    out = {}
-    for name, t in model.state_dict().items():
-        out[name.replace("parametrizations.", "").replace(".original", "")] = t
-    return out
+    return {official_name(name): t for name, t in model.state_dict().items()}
 
 
 # ----------------------------------------------------------------------------- examples and batches

@@ -283,6 +283,20 @@ def span_length(plan: ImagePlan) -> int:
     return plan.n_tokens
 
 
+def expand_spans(seq: list, positions: list[int], lengths: list[int], fill) -> tuple[list, list[int]]:
+    """``seq`` with the item at each of ``positions`` (image placeholders, ascending) replaced
+    by ``lengths[i]`` copies of ``fill``; returns the new list and where each span starts."""
+    out: list = []
+    starts: list[int] = []
+    last = 0
+    for pos, n in zip(positions, lengths, strict=True):
+        out += seq[last:pos]
+        starts.append(len(out))
+        out += [fill] * n
+        last = pos + 1
+    return out + list(seq[last:]), starts
+
+
 def span_layout(plan: ImagePlan) -> list[str]:
     """Slot kinds of the span in order: start, rows of (image x n_llm_w, newline), end."""
     row = [SLOT_IMAGE] * plan.n_llm_w + [SLOT_NEWLINE]

@@ -39,7 +39,7 @@ from model.checkpoint import write_checkpoint  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, batch_loss,  # noqa: E402
-                            make_batch, plain_state_dict, remove_weight_qat)
+                            make_batch, official_name, plain_state_dict, remove_weight_qat)
 
 SCHEDULE = "aabbbccdee"  # record i has kind SCHEDULE[i % 10]: tools, images and sessions weigh most
 REPLAY_WEIGHTS = (0.4, 0.4, 0.2)  # exact, ced, resume
@@ -128,9 +128,7 @@ def save_state(path: Path, model, opt, counters: dict) -> None:
 
 def load_state(path: Path, model, opt) -> dict:
     weights = load_file(path / "weights.safetensors")
-    current = plain_state_dict(model)
-    model_sd_names = dict(zip(current, model.state_dict()))
-    model.load_state_dict({model_sd_names[k]: v for k, v in weights.items()})
+    model.load_state_dict({name: weights[official_name(name)] for name in model.state_dict()})
     counters = json.loads((path / "counters.json").read_text())
     moments = load_file(path / "moments.safetensors")
     for name, p in model.named_parameters():

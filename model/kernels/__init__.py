@@ -16,6 +16,7 @@ when a kernel runs. Does not own: where the inputs come from (``model.model``, `
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -30,19 +31,24 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
     """Triton is importable and has somewhere to run: a CUDA device, or its CPU interpreter."""
-    return importlib.util.find_spec("triton") is not None and (torch.cuda.is_available() or _interpreting())
+    return _triton_installed() and (torch.cuda.is_available() or _interpreting())
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return triton_available() and (t.is_cuda or _interpreting())
+    return (t.is_cuda or _interpreting()) and triton_available()  # the cheap test first: it runs per layer
 
 
 def enabled(t: torch.Tensor) -> bool:
     """Whether the model's decode steps on ``t``'s device use these kernels: Triton can run
     there and ``DSAGENT_KERNELS`` is not ``0``."""
-    return os.environ.get("DSAGENT_KERNELS", "1") != "0" and _use_triton(t)
+    return _use_triton(t) and os.environ.get("DSAGENT_KERNELS", "1") != "0"
 
 
 def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor, records: torch.Tensor,
