@@ -115,7 +115,7 @@ def save_state(path: Path, model, opt, counters: dict) -> None:
     for p, st in opt.state.items():
         moments[f"{names[p]}.exp_avg"] = st["exp_avg"].cpu().contiguous()
         moments[f"{names[p]}.exp_avg_sq"] = st["exp_avg_sq"].cpu().contiguous()
-        counters.setdefault("adam_step", float(st["step"]))
+        counters["adam_step"] = float(st["step"])  # every parameter steps together
     tmp = path / "tmp"
     tmp.mkdir(exist_ok=True)
     save_file(weights, tmp / "weights.safetensors")
