@@ -44,7 +44,7 @@ from model.training import Example
 from model.vision import decode_image, expand_spans, image_sha256, plan_image, span_length
 from tools import ToolResult, ToolRunner, Workspace, builtin_toolbox
 
-CORPUS_VERSION = 1
+CORPUS_VERSION = 2  # 2: echo requests in (a), more calculator in (b)
 THINKING_MODE = "chat"  # the agent's default; every completion follows `</think>`
 KINDS = {"a": "chat", "b": "tools", "c": "images", "d": "recall", "e": "multi_turn"}
 TRAIN_ROLES = ["assistant"]
@@ -203,10 +203,21 @@ def _sequence_fact(rng: random.Random) -> tuple[str, str]:
     return f"What number comes after {n}?", f"{n + 1}."
 
 
+def _echo(rng: random.Random) -> tuple[str, str]:
+    """Repeat a text exactly: the copying that quoting names, numbers and expressions needs."""
+    parts = [secret(rng), str(rng.randint(1, 99999)), rng.choice(WORDS), rng.choice(NAMES), arithmetic(rng),
+             f"{rng.choice(WORDS)}.{rng.choice(['txt', 'csv', 'py'])}"]
+    text = " ".join(rng.sample(parts, rng.randint(1, 3)))
+    return rng.choice([f"Repeat after me: {text}", f"Say exactly this: {text}", f"Copy this: {text}"]), text
+
+
 def chat_conversation(b: Builder) -> None:
     pick = b.rng.random()
-    pool = _runtime_facts() if pick < 0.4 else FACTS if pick < 0.75 else GREETINGS
-    q, a = b.rng.choice(pool) if pick < 0.9 else _sequence_fact(b.rng)
+    if pick < 0.75:
+        pool = _runtime_facts() if pick < 0.3 else FACTS if pick < 0.55 else GREETINGS
+        q, a = b.rng.choice(pool) if pick < 0.65 else _sequence_fact(b.rng)
+    else:
+        q, a = _echo(b.rng)
     b.user(q)
     b.say(a)
     b.truth = {"answer": a}
@@ -319,9 +330,9 @@ def calc_question(b: Builder) -> None:
 
 def tool_conversation(b: Builder) -> None:
     pick = b.rng.random()
-    if pick < 0.35:
+    if pick < 0.45:
         calc_question(b)
-    elif pick < 0.85:
+    elif pick < 0.88:
         files = make_files(b)
         b.rng.choice([read_question, list_question, shell_question])(b, files)
     else:

@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import multiprocessing as mp
+import os
 import random
 import shlex
 import sys
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.nn.utils import parametrize
 
@@ -89,9 +91,11 @@ def _example(job: tuple[int, int]) -> tuple[int, str, Example]:
     return i, kind, ex
 
 
-def make_examples(n: int, seed: int, model_args, workers: int) -> dict[str, list[Example]]:
+def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1) -> dict[str, list[Example]]:
+    """The first ``n`` records, or, in a data-parallel run, this process's share: whole
+    rounds of SCHEDULE, so every process holds every kind."""
     pools: dict[str, list[Example]] = {"short": [], "long": []}
-    jobs = [(seed, i) for i in range(n)]
+    jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank]
     if workers <= 1:
         _init_worker(model_args)
         results = map(_example, jobs)
@@ -146,9 +150,11 @@ def learning_rate(a, step: int, progress: float) -> float:
     return a.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def next_batch(a, pools, step: int, model_args):
+def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     rng = random.Random(f"batch:{a.seed}:{step}")
-    long = rng.random() < a.long_prob and pools["long"]
+    long = rng.random() < a.long_prob and pools["long"]  # the same kind on every process: even step times
+    if world > 1:
+        rng = random.Random(f"batch:{a.seed}:{step}:{rank}")
     pool, n = (pools["long"], a.long_batch) if long else (pools["short"], a.short_batch)
     rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
     modes = rng.choices(REPLAY_MODES, weights=REPLAY_WEIGHTS, k=n)
@@ -156,9 +162,66 @@ def next_batch(a, pools, step: int, model_args):
                       layers=model_args.num_hidden_layers, pad_id=model_args.pad_token_id, rng=rng)
 
 
+class Group:
+    """The data-parallel processes of a run started by torchrun (WORLD_SIZE, RANK and
+    LOCAL_RANK set), or the one process of a plain run. Every process holds the whole
+    model and trains on its own rows; gradients, expert loads and counters are summed
+    across processes each step, so all copies take the same optimiser steps."""
+
+    def __init__(self, device: str):
+        self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+        self.device = device
+        if self.world > 1:
+            if device.startswith("cuda"):
+                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+                torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def all_ok(self, ok: bool) -> bool:
+        """Whether every process finished its step (one that ran out of memory skips it for all)."""
+        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
+        if self.world > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def same_weights(self, model) -> None:
+        if self.world > 1:
+            for t in model.state_dict().values():
+                dist.broadcast(t, 0)
+
+    def mean_grads(self, params: list) -> None:
+        """Average the gradients; a parameter with a gradient on any process gets one on all."""
+        if self.world == 1:
+            return
+        has = self.sum(torch.tensor([float(p.grad is not None) for p in params], device=self.device))
+        live = [p for p, h in zip(params, has.tolist()) if h > 0]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in live])
+        self.sum(flat).div_(self.world)
+        offset = 0
+        for p in live:
+            p.grad = flat[offset: offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def close(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+            dist.destroy_process_group()
+
+
 def train(a) -> dict:
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
+    group = Group(a.device)
+    a.device = group.device
     model = load(str(a.init) if a.init else "tiny", device=a.device, seed=a.seed)
     args = model.args
     add_weight_qat(model)
@@ -171,67 +234,87 @@ def train(a) -> dict:
     counters = {"step": 0, "seconds": 0.0, "tokens": 0, "rows": 0, "history": []}
     if (state_dir / "counters.json").is_file():
         counters = load_state(state_dir, model, opt)
-        print(f"resumed at step {counters['step']} ({counters['seconds']:.0f} s trained)", flush=True)
+        log(group, f"resumed at step {counters['step']} ({counters['seconds']:.0f} s trained)")
+    group.same_weights(model)
+    params = list(model.parameters())
     t0 = time.time()
-    pools = make_examples(a.records, a.seed, args, a.workers)
-    print(f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records in "
-          f"{time.time() - t0:.0f} s", flush=True)
+    pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world)
+    log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
+               f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
     budget = a.minutes * 60
+    group.all_ok(True)  # every process has its corpus: start the clock together
     began, last_save = time.time() - counters["seconds"], time.time()
-    window = {"lm": 0.0, "index": 0.0, "tokens": 0, "correct": 0, "n": 0}
+    window = torch.zeros(5, dtype=torch.float64)  # lm, index, tokens, correct, steps
     while True:
-        elapsed = time.time() - began
         step = counters["step"]
+        # elapsed (averaged, so every process stops at the same step), tokens and rows of all processes
+        shared = group.sum(torch.tensor([time.time() - began, 0.0, 0.0], device=a.device)).tolist()
+        elapsed = shared[0] / group.world
         if elapsed >= budget or (a.max_steps and step >= a.max_steps):
             break
         progress = elapsed / budget
         for g in opt.param_groups:
             g["lr"] = learning_rate(a, step, progress)
-        batch = next_batch(a, pools, step, args)
+        batch = next_batch(a, pools, step, args, group.rank, group.world)
         opt.zero_grad(set_to_none=True)
+        ok = True
         try:
             with parametrize.cached():  # each QAT weight quantised once per step, not per chunk
                 losses = batch_loss(model, batch, chunk=a.chunk, prefix_chunk=a.prefix_chunk,
                                     dense=progress < a.dense_fraction)
                 losses.total.backward()
         except torch.cuda.OutOfMemoryError:
+            ok = False
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
+        if not group.all_ok(ok):
+            opt.zero_grad(set_to_none=True)
             counters["step"] += 1
             counters["skipped"] = counters.get("skipped", 0) + 1
-            print(json.dumps({"step": step, "skipped": "out of memory", "shape": list(batch.ids.shape)}), flush=True)
+            log(group, json.dumps({"step": step, "skipped": "out of memory", "shape": list(batch.ids.shape)}))
             continue
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        group.mean_grads(params)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        for counts in loads.counts.values():
+            group.sum(counts)
         worst = loads.update_bias(a.bias_rate)
+        done = group.sum(torch.tensor([float(batch.ids.numel()), float(batch.ids.shape[0])], device=a.device))
         counters["step"] += 1
-        counters["tokens"] += int(batch.ids.numel())
-        counters["rows"] += batch.ids.shape[0]
-        window["lm"] += float(losses.lm.detach())
-        window["index"] += float(losses.index.detach())
-        window["tokens"] += losses.tokens
-        window["correct"] += losses.correct
-        window["n"] += 1
+        counters["tokens"] += int(done[0])
+        counters["rows"] += int(done[1])
+        window += torch.tensor([float(losses.lm.detach()), float(losses.index.detach()), losses.tokens,
+                                losses.correct, 1.0], dtype=torch.float64)
         if counters["step"] % a.log_every == 0:
+            lm, index, tokens, correct, n = group.sum(window.to(a.device)).tolist()
             entry = {"step": counters["step"], "seconds": round(time.time() - began, 1),
-                     "lm": round(window["lm"] / window["n"], 4), "index": round(window["index"] / window["n"], 4),
-                     "acc": round(window["correct"] / max(1, window["tokens"]), 4), "max_load": round(worst, 2),
+                     "lm": round(lm / n, 4), "index": round(index / n, 4),
+                     "acc": round(correct / max(1, tokens), 4), "max_load": round(worst, 2),
                      "lr": round(opt.param_groups[0]["lr"], 6)}
             counters["history"].append(entry)
-            print(json.dumps(entry), flush=True)
-            window = {k: 0 if isinstance(v, int) else 0.0 for k, v in window.items()}
-        if time.time() - last_save > a.save_minutes * 60:
+            log(group, json.dumps(entry))
+            window.zero_()
+        if group.main and time.time() - last_save > a.save_minutes * 60:
             counters["seconds"] = time.time() - began
             save_state(state_dir, model, opt, counters)
             last_save = time.time()
     counters["seconds"] = time.time() - began
-    save_state(state_dir, model, opt, counters)
     loads.close()
-    return finish(a, model, counters)
+    info = None
+    if group.main:
+        save_state(state_dir, model, opt, counters)
+        info = finish(a, model, counters, group.world)
+    group.close()
+    return info
 
 
-def finish(a, model, counters: dict) -> dict:
+def log(group: Group, line: str) -> None:
+    if group.main:
+        print(line, flush=True)
+
+
+def finish(a, model, counters: dict, world: int = 1) -> dict:
     remove_weight_qat(model)
     out = a.out / "model"
     if out.exists():
@@ -244,6 +327,7 @@ def finish(a, model, counters: dict) -> dict:
             "replay_weights": dict(zip(REPLAY_MODES, REPLAY_WEIGHTS)), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
+            "processes": world,
             "torch": torch.__version__, "last": counters["history"][-1:] or None}
     (out / "TRAINING.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
@@ -252,7 +336,8 @@ def finish(a, model, counters: dict) -> dict:
 def main(argv=None) -> None:
     a = parse_args(argv)
     info = train(a)
-    print(json.dumps(info), flush=True)
+    if info is not None:
+        print(json.dumps(info), flush=True)
 
 
 if __name__ == "__main__":

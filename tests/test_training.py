@@ -169,3 +169,46 @@ def test_trainer_batches_come_from_the_corpus_as_the_agent_logs_it(tiny):
     first, again = train_default.next_batch(a, pools, 5, tiny.args), train_default.next_batch(a, pools, 5, tiny.args)
     assert torch.equal(first.ids, again.ids) and torch.equal(first.floor, again.floor) and first.modes == again.modes
     assert first.ids.shape[0] in (2, 3) and first.trained_tokens > 0
+
+
+def test_data_parallel_shares_hold_every_kind(tiny):
+    """Each process of a data-parallel run gets whole rounds of the schedule (recall too)."""
+    import train_default
+
+    shares = [train_default.make_examples(40, 0, tiny.args, workers=1, rank=r, world=2) for r in range(2)]
+    assert [(len(s["short"]), len(s["long"])) for s in shares] == [(18, 2), (18, 2)]
+    ids = [tuple(ex.ids.tolist()) for s in shares for pool in s.values() for ex in pool]
+    assert len(set(ids)) == 40  # disjoint shares covering the 40 records
+
+
+def _mean_grads_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import train_default
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    group = train_default.Group("cpu")
+    a, b, c = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
+    a.grad = torch.full((3,), float(rank + 1))  # 1 and 2: mean 1.5
+    if rank == 1:
+        b.grad = torch.full((3,), 4.0)  # only one process has it: mean 2.0 on both
+    group.mean_grads([a, b, c])
+    torch.save({"a": a.grad, "b": b.grad, "c": c.grad, "ok": group.all_ok(rank == 0)}, f"{out}.{rank}")
+    group.close()
+
+
+def test_data_parallel_group_averages_gradients(tmp_path):
+    """Two gloo processes: gradients are averaged, one present on a single process reaches
+    both, one absent everywhere stays absent, and a failed step is failed for all."""
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp.spawn(_mean_grads_worker, args=(port, str(tmp_path / "g")), nprocs=2)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"g.{rank}")
+        assert torch.equal(got["a"], torch.full((3,), 1.5)) and torch.equal(got["b"], torch.full((3,), 2.0))
+        assert got["c"] is None and got["ok"] is False
