@@ -1,22 +1,27 @@
 """Engine benchmarks: every figure a ratio measured side by side in one run (RUNTIME.md §9).
 
-Owns the measurements behind ``dsagent bench prefill|decode|resume``: CED vs exact prefill
-(tokens/s and output agreement), decode step time at two context lengths, resume from
-exported bytes vs a full re-prefill, and DSpark speculative decoding (verify-block cost vs
-one decode step, accepted length, tokens per target forward). Returns plain dicts; printing is the CLI's job.
+Owns the measurements behind ``dsagent bench prefill|decode|resume|linears``: CED vs exact
+prefill (tokens/s and output agreement), decode step time at two context lengths, resume from
+exported bytes vs a full re-prefill, DSpark speculative decoding (verify-block cost vs one
+decode step, accepted length, tokens per target forward), and the prefill linear layers
+against the device's dense matmul rate. Returns plain dicts; printing is the CLI's job.
 Not a test: nothing here asserts a speed.
 """
 from __future__ import annotations
 
 import copy
+import re
+import statistics
 import time
+from functools import partial
 
 import torch
+from torch import nn
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from model.engine import Engine, Sampling, State
-from model.model import Transformer
+from model.model import GroupedLinear, Transformer
 
 
 def _sync(device) -> None:
@@ -167,3 +172,133 @@ def bench_batch(model: Transformer, ctx: int, *, batch: int = 16, steps: int = 8
     rates = {b: b / _step_seconds(model, ctx, b, steps, chunk) for b in (1, batch)}
     return {"bench": "batch", "ctx": ctx, "batch": batch, "tokens_per_s_batch1": rates[1],
             f"tokens_per_s_batch{batch}": rates[batch], "batch_speedup": rates[batch] / rates[1]}
+
+
+# ----------------------------------------------------------------------------- linear layers
+
+class _Clock:
+    """Timestamps that never synchronize: CUDA events on a GPU (read them after one
+    synchronize), perf_counter on the CPU."""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def mark(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, start, end) -> float:
+        return start.elapsed_time(end) / 1e3 if self.cuda else end - start
+
+
+class _LinearTimer:
+    """Forward pre/post hooks on every nn.Linear and grouped-expert GEMM of a model: per call,
+    its name, FLOPs (2·M·K·N from the call's shapes) and start/end marks."""
+
+    def __init__(self, model: nn.Module, clock: _Clock):
+        self.clock, self.calls, self._open = clock, [], {}
+        self.modules = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, GroupedLinear))}
+        self._handles = [h for name, m in self.modules.items()
+                         for h in (m.register_forward_pre_hook(partial(self._pre, name)),
+                                   m.register_forward_hook(partial(self._post, name)))]
+
+    def _pre(self, name: str, module, args) -> None:
+        self._open[name] = self.clock.mark()
+
+    def _post(self, name: str, module, args, out) -> None:
+        end = self.clock.mark()
+        self.calls.append((name, gemm_flops(module, args[0]), self._open.pop(name), end))
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def gemm_flops(module: nn.Module, x: torch.Tensor) -> int:
+    """2·M·K·N of one call: the M rows of ``x`` against an [N, K] weight (each expert's own
+    [N, K] for a grouped call, whose groups together hold the M rows)."""
+    n, k = module.weight.shape[-2:]
+    return 2 * (x.numel() // k) * k * n
+
+
+_KINDS = ((".shared_experts.", "shared_experts"), (".experts.", "routed_experts"), (".grouped.", "routed_experts"),
+          (".indexer.", "indexer"), (".compressor.", "compressor"), (".attn.", "attention"),
+          (".engram.", "engram"), (".head.", "head"))
+
+
+def linear_kind(name: str) -> str:
+    """The part of the model a linear layer belongs to, from its module name."""
+    return next((kind for part, kind in _KINDS if part in f".{name}."), "other")
+
+
+def matmul_tflops(n: int, dtype: torch.dtype, device, repeats: int = 5) -> float:
+    """Median TFLOP/s of one dense n×n×n product after two warm-up products."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    clock = _Clock(device)
+    for _ in range(2):
+        a @ b
+    marks = [clock.mark()]
+    for _ in range(repeats):
+        a @ b
+        marks.append(clock.mark())
+    _sync(device)
+    return 2 * n ** 3 / statistics.median(clock.seconds(s, e) for s, e in zip(marks, marks[1:])) / 1e12
+
+
+def bench_linears(model: Transformer, tokens: int = 8192, *, matmul_size: int | None = None,
+                  repeats: int = 5) -> dict:
+    """The prefill's linear layers against the device's dense matmul rate, measured in one run.
+    The rate: an n×n×n product (bf16, n = 8192 on CUDA; the model's dtype, n = 2048 on the CPU).
+    The linears: every nn.Linear and grouped-expert call of one exact prefill chunk of
+    ``tokens`` random tokens (on CUDA after a warm-up chunk), timed between forward pre/post hooks.
+    On CUDA the marks are events timed on the GPU, so a GEMM the GPU waits for the CPU to
+    launch counts its wait too. ``linears_not_called``: linear layers of the backbone whose
+    weights the forward reads without calling them (their GEMMs are not in the totals)."""
+    device = model.device
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else model.embed.weight.dtype
+    size = matmul_size or (8192 if cuda else 2048)
+    peak = matmul_tflops(size, dtype, device, repeats)
+    engine, ids = Engine(model, mode="exact", chunk=tokens), prompt_ids(model, tokens)
+    if cuda:  # warm-up: the allocator's blocks and the GEMM handles, or the timed run would pay for them
+        engine.prefill(engine.new_state(), ids)
+    timer = _LinearTimer(model, _Clock(device))
+    try:
+        _, prefill_s = _timed(lambda: engine.prefill(engine.new_state(), ids), device)
+    finally:
+        timer.close()
+    kinds = _by_kind(timer, peak)
+    flops, secs = sum(k["flops"] for k in kinds.values()), sum(k["seconds"] for k in kinds.values())
+    return {"bench": "linears", "tokens": tokens, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
+            "moe_path": "grouped" if any(".grouped." in c[0] for c in timer.calls) else "loop",
+            "matmul_size": size, "matmul_tflops": peak, "linear_flops": flops, "linear_seconds": secs,
+            "linear_tflops": flops / secs / 1e12, "linear_over_matmul": flops / secs / 1e12 / peak,
+            "prefill_seconds": prefill_s, "linear_share_of_prefill": secs / prefill_s,
+            "by_kind": kinds, "linears_not_called": _not_called(timer)}
+
+
+def _by_kind(timer: _LinearTimer, peak: float) -> dict:
+    kinds: dict[str, dict] = {}
+    for name, flops, start, end in timer.calls:
+        k = kinds.setdefault(linear_kind(name), {"calls": 0, "flops": 0, "seconds": 0.0})
+        k["calls"] += 1
+        k["flops"] += flops
+        k["seconds"] += timer.clock.seconds(start, end)
+    for k in kinds.values():
+        k["tflops"] = k["flops"] / k["seconds"] / 1e12
+        k["over_matmul"] = k["tflops"] / peak
+    return kinds
+
+
+def _not_called(timer: _LinearTimer) -> dict[str, list[int]]:
+    """Backbone linears no call reached, as {name within a layer: layer numbers}; routed experts
+    are left out (an expert without tokens, or the grouped path, calls none)."""
+    called, out = {c[0] for c in timer.calls}, {}
+    for name, m in timer.modules.items():
+        layer = re.match(r"layers\.(\d+)\.(.+)", name)
+        if layer and isinstance(m, nn.Linear) and name not in called and linear_kind(name) != "routed_experts":
+            out.setdefault(layer[2], []).append(int(layer[1]))
+    return out

@@ -13,7 +13,7 @@ import torch
 
 from model.args import PRESETS, ConfigError, ModelArgs
 from model.engram import compressed_token_map, find_tokenizer_json
-from model.model import Transformer
+from model.model import Transformer, stack_experts
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer" / "tokenizer.json"
 
@@ -38,11 +38,14 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
 
 
 def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, seed: int | None = 0) -> Transformer:
+    """A model of ``args`` in ``dtype``: seeded random weights, routed experts stacked (see
+    ``MoE.stack_experts``); on the meta device, shapes only (``load_weights`` fills it)."""
     with torch.device(device):
         model = Transformer(args)
-    if str(device) != "meta":
-        init_weights(model, seed or 0)
-    return cast_model(model, dtype)
+    if str(device) == "meta":
+        return cast_model(model, dtype)
+    init_weights(model, seed or 0)
+    return stack_experts(cast_model(model, dtype))
 
 
 def cast_model(model: Transformer, dtype: torch.dtype) -> Transformer:
@@ -115,7 +118,7 @@ def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float
     assert not left, f"checkpoint reader left parameters unloaded: {left[:5]}"
     model.ropes.to_empty(device=device)
     model.ropes.__init__(model.args)
-    model.to(device)
+    stack_experts(model.to(device))  # after the loads: each assigning load would stack again
 
 
 def _unbuilt_prefixes(model: Transformer) -> tuple:

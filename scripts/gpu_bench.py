@@ -1,6 +1,7 @@
 """Run the engine benchmarks on a GPU (the device machine) and write JSON lines.
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
+       [--linears 8192]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 """
@@ -14,7 +15,7 @@ import time
 import torch
 
 from model import load
-from model.bench import bench_batch, bench_decode, bench_prefill, bench_resume
+from model.bench import bench_batch, bench_decode, bench_linears, bench_prefill, bench_resume
 
 
 def device_ceilings() -> dict:
@@ -46,6 +47,7 @@ def main() -> None:
     p.add_argument("--decode", default="4096,32768")
     p.add_argument("--resume", default="8192")
     p.add_argument("--batch", default="4096")
+    p.add_argument("--linears", default="8192")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     with open(a.out, "w") as out:
@@ -68,6 +70,8 @@ def main() -> None:
             emit(bench_batch(model, n, batch=16))
         for n in map(int, filter(None, a.resume.split(","))):
             emit(bench_resume(model, n, gen=16))
+        for n in map(int, filter(None, a.linears.split(","))):
+            emit(bench_linears(model, n))
 
 
 if __name__ == "__main__":

@@ -196,6 +196,16 @@ def test_bench_commands(which):
     assert json.loads(r.stdout)["bench"] == which
 
 
+def test_bench_linears_prints_the_ratio():
+    r = invoke("bench", "linears", "--preset", "tiny", "--tokens", "32", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["bench"] == "linears" and out["tokens"] == 32 and out["moe_path"] == "grouped"
+    assert {"attention", "routed_experts", "shared_experts", "head"} <= set(out["by_kind"])
+    assert out["linear_flops"] > 0 and 0 < out["linear_over_matmul"] < float("inf")
+    assert 0 < out["linear_share_of_prefill"] < 1
+
+
 def test_python_m_dsagent_help():
     r = subprocess.run([sys.executable, "-m", "dsagent", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "chat" in r.stdout and "sessions" in r.stdout

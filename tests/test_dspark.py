@@ -93,6 +93,8 @@ class OrderInvariantMath(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch._grouped_mm:  # the grouped MoE path; it has no float64 kernel
+            return _grouped_mm_double(*args, **kwargs)
         if func not in _EXACT_OPS:
             return func(*args, **kwargs)
         dtypes: set = set()
@@ -101,6 +103,15 @@ class OrderInvariantMath(TorchFunctionMode):
             return func(*args, **kwargs)
         out = func(*_to_double(args), **kwargs)
         return out.to(torch.float32 if torch.float32 in dtypes else dtypes.pop())
+
+
+def _grouped_mm_double(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` as float64 matmuls of each group's rows, rounded once."""
+    out, start = [], 0
+    for group, end in enumerate(offs.tolist()):
+        out.append(a[start:end].double() @ b[group].double())
+        start = end
+    return torch.cat(out).to(a.dtype)
 
 
 def _float_dtypes(x, found: set) -> None:

@@ -1,4 +1,4 @@
-"""`dsagent bench prefill|decode|resume|store`: the measurements of RUNTIME.md §9, printed.
+"""`dsagent bench prefill|decode|resume|linears|store`: the measurements of RUNTIME.md §9, printed.
 
 Owns: loading the model for a benchmark, building real FP4 KV payloads from a prefilled
 engine state for the store benchmark, and printing the returned dicts (JSON with
@@ -16,12 +16,12 @@ import typer
 from dsagent.errors import handled
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
-from model.bench import bench_speculative, bench_decode, bench_prefill, bench_resume, prompt_ids
+from model.bench import bench_decode, bench_linears, bench_prefill, bench_resume, bench_speculative, prompt_ids
 from model.engine import Engine
 from sessions import DEFAULT_ZSTD_LEVEL, KVChunk
 from sessions.bench import store_throughput, zstd_levels
 
-app = typer.Typer(help="Measure prefill, decode, resume and the store (prints figures; never a test).",
+app = typer.Typer(help="Measure prefill, decode, resume, linear layers and the store (prints figures; never a test).",
                   no_args_is_help=True)
 
 PRESET = typer.Option(None, "--preset", help="Random weights of a preset (tiny on CPU, small on a GPU).")
@@ -70,6 +70,14 @@ def resume(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
     """Resume from exported global KV plus a window replay vs a full re-prefill."""
     with handled():
         _emit(bench_resume(_runtime(model, preset, device).model, ctx, gen=16), as_json)
+
+
+@app.command()
+def linears(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, device: str = DEVICE, as_json: bool = JSON,
+            tokens: int = typer.Option(8192, "--tokens", min=1, help="Tokens of the one exact prefill chunk.")) -> None:
+    """Prefill linear layers (nn.Linear and grouped-expert GEMMs) against the device's matmul rate."""
+    with handled():
+        _emit(bench_linears(_runtime(model, preset, device).model, tokens), as_json)
 
 
 @app.command()
