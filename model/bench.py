@@ -20,6 +20,7 @@ from torch import nn
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from model.census import decode_read_bytes
 from model.engine import Engine, Sampling, State
 from model.model import GroupedLinear, Transformer
 
@@ -70,11 +71,27 @@ def bench_prefill(model: Transformer, ctx: int, *, chunk: int = 512, gen: int = 
 
 
 def bench_decode(model: Transformer, ctx: int, *, short: int | None = None, steps: int = 16, chunk: int = 512) -> dict:
+    """Step time at two context lengths, and at the long one the bytes a step must read
+    (``model.census.decode_read_bytes``) per second against the device's copy bandwidth
+    measured in the same run (bytes read + written, as copy benchmarks count)."""
     short = short or max(model.args.sliding_window, ctx // 32)
     times = {n: _step_seconds(model, n, 1, steps, chunk) for n in (short, ctx)}
+    read = decode_read_bytes(model.args, ctx, weight_bytes=model.embed.weight.element_size())
+    copy = copy_tb_per_s(model.device)
+    achieved = read["total"] / times[ctx] / 1e12
     return {"bench": "decode", "ctx_short": short, "ctx_long": ctx, "step_ms_short": 1e3 * times[short],
             "step_ms_long": 1e3 * times[ctx], "long_over_short": times[ctx] / times[short],
-            "decode_tokens_per_s_long": 1 / times[ctx]}
+            "decode_tokens_per_s_long": 1 / times[ctx], "read_bytes_long": read,
+            "read_tb_per_s_long": achieved, "copy_tb_per_s": copy, "bandwidth_over_copy": achieved / copy}
+
+
+def copy_tb_per_s(device, nbytes: int = 2 ** 28, repeats: int = 5) -> float:
+    """Device-to-device copy rate in TB/s, counting bytes read plus bytes written."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    y.copy_(x)
+    _, secs = _timed(lambda: [y.copy_(x) for _ in range(repeats)], device)
+    return repeats * 2 * nbytes / secs / 1e12
 
 
 def _step_seconds(model: Transformer, ctx: int, batch: int, steps: int, chunk: int) -> float:

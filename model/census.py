@@ -41,7 +41,7 @@ import torch
 from model.args import ModelArgs
 from model.engram import engram_primes
 from model.model import MoE, Transformer
-from model.quant import window_record_bytes
+from model.quant import index_record_bytes, main_record_bytes, window_record_bytes
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
 
@@ -165,3 +165,23 @@ def census(args: ModelArgs) -> dict:
         "layers": _layer_rows(args, layers),
         "engram_tables": _engram_rows(args, layers),
     }
+
+
+def decode_read_bytes(args: ModelArgs, ctx: int, weight_bytes: int = 2) -> dict[str, int]:
+    """Bytes one batch-1 decode step reads at ``ctx`` tokens of context: the active weights
+    (``params_active_decode`` at ``weight_bytes`` each), every layer's FP8 window rows, the
+    FP4 records each sparse layer selects (top-k of its source's records) and the FP4 index
+    keys each Full / Reindex layer scores (every visible one, as the step does)."""
+    window = records = index = 0
+    for layer in range(args.num_hidden_layers):
+        window += min(ctx, args.sliding_window) * window_record_bytes(args.head_dim)
+        role = args.role(layer)
+        if role == "swa":
+            continue
+        n = ctx // args.ratios[args.kv_source(layer)]
+        records += min(args.index_topk, n) * main_record_bytes(args.head_dim)
+        if role in ("full", "reindex"):
+            index += n * index_record_bytes(args.index_head_dim)
+    weights = census(args)["params_active_decode"] * weight_bytes
+    return {"weights": weights, "window": window, "records": records, "index_keys": index,
+            "total": weights + window + records + index}

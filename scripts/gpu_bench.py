@@ -15,28 +15,13 @@ import time
 import torch
 
 from model import load
-from model.bench import bench_batch, bench_decode, bench_linears, bench_prefill, bench_resume
+from model.bench import (bench_batch, bench_decode, bench_linears, bench_prefill, bench_resume, copy_tb_per_s,
+                         matmul_tflops)
 
 
 def device_ceilings() -> dict:
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    for _ in range(3):
-        a @ a
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        a @ a
-    torch.cuda.synchronize()
-    flops = 10 * 2 * 8192 ** 3 / (time.perf_counter() - t)
-    x = torch.empty(2 ** 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    y.copy_(x)
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(10):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    return {"bf16_matmul_tflops": flops / 1e12, "copy_tb_per_s": 10 * 2 * 2 ** 30 / (time.perf_counter() - t) / 1e12}
+    return {"bf16_matmul_tflops": matmul_tflops(8192, torch.bfloat16, "cuda"),
+            "copy_tb_per_s": copy_tb_per_s("cuda", 2 ** 30, repeats=10)}
 
 
 def main() -> None:

@@ -193,7 +193,11 @@ def test_model_init_writes_a_loadable_checkpoint(tmp_path):
 def test_bench_commands(which):
     r = invoke("bench", which, "--preset", "tiny", "--ctx", "32", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["bench"] == which
+    out = json.loads(r.stdout)
+    assert out["bench"] == which
+    if which == "decode":  # bytes a step reads over the step time, against the copy rate of this run
+        assert out["read_bytes_long"]["total"] > out["read_bytes_long"]["weights"] > 0
+        assert out["bandwidth_over_copy"] == pytest.approx(out["read_tb_per_s_long"] / out["copy_tb_per_s"])
 
 
 def test_bench_linears_prints_the_ratio():
