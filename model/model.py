@@ -21,6 +21,7 @@ import functools
 import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from model.args import ModelArgs
+from model import graphs
 from model.cache import Cache, SourceKV
 from model.engram import NgramHasher
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
@@ -93,6 +95,7 @@ class Step:
     floor: torch.Tensor | None = None  # [B, n_layers] long
     dense: bool = False  # select every visible record (the indexer's dense warm-up)
     index_losses: list | None = None  # when a list, index layers append their KL to attention
+    graphs: graphs.SegmentGraphs | None = None  # a CUDA decode step: cache-free segments replay as graphs
 
     @property
     def end(self) -> int:
@@ -268,15 +271,28 @@ class Attention(nn.Module):
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
-        B, S, _ = x.shape
         pos = step.positions(x.device)
+        q_res, q, kv = self.project(x, pos, ropes, cache.kv)
+        return self.output(self.core(x, q_res, q, kv, step, cache, ropes), pos, ropes)
+
+    def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat):
+        """(q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads no cache."""
+        B, S, _ = x.shape
         inv = ropes.compress if self.ratio else ropes.main
         q_res = self.q_norm(self.wq_a(x))
         q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
-        kv = cache.kv.window(apply_rope(self.kv_norm(self.wkv(x)), pos, inv))
+        return q_res, q, fmt.window(apply_rope(self.kv_norm(self.wkv(x)), pos, inv))
+
+    def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
+        """De-rotated attention output through the grouped low-rank output projection."""
+        out = apply_rope(out, pos, ropes.compress if self.ratio else ropes.main, inverse=True)
+        return self.wo_b(self._grouped_wo_a(out).flatten(2))
+
+    def core(self, x, q_res, q, kv, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
+        """The part that reads and writes the cache: window ring, KV source, indexer, attention."""
         fused = _fused_step(x, step, cache.kv)
         if fused:
-            cache.windows[self.layer].write(kv, pos)
+            cache.windows[self.layer].write(kv, step.positions(x.device))
         else:
             keys, key_mask = self._window_keys(kv, step, cache)
         records = None
@@ -288,9 +304,7 @@ class Attention(nn.Module):
                 if step.index_losses is not None and "index_scores" in step.shared:
                     step.index_losses.append(self._index_loss(q, src, step.shared.pop("index_scores")))
             records = None if fused else self._selected_records(cache, step)
-        out = self._fused_attend(q, step, cache) if fused else self._attend(q, keys, key_mask, records)
-        out = apply_rope(out, pos, inv, inverse=True)
-        return self.wo_b(self._grouped_wo_a(out).flatten(2))
+        return self._fused_attend(q, step, cache) if fused else self._attend(q, keys, key_mask, records)
 
     def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
         """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""
@@ -476,7 +490,7 @@ class GroupedLinear(nn.Module):
 class GroupedExperts(nn.Module):
     """Every routed expert at once, with no host sync: the (token, slot) pairs sorted by
     expert, their rows gathered once, w1/w3/w2 as grouped GEMMs, the gate weight applied
-    before w2 as in :class:`Expert`, each row scatter-added back to its token."""
+    before w2 as in :class:`Expert`, each token's k rows summed in slot order."""
 
     def __init__(self, limit: float):
         super().__init__()
@@ -493,7 +507,10 @@ class GroupedExperts(nn.Module):
         h = x[rows]  # (N*k, D)
         y = weights.flatten()[order, None] * swiglu(self.w1(h, ends), self.w3(h, ends), self.limit)
         out = self.w2(y.to(x.dtype), ends)
-        return torch.zeros_like(x, dtype=torch.float32).index_add_(0, rows, out.float())
+        # back to (token, slot) order, then each token's k rows summed: no atomics, so a step's
+        # result never depends on the order threads finish in (index_add_ on CUDA would)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        return unsorted.view(-1, k, out.shape[-1]).float().sum(1)
 
 
 class MoE(nn.Module):
@@ -674,11 +691,37 @@ class Block(nn.Module):
         taps = step.shared.get("taps")
         if isinstance(taps, dict) and self.layer in self.args.dspark_target_layer_ids:
             taps[self.layer] = streams.mean(dim=2)  # DSpark context: this layer's input, averaged over hc
+        if step.graphs is None:
+            a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
+            y = self.attn(x, step, cache, ropes)
+            return self.ffn_site(y, streams, a_pre, a_post, a_comb, step.image_mask)
+        # a CUDA decode step: everything but the attention's cache work replays as two graphs
+        pos = step.positions(streams.device)
+        a_pre, a_post, a_comb, x, q_res, q, kv = step.graphs.run(
+            (self.layer, "attn"), partial(self.projected_attn_site, ropes=ropes, fmt=cache.kv), streams, pre, pos)
+        out = self.attn.core(x, q_res, q, kv, step, cache, ropes)
+        return step.graphs.run((self.layer, "ffn"), partial(self.projected_ffn_site, ropes=ropes),
+                               out, pos, streams, a_pre, a_post, a_comb)
+
+    def attn_site(self, streams, pre):
+        """The attention site's mixes and its normalised input (reads no cache)."""
         a_pre, a_post, a_comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.args)
-        y = self.attn(self.attn_norm(hc_collapse(streams, pre)), step, cache, ropes)
+        return a_pre, a_post, a_comb, self.attn_norm(hc_collapse(streams, pre))
+
+    def projected_attn_site(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
+        """:meth:`attn_site` and the attention's projections (``Attention.project``)."""
+        a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
+        return (a_pre, a_post, a_comb, x, *self.attn.project(x, pos, ropes, fmt))
+
+    def projected_ffn_site(self, out, pos, streams, a_pre, a_post, a_comb, *, ropes: Ropes):
+        """The attention's output projection (``Attention.output``), then :meth:`ffn_site`."""
+        return self.ffn_site(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb)
+
+    def ffn_site(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
+        """Attention output expanded into the streams, then the whole FFN site (reads no cache)."""
         streams = hc_expand(y, streams, a_post, a_comb)
         f_pre, f_post, f_comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.args)
-        y = self.ffn(self.ffn_norm(hc_collapse(streams, a_pre)), step.image_mask)
+        y = self.ffn(self.ffn_norm(hc_collapse(streams, a_pre)), image_mask)
         return hc_expand(y, streams, f_post, f_comb), f_pre
 
 
@@ -706,6 +749,17 @@ class Transformer(nn.Module):
             from model.dspark import DSpark  # imported here: model.dspark builds on this module
 
             self.mtp = DSpark(args)  # the draft stages, checkpoint names mtp.K.*
+        self._graphs = graphs.SegmentGraphs()
+        self.register_load_state_dict_post_hook(lambda module, keys: module.reset_graphs())
+
+    def reset_graphs(self) -> None:
+        """Forget captured decode graphs: they hold the addresses of the current weights."""
+        self._graphs = graphs.SegmentGraphs()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.reset_graphs()  # a move or cast gave the weights new addresses
+        return self
 
     def encode_image(self, image, *, grad: bool = False) -> torch.Tensor:
         """A decoded RGB PIL image -> its span embeddings [n_tokens, D] (start, rows+newlines, end);
@@ -745,6 +799,8 @@ class Transformer(nn.Module):
         if image_mask is not None and image_embeds is not None:
             x = torch.where(image_mask.unsqueeze(-1), image_embeds.to(x.dtype), x)
         step = Step(start=start, length=ids.shape[1], image_mask=image_mask)
+        if graphs.wanted(ids, image_mask, cache.kv.packed):
+            step.graphs = self._graphs
         step.hash_ids = self.engram_hash(ids, cache, start, image_mask)
         streams = x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
         pre = torch.zeros(*streams.shape[:-1], dtype=torch.float32, device=x.device)

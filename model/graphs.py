@@ -1,0 +1,73 @@
+"""CUDA graphs of the cache-independent segments of a decode step.
+
+A decode step launches ~700 small kernels per layer, and on a GPU its time is the time
+to launch them. About half sit in segments that read no cache and have the same shapes
+every step: the mHC mixes (a 20-iteration Sinkhorn), the collapse / expand, the norms and
+the whole MoE. :class:`SegmentGraphs` captures each such segment of each layer once per
+batch size and replays it, so a step launches one graph where it launched hundreds of
+kernels. The attention between the segments reads the cache (its lengths change every
+step) and stays eager.
+
+Replay runs the captured kernels on the same weights, so a graphed step computes what the
+eager one does, bit for bit (``tests/test_gpu.py``). Graphs hold the weights' addresses:
+``Transformer.reset_graphs`` drops them when the weights move (``model.to``, a load).
+``DSAGENT_GRAPHS=0`` turns them off. Does not own: which steps may use them
+(``Transformer.begin``) nor the segments' maths (``model.model.Block``).
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+
+def wanted(ids: torch.Tensor, image_mask: torch.Tensor | None, packed: bool) -> bool:
+    """Whether a forward of ``ids`` [B, S] runs its segments as graphs: a one-token step
+    on CUDA, outside autograd and outside another capture, on text, on a packed cache."""
+    return (ids.shape[1] == 1 and ids.is_cuda and image_mask is None and packed
+            and not torch.is_grad_enabled() and os.environ.get("DSAGENT_GRAPHS", "1") != "0"
+            and not torch.cuda.is_current_stream_capturing())
+
+
+class SegmentGraphs:
+    """Captured segments by key; every capture shares one memory pool (they replay one
+    after another, never at once)."""
+
+    def __init__(self):
+        self._graphs: dict = {}
+        self._pool = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def __deepcopy__(self, memo) -> "SegmentGraphs":
+        return SegmentGraphs()  # a copied model has its own weights: it captures its own graphs
+
+    def run(self, key, fn: Callable[..., tuple], *inputs: torch.Tensor) -> tuple:
+        """``fn(*inputs)`` (a tuple of tensors) by replaying its graph for ``key`` and the
+        inputs' shapes, captured on first use. The returned tensors are the graph's own
+        outputs: valid until this key replays again (the next step's same layer)."""
+        key = (key, *((tuple(x.shape), x.dtype) for x in inputs))
+        entry = self._graphs.get(key)
+        if entry is None:
+            entry = self._graphs[key] = self._capture(fn, inputs)
+        graph, static_in, static_out = entry
+        for dst, src in zip(static_in, inputs):
+            dst.copy_(src)
+        graph.replay()
+        return static_out
+
+    def _capture(self, fn, inputs):
+        static_in = [x.clone() for x in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture: lazy inits, kernel selection
+            fn(*static_in)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            static_out = fn(*static_in)
+        return graph, static_in, static_out

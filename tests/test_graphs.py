@@ -1,0 +1,93 @@
+"""Decode steps whose cache-free segments replay as CUDA graphs (model/graphs.py).
+
+On the CPU a test double stands in for the graphs (it calls each segment directly), so the
+split of a layer into graphed segments and eager cache work is checked on every run; on
+CUDA the real captures are compared with eager steps bit for bit (skips without a GPU).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from model import graphs
+from model.args import ModelArgs
+from model.engine import Engine
+from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
+
+SMALL = dict(sliding_window=16, index_topk=8, candidate_topk_blocks=3, candidate_block_size=2)
+
+
+class DirectSegments:
+    """Test double for SegmentGraphs: runs each segment eagerly and records its key."""
+
+    def __init__(self):
+        self.keys: list = []
+
+    def __len__(self) -> int:
+        return len(set(self.keys))
+
+    def run(self, key, fn, *inputs):
+        self.keys.append(key)
+        return fn(*inputs)
+
+
+def _tiny(device="cpu", dtype=torch.float32):
+    model = build(ModelArgs.preset("tiny").replace(**SMALL), seed=1, device=device, dtype=dtype).eval()
+    bind_tokenizer(model, BUNDLED_TOKENIZER)
+    return model
+
+
+def test_segmented_decode_steps_equal_whole_ones(monkeypatch):
+    """The graphed form of a step (projections + mixes + FFN as segments, cache work between
+    them) computes exactly what the plain layer does, over several steps of every layer kind."""
+    model = _tiny()
+    engine = Engine(model, mode="ced", chunk=40)
+    state = engine.new_state(batch=2)
+    engine.prefill(state, torch.randint(3, 4000, (2, 70), generator=torch.Generator().manual_seed(0)))
+    other = copy.deepcopy(state)
+    token = state.last_logits.argmax(-1)
+    plain = [engine.decode(state, token).clone() for _ in range(5)]
+    monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
+    model._graphs = double = DirectSegments()
+    segmented = [engine.decode(other, token).clone() for _ in range(5)]
+    assert len(double) == 2 * model.args.num_hidden_layers and len(double.keys) == 5 * len(double)
+    for a, b in zip(plain, segmented):
+        assert torch.equal(a, b)
+    assert torch.equal(state.cache.global_state()[0]["layers.6.kv"], other.cache.global_state()[0]["layers.6.kv"])
+
+
+def test_graphs_only_for_one_token_cuda_steps():
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    assert not graphs.wanted(ids, None, True)  # CPU
+    if torch.cuda.is_available():
+        with torch.no_grad():
+            assert graphs.wanted(ids.cuda(), None, True)
+            assert not graphs.wanted(torch.zeros(1, 2, dtype=torch.long, device="cuda"), None, True)
+            assert not graphs.wanted(ids.cuda(), None, False)
+        assert not graphs.wanted(ids.cuda(), None, True)  # autograd on: training
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
+    """Real CUDA graphs give the eager steps' logits bit for bit, at two batch sizes; a
+    weight move drops the captures."""
+    model = _tiny("cuda", torch.bfloat16)
+    ids = torch.randint(3, 4000, (batch, 90), generator=torch.Generator().manual_seed(0)).cuda()
+    runs = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("DSAGENT_GRAPHS", flag)
+        engine = Engine(model, mode="ced", chunk=40)
+        state = engine.new_state(batch=batch)
+        engine.prefill(state, ids)
+        token, logits = state.last_logits.argmax(-1), []
+        for _ in range(6):
+            logits.append(engine.decode(state, token).float().cpu())
+            token = logits[-1].argmax(-1).cuda()
+        runs[flag] = torch.stack(logits)
+    assert len(model._graphs) == 2 * model.args.num_hidden_layers  # one per site and layer
+    assert torch.equal(runs["0"], runs["1"])
+    model.to(torch.float32)
+    assert len(model._graphs) == 0
