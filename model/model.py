@@ -645,15 +645,7 @@ def hc_mixes(streams: torch.Tensor, fn, scale, base, args: ModelArgs):
     flat = streams.flatten(2).float()
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + args.rms_norm_eps)
     mixes = F.linear(flat, fn.float())
-    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + args.hc_eps
-    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
-    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
-    comb = comb.softmax(-1) + args.hc_eps
-    comb = comb / (comb.sum(-2, keepdim=True) + args.hc_eps)
-    for _ in range(args.hc_sinkhorn_iters - 1):
-        comb = comb / (comb.sum(-1, keepdim=True) + args.hc_eps)
-        comb = comb / (comb.sum(-2, keepdim=True) + args.hc_eps)
-    return pre, post, comb
+    return kernels.hc_split(mixes, scale, base, hc, args.hc_sinkhorn_iters, args.hc_eps)  # Sinkhorn: one kernel on CUDA
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

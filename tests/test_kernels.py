@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from model.args import ModelArgs
-from model.kernels import indexer_scores, indexer_scores_ref, sparse_attention, sparse_attention_ref, triton_available
+from model.kernels import (hc_split, hc_split_ref, indexer_scores, indexer_scores_ref, sparse_attention,
+                           sparse_attention_ref, triton_available)
 from model.loading import build
 from model.model import apply_rope
 from model.quant import INDEX_BLOCK, fake_quant_fp4, main_record_bytes, pack_index, pack_main, pack_window
@@ -107,9 +108,19 @@ def _kernels_off():
 @needs_kernel
 def test_model_decode_runs_the_kernels_and_matches_its_reference_path():
     """The wiring in model.model: decode steps on a packed cache go through the kernels
-    (counted) and give the reference path's logits; prefill never does."""
+    (counted) and give the reference path's logits; prefill never does. Both arms run the
+    mHC twin (the mHC kernel runs in prefill too, and on a random model its last-bit
+    differences flip FP4 roundings and top-k choices; it is compared with its twin below)."""
     import model.kernels as kernels
 
+    real_hc, kernels.hc_split = kernels.hc_split, kernels.hc_split_ref
+    try:
+        _decode_wiring(kernels)
+    finally:
+        kernels.hc_split = real_hc
+
+
+def _decode_wiring(kernels) -> None:
     net = tiny_net().to(DEVICE)
     ids = torch.randint(3, net.args.vocab_size, (2, 160), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     calls = {"attention": 0, "indexer": 0}
@@ -343,3 +354,70 @@ def test_indexer_kernel_unquantised_query() -> None:
     """Any float query works, not only the FP4 grid the model feeds it."""
     q, w, keys = index_case(3, 16, 300, seed=3, quantised=False)
     assert_scores_close(indexer_scores(q, w, keys, 290, 128 ** -0.5), indexer_scores_ref(q, w, keys, 290, 128 ** -0.5))
+
+
+# ----------------------------------------------------------------------------- mHC mixes
+
+def _mixes(lead: tuple, hc: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    mixes = torch.randn(*lead, (2 + hc) * hc, generator=g) * 3
+    scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g)
+    return on_device([mixes, scale, base])
+
+
+@needs_kernel
+@pytest.mark.parametrize("lead,iters", [((1, 1), 20), ((2, 5), 20), ((3, 130), 20), ((1, 7), 1), ((0, 3), 20)])
+def test_hc_split_kernel(lead, iters) -> None:
+    from model.kernels import fused
+
+    mixes, scale, base = _mixes(lead)
+    got = fused.hc_split(mixes, scale, base, 4, iters, 1e-6)
+    want = hc_split_ref(mixes, scale, base, 4, iters, 1e-6)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    if lead[1]:  # Sinkhorn ends on a column normalisation: columns sum to 1 - eps / sum (rows only nearly)
+        cols = got[2].sum(-2)
+        torch.testing.assert_close(cols, torch.ones_like(cols), rtol=0, atol=1e-3)
+
+
+def test_hc_split_keeps_the_twin_when_a_gradient_is_wanted() -> None:
+    """The kernel has no backward: with autograd on a parameter the twin runs (and differentiates)."""
+    mixes, scale, base = _mixes((1, 3))
+    scale.requires_grad_(True)
+    pre, post, comb = hc_split(mixes, scale, base, 4, 20, 1e-6)
+    (pre.sum() + post.sum() + comb.square().sum()).backward()
+    assert scale.grad is not None and scale.grad.abs().sum() > 0
+
+
+@needs_kernel
+def test_model_mixes_run_the_mhc_kernel_outside_autograd(monkeypatch) -> None:
+    from model.kernels import fused
+
+    calls = []
+    real = fused.hc_split
+    monkeypatch.setattr(fused, "hc_split", lambda *a: calls.append(1) or real(*a))
+    net = tiny_net().to(DEVICE)
+    ids = torch.randint(3, net.args.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        net(ids)
+    assert len(calls) == 2 * net.args.num_hidden_layers  # both sites of every layer
+    calls.clear()
+    net(ids).sum().backward()  # training: the differentiable twin
+    assert calls == [] and net.layers[0].hc_attn_scale.grad is not None
+
+
+@needs_kernel
+def test_hc_split_falls_back_to_the_twin_when_the_kernel_cannot_build(monkeypatch) -> None:
+    import model.kernels as kernels
+    from model.kernels import fused, reference
+
+    def broken(*args):
+        raise RuntimeError("no such instruction")
+
+    monkeypatch.setattr(fused, "hc_split", broken)
+    monkeypatch.setattr(kernels, "_HC_KERNEL_FAILED", [])
+    mixes, scale, base = _mixes((1, 3))
+    with pytest.warns(RuntimeWarning, match="mHC kernel failed"):
+        got = hc_split(mixes, scale, base, 4, 20, 1e-6)
+    assert kernels._HC_KERNEL_FAILED and all(torch.equal(a, b) for a, b in zip(got, reference.hc_split_ref(mixes, scale, base, 4, 20, 1e-6)))

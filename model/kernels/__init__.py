@@ -1,6 +1,9 @@
 """Fused decode kernels on packed cache bytes, and the one place that picks kernel or twin.
 
-Public functions (one decode step, one query per batch row):
+Public functions: ``hc_split(mixes, scale, base, hc, iters, eps)`` -> (pre, post, comb), the
+mHC mixes after their projection (any number of tokens; the model's own maths is its twin
+``hc_split_ref``, used wherever the kernel is not); and, for one decode step (one query per
+batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
   fp32: ``Attention._attend`` for S=1 on FP8 window rows and selected FP4 records.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale)`` -> [B, N] fp32:
@@ -19,12 +22,14 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import warnings
 
 import torch
 
-from model.kernels.reference import indexer_scores_ref, sparse_attention_ref
+from model.kernels.reference import hc_split_ref, indexer_scores_ref, sparse_attention_ref
 
-__all__ = ["triton_available", "enabled", "sparse_attention", "indexer_scores", "sparse_attention_ref", "indexer_scores_ref"]
+__all__ = ["triton_available", "enabled", "hc_split", "sparse_attention", "indexer_scores", "hc_split_ref",
+           "sparse_attention_ref", "indexer_scores_ref"]
 
 
 def _interpreting() -> bool:
@@ -72,3 +77,26 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n
 
         return fused.indexer_scores(q, weights, keys, n_visible, head_scale)
     return indexer_scores_ref(q, weights, keys, n_visible, head_scale)
+
+
+_HC_KERNEL_FAILED: list[str] = []  # the compile error, once the mHC kernel failed to build here
+
+
+def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
+    """(pre, post, comb) of the mHC mixes: the kernel where :func:`enabled` and no gradient
+    is wanted (it has no backward), else the twin :func:`hc_split_ref`. It runs on every
+    forward, prefill too, so a Triton that cannot compile it costs a warning and the twin
+    for the rest of the process, not the session."""
+    if enabled(mixes) and not _HC_KERNEL_FAILED and not (
+            torch.is_grad_enabled() and (mixes.requires_grad or scale.requires_grad)):
+        from model.kernels import fused
+
+        try:
+            return fused.hc_split(mixes, scale, base, hc, iters, eps)
+        except Exception as e:  # a Triton compile / launch error (CompilationError and others)
+            if mixes.is_cuda and torch.cuda.is_current_stream_capturing():
+                raise
+            _HC_KERNEL_FAILED.append(f"{type(e).__name__}: {e}")
+            warnings.warn(f"the fused mHC kernel failed ({_HC_KERNEL_FAILED[0][:200]}); using the PyTorch twin",
+                          RuntimeWarning, stacklevel=2)
+    return hc_split_ref(mixes, scale, base, hc, iters, eps)

@@ -1,6 +1,8 @@
 """Triton decode kernels on packed cache bytes, each beside a short launcher that checks layout.
 
-Owns ``sparse_attention`` (one decode step of the shared K=V latent attention over FP8
+Owns ``hc_split`` (the mHC mixes: two sigmoids and a Sinkhorn-normalised hc x hc matrix
+per token, all iterations in registers: one launch where torch runs ~120 small ones), and
+``sparse_attention`` (one decode step of the shared K=V latent attention over FP8
 window rows + selected FP4 records + the per-head sink) and ``indexer_scores`` (the
 weighted-ReLU index scores against FP4 index keys). The semantics are those of the twins
 in ``model.kernels.reference``; ``tests/test_kernels.py`` compares the two.
@@ -246,3 +248,53 @@ def indexer_scores(q, weights, keys, n_visible: int, head_scale: float) -> torch
         q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
         DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_N=INDEX_BLOCK_N, num_warps=INDEX_WARPS)
     return out
+
+
+# ----------------------------------------------------------------------------- mHC mixes
+
+HC_BLOCK_R = 64  # tokens per program
+
+
+@triton.jit(do_not_specialize=["R"])
+def _hc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, R, s_mr, eps,
+                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_R: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    live = r < R
+    r64 = r.to(tl.int64)
+    k = tl.arange(0, HC)
+    row = mix_ptr + r64[:, None] * s_mr
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    pre = tl.load(row + k[None, :], mask=live[:, None], other=0.0) * s0 + tl.load(base_ptr + k)[None, :]
+    post = tl.load(row + HC + k[None, :], mask=live[:, None], other=0.0) * s1 + tl.load(base_ptr + HC + k)[None, :]
+    pre = 1.0 / (1.0 + tl.exp(-pre)) + eps
+    post = 2.0 / (1.0 + tl.exp(-post))
+    ij = 2 * HC + k[:, None] * HC + k[None, :]  # (HC, HC) offsets of comb[i, j]
+    comb = tl.load(mix_ptr + r64[:, None, None] * s_mr + ij[None, :, :], mask=live[:, None, None], other=0.0)
+    comb = comb * s2 + tl.load(base_ptr + ij)[None, :, :]
+    comb = tl.exp(comb - tl.max(comb, 2)[:, :, None])
+    comb = comb / tl.sum(comb, 2)[:, :, None] + eps
+    comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, 2)[:, :, None] + eps)
+        comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
+    out = r64[:, None] * HC + k[None, :]
+    tl.store(pre_ptr + out, pre, mask=live[:, None])
+    tl.store(post_ptr + out, post, mask=live[:, None])
+    tl.store(comb_ptr + r64[:, None, None] * (HC * HC) + (k[:, None] * HC + k[None, :])[None, :, :], comb,
+             mask=live[:, None, None])
+
+
+def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
+    assert mixes.dtype == torch.float32 and mixes.shape[-1] == (2 + hc) * hc and hc & (hc - 1) == 0 and iters >= 1
+    lead = mixes.shape[:-1]
+    flat = mixes.reshape(-1, mixes.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    R = flat.shape[0]
+    pre = torch.empty(*lead, hc, dtype=torch.float32, device=mixes.device)
+    post, comb = torch.empty_like(pre), torch.empty(*lead, hc, hc, dtype=torch.float32, device=mixes.device)
+    if R:
+        _hc_split_kernel[(triton.cdiv(R, HC_BLOCK_R),)](
+            flat, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, R, flat.stride(0),
+            float(eps), HC=hc, ITERS=iters, BLOCK_R=HC_BLOCK_R)
+    return pre, post, comb

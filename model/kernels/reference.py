@@ -1,6 +1,9 @@
 """Pure-PyTorch twins of the fused decode kernels: the semantics the kernels must match.
 
-Owns two functions on *packed* cache bytes, one decode step (one query per row):
+Owns ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their projection:
+sigmoid pre / post and the Sinkhorn-normalised comb; the model computes them with it, so it
+is the model's own code, not a copy) and two functions on *packed* cache bytes, one decode
+step (one query per row):
 ``sparse_attention_ref`` (``Attention._attend`` for S=1: one softmax over the valid window
 entries, the selected FP4 records and the per-head sink, shared K=V latent) and
 ``indexer_scores_ref`` (``Indexer.scores`` for S=1: weighted-ReLU scores against FP4 index
@@ -72,3 +75,20 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     s = (s * weights.float().unsqueeze(-1)).sum(dim=1)
     visible = torch.arange(N, device=keys.device) < n_visible
     return s.masked_fill(~visible, float("-inf"))
+
+
+def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """mixes [..., (2 + hc) * hc] fp32 -> pre [..., hc], post [..., hc], comb [..., hc, hc]:
+    pre = sigmoid + eps, post = 2 sigmoid, comb = softmax over its last axis + eps, then
+    ``iters`` Sinkhorn normalisations (columns first, then rows and columns ``iters - 1``
+    more times)."""
+    pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
+    post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
+    comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
+    comb = comb.softmax(-1) + eps
+    comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(-2, keepdim=True) + eps)
+    return pre, post, comb
