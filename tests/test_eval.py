@@ -185,3 +185,14 @@ def test_cli_eval_refuses_bad_flags_before_loading():
     assert CliRunner().invoke(cli.app, ["eval", "--skills", "a,x"]).exit_code == 2
     assert CliRunner().invoke(cli.app, ["eval", "--seed", "0"]).exit_code == 2
     assert CliRunner().invoke(cli.app, ["eval", "--model", "m", "--preset", "tiny"]).exit_code == 2
+
+
+def test_refused_seeds_are_the_ones_the_default_trained_on():
+    """TRAIN_SEEDS must name every corpus seed in the shipped model's training record."""
+    import json
+
+    from dsagent.evaluate import HELD_OUT_SEED, TRAIN_SEEDS
+    from dsagent.runtime import EMBEDDED_MODEL
+
+    runs = json.loads((EMBEDDED_MODEL / "TRAINING.json").read_text())["runs"]
+    assert sorted({r["seed"] for r in runs}) == sorted(TRAIN_SEEDS) and HELD_OUT_SEED not in TRAIN_SEEDS
