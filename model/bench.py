@@ -22,7 +22,8 @@ from safetensors.torch import save as st_save
 
 from model.census import decode_read_bytes
 from model.engine import Engine, Sampling, State
-from model.model import GroupedLinear, Transformer
+from model.model import Transformer
+from model.moe import GroupedLinear
 
 
 def _sync(device) -> None:

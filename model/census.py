@@ -40,7 +40,8 @@ import torch
 
 from model.args import ModelArgs
 from model.engram import engram_primes
-from model.model import MoE, Transformer
+from model.model import Transformer
+from model.moe import MoE
 from model.quant import index_record_bytes, main_record_bytes, window_record_bytes
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")

@@ -35,7 +35,8 @@ from torch import nn
 from model.args import ModelArgs
 from model.cache import Cache, WindowRing
 from model.engine import Engine, Sampling, State, shaped_probs  # the same shaping as plain sampling
-from model.model import MoE, Attention, Block, RMSNorm, Step, Transformer, apply_rope, hc_collapse
+from model.model import Attention, Block, RMSNorm, Step, Transformer, apply_rope, hc_collapse
+from model.moe import MoE
 from model.quant import fake_quant_fp8
 
 

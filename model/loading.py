@@ -13,7 +13,8 @@ import torch
 
 from model.args import PRESETS, ConfigError, ModelArgs
 from model.engram import compressed_token_map, find_tokenizer_json
-from model.model import Transformer, stack_experts
+from model.model import Transformer
+from model.moe import stack_experts
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer" / "tokenizer.json"
 

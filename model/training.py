@@ -34,7 +34,8 @@ from torch.nn.utils import parametrize
 
 from model.cache import Cache
 from model.checkpoint import DEFAULT_BLOCK, fp8_block_shape, stored_format
-from model.model import MoE, Transformer
+from model.model import Transformer
+from model.moe import MoE
 from model.quant import KVFormat, fake_quant_fp4, fake_quant_fp8_weight, straight_through
 from model.vision import image_inputs
 

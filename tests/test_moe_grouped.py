@@ -1,7 +1,7 @@
 """The grouped MoE path against the per-expert loop, the stacked expert weights, and
 ``bench_linears``' FLOP accounting.
 
-The grouped path (``model.model.GroupedExperts``) sorts the (token, slot) pairs by expert
+The grouped path (``model.moe.GroupedExperts``) sorts the (token, slot) pairs by expert
 and runs w1/w3/w2 as ``torch._grouped_mm`` over three [E, out, in] stacks whose slices are
 the experts' own Linear weights. On this CPU build ``torch._grouped_mm`` takes fp32, bf16
 and fp16 (a loop of mm per group inside torch; rows past the last offset are left
@@ -26,7 +26,7 @@ import model
 from model.args import ModelArgs
 from model.bench import bench_linears
 from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build, cast_model
-from model.model import MoE, grouped_mm_supported
+from model.moe import MoE, grouped_mm_supported
 from model.training import add_weight_qat, remove_weight_qat
 
 TINY = ModelArgs.preset("tiny")  # D 128, 8 experts of width 128, top-2

@@ -1,0 +1,215 @@
+"""The V4.1 MoE: the router (Gate) and the routed + shared SwiGLU experts.
+
+Owns :class:`Gate` (scores with the aux-loss-free ``bias`` / ``bias_vl`` in the choice only,
+top-k, normalised and scaled weights),
+:class:`Expert` (SwiGLU with the training clamps) and :class:`MoE`, whose routed experts
+run either one by one (``MoE._loop``: the reference, and the only path autograd sees) or
+all at once as grouped GEMMs from stacked weights (:class:`GroupedExperts`, no host sync).
+Parameter names are the official checkpoint names. Does not own: where the FFN sits in a
+layer (``model.model.Block``) or the router's balance updates (``model.training``).
+"""
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
+
+from model.args import ModelArgs
+
+
+class Gate(nn.Module):
+    def __init__(self, args: ModelArgs, n_experts: int, top_k: int):
+        super().__init__()
+        self.args, self.top_k = args, top_k
+        self.weight = nn.Parameter(torch.empty(n_experts, args.hidden_size))
+        self.bias = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+        self.bias_vl = nn.Parameter(torch.zeros(n_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [N, k], expert indices [N, k]) for flat tokens x [N, D]."""
+        logits = F.linear(x.float(), self.weight.float()) / self.args.gate_temp
+        scores = _score(logits, self.args.scoring_func)
+        bias = self.bias if image_mask is None else torch.where(image_mask[:, None], self.bias_vl, self.bias)
+        indices = (scores + bias).topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.args.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * self.args.routed_scaling_factor, indices
+
+
+def _score(logits: torch.Tensor, fn: str) -> torch.Tensor:
+    if fn == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return logits.softmax(-1) if fn == "softmax" else logits.sigmoid()
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(gate) * up in fp32 with the training clamps: gate clamped above, up both sides."""
+    gate, up = gate.float(), up.float()
+    if limit > 0:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return F.silu(gate) * up
+
+
+class Expert(nn.Module):
+    """SwiGLU with the training clamps; the gate's ``weight`` scales a row before w2."""
+
+    def __init__(self, dim: int, inter: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1 = nn.Linear(dim, inter, bias=False)
+        self.w2 = nn.Linear(inter, dim, bias=False)
+        self.w3 = nn.Linear(dim, inter, bias=False)
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        y = swiglu(self.w1(x), self.w3(x), self.limit)
+        if weight is not None:
+            y = weight * y
+        return self.w2(y.to(x.dtype))
+
+
+def grouped_mm_supported(x: torch.Tensor, inter: int) -> bool:
+    """Whether ``torch._grouped_mm`` runs experts of width ``inter`` on ``x`` without a host
+    sync: on the CPU in fp32/bf16/fp16 (torch loops over the groups there), on CUDA in bf16 on
+    sm90/sm100 (its CUTLASS kernel; elsewhere torch's fallback copies the offsets to the host).
+    torch also wants every row stride a multiple of 16 bytes."""
+    if not hasattr(torch, "_grouped_mm") or any(n * x.element_size() % 16 for n in (x.shape[-1], inter)):
+        return False
+    if x.device.type == "cpu":
+        return x.dtype in (torch.float32, torch.bfloat16, torch.float16)
+    return x.is_cuda and x.dtype == torch.bfloat16 and _cuda_major(x.device.index) in (9, 10)
+
+
+@functools.cache
+def _cuda_major(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+class GroupedLinear(nn.Module):
+    """One Linear of every routed expert as one grouped GEMM over rows sorted by expert.
+    ``weight`` [E, out, in] is a plain tensor, not a parameter: its slices are the experts' own
+    Linear weights (:meth:`MoE.stack_experts`), so state dicts and checkpoints never see it."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x [M, in], expert e's rows at [ends[e-1], ends[e]) -> [M, out] in x's dtype."""
+        return torch._grouped_mm(x, self.weight.mT, offs=ends)  # mat_b column-major: the Linear layout
+
+
+class GroupedExperts(nn.Module):
+    """Every routed expert at once, with no host sync: the (token, slot) pairs sorted by
+    expert, their rows gathered once, w1/w3/w2 as grouped GEMMs, the gate weight applied
+    before w2 as in :class:`Expert`, each token's k rows summed in slot order."""
+
+    def __init__(self, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.w1, self.w2, self.w3 = GroupedLinear(), GroupedLinear(), GroupedLinear()
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Routed output [N, D] fp32 of flat tokens x [N, D] from the gate's weights, indices [N, k]."""
+        k, n_experts = indices.shape[1], self.w1.weight.shape[0]
+        order = indices.flatten().argsort(stable=True)  # (N*k,) by expert, token order within one
+        experts = torch.arange(n_experts, device=x.device)
+        ends = torch.searchsorted(indices.flatten()[order], experts, right=True, out_int32=True)
+        rows = order // k
+        h = x[rows]  # (N*k, D)
+        y = weights.flatten()[order, None] * swiglu(self.w1(h, ends), self.w3(h, ends), self.limit)
+        out = self.w2(y.to(x.dtype), ends)
+        # back to (token, slot) order, then each token's k rows summed: no atomics, so a step's
+        # result never depends on the order threads finish in (index_add_ on CUDA would)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        return unsorted.view(-1, k, out.shape[-1]).float().sum(1)
+
+
+class MoE(nn.Module):
+    """The gate's top-k routed experts plus the shared expert. The routed experts run one
+    SwiGLU per expert (``_loop``: the reference, and the only path autograd sees) or all at
+    once from stacked weights (``grouped``); :meth:`runs_grouped` chooses."""
+
+    def __init__(self, args: ModelArgs, n_experts: int | None = None, top_k: int | None = None):
+        super().__init__()
+        n_experts = n_experts or args.n_routed_experts
+        self.gate = Gate(args, n_experts, top_k or args.num_experts_per_tok)
+        inter = args.moe_intermediate_size
+        self.experts = nn.ModuleList([Expert(args.hidden_size, inter, args.swiglu_limit) for _ in range(n_experts)])
+        self.shared_experts = Expert(args.hidden_size, inter, args.swiglu_limit)
+        self.grouped = GroupedExperts(args.swiglu_limit)
+        self.register_load_state_dict_post_hook(_restack_after_load)
+
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
+        y = (self.grouped if self.runs_grouped(flat) else self._loop)(flat, weights, indices)
+        y += self.shared_experts(flat).float()
+        return y.to(x.dtype).view(shape)
+
+    def _loop(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """The reference: one Expert call per expert that has tokens (reads their ids on the host)."""
+        y = torch.zeros_like(x, dtype=torch.float32)
+        for e in indices.unique().tolist():
+            rows, slot = torch.where(indices == e)
+            y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
+        return y
+
+    def runs_grouped(self, x: torch.Tensor) -> bool:
+        """The grouped path computes what the loop does only from stacked, unparametrized weights
+        (training's QAT rewrites them) and without autograd; ``DSAGENT_GROUPED_MOE=0`` forces the loop."""
+        w = self.grouped.w1.weight
+        return (w is not None and not torch.is_grad_enabled() and grouped_mm_supported(x, w.shape[1])
+                and os.environ.get("DSAGENT_GROUPED_MOE", "1") != "0"
+                and not parametrize.is_parametrized(self.experts[0].w1))  # QAT covers every expert alike
+
+    def stack_experts(self) -> None:
+        """Hold the routed experts' w1/w2/w3 as three [E, out, in] tensors whose slices become the
+        experts' own weights (nothing is duplicated; names and state dicts are unchanged). A no-op
+        when they already are; a conversion (``_apply``) or a load by assignment stacks again."""
+        for name in ("w1", "w2", "w3"):
+            params = [_stored_weight(getattr(e, name)) for e in self.experts]
+            grouped = getattr(self.grouped, name)
+            if grouped.weight is not None and _views_of(params, grouped.weight):
+                continue
+            stack = torch.stack([p.detach() for p in params])
+            for i, p in enumerate(params):
+                p.data = stack[i]
+            grouped.weight = stack
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.grouped.w1.weight is not None:
+            self.stack_experts()  # a dtype or device conversion gave every expert its own tensor again
+        return self
+
+
+def _restack_after_load(moe: MoE, incompatible_keys) -> None:
+    """A load by assignment gives the experts new tensors (a copying load keeps the views)."""
+    if moe.grouped.w1.weight is not None:
+        moe.stack_experts()
+
+
+def stack_experts(model: nn.Module) -> nn.Module:
+    """:meth:`MoE.stack_experts` on every MoE of ``model`` (backbone and draft stages); returns it."""
+    for m in model.modules():
+        if isinstance(m, MoE):
+            m.stack_experts()
+    return model
+
+
+def _stored_weight(linear: nn.Linear) -> nn.Parameter:
+    """The parameter a Linear stores: under a parametrization (training's QAT), its original."""
+    return linear.parametrizations.weight.original if parametrize.is_parametrized(linear, "weight") else linear.weight
+
+
+def _views_of(params: list[torch.Tensor], stack: torch.Tensor) -> bool:
+    """Whether params[i] is exactly stack[i] (same memory, dtype, device and shape)."""
+    base, step = stack.data_ptr(), stack.stride(0) * stack.element_size()
+    return all(p.device == stack.device and p.dtype == stack.dtype and p.shape == stack.shape[1:]
+               and p.is_contiguous() and p.data_ptr() == base + i * step for i, p in enumerate(params))
