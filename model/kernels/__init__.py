@@ -79,24 +79,38 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n
     return indexer_scores_ref(q, weights, keys, n_visible, head_scale)
 
 
-_HC_KERNEL_FAILED: list[str] = []  # the compile error, once the mHC kernel failed to build here
-
-
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
-    """(pre, post, comb) of the mHC mixes: the kernel where :func:`enabled` and no gradient
-    is wanted (it has no backward), else the twin :func:`hc_split_ref`. It runs on every
-    forward, prefill too, so a Triton that cannot compile it costs a warning and the twin
-    for the rest of the process, not the session."""
-    if enabled(mixes) and not _HC_KERNEL_FAILED and not (
-            torch.is_grad_enabled() and (mixes.requires_grad or scale.requires_grad)):
+    """(pre, post, comb) of the mHC mixes. Outside autograd: the Triton kernel where
+    :func:`enabled`. With a gradient wanted on CUDA (training): the twin compiled by
+    ``torch.compile`` (fused forward and backward instead of ~120 launches each way;
+    ``DSAGENT_COMPILE=0`` turns it off). Else the twin :func:`hc_split_ref`. Both fast paths
+    run on every forward, so one that cannot be built costs a warning and the twin for the
+    rest of the process, not the session."""
+    wants_grad = torch.is_grad_enabled() and (mixes.requires_grad or scale.requires_grad)
+    if not wants_grad and enabled(mixes) and "kernel" not in _HC_FAILED:
         from model.kernels import fused
 
-        try:
-            return fused.hc_split(mixes, scale, base, hc, iters, eps)
-        except Exception as e:  # a Triton compile / launch error (CompilationError and others)
-            if mixes.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise
-            _HC_KERNEL_FAILED.append(f"{type(e).__name__}: {e}")
-            warnings.warn(f"the fused mHC kernel failed ({_HC_KERNEL_FAILED[0][:200]}); using the PyTorch twin",
-                          RuntimeWarning, stacklevel=2)
+        return _guarded("kernel", fused.hc_split, mixes, scale, base, hc, iters, eps)
+    if wants_grad and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0" and "compiled" not in _HC_FAILED:
+        return _guarded("compiled", _compiled_twin(), mixes, scale, base, hc, iters, eps)
     return hc_split_ref(mixes, scale, base, hc, iters, eps)
+
+
+_HC_FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process
+
+
+def _guarded(path: str, fn, mixes: torch.Tensor, *args):
+    try:
+        return fn(mixes, *args)
+    except Exception as e:  # a Triton / inductor build or launch error
+        if mixes.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise
+        _HC_FAILED[path] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"the {path} mHC path failed ({_HC_FAILED[path][:200]}); using the PyTorch twin",
+                      RuntimeWarning, stacklevel=3)
+        return hc_split_ref(mixes, *args)
+
+
+@functools.cache
+def _compiled_twin():
+    return torch.compile(hc_split_ref, dynamic=True)
