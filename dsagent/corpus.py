@@ -114,14 +114,16 @@ class Builder:
                 "images": {sha: base64.b64encode(d).decode("ascii") for sha, d in self.images.items()}}
 
 
-def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer) -> dict[str, Any]:
-    """Record `index` of the corpus for `seed`, of kind a-e."""
+def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
+                recall_tokens: tuple[int, int] = RECALL_TOKENS) -> dict[str, Any]:
+    """Record `index` of the corpus for `seed`, of kind a-e; a recall record's log is drawn
+    from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default)."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
     rid = f"{seed}-{index:07d}-{kind}"
     with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
         b = Builder(rng, Path(tmp))
         if kind == "d":
-            recall_conversation(b, tokenizer)
+            recall_conversation(b, tokenizer, recall_tokens)
         else:
             {"a": chat_conversation, "b": tool_conversation, "c": image_conversation,
              "e": multi_turn_conversation}[kind](b)
@@ -427,9 +429,10 @@ def secret(rng: random.Random) -> str:
     return f"{letters}-{rng.randint(1000, 9999)}"
 
 
-def recall_document(rng: random.Random, tokenizer: Tokenizer, key: str, value: str) -> list[str]:
+def recall_document(rng: random.Random, tokenizer: Tokenizer, key: str, value: str,
+                    recall_tokens: tuple[int, int] = RECALL_TOKENS) -> list[str]:
     """Filler lines up to the drawn length, the key planted in the first fifth, decoys after."""
-    target = rng.randint(*RECALL_TOKENS)
+    target = rng.randint(*recall_tokens)
     lines, tokens = [], 0
     while tokens < target:
         lines.append(filler_line(rng))
@@ -443,11 +446,11 @@ def plant_decoys(rng: random.Random, lines: list[str], key_kind: str, owner: str
         lines.insert(rng.randrange(len(lines) // 5, len(lines)), f"{key_kind} of {other}: {secret(rng)}")
 
 
-def recall_conversation(b: Builder, tokenizer: Tokenizer) -> None:
+def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[int, int] = RECALL_TOKENS) -> None:
     rng = b.rng
     key_kind, owner, value = rng.choice(KEY_KINDS), rng.choice(WORDS), secret(rng)
     key = f"{key_kind} of {owner}"
-    lines = recall_document(rng, tokenizer, key, value)
+    lines = recall_document(rng, tokenizer, key, value, recall_tokens)
     plant_decoys(rng, lines, key_kind, owner)
     document, question = "\n".join(lines), f"What is the {key}?"
     if rng.random() < 0.5:

@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import CORPUS_VERSION, make_record, training_example  # noqa: E402
+from dsagent.corpus import CORPUS_VERSION, RECALL_TOKENS, make_record, training_example  # noqa: E402
 from model.checkpoint import write_checkpoint  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-prob", type=float, default=0.2, help="share of steps that train on recall records")
     p.add_argument("--short-batch", type=int, default=80, help="rows per batch of the ~2.3K-token kinds")
     p.add_argument("--long-batch", type=int, default=4, help="rows per batch of recall records (2-6K more)")
+    p.add_argument("--recall-tokens", default=f"{RECALL_TOKENS[0]},{RECALL_TOKENS[1]}",
+                   help="LO,HI: length of a recall record's log (shorter makes retrieval easier to find first)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--dense-fraction", type=float, default=0.15)
@@ -75,32 +77,34 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 _TOK = None
 _ARGS = None
+_RECALL = RECALL_TOKENS
 
 
-def _init_worker(args) -> None:
-    global _TOK, _ARGS
+def _init_worker(args, recall_tokens=RECALL_TOKENS) -> None:
+    global _TOK, _ARGS, _RECALL
     torch.set_num_threads(1)
-    _TOK, _ARGS = Tokenizer.bundled(), args
+    _TOK, _ARGS, _RECALL = Tokenizer.bundled(), args, tuple(recall_tokens)
 
 
 def _example(job: tuple[int, int]) -> tuple[int, str, Example]:
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
-    ex = training_example(make_record(seed, i, kind, _TOK), _TOK, _ARGS)
+    ex = training_example(make_record(seed, i, kind, _TOK, _RECALL), _TOK, _ARGS)
     ex.ids, ex.trained = np.asarray(ex.ids, dtype=np.int32), np.asarray(ex.trained, dtype=bool)
     return i, kind, ex
 
 
-def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1) -> dict[str, list[Example]]:
+def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
+                  recall_tokens: tuple[int, int] = RECALL_TOKENS) -> dict[str, list[Example]]:
     """The first ``n`` records, or, in a data-parallel run, this process's share: whole
     rounds of SCHEDULE, so every process holds every kind."""
     pools: dict[str, list[Example]] = {"short": [], "long": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank]
     if workers <= 1:
-        _init_worker(model_args)
+        _init_worker(model_args, recall_tokens)
         results = map(_example, jobs)
     else:
-        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args,))
+        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex in results:
         pools["long" if kind == "d" else "short"].append(ex)
@@ -238,7 +242,8 @@ def train(a) -> dict:
     group.same_weights(model)
     params = list(model.parameters())
     t0 = time.time()
-    pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world)
+    recall = tuple(int(x) for x in a.recall_tokens.split(","))
+    pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall)
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -323,7 +328,8 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     write_checkpoint(out, model.args.to_config(), state, tokenizer_json=BUNDLED_TOKENIZER)
     info = {"command": "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
-            "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records, "schedule": SCHEDULE,
+            "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
+            "recall_tokens": a.recall_tokens, "schedule": SCHEDULE,
             "replay_weights": dict(zip(REPLAY_MODES, REPLAY_WEIGHTS)), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,

@@ -212,3 +212,12 @@ def test_data_parallel_group_averages_gradients(tmp_path):
         got = torch.load(tmp_path / f"g.{rank}")
         assert torch.equal(got["a"], torch.full((3,), 1.5)) and torch.equal(got["b"], torch.full((3,), 2.0))
         assert got["c"] is None and got["ok"] is False
+
+
+def test_recall_records_can_start_shorter(tiny):
+    """--recall-tokens shortens the trainer's recall logs; the default (the eval's) is unchanged."""
+    import train_default
+
+    short = train_default.make_examples(10, 0, tiny.args, workers=1, recall_tokens=(300, 400))["long"][0]
+    full = train_default.make_examples(10, 0, tiny.args, workers=1)["long"][0]
+    assert len(short.ids) < 2090 + 600 and len(full.ids) > 2090 + 2000  # the system prompt is ~2,090 tokens
