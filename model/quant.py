@@ -204,24 +204,32 @@ class KVFormat:
 
     def pack_window(self, kv: torch.Tensor) -> torch.Tensor:
         """``kv`` is already what :meth:`window` returned."""
-        return pack_window(kv) if self.packed else kv.float()
+        return _kernels().pack_window(kv) if self.packed else kv.float()
 
     def unpack_window(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         return unpack_window(rows, dim) if self.packed else _snapshot(rows)
 
     def pack_main(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return pack_main(x)
+            return _kernels().pack_main(x)
         return self._fake(x.float(), lambda t: fake_quant_fp4(t, RECORD_BLOCK, e4m3_scales=True))
 
     def unpack_main(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         return unpack_main(rows, dim) if self.packed else _snapshot(rows)
 
     def pack_index(self, x: torch.Tensor) -> torch.Tensor:
-        return pack_index(x) if self.packed else self._fake(x.float(), lambda t: fake_quant_fp4(t, INDEX_BLOCK))
+        return _kernels().pack_index(x) if self.packed else self._fake(x.float(), lambda t: fake_quant_fp4(t, INDEX_BLOCK))
 
     def unpack_index(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         return unpack_index(rows, dim) if self.packed else _snapshot(rows)
+
+
+def _kernels():
+    """``model.kernels``: packs with a Triton kernel where one runs, else with this module's
+    functions (the same bytes). Imported late: it builds on this module."""
+    from model import kernels
+
+    return kernels
 
 
 def _snapshot(rows: torch.Tensor) -> torch.Tensor:

@@ -416,11 +416,11 @@ def test_hc_split_falls_back_to_the_twin_when_the_kernel_cannot_build(monkeypatc
         raise RuntimeError("no such instruction")
 
     monkeypatch.setattr(fused, "hc_split", broken)
-    monkeypatch.setattr(kernels, "_HC_FAILED", {})
+    monkeypatch.setattr(kernels, "_FAILED", {})
     mixes, scale, base = _mixes((1, 3))
-    with pytest.warns(RuntimeWarning, match="kernel mHC path failed"):
+    with pytest.warns(RuntimeWarning, match="mHC kernel path failed"):
         got = hc_split(mixes, scale, base, 4, 20, 1e-6)
-    assert "kernel" in kernels._HC_FAILED and all(torch.equal(a, b) for a, b in zip(got, reference.hc_split_ref(mixes, scale, base, 4, 20, 1e-6)))
+    assert "mHC kernel" in kernels._FAILED and all(torch.equal(a, b) for a, b in zip(got, reference.hc_split_ref(mixes, scale, base, 4, 20, 1e-6)))
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the compiled twin is the CUDA training path")
@@ -435,6 +435,47 @@ def test_compiled_twin_matches_the_twin_with_gradients() -> None:
         runs.append((out, (m.grad, s.grad, b.grad)))
     import model.kernels as kernels
 
-    assert "compiled" not in kernels._HC_FAILED
+    assert "compiled mHC" not in kernels._FAILED
     for got, want in zip(runs[0][0] + runs[0][1], runs[1][0] + runs[1][1]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- KV packing
+
+def _kv_rows(shape, dtype, seed: int = 0) -> torch.Tensor:
+    """Rows with every rounding case: a wide spread of scales per block, exact zeros and -0,
+    e4m3 / e2m1 ties (multiples of the grid's half steps) and values deep in subnormals."""
+    g = torch.Generator().manual_seed(seed)
+    block_scales = torch.exp2(torch.randint(-12, 8, (*shape[:-1], shape[-1] // 16), generator=g).float())
+    x = torch.randn(*shape, generator=g) * block_scales.repeat_interleave(16, -1)
+    x[..., 0] = 0.0
+    x[..., 1] = -0.0
+    x[..., 2:10] = torch.tensor([0.25, 0.75, 1.25, 2.5, 5.0, 3.5, -1.75, 1e-30])
+    x[..., 16:48] = torch.randint(-64, 64, (*shape[:-1], 32), generator=g).float() / 16  # ties under a power-of-two scale
+    return x.to(dtype)
+
+
+@needs_kernel
+@pytest.mark.parametrize("which", ["pack_window", "pack_main", "pack_index"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_kernels_write_the_same_bytes(which, dtype) -> None:
+    from model import quant
+    from model.kernels import pack
+
+    dim = 128 if which == "pack_index" else 512
+    for shape in ((3, 5, dim), (1, dim), (64, dim)):
+        x = _kv_rows(shape, dtype, seed=len(shape)).to(DEVICE)
+        got, want = getattr(pack, which)(x), getattr(quant, which)(x)
+        assert got.dtype == torch.uint8 and got.shape == want.shape
+        assert torch.equal(got, want), f"{which} {shape}: {(got != want).sum().item()} bytes differ"
+
+
+def test_kv_formats_pack_through_the_dispatcher() -> None:
+    """KVFormat.PACKED packs with model.kernels (kernel or twin), giving model.quant's bytes."""
+    from model import quant
+    from model.quant import KVFormat
+
+    x = _kv_rows((2, 512), torch.float32)
+    assert torch.equal(KVFormat.PACKED.pack_main(x), quant.pack_main(x))
+    assert torch.equal(KVFormat.PACKED.pack_window(x), quant.pack_window(x))
+    assert torch.equal(KVFormat.PACKED.pack_index(x[:, :128]), quant.pack_index(x[:, :128]))

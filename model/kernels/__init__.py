@@ -1,6 +1,7 @@
 """Fused decode kernels on packed cache bytes, and the one place that picks kernel or twin.
 
-Public functions: ``hc_split(mixes, scale, base, hc, iters, eps)`` -> (pre, post, comb), the
+Public functions: ``pack_window`` / ``pack_main`` / ``pack_index`` (KV rows to the cache's
+bytes, equal to ``model.quant``'s, whose functions are their twins); ``hc_split(mixes, scale, base, hc, iters, eps)`` -> (pre, post, comb), the
 mHC mixes after their projection (any number of tokens; the model's own maths is its twin
 ``hc_split_ref``, used wherever the kernel is not); and, for one decode step (one query per
 batch row):
@@ -26,10 +27,11 @@ import warnings
 
 import torch
 
+from model import quant
 from model.kernels.reference import hc_split_ref, indexer_scores_ref, sparse_attention_ref
 
-__all__ = ["triton_available", "enabled", "hc_split", "sparse_attention", "indexer_scores", "hc_split_ref",
-           "sparse_attention_ref", "indexer_scores_ref"]
+__all__ = ["triton_available", "enabled", "hc_split", "sparse_attention", "indexer_scores", "pack_window",
+           "pack_main", "pack_index", "hc_split_ref", "sparse_attention_ref", "indexer_scores_ref"]
 
 
 def _interpreting() -> bool:
@@ -87,30 +89,56 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     run on every forward, so one that cannot be built costs a warning and the twin for the
     rest of the process, not the session."""
     wants_grad = torch.is_grad_enabled() and (mixes.requires_grad or scale.requires_grad)
-    if not wants_grad and enabled(mixes) and "kernel" not in _HC_FAILED:
+    args = (mixes, scale, base, hc, iters, eps)
+    if not wants_grad and enabled(mixes) and "mHC kernel" not in _FAILED:
         from model.kernels import fused
 
-        return _guarded("kernel", fused.hc_split, mixes, scale, base, hc, iters, eps)
-    if wants_grad and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0" and "compiled" not in _HC_FAILED:
-        return _guarded("compiled", _compiled_twin(), mixes, scale, base, hc, iters, eps)
-    return hc_split_ref(mixes, scale, base, hc, iters, eps)
+        return _guarded("mHC kernel", fused.hc_split, hc_split_ref, *args)
+    if wants_grad and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0" and "compiled mHC" not in _FAILED:
+        return _guarded("compiled mHC", _compiled_twin(), hc_split_ref, *args)
+    return hc_split_ref(*args)
 
 
-_HC_FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process
+_FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process
 
 
-def _guarded(path: str, fn, mixes: torch.Tensor, *args):
+def _guarded(path: str, fn, twin, x: torch.Tensor, *args):
+    """``fn(x, *args)``; if it cannot be built or launched here, a warning and ``twin`` (the
+    same function in PyTorch) for the rest of the process, rather than a failed session."""
     try:
-        return fn(mixes, *args)
+        return fn(x, *args)
     except Exception as e:  # a Triton / inductor build or launch error
-        if mixes.is_cuda and torch.cuda.is_current_stream_capturing():
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
             raise
-        _HC_FAILED[path] = f"{type(e).__name__}: {e}"
-        warnings.warn(f"the {path} mHC path failed ({_HC_FAILED[path][:200]}); using the PyTorch twin",
+        _FAILED[path] = f"{type(e).__name__}: {e}"
+        warnings.warn(f"the {path} path failed ({_FAILED[path][:200]}); using the PyTorch twin",
                       RuntimeWarning, stacklevel=3)
-        return hc_split_ref(mixes, *args)
+        return twin(x, *args)
 
 
 @functools.cache
 def _compiled_twin():
     return torch.compile(hc_split_ref, dynamic=True)
+
+
+def pack_window(x: torch.Tensor) -> torch.Tensor:
+    """FP8 window rows [..., D + D/32] bytes: the kernel where :func:`enabled`, else ``model.quant``."""
+    return _pack("pack_window", x)
+
+
+def pack_main(x: torch.Tensor) -> torch.Tensor:
+    """FP4 main records [..., D/2 + D/16] bytes: the kernel where :func:`enabled`, else ``model.quant``."""
+    return _pack("pack_main", x)
+
+
+def pack_index(x: torch.Tensor) -> torch.Tensor:
+    """FP4 index keys [..., d/2 + d/32] bytes: the kernel where :func:`enabled`, else ``model.quant``."""
+    return _pack("pack_index", x)
+
+
+def _pack(name: str, x: torch.Tensor) -> torch.Tensor:
+    if enabled(x) and not (torch.is_grad_enabled() and x.requires_grad) and name not in _FAILED:
+        from model.kernels import pack
+
+        return _guarded(name, getattr(pack, name), getattr(quant, name), x)
+    return getattr(quant, name)(x)

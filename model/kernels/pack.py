@@ -1,0 +1,151 @@
+"""Triton kernels that pack KV rows into the cache's byte layouts, bit for bit as ``model.quant``.
+
+Owns ``pack_window`` (FP8 e4m3 + one ue8m0 byte per 32 channels: 528 B at D=512),
+``pack_main`` (FP4 e2m1 pairs + one e4m3 byte per 16: 288 B) and ``pack_index`` (FP4 e2m1
+pairs + one ue8m0 byte per 32: 68 B at d=128), one program per row. Their twins are
+``model.quant.pack_window`` / ``pack_main`` / ``pack_index``; ``tests/test_kernels.py``
+requires equal bytes.
+
+How the bytes stay exact: every rounding is done on integer bits, never by float
+arithmetic the compiler could contract — power-of-two scales are read off and built from
+exponent bits (so dividing by one is an exact multiply), e4m3 is rounded to nearest-even
+from the fp32 mantissa bits (normal and subnormal), and the two divisions by a non-power
+of two (``pack_main``'s e4m3 scale) use ``div_rn``, IEEE's correctly rounded division, as
+torch does. Does not own: which rows to pack or where they go (``model.cache``).
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
+
+# e2m1 thresholds as model.quant.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
+# rounds down (to the even code), so the threshold is the next float above the midpoint
+_MID = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
+_T = [float(np.nextafter(m, np.float32(np.inf)) if i % 2 == 0 else m) for i, m in enumerate(_MID)]
+
+
+@triton.jit
+def _pow2_ceil(t):
+    """2**ceil(log2 t) of positive fp32 t, and its biased exponent (the ue8m0 byte)."""
+    bits = t.to(tl.int32, bitcast=True)
+    k = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+    return (k << 23).to(tl.float32, bitcast=True), k
+
+
+@triton.jit
+def _e4m3(y):
+    """fp32 |y| <= 448 -> e4m3fn byte (int32), round to nearest even, sign kept (-0 -> 0x80)."""
+    bits = y.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = bits & 0x7FFFFFFF
+    e = (a >> 23) - 127
+    mant = a & 0x7FFFFF
+    r = mant >> 20
+    rem = mant & 0xFFFFF
+    up = (rem > 0x80000) | ((rem == 0x80000) & ((r & 1) == 1))
+    normal = ((e + 7) << 3) + r + up.to(tl.int32)
+    s = tl.minimum(14 - e, 25)  # subnormal: round |y| * 2^9 to an integer; from 2^25 on it is 0
+    full = mant | 0x800000
+    q = full >> s
+    rem2 = full & ((1 << s) - 1)
+    half = 1 << (s - 1)
+    sub = q + ((rem2 > half) | ((rem2 == half) & ((q & 1) == 1))).to(tl.int32)
+    code = tl.where(e >= -6, normal, sub)
+    return sign | tl.where(a == 0, 0, code)
+
+
+@triton.jit
+def _e4m3_value(c):
+    """e4m3fn byte (int32, no sign) -> fp32 value."""
+    ef, m = (c >> 3) & 0xF, c & 7
+    normal = ((ef + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(ef == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _e2m1(y, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr,
+          T5: tl.constexpr, T6: tl.constexpr):
+    """Pre-clamped fp32 -> 4-bit code (sign in bit 3), as ``model.quant.e2m1_encode``."""
+    a = tl.abs(y)
+    code = ((a >= T0).to(tl.int32) + (a >= T1).to(tl.int32) + (a >= T2).to(tl.int32) + (a >= T3).to(tl.int32)
+            + (a >= T4).to(tl.int32) + (a >= T5).to(tl.int32) + (a >= T6).to(tl.int32))
+    return code | (((y.to(tl.int32, bitcast=True) >> 28) & 0x8))
+
+
+@triton.jit
+def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    NB: tl.constexpr = D // BLOCK
+    offs = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    x = tl.load(x_ptr + row * s_x + offs).to(tl.float32)
+    scale, k = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / FMAX))
+    inv = ((254 - k) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+    y = tl.minimum(tl.maximum(x * inv[:, None], -FMAX), FMAX)
+    tl.store(out_ptr + row * s_o + offs, _e4m3(y).to(tl.uint8))
+    tl.store(out_ptr + row * s_o + D + tl.arange(0, NB), k.to(tl.uint8))
+
+
+@triton.jit
+def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALES: tl.constexpr,
+                     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr,
+                     T5: tl.constexpr, T6: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    NB: tl.constexpr = D // BLOCK
+    HALF: tl.constexpr = BLOCK // 2
+    pair = tl.arange(0, NB)[:, None] * HALF + tl.arange(0, HALF)[None, :]  # output byte index
+    even = tl.load(x_ptr + row * s_x + 2 * pair).to(tl.float32)
+    odd = tl.load(x_ptr + row * s_x + 2 * pair + 1).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1))
+    if E4M3_SCALES:
+        sb = _e4m3(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), tl.full(amax.shape, 6.0, tl.float32)))
+        scale = _e4m3_value(sb)
+        ye = tl.math.div_rn(even, scale[:, None])
+        yo = tl.math.div_rn(odd, scale[:, None])
+    else:
+        scale, sb = _pow2_ceil(tl.maximum(amax, 6.0 * 1.1754943508222875e-38) * (1.0 / 6.0))
+        inv = ((254 - sb) << 23).to(tl.float32, bitcast=True)
+        ye, yo = even * inv[:, None], odd * inv[:, None]
+    ye = tl.minimum(tl.maximum(ye, -6.0), 6.0)
+    yo = tl.minimum(tl.maximum(yo, -6.0), 6.0)
+    byte = _e2m1(ye, T0, T1, T2, T3, T4, T5, T6) | (_e2m1(yo, T0, T1, T2, T3, T4, T5, T6) << 4)
+    tl.store(out_ptr + row * s_o + pair, byte.to(tl.uint8))
+    tl.store(out_ptr + row * s_o + D // 2 + tl.arange(0, NB), sb.to(tl.uint8))
+
+
+def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
+    D = x.shape[-1]
+    assert D % block == 0 and (D // block) & (D // block - 1) == 0, f"dim {D} must be a power-of-two number of {block}-blocks"
+    flat = x.reshape(-1, D)
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def pack_window(x: torch.Tensor) -> torch.Tensor:
+    flat, D = _rows(x, WINDOW_BLOCK), x.shape[-1]
+    out = torch.empty(flat.shape[0], D + D // WINDOW_BLOCK, dtype=torch.uint8, device=x.device)
+    if flat.shape[0]:
+        _pack_window_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=WINDOW_BLOCK,
+                                              FMAX=FP8_MAX)
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool) -> torch.Tensor:
+    assert FP4_MAX == 6.0
+    flat, D = _rows(x, block), x.shape[-1]
+    out = torch.empty(flat.shape[0], D // 2 + D // block, dtype=torch.uint8, device=x.device)
+    if flat.shape[0]:
+        _pack_fp4_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=block,
+                                           E4M3_SCALES=e4m3_scales, T0=_T[0], T1=_T[1], T2=_T[2], T3=_T[3],
+                                           T4=_T[4], T5=_T[5], T6=_T[6])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def pack_main(x: torch.Tensor) -> torch.Tensor:
+    return _pack_fp4(x, RECORD_BLOCK, True)
+
+
+def pack_index(x: torch.Tensor) -> torch.Tensor:
+    return _pack_fp4(x, INDEX_BLOCK, False)
