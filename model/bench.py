@@ -10,6 +10,7 @@ Not a test: nothing here asserts a speed.
 from __future__ import annotations
 
 import copy
+import os
 import re
 import statistics
 import time
@@ -190,6 +191,26 @@ def bench_batch(model: Transformer, ctx: int, *, batch: int = 16, steps: int = 8
     rates = {b: b / _step_seconds(model, ctx, b, steps, chunk) for b in (1, batch)}
     return {"bench": "batch", "ctx": ctx, "batch": batch, "tokens_per_s_batch1": rates[1],
             f"tokens_per_s_batch{batch}": rates[batch], "batch_speedup": rates[batch] / rates[1]}
+
+
+PATH_SWITCHES = {"graphs": "DSAGENT_GRAPHS", "kernels": "DSAGENT_KERNELS", "grouped_moe": "DSAGENT_GROUPED_MOE"}
+
+
+def bench_paths(model: Transformer, ctx: int, *, steps: int = 8, chunk: int = 512) -> dict:
+    """Decode step time with every fast path on, then with each one off (its ``DSAGENT_*``
+    switch set to 0), side by side in one process: what each path is worth here."""
+    saved = {env: os.environ.get(env) for env in PATH_SWITCHES.values()}
+    times = {}
+    try:
+        for off in (None, *PATH_SWITCHES):
+            for name, env in PATH_SWITCHES.items():
+                os.environ[env] = "0" if name == off else "1"
+            times[off or "all_on"] = _step_seconds(model, ctx, 1, steps, chunk)
+    finally:
+        for env, value in saved.items():
+            os.environ.pop(env, None) if value is None else os.environ.__setitem__(env, value)
+    return {"bench": "paths", "ctx": ctx, "step_ms": {k: 1e3 * v for k, v in times.items()},
+            "slowdown_without": {k: v / times["all_on"] for k, v in times.items() if k != "all_on"}}
 
 
 # ----------------------------------------------------------------------------- linear layers

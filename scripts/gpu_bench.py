@@ -1,7 +1,7 @@
 """Run the engine benchmarks on a GPU (the device machine) and write JSON lines.
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
-       [--linears 8192]
+       [--linears 8192] [--paths 4096]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 """
@@ -15,8 +15,8 @@ import time
 import torch
 
 from model import load
-from model.bench import (bench_batch, bench_decode, bench_linears, bench_prefill, bench_resume, copy_tb_per_s,
-                         matmul_tflops)
+from model.bench import (bench_batch, bench_decode, bench_linears, bench_paths, bench_prefill, bench_resume,
+                         copy_tb_per_s, matmul_tflops)
 
 
 def device_ceilings() -> dict:
@@ -33,6 +33,7 @@ def main() -> None:
     p.add_argument("--resume", default="8192")
     p.add_argument("--batch", default="4096")
     p.add_argument("--linears", default="8192")
+    p.add_argument("--paths", default="4096", help="contexts at which each fast path is turned off in turn")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     with open(a.out, "w") as out:
@@ -57,6 +58,8 @@ def main() -> None:
             emit(bench_resume(model, n, gen=16))
         for n in map(int, filter(None, a.linears.split(","))):
             emit(bench_linears(model, n))
+        for n in map(int, filter(None, a.paths.split(","))):
+            emit(bench_paths(model, n))
 
 
 if __name__ == "__main__":

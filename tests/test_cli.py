@@ -5,6 +5,7 @@ flags, output modes and exit codes are checked fast; `bench`, `model init` and `
 use the real tiny model. The real model's turn loop is tests/test_e2e.py.
 """
 import json
+import os
 import subprocess
 import sys
 
@@ -198,6 +199,18 @@ def test_bench_commands(which):
     if which == "decode":  # bytes a step reads over the step time, against the copy rate of this run
         assert out["read_bytes_long"]["total"] > out["read_bytes_long"]["weights"] > 0
         assert out["bandwidth_over_copy"] == pytest.approx(out["read_tb_per_s_long"] / out["copy_tb_per_s"])
+
+
+def test_bench_decode_paths_turns_each_switch_off_in_turn(monkeypatch):
+    monkeypatch.setenv("DSAGENT_GRAPHS", "1")
+    monkeypatch.delenv("DSAGENT_KERNELS", raising=False)
+    r = invoke("bench", "decode", "--paths", "--preset", "tiny", "--ctx", "32", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert set(out["step_ms"]) == {"all_on", "graphs", "kernels", "grouped_moe"}
+    assert set(out["slowdown_without"]) == {"graphs", "kernels", "grouped_moe"}
+    assert all(v > 0 for v in out["step_ms"].values())
+    assert os.environ["DSAGENT_GRAPHS"] == "1" and "DSAGENT_KERNELS" not in os.environ  # switches restored
 
 
 def test_bench_linears_prints_the_ratio():

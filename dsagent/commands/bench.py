@@ -16,7 +16,8 @@ import typer
 from dsagent.errors import handled
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
-from model.bench import bench_decode, bench_linears, bench_prefill, bench_resume, bench_speculative, prompt_ids
+from model.bench import (bench_decode, bench_linears, bench_paths, bench_prefill, bench_resume, bench_speculative,
+                         prompt_ids)
 from model.engine import Engine
 from sessions import DEFAULT_ZSTD_LEVEL, KVChunk
 from sessions.bench import store_throughput, zstd_levels
@@ -57,11 +58,16 @@ def prefill(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: i
 def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int = CTX,
            device: str = DEVICE, as_json: bool = JSON,
            speculative: bool = typer.Option(False, "--speculative", help="DSpark: verify cost, accepted length, "
-                                                                          "tokens per target forward.")) -> None:
+                                                                          "tokens per target forward."),
+           paths: bool = typer.Option(False, "--paths", help="Step time with each fast path (CUDA graphs, kernels, "
+                                                            "grouped experts) turned off in turn.")) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with handled():
         m = _runtime(model, preset, device).model
-        _emit(bench_speculative(m, ctx) if speculative else bench_decode(m, ctx, steps=8), as_json)
+        if paths:
+            _emit(bench_paths(m, ctx), as_json)
+        else:
+            _emit(bench_speculative(m, ctx) if speculative else bench_decode(m, ctx, steps=8), as_json)
 
 
 @app.command()
