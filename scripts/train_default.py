@@ -253,9 +253,8 @@ def train(a) -> dict:
     window = torch.zeros(5, dtype=torch.float64)  # lm, index, tokens, correct, steps
     while True:
         step = counters["step"]
-        # elapsed (averaged, so every process stops at the same step), tokens and rows of all processes
-        shared = group.sum(torch.tensor([time.time() - began, 0.0, 0.0], device=a.device)).tolist()
-        elapsed = shared[0] / group.world
+        # elapsed time averaged over the processes, so that all of them stop at the same step
+        elapsed = group.sum(torch.tensor([time.time() - began], device=a.device)).item() / group.world
         if elapsed >= budget or (a.max_steps and step >= a.max_steps):
             break
         progress = elapsed / budget
