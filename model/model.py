@@ -2,8 +2,10 @@
 
 Reads like the architecture (ARCHITECTURE.md §2): RMSNorm, the two RoPE tables, the
 Compressor and Indexer of the CSA2 KV sources, the shared-latent Attention with its sink,
-the MoE (``model.moe``), Engram, the mHC Block with its lagged ``pre``, and the Transformer. Module and
-parameter names are the official checkpoint names, so loading is a name-for-name copy.
+the MoE (``model.moe``), Engram, the mHC Block with its lagged ``pre``, and the
+Transformer. Module and parameter names are the official checkpoint names, so loading is
+a name-for-name copy. A decode step on CUDA replays each layer's cache-free segments as
+CUDA graphs (``model.graphs``); the fused kernels live in ``model.kernels``.
 
 Every forward goes through an explicit :class:`model.cache.Cache` (a fresh one when none
 is given): the window entries, records and index keys the attention reads are the packed
@@ -24,14 +26,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import graphs, kernels
 from model.args import ModelArgs
-from model import graphs
 from model.cache import Cache, SourceKV
 from model.engram import NgramHasher
 from model.moe import MoE
-from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
-from model import kernels
 from model.quant import KVFormat, main_record_bytes
+from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
 
 
 # ----------------------------------------------------------------------------- basics
