@@ -4,6 +4,12 @@ export / import / replay (in a fresh process), rollback, sampling and limits.
 The random-weight model has discontinuous steps (FP4/FP8 rounding, top-k choices), so
 logit comparisons use the golden README's rule: the median per-position max difference
 and the share of positions above 1e-2, never a bare maximum.
+
+These pin the engine on the reference path (``DSAGENT_KERNELS=0``, the CI path): where
+Triton runs (CUDA, or its interpreter) the fused kernels differ from their twins by ~1e-7
+(``tests/test_kernels.py``), and on a random model such noise moves FP8 roundings, so a
+median-based threshold calibrated on one path is a coin toss on the other (measured under
+the interpreter: 0.115 vs the 0.100 bound with the mHC kernel, 0.049 with its twin).
 """
 from __future__ import annotations
 
@@ -23,6 +29,11 @@ from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
 
 WINDOW = 16
 SMALL = dict(sliding_window=WINDOW, index_topk=8, candidate_topk_blocks=3, candidate_block_size=2)
+
+
+@pytest.fixture(autouse=True)
+def reference_path(monkeypatch):
+    monkeypatch.setenv("DSAGENT_KERNELS", "0")
 
 
 def make_model(seed: int = 1):
