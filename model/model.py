@@ -165,40 +165,42 @@ class Indexer(nn.Module):
         """FP4 index keys of fresh latents (from the pre-RoPE latent), stored as ``kv`` stores them."""
         return kv.pack_index(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq))
 
-    def _query(self, x, q_res, step: Step, inv_freq, kv: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP4 queries [B, S, h, d] and head weights [B, S, h]."""
+    def query(self, x, q_res, pos: torch.Tensor, inv_freq, kv: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP4 queries [B, S, h, d] and head weights [B, S, h] (reads no cache)."""
         B, S, _ = x.shape
         q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
-        q = kv.index_query(apply_rope(q, step.positions(x.device), inv_freq))
+        q = kv.index_query(apply_rope(q, pos, inv_freq))
         return q, self.weights_proj(x).float() * self.n_heads ** -0.5
 
-    def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq, kv: KVFormat) -> torch.Tensor:
-        """[B, S, n] index scores; -inf where a record is not yet visible to the query."""
-        q, w = self._query(x, q_res, step, inv_freq, kv)
+    def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq, kv: KVFormat, qw=None) -> torch.Tensor:
+        """[B, S, n] index scores; -inf where a record is not yet visible to the query.
+        ``qw``: the :meth:`query` of this step when already computed (a graphed decode step)."""
+        q, w = qw or self.query(x, q_res, step.positions(x.device), inv_freq, kv)
         s = torch.einsum("bshd,bnd->bshn", q.float(), keys).relu_() * self.head_dim ** -0.5
         s = (s * w.unsqueeze(-1)).sum(dim=2)
         pos = step.positions(x.device)
         visible = torch.arange(keys.shape[1], device=x.device) < ((pos + 1) // self.args.ratios[self.layer])[:, None]
         return s.masked_fill(~visible, float("-inf"))
 
-    def fused_scores(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor:
+    def fused_scores(self, x, q_res, step: Step, src: SourceKV, inv_freq, qw=None) -> torch.Tensor:
         """:meth:`scores` of one decode step, by the fused kernel on the packed index keys."""
-        q, w = self._query(x, q_res, step, inv_freq, src.kv)
+        q, w = qw or self.query(x, q_res, step.positions(x.device), inv_freq, src.kv)
         n_visible = (step.start + 1) // self.args.ratios[self.layer]
         s = kernels.indexer_scores(q[:, 0].float(), w[:, 0], src.view()[1], n_visible, self.head_dim ** -0.5)
         return s[:, None]
 
     def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor | None:
         """Selected record indices [B, S, k] (-1 = none), or None when no record exists."""
+        qw = step.shared.pop(("index_query", self.layer), None)  # computed in a graphed segment
         if src.n == 0:
             return None
         # the indexer learns from its own loss only (its inputs are cut from the graph; so
         # are the latents its keys come from, in Attention._update_source)
         if _fused_step(x, step, src.kv):
-            s = self.fused_scores(x, q_res, step, src, inv_freq)
+            s = self.fused_scores(x, q_res, step, src, inv_freq, qw)
         else:
             keys = src.kv.unpack_index(src.view()[1], self.head_dim)
-            s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv)
+            s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv, qw)
         if step.index_losses is not None:
             step.shared["index_scores"] = s
         if step.dense:
@@ -491,8 +493,10 @@ class Block(nn.Module):
             return self.ffn_site(y, streams, a_pre, a_post, a_comb, step.image_mask)
         # a CUDA decode step: everything but the attention's cache work replays as two graphs
         pos = step.positions(streams.device)
-        a_pre, a_post, a_comb, x, q_res, q, kv = step.graphs.run(
+        a_pre, a_post, a_comb, x, q_res, q, kv, *index_query = step.graphs.run(
             (self.layer, "attn"), partial(self.projected_attn_site, ropes=ropes, fmt=cache.kv), streams, pre, pos)
+        if index_query:
+            step.shared[("index_query", self.layer)] = tuple(index_query)
         out = self.attn.core(x, q_res, q, kv, step, cache, ropes)
         return step.graphs.run((self.layer, "ffn"), partial(self.projected_ffn_site, ropes=ropes),
                                out, pos, streams, a_pre, a_post, a_comb)
@@ -503,9 +507,12 @@ class Block(nn.Module):
         return a_pre, a_post, a_comb, self.attn_norm(hc_collapse(streams, pre))
 
     def projected_attn_site(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
-        """:meth:`attn_site` and the attention's projections (``Attention.project``)."""
+        """:meth:`attn_site`, the attention's projections (``Attention.project``) and, in a
+        layer with an indexer, its query and head weights (``Indexer.query``)."""
         a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
-        return (a_pre, a_post, a_comb, x, *self.attn.project(x, pos, ropes, fmt))
+        q_res, q, kv = self.attn.project(x, pos, ropes, fmt)
+        index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
+        return (a_pre, a_post, a_comb, x, q_res, q, kv, *index)
 
     def projected_ffn_site(self, out, pos, streams, a_pre, a_post, a_comb, *, ropes: Ropes):
         """The attention's output projection (``Attention.output``), then :meth:`ffn_site`."""

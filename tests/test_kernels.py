@@ -194,7 +194,7 @@ def index_inputs(net, cache, seen: dict, layer: int, t: int):
     """The kernel's inputs for the indexer of ``layer``: q and weights rebuilt the model's way
     from the captured arguments of ``Indexer.scores``, and the source's packed keys."""
     ix, args = net.layers[layer].attn.indexer, net.args
-    x, q_res, step, _, inv_freq, kv = seen["index_args"]
+    x, q_res, step, _, inv_freq, kv = seen["index_args"][:6]  # no precomputed query here (not graphed)
     B = x.shape[0]
     q = ix.wq_b(q_res).view(B, 1, ix.n_heads, ix.head_dim)
     q = kv.index_query(apply_rope(q, step.positions(x.device), inv_freq))
