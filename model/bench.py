@@ -208,7 +208,9 @@ def bench_paths(model: Transformer, ctx: int, *, steps: int = 8, chunk: int = 51
             times[off or "all_on"] = _step_seconds(model, ctx, 1, steps, chunk)
     finally:
         for env, value in saved.items():
-            os.environ.pop(env, None) if value is None else os.environ.__setitem__(env, value)
+            os.environ.pop(env, None)
+            if value is not None:
+                os.environ[env] = value
     return {"bench": "paths", "ctx": ctx, "step_ms": {k: 1e3 * v for k, v in times.items()},
             "slowdown_without": {k: v / times["all_on"] for k, v in times.items() if k != "all_on"}}
 

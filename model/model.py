@@ -273,7 +273,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
         pos = step.positions(x.device)
         q_res, q, kv = self.project(x, pos, ropes, cache.kv)
-        return self.output(self.core(x, q_res, q, kv, step, cache, ropes), pos, ropes)
+        return self.output(self.core(x, q_res, q, kv, pos, step, cache, ropes), pos, ropes)
 
     def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat):
         """(q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads no cache."""
@@ -288,11 +288,11 @@ class Attention(nn.Module):
         out = apply_rope(out, pos, ropes.compress if self.ratio else ropes.main, inverse=True)
         return self.wo_b(self._grouped_wo_a(out).flatten(2))
 
-    def core(self, x, q_res, q, kv, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
+    def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
         """The part that reads and writes the cache: window ring, KV source, indexer, attention."""
         fused = _fused_step(x, step, cache.kv)
         if fused:
-            cache.windows[self.layer].write(kv, step.positions(x.device))
+            cache.windows[self.layer].write(kv, pos)
         else:
             keys, key_mask = self._window_keys(kv, step, cache)
         records = None
@@ -497,7 +497,7 @@ class Block(nn.Module):
             (self.layer, "attn"), partial(self.projected_attn_site, ropes=ropes, fmt=cache.kv), streams, pre, pos)
         if index_query:
             step.shared[("index_query", self.layer)] = tuple(index_query)
-        out = self.attn.core(x, q_res, q, kv, step, cache, ropes)
+        out = self.attn.core(x, q_res, q, kv, pos, step, cache, ropes)
         return step.graphs.run((self.layer, "ffn"), partial(self.projected_ffn_site, ropes=ropes),
                                out, pos, streams, a_pre, a_post, a_comb)
 

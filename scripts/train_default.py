@@ -197,6 +197,10 @@ class Group:
             dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
 
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
     def same_weights(self, model) -> None:
         if self.world > 1:
             for t in model.state_dict().values():
@@ -217,7 +221,7 @@ class Group:
 
     def close(self) -> None:
         if self.world > 1:
-            dist.barrier()
+            self.barrier()
             dist.destroy_process_group()
 
 
@@ -248,7 +252,7 @@ def train(a) -> dict:
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
     budget = a.minutes * 60
-    group.all_ok(True)  # every process has its corpus: start the clock together
+    group.barrier()  # every process has its corpus: start the clock together
     began, last_save = time.time() - counters["seconds"], time.time()
     window = torch.zeros(5, dtype=torch.float64)  # lm, index, tokens, correct, steps
     while True:

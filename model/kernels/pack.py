@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.fused import _e4m3
 from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
 
 # e2m1 thresholds as model.quant.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
@@ -37,7 +38,7 @@ def _pow2_ceil(t):
 
 
 @triton.jit
-def _e4m3(y):
+def _e4m3_encode(y):
     """fp32 |y| <= 448 -> e4m3fn byte (int32), round to nearest even, sign kept (-0 -> 0x80)."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
@@ -59,15 +60,7 @@ def _e4m3(y):
 
 
 @triton.jit
-def _e4m3_value(c):
-    """e4m3fn byte (int32, no sign) -> fp32 value."""
-    ef, m = (c >> 3) & 0xF, c & 7
-    normal = ((ef + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
-    return tl.where(ef == 0, m.to(tl.float32) * 0.001953125, normal)
-
-
-@triton.jit
-def _e2m1(y, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr,
+def _e2m1_encode(y, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr,
           T5: tl.constexpr, T6: tl.constexpr):
     """Pre-clamped fp32 -> 4-bit code (sign in bit 3), as ``model.quant.e2m1_encode``."""
     a = tl.abs(y)
@@ -85,7 +78,7 @@ def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.con
     scale, k = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / FMAX))
     inv = ((254 - k) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
     y = tl.minimum(tl.maximum(x * inv[:, None], -FMAX), FMAX)
-    tl.store(out_ptr + row * s_o + offs, _e4m3(y).to(tl.uint8))
+    tl.store(out_ptr + row * s_o + offs, _e4m3_encode(y).to(tl.uint8))
     tl.store(out_ptr + row * s_o + D + tl.arange(0, NB), k.to(tl.uint8))
 
 
@@ -101,8 +94,8 @@ def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.conste
     odd = tl.load(x_ptr + row * s_x + 2 * pair + 1).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1))
     if E4M3_SCALES:
-        sb = _e4m3(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), tl.full(amax.shape, 6.0, tl.float32)))
-        scale = _e4m3_value(sb)
+        sb = _e4m3_encode(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), tl.full(amax.shape, 6.0, tl.float32)))
+        scale = _e4m3(sb)  # the byte's value (fused's decoder)
         ye = tl.math.div_rn(even, scale[:, None])
         yo = tl.math.div_rn(odd, scale[:, None])
     else:
@@ -111,7 +104,7 @@ def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.conste
         ye, yo = even * inv[:, None], odd * inv[:, None]
     ye = tl.minimum(tl.maximum(ye, -6.0), 6.0)
     yo = tl.minimum(tl.maximum(yo, -6.0), 6.0)
-    byte = _e2m1(ye, T0, T1, T2, T3, T4, T5, T6) | (_e2m1(yo, T0, T1, T2, T3, T4, T5, T6) << 4)
+    byte = _e2m1_encode(ye, T0, T1, T2, T3, T4, T5, T6) | (_e2m1_encode(yo, T0, T1, T2, T3, T4, T5, T6) << 4)
     tl.store(out_ptr + row * s_o + pair, byte.to(tl.uint8))
     tl.store(out_ptr + row * s_o + D // 2 + tl.arange(0, NB), sb.to(tl.uint8))
 
