@@ -11,12 +11,14 @@ step) and stays eager.
 Replay runs the captured kernels on the same weights, so a graphed step computes what the
 eager one does, bit for bit (``tests/test_gpu.py``). Graphs hold the weights' addresses:
 ``Transformer.reset_graphs`` drops them when the weights move (``model.to``, a load).
-``DSAGENT_GRAPHS=0`` turns them off. Does not own: which steps may use them
+``DSAGENT_GRAPHS=0`` turns them off; a segment that cannot be captured (an operation that
+reads the host) warns once and the model runs its steps eagerly from then on. Does not own: which steps may use them
 (``Transformer.begin``) nor the segments' maths (``model.model.Block``).
 """
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Callable
 
 import torch
@@ -37,6 +39,7 @@ class SegmentGraphs:
     def __init__(self):
         self._graphs: dict = {}
         self._pool = None
+        self.failed: str | None = None  # why a capture failed: every later segment runs eagerly
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -48,10 +51,18 @@ class SegmentGraphs:
         """``fn(*inputs)`` (a tuple of tensors) by replaying its graph for ``key`` and the
         inputs' shapes, captured on first use. The returned tensors are the graph's own
         outputs: valid until this key replays again (the next step's same layer)."""
+        if self.failed:
+            return fn(*inputs)
         key = (key, *((tuple(x.shape), x.dtype) for x in inputs))
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._graphs[key] = self._capture(fn, inputs)
+            try:
+                entry = self._graphs[key] = self._capture(fn, inputs)
+            except RuntimeError as e:  # torch.AcceleratorError is one
+                self.failed = f"{type(e).__name__}: {e}"
+                warnings.warn(f"CUDA graph capture failed ({self.failed[:200]}); decoding eagerly",
+                              RuntimeWarning, stacklevel=2)
+                return fn(*inputs)
         graph, static_in, static_out = entry
         for dst, src in zip(static_in, inputs):
             dst.copy_(src)

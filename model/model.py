@@ -594,13 +594,18 @@ class Transformer(nn.Module):
         cache.length = max(cache.length, step.end)
         return self.logits(streams, pre)
 
+    def ffn_capturable(self, x: torch.Tensor) -> bool:
+        """Whether every layer's MoE runs its grouped experts on ``x``'s dtype and device: the
+        per-expert loop reads expert ids on the host, which a CUDA graph cannot capture."""
+        return all(layer.ffn.runs_grouped(x) for layer in self.layers)
+
     def begin(self, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None, image_mask=None):
         """Embeddings copied into the hc streams, the one-hot first ``pre``, and the Step."""
         x = self.embed(ids)
         if image_mask is not None and image_embeds is not None:
             x = torch.where(image_mask.unsqueeze(-1), image_embeds.to(x.dtype), x)
         step = Step(start=start, length=ids.shape[1], image_mask=image_mask)
-        if graphs.wanted(ids, image_mask, cache.kv.packed):
+        if graphs.wanted(ids, image_mask, cache.kv.packed) and self.ffn_capturable(x):
             step.graphs = self._graphs
         step.hash_ids = self.engram_hash(ids, cache, start, image_mask)
         streams = x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()

@@ -26,6 +26,18 @@ _E2M1_VALUES = torch.tensor(
 # so the ties at 0.75, 1.75 and 3.5 go up and those at 0.25, 1.25, 2.5 and 5.0 go down.
 _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
+_E2M1_THRESHOLDS = torch.where(_E2M1_TIE_UP, _E2M1_MIDPOINTS,
+                               torch.nextafter(_E2M1_MIDPOINTS, _E2M1_MIDPOINTS + 1))
+_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _on(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``table`` on ``device``, copied there once: a CUDA graph capture may not copy from
+    the host, so the eager warm-up before it leaves the copy here for the capture to reuse."""
+    key = (name, device)
+    if key not in _ON_DEVICE:
+        _ON_DEVICE[key] = table.to(device)
+    return _ON_DEVICE[key]
 
 
 # ----------------------------------------------------------------------------- scalars
@@ -49,14 +61,13 @@ def ue8m0_decode(codes: torch.Tensor) -> torch.Tensor:
 
 def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
     """Pre-clamped fp32 values -> 4-bit codes (uint8, sign in bit 3), nearest-even."""
-    mid = _E2M1_MIDPOINTS.to(q.device)
-    thresholds = torch.where(_E2M1_TIE_UP.to(q.device), mid, torch.nextafter(mid, mid + 1))
+    thresholds = _on("e2m1_thresholds", _E2M1_THRESHOLDS, q.device)
     codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
     return codes | (torch.signbit(q).to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return _E2M1_VALUES.to(codes.device)[codes.long()]
+    return _on("e2m1_values", _E2M1_VALUES, codes.device)[codes.long()]
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

@@ -91,3 +91,44 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
     assert torch.equal(runs["0"], runs["1"])
     model.to(torch.float32)
     assert len(model._graphs) == 0
+
+
+def test_graphs_need_every_moe_on_its_grouped_path(monkeypatch):
+    """The per-expert loop reads expert ids on the host, which a capture cannot hold: a step
+    is graphed only where every layer's MoE runs grouped."""
+    model = _tiny()
+    x = torch.zeros(1, 1, model.args.hidden_size)
+    with torch.no_grad():
+        assert model.ffn_capturable(x)  # fp32 on the CPU: torch._grouped_mm loops over groups
+        monkeypatch.setenv("DSAGENT_GROUPED_MOE", "0")
+        assert not model.ffn_capturable(x)
+    monkeypatch.delenv("DSAGENT_GROUPED_MOE")
+    assert not model.ffn_capturable(x)  # autograd on: the loop, for training
+
+
+def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch):
+    segments, captures = graphs.SegmentGraphs(), []
+
+    def failing(fn, inputs):
+        captures.append(fn)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(segments, "_capture", failing)
+    x = torch.arange(4.0)
+    with pytest.warns(RuntimeWarning, match="decoding eagerly"):
+        out = segments.run("a", lambda t: (t * 2,), x)
+    assert torch.equal(out[0], x * 2) and "stream is capturing" in segments.failed
+    assert torch.equal(segments.run("b", lambda t: (t + 1,), x)[0], x + 1)
+    assert len(captures) == 1 and len(segments) == 0  # no second try
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp32_decode_on_cuda_stays_eager(monkeypatch):
+    """fp32 experts take the loop on CUDA (grouped GEMMs want bf16): no capture is tried."""
+    monkeypatch.setenv("DSAGENT_GRAPHS", "1")
+    model = _tiny("cuda", torch.float32)
+    engine = Engine(model, mode="ced", chunk=40)
+    state = engine.new_state(batch=1)
+    engine.prefill(state, torch.randint(3, 4000, (1, 50), generator=torch.Generator().manual_seed(0)).cuda())
+    engine.decode(state, state.last_logits.argmax(-1))
+    assert len(model._graphs) == 0 and model._graphs.failed is None
