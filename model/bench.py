@@ -343,3 +343,43 @@ def _not_called(timer: _LinearTimer) -> dict[str, list[int]]:
         if layer and isinstance(m, nn.Linear) and name not in called and linear_kind(name) != "routed_experts":
             out.setdefault(layer[2], []).append(int(layer[1]))
     return out
+
+
+# ----------------------------------------------------------------------------- decode profile
+
+def bench_profile(model: Transformer, ctx: int, *, steps: int = 4, chunk: int = 512, top: int = 12) -> dict:
+    """Where a batch-1 decode step's device time goes, by kernel (torch.profiler over
+    ``steps`` steps after a CED prefill of ``ctx`` tokens): kernels launched per step, their
+    summed device time per step, and the ``top`` kernels by time. A guide for fusing, not
+    a target; on the CPU it counts operators instead of kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = Engine(model, mode="ced", chunk=chunk)
+    state = engine.new_state(batch=1)
+    engine.prefill(state, prompt_ids(model, ctx))
+    token = state.last_logits.argmax(-1)
+    for _ in range(2):  # warm-up: captures graphs, builds kernels
+        engine.decode(state, token)
+    cuda = model.device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    _sync(model.device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.decode(state, token)
+        _sync(model.device)
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    events = [e for e in prof.events() if e.device_type == kind]
+    if not cuda:  # top-level operators only: nested ones would count twice
+        events = [e for e in events if e.cpu_parent is None]
+    total: dict[str, list[float]] = {}
+    for e in events:
+        us = e.device_time if cuda else e.cpu_time
+        entry = total.setdefault(e.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += us
+    busy = sum(t for _, t in total.values())
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"bench": "profile", "ctx": ctx, "steps": steps, "unit": "kernel" if cuda else "operator",
+            "launches_per_step": len(events) / steps, "busy_ms_per_step": busy / 1e3 / steps,
+            "top": [{"name": name[:90], "calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps,
+                     "share": us / busy if busy else 0.0} for name, (n, us) in ranked]}

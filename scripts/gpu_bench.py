@@ -1,7 +1,7 @@
 """Run the engine benchmarks on a GPU (the device machine) and write JSON lines.
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
-       [--linears 8192] [--paths 4096]
+       [--linears 8192] [--paths 4096] [--profile 16384]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 """
@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 import torch
 
 from model import load
-from model.bench import (bench_batch, bench_decode, bench_linears, bench_paths, bench_prefill, bench_resume,
-                         copy_tb_per_s, matmul_tflops)
+from model.bench import (bench_batch, bench_decode, bench_linears, bench_paths, bench_prefill, bench_profile,
+                         bench_resume, copy_tb_per_s, matmul_tflops)
 
 
 def device_ceilings() -> dict:
@@ -34,6 +35,7 @@ def main() -> None:
     p.add_argument("--batch", default="4096")
     p.add_argument("--linears", default="8192")
     p.add_argument("--paths", default="4096", help="contexts at which each fast path is turned off in turn")
+    p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     with open(a.out, "w") as out:
@@ -49,7 +51,7 @@ def main() -> None:
               "gpu_mem_gb": torch.cuda.memory_allocated() / 1e9})
         for n in map(int, filter(None, a.prefill.split(","))):
             emit(bench_prefill(model, n, gen=16))
-        short, *longs = map(int, filter(None, a.decode.split(",")))
+        short, *longs = list(map(int, filter(None, a.decode.split(",")))) or [0]
         for n in longs:
             emit(bench_decode(model, n, short=short, steps=8))
         for n in map(int, filter(None, a.batch.split(","))):
@@ -60,6 +62,11 @@ def main() -> None:
             emit(bench_linears(model, n))
         for n in map(int, filter(None, a.paths.split(","))):
             emit(bench_paths(model, n))
+        for n in map(int, filter(None, a.profile.split(","))):
+            for graphs in ("1", "0"):  # graphed kernels may be invisible to the profiler: both
+                os.environ["DSAGENT_GRAPHS"] = graphs
+                emit({"graphs": graphs == "1", **bench_profile(model, n)})
+            os.environ.pop("DSAGENT_GRAPHS")
 
 
 if __name__ == "__main__":

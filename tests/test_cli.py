@@ -226,3 +226,13 @@ def test_bench_linears_prints_the_ratio():
 def test_python_m_dsagent_help():
     r = subprocess.run([sys.executable, "-m", "dsagent", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "chat" in r.stdout and "sessions" in r.stdout
+
+
+def test_bench_decode_profile_counts_what_a_step_launches():
+    r = invoke("bench", "decode", "--profile", "--preset", "tiny", "--ctx", "32", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["bench"] == "profile" and out["unit"] == "operator"  # no CUDA here
+    assert out["launches_per_step"] > 100 and out["busy_ms_per_step"] > 0
+    assert out["top"] and sum(t["share"] for t in out["top"]) <= 1.0 + 1e-9
+    assert out["top"][0]["ms_per_step"] >= out["top"][-1]["ms_per_step"]

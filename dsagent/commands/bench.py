@@ -16,7 +16,7 @@ import typer
 from dsagent.errors import handled
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
-from model.bench import (bench_decode, bench_linears, bench_paths, bench_prefill, bench_resume, bench_speculative,
+from model.bench import (bench_decode, bench_linears, bench_paths, bench_prefill, bench_profile, bench_resume, bench_speculative,
                          prompt_ids)
 from model.engine import Engine
 from sessions import DEFAULT_ZSTD_LEVEL, KVChunk
@@ -60,11 +60,15 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
            speculative: bool = typer.Option(False, "--speculative", help="DSpark: verify cost, accepted length, "
                                                                           "tokens per target forward."),
            paths: bool = typer.Option(False, "--paths", help="Step time with each fast path (CUDA graphs, kernels, "
-                                                            "grouped experts) turned off in turn.")) -> None:
+                                                            "grouped experts) turned off in turn."),
+           profiled: bool = typer.Option(False, "--profile", help="Kernels per step and the ones that take "
+                                                                  "the step's device time.")) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with handled():
         m = _runtime(model, preset, device).model
-        if paths:
+        if profiled:
+            _emit(bench_profile(m, ctx), as_json)
+        elif paths:
             _emit(bench_paths(m, ctx), as_json)
         else:
             _emit(bench_speculative(m, ctx) if speculative else bench_decode(m, ctx, steps=8), as_json)
