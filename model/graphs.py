@@ -40,6 +40,7 @@ class SegmentGraphs:
         self._graphs: dict = {}
         self._pool = None
         self.failed: str | None = None  # why a capture failed: every later segment runs eagerly
+        self._outputs: list[torch.Tensor] = []  # every capture's outputs
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -65,12 +66,21 @@ class SegmentGraphs:
                 return fn(*inputs)
         graph, static_in, static_out = entry
         for dst, src in zip(static_in, inputs):
-            dst.copy_(src)
+            if not _same_memory(dst, src):  # another graph's output passed on needs no copy
+                dst.copy_(src)
         graph.replay()
         return static_out
 
     def _capture(self, fn, inputs):
-        static_in = [x.clone() for x in inputs]
+        # an input that is another graph's output is read where that graph writes it (the
+        # segments replay in the order they were captured in); anything else gets a copy
+        static_in = [x if any(_same_memory(x, o) for o in self._outputs) else x.clone() for x in inputs]
+        graph, static_out = self._record(fn, static_in)
+        self._outputs.extend(static_out)
+        return graph, static_in, static_out
+
+    def _record(self, fn, static_in):
+        """A CUDA graph of ``fn(*static_in)`` and its output tensors."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the capture: lazy inits, kernel selection
@@ -81,4 +91,9 @@ class SegmentGraphs:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             static_out = fn(*static_in)
-        return graph, static_in, static_out
+        return graph, static_out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+            and a.dtype == b.dtype and a.device == b.device)

@@ -33,6 +33,24 @@ class DirectSegments:
         return fn(*inputs)
 
 
+class ReplayedSegments(graphs.SegmentGraphs):
+    """Test double for the CUDA part of SegmentGraphs: a "graph" that, on replay, reruns its
+    segment on the static inputs and writes the results into the static outputs in place,
+    as a real replay does. Everything else (which inputs are copied, which are another
+    graph's outputs read in place) is the real class's."""
+
+    def _record(self, fn, static_in):
+        static_out = tuple(t.clone() for t in fn(*static_in))
+
+        class Replay:
+            @staticmethod
+            def replay():
+                for dst, src in zip(static_out, fn(*static_in)):
+                    dst.copy_(src)
+
+        return Replay, static_out
+
+
 def _tiny(device="cpu", dtype=torch.float32):
     model = build(ModelArgs.preset("tiny").replace(**SMALL), seed=1, device=device, dtype=dtype).eval()
     bind_tokenizer(model, BUNDLED_TOKENIZER)
@@ -132,3 +150,24 @@ def test_fp32_decode_on_cuda_stays_eager(monkeypatch):
     engine.prefill(state, torch.randint(3, 4000, (1, 50), generator=torch.Generator().manual_seed(0)).cuda())
     engine.decode(state, state.last_logits.argmax(-1))
     assert len(model._graphs) == 0 and model._graphs.failed is None
+
+
+def test_replayed_segments_pass_outputs_on_without_copies(monkeypatch):
+    """Segments that read other segments' outputs where those are written (no copy) give
+    the plain steps' logits, over steps where the static buffers are rewritten each time."""
+    model = _tiny()
+    engine = Engine(model, mode="ced", chunk=40)
+    state = engine.new_state(batch=2)
+    engine.prefill(state, torch.randint(3, 4000, (2, 70), generator=torch.Generator().manual_seed(2)))
+    other = copy.deepcopy(state)
+    token = state.last_logits.argmax(-1)
+    plain = [engine.decode(state, token).clone() for _ in range(4)]
+    monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
+    model._graphs = segments = ReplayedSegments()
+    replayed = [engine.decode(other, token).clone() for _ in range(4)]
+    assert len(segments) == 2 * model.args.num_hidden_layers and not segments.failed
+    for a, b in zip(plain, replayed):
+        assert torch.equal(a, b)
+    shared = sum(any(graphs._same_memory(x, o) for o in segments._outputs)
+                 for _, static_in, _ in segments._graphs.values() for x in static_in)
+    assert shared >= 4 * model.args.num_hidden_layers - 6  # streams, pre and the attention mixes
