@@ -48,23 +48,25 @@ class SegmentGraphs:
     def __deepcopy__(self, memo) -> "SegmentGraphs":
         return SegmentGraphs()  # a copied model has its own weights: it captures its own graphs
 
-    def run(self, key, fn: Callable[..., tuple], *inputs: torch.Tensor) -> tuple:
+    def run(self, key, fn: Callable[..., tuple], *inputs: torch.Tensor, version=None) -> tuple:
         """``fn(*inputs)`` (a tuple of tensors) by replaying its graph for ``key`` and the
-        inputs' shapes, captured on first use. The returned tensors are the graph's own
-        outputs: valid until this key replays again (the next step's same layer)."""
+        inputs' shapes, captured on first use. ``version`` names the memory ``fn`` reaches
+        besides its inputs (say, a cache's buffers): a different one replaces the capture.
+        The returned tensors are the graph's own outputs: valid until this key replays
+        again (the next step's same layer)."""
         if self.failed:
             return fn(*inputs)
         key = (key, *((tuple(x.shape), x.dtype) for x in inputs))
         entry = self._graphs.get(key)
-        if entry is None:
+        if entry is None or entry[0] != version:
             try:
-                entry = self._graphs[key] = self._capture(fn, inputs)
+                entry = self._graphs[key] = (version, *self._capture(fn, inputs))
             except RuntimeError as e:  # torch.AcceleratorError is one
                 self.failed = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture failed ({self.failed[:200]}); decoding eagerly",
                               RuntimeWarning, stacklevel=2)
                 return fn(*inputs)
-        graph, static_in, static_out = entry
+        _, graph, static_in, static_out = entry
         for dst, src in zip(static_in, inputs):
             if not _same_memory(dst, src):  # another graph's output passed on needs no copy
                 dst.copy_(src)

@@ -28,7 +28,7 @@ from torch import nn
 
 from model import graphs, kernels
 from model.args import ModelArgs
-from model.cache import Cache, SourceKV
+from model.cache import Cache, SourceKV, WindowRing
 from model.engram import NgramHasher
 from model.moe import MoE
 from model.quant import KVFormat, main_record_bytes
@@ -304,7 +304,11 @@ class Attention(nn.Module):
                 if step.index_losses is not None and "index_scores" in step.shared:
                     step.index_losses.append(self._index_loss(q, src, step.shared.pop("index_scores")))
             records = None if fused else self._selected_records(cache, step)
-        return self._fused_attend(q, step, cache) if fused else self._attend(q, keys, key_mask, records)
+        if not fused:
+            return self._attend(q, keys, key_mask, records)
+        idx = step.shared.get("topk") if self.ratio else None
+        src = None if idx is None else cache.sources[self.args.kv_source(self.layer)]
+        return self.fused_attend(q, pos, cache.windows[self.layer], None if src is None else src.records, idx)
 
     def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
         """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""
@@ -366,18 +370,18 @@ class Attention(nn.Module):
                                      probs[..., n_win:-1], records[0])
         return out.to(q.dtype)
 
-    def _fused_attend(self, q: torch.Tensor, step: Step, cache: Cache) -> torch.Tensor:
-        """:meth:`_attend` of one decode step, by the fused kernel on the packed ring (already
-        holding this step's entry) and the packed records the indexer selected."""
-        ring, t, B = cache.windows[self.layer], step.start, q.shape[0]
-        valid = (ring.pos >= 0) & (ring.pos <= t) & (ring.pos > t - self.args.sliding_window)
-        idx = step.shared.get("topk") if self.ratio else None
+    def fused_attend(self, q: torch.Tensor, pos: torch.Tensor, ring: WindowRing, records: torch.Tensor | None,
+                     idx: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_attend` of one decode step at position ``pos`` [1] (a tensor, so a graph can
+        hold it), by the fused kernel on the packed ring (already holding this step's entry)
+        and the packed records at the indexer's ``idx`` [B, 1, k] (``records``: the source's
+        whole buffer, every selected row lies below its count)."""
+        B = q.shape[0]
+        valid = (ring.pos >= 0) & (ring.pos <= pos) & (ring.pos > pos - self.args.sliding_window)
         if idx is None:
             records = ring.data.new_zeros(B, 0, main_record_bytes(self.head_dim))
-            idx = torch.zeros(B, 0, dtype=torch.long, device=q.device)
-        else:
-            records, idx = cache.sources[self.args.kv_source(self.layer)].view()[0], idx[:, 0]
-        out = kernels.sparse_attention(q[:, 0], ring.data, valid.expand(B, -1), records, idx,
+            idx = torch.zeros(B, 1, 0, dtype=torch.long, device=q.device)
+        out = kernels.sparse_attention(q[:, 0], ring.data, valid.expand(B, -1), records, idx[:, 0],
                                        self.attn_sink.float(), self.head_dim ** -0.5)
         return out[:, None].to(q.dtype)
 
@@ -491,8 +495,11 @@ class Block(nn.Module):
             a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
             y = self.attn(x, step, cache, ropes)
             return self.ffn_site(y, streams, a_pre, a_post, a_comb, step.image_mask)
-        # a CUDA decode step: everything but the attention's cache work replays as two graphs
+        # a CUDA decode step: everything but the attention's cache work replays as two graphs;
+        # a layer whose cache work is a ring write and the fused attention replays as one
         pos = step.positions(streams.device)
+        if self.attn.compressor is None and self.attn.indexer is None and _fused_step(streams, step, cache.kv):
+            return self._graphed_layer(streams, pre, pos, step, cache, ropes)
         a_pre, a_post, a_comb, x, q_res, q, kv, *index_query = step.graphs.run(
             (self.layer, "attn"), partial(self.projected_attn_site, ropes=ropes, fmt=cache.kv), streams, pre, pos)
         if index_query:
@@ -500,6 +507,25 @@ class Block(nn.Module):
         out = self.attn.core(x, q_res, q, kv, pos, step, cache, ropes)
         return step.graphs.run((self.layer, "ffn"), partial(self.projected_ffn_site, ropes=ropes),
                                out, pos, streams, a_pre, a_post, a_comb)
+
+    def _graphed_layer(self, streams, pre, pos, step: Step, cache: Cache, ropes: Ropes):
+        """The whole layer as one graph. Its cache work writes this layer's window ring and
+        reads records another layer's indexer selected, at addresses that stay put, so the
+        graph holds them; it is captured again when one moves (a new cache, a grown buffer)."""
+        ring = cache.windows[self.layer]
+        idx = step.shared.get("topk") if self.attn.ratio else None
+        records = None if idx is None else cache.sources[self.args.kv_source(self.layer)].records
+        at = (ring.data.data_ptr(), ring.pos.data_ptr(), None if records is None else (records.data_ptr(), records.shape))
+        fn = partial(self.whole_layer, ropes=ropes, fmt=cache.kv, ring=ring, records=records)
+        return step.graphs.run((self.layer, "layer"), fn, streams, pre, pos, *(() if idx is None else (idx,)),
+                               version=at)
+
+    def whole_layer(self, streams, pre, pos, *idx, ropes: Ropes, fmt: KVFormat, ring: WindowRing, records):
+        """One decode step of a layer without a compressor or an indexer, fused kernels on."""
+        a_pre, a_post, a_comb, x, q_res, q, kv = self.projected_attn_site(streams, pre, pos, ropes=ropes, fmt=fmt)
+        ring.write(kv, pos)
+        out = self.attn.fused_attend(q, pos, ring, records, idx[0] if idx else None)
+        return self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
