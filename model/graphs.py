@@ -59,6 +59,8 @@ class SegmentGraphs:
         key = (key, *((tuple(x.shape), x.dtype) for x in inputs))
         entry = self._graphs.get(key)
         if entry is None or entry[0] != version:
+            if entry is not None:  # replaced: later captures must not read its outputs in place
+                self._outputs = [o for o in self._outputs if not any(o is x for x in entry[3])]
             try:
                 entry = self._graphs[key] = (version, *self._capture(fn, inputs))
             except RuntimeError as e:  # torch.AcceleratorError is one

@@ -219,3 +219,11 @@ def test_whole_layer_segments_follow_the_cache_they_write(monkeypatch):
 
 def _segments_per_step_fused(model) -> int:
     return sum(1 if b.attn.compressor is None and b.attn.indexer is None else 2 for b in model.layers)
+
+
+def test_a_replaced_capture_leaves_no_outputs_behind():
+    segments = ReplayedSegments()
+    x = torch.arange(3.0)
+    for version in range(5):
+        segments.run("k", lambda t: (t + 1,), x, version=version)
+    assert len(segments) == 1 and len(segments._outputs) == 1
