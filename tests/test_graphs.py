@@ -64,19 +64,25 @@ def _tiny(device="cpu", dtype=torch.float32):
     return model
 
 
+def _plain_then_segmented(monkeypatch, model, segments, seed: int, steps: int):
+    """(state, logits) of ``steps`` plain decode steps after a 70-token prefill of 2 rows, then
+    the same from a copy of the prefilled state with ``segments`` standing in for the graphs."""
+    engine = Engine(model, mode="ced", chunk=40)
+    state = engine.new_state(batch=2)
+    engine.prefill(state, torch.randint(3, 4000, (2, 70), generator=torch.Generator().manual_seed(seed)))
+    other = copy.deepcopy(state)
+    token = state.last_logits.argmax(-1)
+    plain = [engine.decode(state, token).clone() for _ in range(steps)]
+    monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
+    model._graphs = segments
+    return (state, plain), (other, [engine.decode(other, token).clone() for _ in range(steps)])
+
+
 def test_segmented_decode_steps_equal_whole_ones(monkeypatch):
     """The graphed form of a step (projections + mixes + FFN as segments, cache work between
     them) computes exactly what the plain layer does, over several steps of every layer kind."""
     model = _tiny()
-    engine = Engine(model, mode="ced", chunk=40)
-    state = engine.new_state(batch=2)
-    engine.prefill(state, torch.randint(3, 4000, (2, 70), generator=torch.Generator().manual_seed(0)))
-    other = copy.deepcopy(state)
-    token = state.last_logits.argmax(-1)
-    plain = [engine.decode(state, token).clone() for _ in range(5)]
-    monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
-    model._graphs = double = DirectSegments()
-    segmented = [engine.decode(other, token).clone() for _ in range(5)]
+    (state, plain), (other, segmented) = _plain_then_segmented(monkeypatch, model, double := DirectSegments(), 0, 5)
     assert len(double) == _segments_per_step(model) and len(double.keys) == 5 * len(double)
     for a, b in zip(plain, segmented):
         assert torch.equal(a, b)
@@ -163,15 +169,7 @@ def test_replayed_segments_pass_outputs_on_without_copies(monkeypatch):
     """Segments that read other segments' outputs where those are written (no copy) give
     the plain steps' logits, over steps where the static buffers are rewritten each time."""
     model = _tiny()
-    engine = Engine(model, mode="ced", chunk=40)
-    state = engine.new_state(batch=2)
-    engine.prefill(state, torch.randint(3, 4000, (2, 70), generator=torch.Generator().manual_seed(2)))
-    other = copy.deepcopy(state)
-    token = state.last_logits.argmax(-1)
-    plain = [engine.decode(state, token).clone() for _ in range(4)]
-    monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
-    model._graphs = segments = ReplayedSegments()
-    replayed = [engine.decode(other, token).clone() for _ in range(4)]
+    (_, plain), (_, replayed) = _plain_then_segmented(monkeypatch, model, segments := ReplayedSegments(), 2, 4)
     assert len(segments) == _segments_per_step(model) and not segments.failed
     for a, b in zip(plain, replayed):
         assert torch.equal(a, b)
