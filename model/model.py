@@ -70,14 +70,7 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     """Rotate adjacent channel pairs of the trailing rope slice. x: [B, S, D] or [B, S, H, D]."""
     freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (S, rd/2)
     cos, sin = freqs.cos(), freqs.sin()
-    if inverse:
-        sin = -sin
-    if x.ndim == 4:
-        cos, sin = cos[:, None], sin[:, None]
-    rd = inv_freq.shape[0] * 2
-    even, odd = x[..., -rd::2].float(), x[..., -rd + 1::2].float()
-    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+    return kernels.rope(x, cos, -sin if inverse else sin)  # kernels.rope_ref off the fast path
 
 
 @dataclass

@@ -28,10 +28,10 @@ import warnings
 import torch
 
 from model import quant
-from model.kernels.reference import hc_split_ref, indexer_scores_ref, sparse_attention_ref
+from model.kernels.reference import hc_split_ref, indexer_scores_ref, rope_ref, sparse_attention_ref
 
-__all__ = ["triton_available", "enabled", "hc_split", "sparse_attention", "indexer_scores", "pack_window",
-           "pack_main", "pack_index", "hc_split_ref", "sparse_attention_ref", "indexer_scores_ref"]
+__all__ = ["triton_available", "enabled", "hc_split", "rope", "sparse_attention", "indexer_scores", "pack_window",
+           "pack_main", "pack_index", "hc_split_ref", "rope_ref", "sparse_attention_ref", "indexer_scores_ref"]
 
 
 def _interpreting() -> bool:
@@ -97,6 +97,16 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     if wants_grad and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0" and "compiled mHC" not in _FAILED:
         return _guarded("compiled mHC", _compiled_twin(), hc_split_ref, *args)
     return hc_split_ref(*args)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE rotation by cos / sin (see :func:`rope_ref`): the kernel where :func:`enabled`
+    and no gradient is wanted (it has no backward), else the twin; bit-exact either way."""
+    if enabled(x) and "RoPE kernel" not in _FAILED and not (torch.is_grad_enabled() and x.requires_grad):
+        from model.kernels import rotary
+
+        return _guarded("RoPE kernel", rotary.rope, rope_ref, x, cos, sin)
+    return rope_ref(x, cos, sin)
 
 
 _FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process

@@ -1,6 +1,6 @@
 """Pure-PyTorch twins of the fused decode kernels: the semantics the kernels must match.
 
-Owns ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their projection:
+Owns ``rope_ref`` (the model's RoPE rotation, given cos / sin), ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their projection:
 sigmoid pre / post and the Sinkhorn-normalised comb; the model computes them with it, so it
 is the model's own code, not a copy) and two functions on *packed* cache bytes, one decode
 step (one query per row):
@@ -92,3 +92,17 @@ def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
     return pre, post, comb
+
+
+def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The trailing 2·r channels of x [B, S, D] or [B, S, H, D] rotated in adjacent pairs
+    (even, odd) -> (even·cos − odd·sin, even·sin + odd·cos) in fp32 by cos / sin [S, r], cast
+    back to x's dtype; the other channels as they are. ``model.model.apply_rope`` rotates
+    with it, so this is the model's own code."""
+    if x.ndim == 4:
+        cos, sin = cos[:, None], sin[:, None]
+    rd = cos.shape[-1] * 2
+    even, odd = x[..., -rd::2].float(), x[..., -rd + 1::2].float()
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+    return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+
