@@ -109,15 +109,17 @@ def _kernels_off():
 def test_model_decode_runs_the_kernels_and_matches_its_reference_path():
     """The wiring in model.model: decode steps on a packed cache go through the kernels
     (counted) and give the reference path's logits; prefill never does. Both arms run the
-    mHC twin (the mHC kernel runs in prefill too, and on a random model its last-bit
-    differences flip FP4 roundings and top-k choices; it is compared with its twin below)."""
+    mHC and RMSNorm twins (those kernels run in prefill too, and on a random model their
+    last-bit differences flip FP4 roundings and top-k choices; each is compared with its
+    twin on its own: below, and in tests/test_norm_kernel.py)."""
     import model.kernels as kernels
 
-    real_hc, kernels.hc_split = kernels.hc_split, kernels.hc_split_ref
+    real = kernels.hc_split, kernels.rms_norm
+    kernels.hc_split, kernels.rms_norm = kernels.hc_split_ref, kernels.rms_norm_ref
     try:
         _decode_wiring(kernels)
     finally:
-        kernels.hc_split = real_hc
+        kernels.hc_split, kernels.rms_norm = real
 
 
 def _decode_wiring(kernels) -> None:

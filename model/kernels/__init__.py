@@ -28,10 +28,11 @@ import warnings
 import torch
 
 from model import quant
-from model.kernels.reference import hc_split_ref, indexer_scores_ref, rope_ref, sparse_attention_ref
+from model.kernels.reference import hc_split_ref, indexer_scores_ref, rms_norm_ref, rope_ref, sparse_attention_ref
 
-__all__ = ["triton_available", "enabled", "hc_split", "rope", "sparse_attention", "indexer_scores", "pack_window",
-           "pack_main", "pack_index", "hc_split_ref", "rope_ref", "sparse_attention_ref", "indexer_scores_ref"]
+__all__ = ["triton_available", "enabled", "hc_split", "rope", "rms_norm", "sparse_attention", "indexer_scores",
+           "pack_window", "pack_main", "pack_index", "hc_split_ref", "rope_ref", "rms_norm_ref", "sparse_attention_ref",
+           "indexer_scores_ref"]
 
 
 def _interpreting() -> bool:
@@ -107,6 +108,18 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
         return _guarded("RoPE kernel", rotary.rope, rope_ref, x, cos, sin)
     return rope_ref(x, cos, sin)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (see :func:`rms_norm_ref`): the kernel where :func:`enabled` and no gradient is
+    wanted (it has no backward), else the twin. Agrees with the twin to a few fp32 ulps
+    before the cast back (another summation order)."""
+    if (enabled(x) and "RMSNorm kernel" not in _FAILED and x.dtype == weight.dtype
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        from model.kernels import norm
+
+        return _guarded("RMSNorm kernel", norm.rms_norm, rms_norm_ref, x, weight, eps)
+    return rms_norm_ref(x, weight, eps)
 
 
 _FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process

@@ -1,6 +1,6 @@
 """Pure-PyTorch twins of the fused decode kernels: the semantics the kernels must match.
 
-Owns ``rope_ref`` (the model's RoPE rotation, given cos / sin), ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their projection:
+Owns ``rope_ref`` (the model's RoPE rotation, given cos / sin), ``rms_norm_ref`` (its RMSNorm), ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their projection:
 sigmoid pre / post and the Sinkhorn-normalised comb; the model computes them with it, so it
 is the model's own code, not a copy) and two functions on *packed* cache bytes, one decode
 step (one query per row):
@@ -105,4 +105,12 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     even, odd = x[..., -rd::2].float(), x[..., -rd + 1::2].float()
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, cast back to x's dtype, times ``weight``
+    (``model.model.RMSNorm`` normalises with it, so this is the model's own code)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
 

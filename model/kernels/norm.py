@@ -1,0 +1,51 @@
+"""Triton RMSNorm: one launch per call where torch runs seven or eight (cast, square, mean,
+add, rsqrt, product, cast back, weight product), about five calls per layer and decode step.
+
+Owns ``rms_norm`` (what ``model.kernels.reference.rms_norm_ref`` computes). Not bit-exact:
+the row's sum of squares is reduced in another order than torch's and ``rsqrt`` may differ
+in the last place, so the normalised values agree to a few fp32 ulps; the casts and the
+weight product are rounded as torch rounds them (bf16: nearest even, on the bits).
+
+Does not own: choosing kernel or twin (``model.kernels``). Imported only when Triton is importable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round_bf16(y):
+    """fp32 -> the nearest-even bf16 value, as fp32 (the CPU interpreter's own cast truncates)."""
+    bits = y.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+    row = tl.program_id(0)
+    c = tl.arange(0, BLOCK_D)
+    live = c < D
+    h = tl.load(x_ptr + row * D + c, mask=live, other=0.0).to(tl.float32)
+    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+    w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
+    if BF16:  # torch: weight (bf16) * h.to(bf16), the product rounded to bf16
+        y = _round_bf16(w * _round_bf16(h))
+        tl.store(out_ptr + row * D + c, (y.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=live)
+    else:
+        tl.store(out_ptr + row * D + c, w * h, mask=live)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] in fp32 or bf16; weight [D] of the same dtype."""
+    D = x.shape[-1]
+    assert weight.shape == (D,) and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    bf16 = x.dtype == torch.bfloat16
+    block = triton.next_power_of_2(D)
+    _rms_norm_kernel[(x.numel() // D,)](x, weight.contiguous(), out.view(torch.int16) if bf16 else out, D, float(eps),
+                                        BLOCK_D=block, BF16=bf16, num_warps=4 if block <= 1024 else 8)
+    return out
