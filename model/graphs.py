@@ -1,19 +1,22 @@
-"""CUDA graphs of the cache-independent segments of a decode step.
+"""CUDA graphs of a decode step's layers.
 
-A decode step launches ~700 small kernels per layer, and on a GPU its time is the time
-to launch them. About half sit in segments that read no cache and have the same shapes
-every step: the mHC mixes (a 20-iteration Sinkhorn), the collapse / expand, the norms and
-the whole MoE. :class:`SegmentGraphs` captures each such segment of each layer once per
-batch size and replays it, so a step launches one graph where it launched hundreds of
-kernels. The attention between the segments reads the cache (its lengths change every
-step) and stays eager.
+A decode step launches hundreds of small kernels per layer, and on a GPU its time was the
+time to launch them. :class:`SegmentGraphs` captures segments of each layer once per batch
+size and replays them, so a step launches a graph where it launched hundreds of kernels. A
+layer whose cache work is only its window-ring write and the fused attention over records
+another layer selected replays whole (its cache buffers stay put: the capture is keyed on
+their addresses and redone when one moves). Elsewhere two segments a layer replay — the
+attention site (mixes, norm, projections, RoPE) and the FFN site (output projection, mixes,
+the whole MoE) — and the cache work between them (compressor, index scoring, top-k) stays
+eager, as its shapes change every few steps. A segment reads another segment's output where
+that one wrote it; other inputs are copied in.
 
 Replay runs the captured kernels on the same weights, so a graphed step computes what the
-eager one does, bit for bit (``tests/test_gpu.py``). Graphs hold the weights' addresses:
+eager one does, bit for bit (``tests/test_graphs.py``). Graphs hold the weights' addresses:
 ``Transformer.reset_graphs`` drops them when the weights move (``model.to``, a load).
 ``DSAGENT_GRAPHS=0`` turns them off; a segment that cannot be captured (an operation that
-reads the host) warns once and the model runs its steps eagerly from then on. Does not own: which steps may use them
-(``Transformer.begin``) nor the segments' maths (``model.model.Block``).
+reads the host) warns once and the model runs its steps eagerly from then on. Does not own:
+which steps may use them (``Transformer.begin``) nor the segments' maths (``model.model.Block``).
 """
 from __future__ import annotations
 

@@ -1,10 +1,13 @@
 """Fused decode kernels on packed cache bytes, and the one place that picks kernel or twin.
 
 Public functions: ``pack_window`` / ``pack_main`` / ``pack_index`` (KV rows to the cache's
-bytes, equal to ``model.quant``'s, whose functions are their twins); ``hc_split(mixes, scale, base, hc, iters, eps)`` -> (pre, post, comb), the
-mHC mixes after their projection (any number of tokens; the model's own maths is its twin
-``hc_split_ref``, used wherever the kernel is not); and, for one decode step (one query per
-batch row):
+bytes, equal to ``model.quant``'s, whose functions are their twins);
+``hc_split(mixes, scale, base, hc, iters, eps)`` -> (pre, post, comb), the mHC mixes after
+their projection (the model's own maths is its twin ``hc_split_ref``, used wherever the
+kernel is not); ``rope(x, cos, sin)`` (the RoPE rotation, kernel in ``model.kernels.rotary``,
+bit-exact with its twin ``rope_ref``) and ``rms_norm(x, weight, eps)`` (kernel in
+``model.kernels.norm``, twin ``rms_norm_ref``) — these three on any number of tokens, outside
+autograd; and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
   fp32: ``Attention._attend`` for S=1 on FP8 window rows and selected FP4 records.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale)`` -> [B, N] fp32:
@@ -12,10 +15,11 @@ batch row):
   (``model.model.stable_topk``): it is a sort over at most ~16k scores per row, and its
   tie order must stay the model's.
 
-Each runs the Triton kernel of ``model.kernels.fused`` when :func:`triton_available` and the
-tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU interpreter, for tests), else
-the pure-PyTorch twin of ``model.kernels.reference``; both compute the same function
-(``tests/test_kernels.py``). Triton is optional (``pip install .[gpu]``) and is imported only
+Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
+:func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
+interpreter, for tests), else the pure-PyTorch twin of ``model.kernels.reference``; both
+compute the same function (``tests/test_kernels.py``, ``test_rope_kernel.py``,
+``test_norm_kernel.py``). Triton is optional (``pip install .[gpu]``) and is imported only
 when a kernel runs. Does not own: where the inputs come from (``model.model``, ``model.cache``).
 """
 from __future__ import annotations
