@@ -221,3 +221,17 @@ def test_recall_records_can_start_shorter(tiny):
     short = train_default.make_examples(10, 0, tiny.args, workers=1, recall_tokens=(300, 400))["long"][0]
     full = train_default.make_examples(10, 0, tiny.args, workers=1)["long"][0]
     assert len(short.ids) < 2090 + 600 and len(full.ids) > 2090 + 2000  # the system prompt is ~2,090 tokens
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_the_loss_reaches_every_kv_source_through_its_records(tiny, dense):
+    """Long-range recall is learnt through the global records: a loss on tokens far past the
+    window must send gradients into every compressor that writes them (dense and top-k)."""
+    n = 3 * tiny.args.sliding_window
+    batch = _batch(tiny, [Example(_ids(n, 5), [False] * (n - 8) + [True] * 8)], ["exact"])
+    tiny.zero_grad()
+    batch_loss(tiny, batch, dense=dense, share_prefix=False).lm.backward()
+    for layer in tiny.args.kv_source_layer_ids:
+        grad = tiny.layers[layer].attn.compressor.wkv.weight.grad
+        assert grad is not None and grad.abs().sum() > 0, layer
+    tiny.zero_grad()
