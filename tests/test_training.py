@@ -235,3 +235,21 @@ def test_the_loss_reaches_every_kv_source_through_its_records(tiny, dense):
         grad = tiny.layers[layer].attn.compressor.wkv.weight.grad
         assert grad is not None and grad.abs().sum() > 0, layer
     tiny.zero_grad()
+
+
+def test_retrieval_drill_trains_only_the_planted_value():
+    from retrieval_drill import drill
+
+    from model.loading import BUNDLED_TOKENIZER
+    from model.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(BUNDLED_TOKENIZER)
+    ex = drill(random.Random(3), tok, 60, 90)
+    text = tok.decode(ex.ids)
+    question, answer = text.rsplit("\nWhat is the ", 1)[1].split("?\n")
+    key = question  # e.g. "password of cobalt"
+    value = answer.rsplit(" is ", 1)[1].rstrip(".")
+    assert f"{key}: {value}" in text.split("\nWhat is")[0]  # planted in the log
+    assert tok.decode([i for i, t in zip(ex.ids, ex.trained) if t]) == f"{value}."
+    log = text.split("\nWhat is")[0].splitlines()
+    assert sum(line.startswith(f"{key.split(' of ')[0]} of ") for line in log) == 3  # the key and two decoys

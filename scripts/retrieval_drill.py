@@ -1,0 +1,84 @@
+"""A focused experiment for the recall skill: can a model learn to look a planted value up?
+
+    python3 scripts/retrieval_drill.py [--init model/assets/default] [--steps 300] [--tokens 150,300]
+                                       [--lr 1e-3] [--batch 8] [--device cpu] [--dense]
+
+Trains on short synthetic logs only — filler lines, a `password of cobalt: ABC-1234` line in
+the first third, two decoys of the same kind later, then the question and the answer; no
+system prompt, no chat template — with the loss on the answer value alone, through the
+same code path as scripts/train_default.py (QAT weights and KV, exact replay). Prints one
+JSON line per 10 steps with the answer-token accuracy: the '-' and '.' of a value are
+~0.3 of its tokens, so a rise above that is retrieval being learnt. Writes nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsagent.corpus import KEY_KINDS, WORDS, filler_line, secret  # noqa: E402
+from model import load  # noqa: E402
+from model.loading import BUNDLED_TOKENIZER  # noqa: E402
+from model.tokenizer import Tokenizer  # noqa: E402
+from model.training import Example, add_weight_qat, batch_loss, make_batch  # noqa: E402
+
+
+def drill(rng: random.Random, tokenizer: Tokenizer, lo: int, hi: int) -> Example:
+    kind, owner, value = rng.choice(KEY_KINDS), rng.choice(WORDS), secret(rng)
+    lines, n, target = [], 0, rng.randint(lo, hi)
+    while n < target:
+        lines.append(filler_line(rng))
+        n += len(tokenizer.encode_content(lines[-1] + "\n"))
+    lines.insert(rng.randrange(0, max(1, len(lines) // 3)), f"{kind} of {owner}: {value}")
+    for other in rng.sample([w for w in WORDS if w != owner], 2):
+        lines.insert(rng.randrange(len(lines) // 3, len(lines)), f"{kind} of {other}: {secret(rng)}")
+    prompt = tokenizer.encode_content("\n".join(lines) + f"\nWhat is the {kind} of {owner}?\nThe {kind} of {owner} is ")
+    answer = tokenizer.encode_content(f"{value}.")
+    return Example(prompt + answer, [False] * len(prompt) + [True] * len(answer))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--init", default="tiny", help="a checkpoint directory, or a preset for random weights")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--tokens", default="150,300", help="LO,HI: length of a log in tokens")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dense", action="store_true", help="every record visible (the indexer's warm-up)")
+    p.add_argument("--seed", type=int, default=1)
+    a = p.parse_args()
+    lo, hi = map(int, a.tokens.split(","))
+    torch.manual_seed(a.seed)
+    model = load(a.init, device=a.device, dtype=torch.float32, seed=a.seed)
+    add_weight_qat(model)
+    model.train()
+    args, tokenizer = model.args, Tokenizer.from_file(BUNDLED_TOKENIZER)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95))
+    rng, began, window = random.Random(a.seed), time.time(), [0, 0, 0.0, 0]
+    for step in range(1, a.steps + 1):
+        batch = make_batch([drill(rng, tokenizer, lo, hi) for _ in range(a.batch)], ["exact"] * a.batch,
+                           window=args.sliding_window, decoder_start=args.decoder_start,
+                           layers=args.num_hidden_layers, pad_id=args.pad_token_id, rng=rng)
+        opt.zero_grad(set_to_none=True)
+        losses = batch_loss(model, batch, dense=a.dense, share_prefix=False)
+        losses.total.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        window = [window[0] + losses.correct, window[1] + losses.tokens, window[2] + float(losses.lm.detach()),
+                  window[3] + 1]
+        if step % 10 == 0:
+            print(json.dumps({"step": step, "seconds": round(time.time() - began), "lm": round(window[2] / window[3], 3),
+                              "answer_token_acc": round(window[0] / window[1], 3)}), flush=True)
+            window = [0, 0, 0.0, 0]
+
+
+if __name__ == "__main__":
+    main()
