@@ -14,6 +14,7 @@ import os
 import re
 import statistics
 import time
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -103,15 +104,22 @@ def copy_tb_per_s(device, nbytes: int = 2 ** 28, repeats: int = 5) -> float:
 WARMUP_STEPS = 4
 
 
-def _step_seconds(model: Transformer, ctx: int, batch: int, steps: int, chunk: int) -> float:
-    """Mean decode step time of ``batch`` rows after a CED prefill of ``ctx`` tokens."""
+def _warm_decoder(model: Transformer, ctx: int, batch: int, chunk: int):
+    """A decode step of ``batch`` rows after a CED prefill of ``ctx`` tokens and WARMUP_STEPS
+    steps, as a function of no arguments."""
     engine = Engine(model, mode="ced", chunk=chunk)
     state = engine.new_state(batch=batch)
     engine.prefill(state, prompt_ids(model, ctx).expand(batch, -1))
     token = state.last_logits.argmax(-1)
     for _ in range(WARMUP_STEPS):
         engine.decode(state, token)
-    _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
+    return lambda: engine.decode(state, token)
+
+
+def _step_seconds(model: Transformer, ctx: int, batch: int, steps: int, chunk: int) -> float:
+    """Mean decode step time of ``batch`` rows after a CED prefill of ``ctx`` tokens."""
+    step = _warm_decoder(model, ctx, batch, chunk)
+    _, secs = _timed(lambda: [step() for _ in range(steps)], model.device)
     return secs / steps
 
 
@@ -204,21 +212,29 @@ def bench_batch(model: Transformer, ctx: int, *, batch: int = 16, steps: int = 8
 PATH_SWITCHES = {"graphs": "DSAGENT_GRAPHS", "kernels": "DSAGENT_KERNELS", "grouped_moe": "DSAGENT_GROUPED_MOE"}
 
 
-def bench_paths(model: Transformer, ctx: int, *, steps: int = 8, chunk: int = 512) -> dict:
-    """Decode step time with every fast path on, then with each one off (its ``DSAGENT_*``
-    switch set to 0), side by side in one process: what each path is worth here."""
-    saved = {env: os.environ.get(env) for env in PATH_SWITCHES.values()}
-    times = {}
+@contextmanager
+def switched(**paths: bool):
+    """Fast paths on or off (``graphs=False`` sets ``DSAGENT_GRAPHS=0``) for the block; the
+    environment as it was afterwards."""
+    saved = {PATH_SWITCHES[name]: os.environ.get(PATH_SWITCHES[name]) for name in paths}
     try:
-        for off in (None, *PATH_SWITCHES):
-            for name, env in PATH_SWITCHES.items():
-                os.environ[env] = "0" if name == off else "1"
-            times[off or "all_on"] = _step_seconds(model, ctx, 1, steps, chunk)
+        for name, on in paths.items():
+            os.environ[PATH_SWITCHES[name]] = "1" if on else "0"
+        yield
     finally:
         for env, value in saved.items():
             os.environ.pop(env, None)
             if value is not None:
                 os.environ[env] = value
+
+
+def bench_paths(model: Transformer, ctx: int, *, steps: int = 8, chunk: int = 512) -> dict:
+    """Decode step time with every fast path on, then with each one off (its ``DSAGENT_*``
+    switch set to 0), side by side in one process: what each path is worth here."""
+    times = {}
+    for off in (None, *PATH_SWITCHES):
+        with switched(**{name: name != off for name in PATH_SWITCHES}):
+            times[off or "all_on"] = _step_seconds(model, ctx, 1, steps, chunk)
     return {"bench": "paths", "ctx": ctx, "step_ms": {k: 1e3 * v for k, v in times.items()},
             "slowdown_without": {k: v / times["all_on"] for k, v in times.items() if k != "all_on"}}
 
@@ -362,18 +378,13 @@ def bench_profile(model: Transformer, ctx: int, *, steps: int = 4, chunk: int = 
     a target; on the CPU it counts operators instead of kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = Engine(model, mode="ced", chunk=chunk)
-    state = engine.new_state(batch=1)
-    engine.prefill(state, prompt_ids(model, ctx))
-    token = state.last_logits.argmax(-1)
-    for _ in range(WARMUP_STEPS):
-        engine.decode(state, token)
+    step = _warm_decoder(model, ctx, 1, chunk)
     cuda = model.device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     _sync(model.device)
     with profile(activities=activities) as prof:
         for _ in range(steps):
-            engine.decode(state, token)
+            step()
         _sync(model.device)
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     events = [e for e in prof.events() if e.device_type == kind]

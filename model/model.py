@@ -166,10 +166,10 @@ class Indexer(nn.Module):
     def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq, kv: KVFormat, qw=None) -> torch.Tensor:
         """[B, S, n] index scores; -inf where a record is not yet visible to the query.
         ``qw``: the :meth:`query` of this step when already computed (a graphed decode step)."""
-        q, w = qw or self.query(x, q_res, step.positions(x.device), inv_freq, kv)
+        pos = step.positions(x.device)
+        q, w = qw or self.query(x, q_res, pos, inv_freq, kv)
         s = torch.einsum("bshd,bnd->bshn", q.float(), keys).relu_() * self.head_dim ** -0.5
         s = (s * w.unsqueeze(-1)).sum(dim=2)
-        pos = step.positions(x.device)
         visible = torch.arange(keys.shape[1], device=x.device) < ((pos + 1) // self.args.ratios[self.layer])[:, None]
         return s.masked_fill(~visible, float("-inf"))
 
@@ -297,9 +297,13 @@ class Attention(nn.Module):
             records = None if fused else self._selected_records(cache, step)
         if not fused:
             return self._attend(q, keys, key_mask, records)
+        return self.fused_attend(q, pos, cache.windows[self.layer], *self.selection(step, cache))
+
+    def selection(self, step: Step, cache: Cache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(the KV source's whole packed records buffer, this step's top-k indices [B, S, k]),
+        or (None, None) in a window-only layer or before any record exists."""
         idx = step.shared.get("topk") if self.ratio else None
-        src = None if idx is None else cache.sources[self.args.kv_source(self.layer)]
-        return self.fused_attend(q, pos, cache.windows[self.layer], None if src is None else src.records, idx)
+        return (None, None) if idx is None else (cache.sources[self.args.kv_source(self.layer)].records, idx)
 
     def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
         """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""
@@ -504,9 +508,9 @@ class Block(nn.Module):
         reads records another layer's indexer selected, at addresses that stay put, so the
         graph holds them; it is captured again when one moves (a new cache, a grown buffer)."""
         ring = cache.windows[self.layer]
-        idx = step.shared.get("topk") if self.attn.ratio else None
-        records = None if idx is None else cache.sources[self.args.kv_source(self.layer)].records
-        at = (ring.data.data_ptr(), ring.pos.data_ptr(), None if records is None else (records.data_ptr(), records.shape))
+        records, idx = self.attn.selection(step, cache)
+        at = (ring.data.data_ptr(), ring.pos.data_ptr(),
+              None if records is None else (records.data_ptr(), records.shape))
         fn = partial(self.whole_layer, ropes=ropes, fmt=cache.kv, ring=ring, records=records)
         return step.graphs.run((self.layer, "layer"), fn, streams, pre, pos, *(() if idx is None else (idx,)),
                                version=at)
@@ -613,8 +617,10 @@ class Transformer(nn.Module):
 
     def ffn_capturable(self, x: torch.Tensor) -> bool:
         """Whether every layer's MoE runs its grouped experts on ``x``'s dtype and device: the
-        per-expert loop reads expert ids on the host, which a CUDA graph cannot capture."""
-        return all(layer.ffn.runs_grouped(x) for layer in self.layers)
+        per-expert loop reads expert ids on the host, which a CUDA graph cannot capture. The
+        first layer answers for all (asked every decode step): their experts are stacked
+        (``stack_experts``) and parametrized (training's QAT) together, and share their shapes."""
+        return self.layers[0].ffn.runs_grouped(x)
 
     def begin(self, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None, image_mask=None):
         """Embeddings copied into the hc streams, the one-hot first ``pre``, and the Step."""

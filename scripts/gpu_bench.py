@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -17,7 +16,7 @@ import torch
 
 from model import load
 from model.bench import (bench_batch, bench_decode, bench_linears, bench_paths, bench_prefill, bench_profile,
-                         bench_resume, copy_tb_per_s, matmul_tflops)
+                         bench_resume, copy_tb_per_s, matmul_tflops, switched)
 
 
 def device_ceilings() -> dict:
@@ -63,10 +62,9 @@ def main() -> None:
         for n in map(int, filter(None, a.paths.split(","))):
             emit(bench_paths(model, n))
         for n in map(int, filter(None, a.profile.split(","))):
-            for graphs in ("1", "0"):  # graphed kernels may be invisible to the profiler: both
-                os.environ["DSAGENT_GRAPHS"] = graphs
-                emit({"graphs": graphs == "1", **bench_profile(model, n)})
-            os.environ.pop("DSAGENT_GRAPHS")
+            for graphs in (True, False):  # graphed kernels may be invisible to the profiler: both
+                with switched(graphs=graphs):
+                    emit({"graphs": graphs, **bench_profile(model, n)})
 
 
 if __name__ == "__main__":

@@ -51,10 +51,11 @@ class ReplayedSegments(graphs.SegmentGraphs):
         return Replay, static_out
 
 
-def _segments_per_step(model) -> int:
-    """Two segments a layer; one where the fused kernels run and the layer has neither a
-    compressor nor an indexer (its cache work joins the graph)."""
-    whole = kernels.enabled(model.embed.weight)
+def _segments_per_step(model, fused: bool | None = None) -> int:
+    """Two segments a layer; one where the fused kernels run (``fused``; default: where they
+    are enabled) and the layer has neither a compressor nor an indexer (its cache work joins
+    the graph)."""
+    whole = kernels.enabled(model.embed.weight) if fused is None else fused
     return sum(1 if whole and b.attn.compressor is None and b.attn.indexer is None else 2 for b in model.layers)
 
 
@@ -208,15 +209,13 @@ def test_whole_layer_segments_follow_the_cache_they_write(monkeypatch):
     model._graphs = segments = ReplayedSegments()
     replayed = steps(copies)
     whole = [key for key in segments._graphs if key[0][1] == "layer"]
-    assert whole and len(segments) == _segments_per_step_fused(model)
+    assert whole and len(segments) == _segments_per_step(model, fused=True)
     for a, b in zip(plain, replayed):
         assert torch.equal(a, b)
     ring = copies[1].cache.windows[whole[0][0][0]]
     assert segments._graphs[whole[0]][0][:2] == (ring.data.data_ptr(), ring.pos.data_ptr())  # the last state's
 
 
-def _segments_per_step_fused(model) -> int:
-    return sum(1 if b.attn.compressor is None and b.attn.indexer is None else 2 for b in model.layers)
 
 
 def test_a_replaced_capture_leaves_no_outputs_behind():

@@ -16,8 +16,8 @@ import typer
 from dsagent.errors import handled
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
-from model.bench import (bench_decode, bench_linears, bench_paths, bench_prefill, bench_profile, bench_resume, bench_speculative,
-                         prompt_ids)
+from model.bench import (bench_decode, bench_linears, bench_paths, bench_prefill, bench_profile, bench_resume,
+                         bench_speculative, prompt_ids)
 from model.engine import Engine
 from sessions import DEFAULT_ZSTD_LEVEL, KVChunk
 from sessions.bench import store_throughput, zstd_levels

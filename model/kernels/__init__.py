@@ -93,13 +93,13 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     ``DSAGENT_COMPILE=0`` turns it off). Else the twin :func:`hc_split_ref`. Both fast paths
     run on every forward, so one that cannot be built costs a warning and the twin for the
     rest of the process, not the session."""
-    wants_grad = torch.is_grad_enabled() and (mixes.requires_grad or scale.requires_grad)
     args = (mixes, scale, base, hc, iters, eps)
-    if not wants_grad and enabled(mixes) and "mHC kernel" not in _FAILED:
+    if _kernel_runs("mHC kernel", mixes, grads=(mixes, scale)):
         from model.kernels import fused
 
         return _guarded("mHC kernel", fused.hc_split, hc_split_ref, *args)
-    if wants_grad and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0" and "compiled mHC" not in _FAILED:
+    if (_wants_grad(mixes, scale) and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0"
+            and "compiled mHC" not in _FAILED):
         return _guarded("compiled mHC", _compiled_twin(), hc_split_ref, *args)
     return hc_split_ref(*args)
 
@@ -107,7 +107,7 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE rotation by cos / sin (see :func:`rope_ref`): the kernel where :func:`enabled`
     and no gradient is wanted (it has no backward), else the twin; bit-exact either way."""
-    if enabled(x) and "RoPE kernel" not in _FAILED and not (torch.is_grad_enabled() and x.requires_grad):
+    if _kernel_runs("RoPE kernel", x, grads=(x,)):
         from model.kernels import rotary
 
         return _guarded("RoPE kernel", rotary.rope, rope_ref, x, cos, sin)
@@ -118,8 +118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (see :func:`rms_norm_ref`): the kernel where :func:`enabled` and no gradient is
     wanted (it has no backward), else the twin. Agrees with the twin to a few fp32 ulps
     before the cast back (another summation order)."""
-    if (enabled(x) and "RMSNorm kernel" not in _FAILED and x.dtype == weight.dtype
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if x.dtype == weight.dtype and _kernel_runs("RMSNorm kernel", x, grads=(x, weight)):
         from model.kernels import norm
 
         return _guarded("RMSNorm kernel", norm.rms_norm, rms_norm_ref, x, weight, eps)
@@ -127,6 +126,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 _FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process
+
+
+def _wants_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _kernel_runs(path: str, x: torch.Tensor, grads: tuple[torch.Tensor, ...] = ()) -> bool:
+    """Whether ``path``'s kernel runs on ``x``: :func:`enabled` there, not failed in this
+    process, and no gradient wanted through ``grads`` (the kernels have no backward)."""
+    return enabled(x) and path not in _FAILED and not _wants_grad(*grads)
 
 
 def _guarded(path: str, fn, twin, x: torch.Tensor, *args):
@@ -164,7 +173,7 @@ def pack_index(x: torch.Tensor) -> torch.Tensor:
 
 
 def _pack(name: str, x: torch.Tensor) -> torch.Tensor:
-    if enabled(x) and name not in _FAILED:  # bytes: no gradient either way
+    if _kernel_runs(name, x):  # bytes: no gradient either way
         from model.kernels import pack
 
         return _guarded(name, getattr(pack, name), getattr(quant, name), x)

@@ -70,6 +70,14 @@ def _ue8m0(b):
 
 
 @triton.jit
+def _bf16_bits(y):
+    """fp32 -> the int16 bits of the nearest-even bf16 (torch's cast; the CPU interpreter's
+    own cast truncates), to store through an int16 view of a bf16 tensor."""
+    bits = y.to(tl.int32, bitcast=True)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
 def _fp4_rows(row_ptr, cols, mask, D: tl.constexpr, BLOCK: tl.constexpr, SCALE_E4M3: tl.constexpr):
     """Rows of packed e2m1 pairs (even channel in the low nibble) + per-BLOCK scale bytes."""
     byte = tl.load(row_ptr + cols // 2, mask=mask, other=0).to(tl.int32)

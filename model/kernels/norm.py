@@ -14,13 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _round_bf16(y):
-    """fp32 -> the nearest-even bf16 value, as fp32 (the CPU interpreter's own cast truncates)."""
-    bits = y.to(tl.int32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return bits.to(tl.float32, bitcast=True)
+from model.kernels.fused import _bf16_bits
 
 
 @triton.jit
@@ -32,8 +26,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, BF16:
     h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
     w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
     if BF16:  # torch: weight (bf16) * h.to(bf16), the product rounded to bf16
-        y = _round_bf16(w * _round_bf16(h))
-        tl.store(out_ptr + row * D + c, (y.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=live)
+        h = (_bf16_bits(h).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        tl.store(out_ptr + row * D + c, _bf16_bits(w * h), mask=live)
     else:
         tl.store(out_ptr + row * D + c, w * h, mask=live)
 

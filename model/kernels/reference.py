@@ -1,9 +1,10 @@
 """Pure-PyTorch twins of the fused decode kernels: the semantics the kernels must match.
 
-Owns ``rope_ref`` (the model's RoPE rotation, given cos / sin), ``rms_norm_ref`` (its RMSNorm), ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their projection:
-sigmoid pre / post and the Sinkhorn-normalised comb; the model computes them with it, so it
-is the model's own code, not a copy) and two functions on *packed* cache bytes, one decode
-step (one query per row):
+Owns ``rope_ref`` (the model's RoPE rotation, given cos / sin), ``rms_norm_ref`` (its
+RMSNorm), ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their
+projection: sigmoid pre / post and the Sinkhorn-normalised comb) — the model computes with
+these three, so they are its own code, not copies — and two functions on *packed* cache
+bytes, one decode step (one query per row):
 ``sparse_attention_ref`` (``Attention._attend`` for S=1: one softmax over the valid window
 entries, the selected FP4 records and the per-head sink, shared K=V latent) and
 ``indexer_scores_ref`` (``Indexer.scores`` for S=1: weighted-ReLU scores against FP4 index

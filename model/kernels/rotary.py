@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.fused import _bf16_bits
+
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, H, D, OFF, HALF, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
@@ -35,10 +37,8 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, H, D, OFF, HALF, BLOCK_D: 
     first = ((c - OFF) % 2) == 0
     y = tl.where(first, x * cs - partner * sn, partner * sn + x * cs)  # (e·cos − o·sin, e·sin + o·cos)
     y = tl.where(rot, y, x)
-    if BF16:  # round to nearest even on the bits (the CPU interpreter's own cast truncates)
-        bits = y.to(tl.int32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        tl.store(out_ptr + row * D + c, (bits >> 16).to(tl.int16), mask=live)
+    if BF16:
+        tl.store(out_ptr + row * D + c, _bf16_bits(y), mask=live)
     else:
         tl.store(out_ptr + row * D + c, y.to(out_ptr.dtype.element_ty), mask=live)
 
