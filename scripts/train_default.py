@@ -57,8 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-prob", type=float, default=0.2, help="share of steps that train on recall records")
     p.add_argument("--short-batch", type=int, default=80, help="rows per batch of the ~2.3K-token kinds")
     p.add_argument("--long-batch", type=int, default=4, help="rows per batch of recall records (2-6K more)")
+    p.add_argument("--long-tokens", type=int, default=0,
+                   help="instead of --long-batch rows: as many recall records of like length as fit this many tokens")
     p.add_argument("--recall-tokens", default=f"{RECALL_TOKENS[0]},{RECALL_TOKENS[1]}",
                    help="LO,HI: length of a recall record's log (shorter makes retrieval easier to find first)")
+    p.add_argument("--recall-spread", choices=("uniform", "log"), default="uniform",
+                   help="how a log's length is drawn from LO,HI: log gives each doubling of length the same share")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--dense-fraction", type=float, default=0.15)
@@ -78,38 +82,51 @@ def parse_args(argv=None) -> argparse.Namespace:
 _TOK = None
 _ARGS = None
 _RECALL = RECALL_TOKENS
+_SPREAD = "uniform"
 
 
-def _init_worker(args, recall_tokens=RECALL_TOKENS) -> None:
-    global _TOK, _ARGS, _RECALL
+def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform") -> None:
+    global _TOK, _ARGS, _RECALL, _SPREAD
     torch.set_num_threads(1)
-    _TOK, _ARGS, _RECALL = Tokenizer.bundled(), args, tuple(recall_tokens)
+    _TOK, _ARGS, _RECALL, _SPREAD = Tokenizer.bundled(), args, tuple(recall_tokens), spread
+
+
+def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int, int]:
+    """The LO,HI range that record ``i``'s recall log is drawn from: the whole range, or
+    (log spread) one length drawn log-uniformly, so short logs that a model can learn the
+    lookup on first are as common as each longer octave it must then reach."""
+    if spread == "uniform":
+        return lo, hi
+    n = round(math.exp(random.Random(f"recall-length:{seed}:{i}").uniform(math.log(lo), math.log(hi))))
+    return n, n
 
 
 def _example(job: tuple[int, int]) -> tuple[int, str, Example]:
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
-    ex = training_example(make_record(seed, i, kind, _TOK, _RECALL), _TOK, _ARGS)
+    ex = training_example(make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD)), _TOK, _ARGS)
     ex.ids, ex.trained = np.asarray(ex.ids, dtype=np.int32), np.asarray(ex.trained, dtype=bool)
     return i, kind, ex
 
 
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
-                  recall_tokens: tuple[int, int] = RECALL_TOKENS) -> dict[str, list[Example]]:
+                  recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform") -> dict[str, list[Example]]:
     """The first ``n`` records, or, in a data-parallel run, this process's share: whole
-    rounds of SCHEDULE, so every process holds every kind."""
+    rounds of SCHEDULE, so every process holds every kind. The recall pool is sorted by
+    length (see next_batch)."""
     pools: dict[str, list[Example]] = {"short": [], "long": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank]
     if workers <= 1:
-        _init_worker(model_args, recall_tokens)
+        _init_worker(model_args, recall_tokens, spread)
         results = map(_example, jobs)
     else:
-        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens))
+        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex in results:
         pools["long" if kind == "d" else "short"].append(ex)
     if workers > 1:
         pool.close()
+    pools["long"].sort(key=lambda ex: len(ex.ids))  # stable: the order stays deterministic
     return pools
 
 
@@ -160,7 +177,14 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     if world > 1:
         rng = random.Random(f"batch:{a.seed}:{step}:{rank}")
     pool, n = (pools["long"], a.long_batch) if long else (pools["short"], a.short_batch)
-    rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
+    if long and a.long_tokens:
+        # records of like length (the pool is sorted), none longer than the drawn one: a
+        # batch pads to its longest row, so mixed lengths would waste the budget on padding
+        top = rng.randrange(len(pool))
+        n = max(1, min(top + 1, a.long_tokens // len(pool[top].ids)))
+        rows = [pool[top - rng.randrange(2 * n) % (top + 1)] for _ in range(n)]
+    else:
+        rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
     modes = rng.choices(REPLAY_MODES, weights=REPLAY_WEIGHTS, k=n)
     return make_batch(rows, modes, window=model_args.sliding_window, decoder_start=model_args.decoder_start,
                       layers=model_args.num_hidden_layers, pad_id=model_args.pad_token_id, rng=rng)
@@ -247,7 +271,8 @@ def train(a) -> dict:
     params = list(model.parameters())
     t0 = time.time()
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
-    pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall)
+    pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
+                          a.recall_spread)
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -332,7 +357,7 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
     write_checkpoint(out, model.args.to_config(), state, tokenizer_json=BUNDLED_TOKENIZER)
     info = {"command": "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
-            "recall_tokens": a.recall_tokens, "schedule": SCHEDULE,
+            "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "schedule": SCHEDULE,
             "replay_weights": dict(zip(REPLAY_MODES, REPLAY_WEIGHTS)), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,

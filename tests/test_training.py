@@ -165,7 +165,7 @@ def test_trainer_batches_come_from_the_corpus_as_the_agent_logs_it(tiny):
     assert len(pools["long"]) == 2 and len(pools["short"]) == 18  # SCHEDULE: one recall record in ten
     with_images = [ex for ex in pools["short"] if ex.images]
     assert with_images and all((ex.ids[s] == tiny.args.image_token_id) for ex in with_images for s, _ in ex.images)
-    a = argparse.Namespace(seed=0, long_prob=0.5, short_batch=3, long_batch=2)
+    a = argparse.Namespace(seed=0, long_prob=0.5, short_batch=3, long_batch=2, long_tokens=0)
     first, again = train_default.next_batch(a, pools, 5, tiny.args), train_default.next_batch(a, pools, 5, tiny.args)
     assert torch.equal(first.ids, again.ids) and torch.equal(first.floor, again.floor) and first.modes == again.modes
     assert first.ids.shape[0] in (2, 3) and first.trained_tokens > 0
@@ -221,6 +221,30 @@ def test_recall_records_can_start_shorter(tiny):
     short = train_default.make_examples(10, 0, tiny.args, workers=1, recall_tokens=(300, 400))["long"][0]
     full = train_default.make_examples(10, 0, tiny.args, workers=1)["long"][0]
     assert len(short.ids) < 2090 + 600 and len(full.ids) > 2090 + 2000  # the system prompt is ~2,090 tokens
+
+
+def test_log_spread_recall_lengths_and_like_length_batches(tiny):
+    """--recall-spread log draws each record's log length log-uniformly (deterministic per
+    record: every octave of LO..HI gets its share); --long-tokens batches recall records of
+    like length within the token budget."""
+    import argparse
+
+    import train_default
+
+    lengths = [train_default.recall_length(0, i, 64, 4096, "log") for i in range(2000)]
+    assert all(lo == hi for lo, hi in lengths) and lengths == [train_default.recall_length(0, i, 64, 4096, "log")
+                                                               for i in range(2000)]
+    octaves = [sum(1 for n, _ in lengths if 64 * 2 ** k <= n < 128 * 2 ** k) for k in range(6)]
+    assert min(octaves) > 2000 / 6 * 0.8 and max(octaves) < 2000 / 6 * 1.2, octaves
+    assert train_default.recall_length(0, 3, 64, 4096, "uniform") == (64, 4096)
+
+    pools = train_default.make_examples(60, 0, tiny.args, workers=1, recall_tokens=(20, 2000), spread="log")
+    sizes = [len(ex.ids) for ex in pools["long"]]
+    assert sizes == sorted(sizes) and sizes[-1] - sizes[0] > 500  # sorted, and the lengths do spread
+    a = argparse.Namespace(seed=0, long_prob=1.0, short_batch=3, long_batch=2, long_tokens=3 * sizes[-1])
+    batches = [train_default.next_batch(a, pools, step, tiny.args) for step in range(12)]
+    assert all(b.ids.shape[0] * b.ids.shape[1] <= a.long_tokens for b in batches)
+    assert max(b.ids.shape[0] for b in batches) >= 3  # short records fill the budget with more rows
 
 
 @pytest.mark.parametrize("dense", [True, False])
