@@ -198,10 +198,10 @@ class KVFormat:
 
     # fresh values, as attention and the indexer see them
     def window(self, kv: torch.Tensor) -> torch.Tensor:
-        return self._fake(kv, fake_quant_fp8)
+        return self._fake(kv, _kernels().fake_quant_fp8)
 
     def index_query(self, q: torch.Tensor) -> torch.Tensor:
-        return self._fake(q, lambda t: fake_quant_fp4(t, INDEX_BLOCK))
+        return self._fake(q, lambda t: _kernels().fake_quant_fp4(t, INDEX_BLOCK))
 
     # stored rows: width and dtype of one row of ``dim`` channels
     def window_row(self, dim: int) -> tuple[int, torch.dtype]:
@@ -223,13 +223,15 @@ class KVFormat:
     def pack_main(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
             return _kernels().pack_main(x)
-        return self._fake(x.float(), lambda t: fake_quant_fp4(t, RECORD_BLOCK, e4m3_scales=True))
+        return self._fake(x.float(), lambda t: _kernels().fake_quant_fp4(t, RECORD_BLOCK, e4m3_scales=True))
 
     def unpack_main(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         return unpack_main(rows, dim) if self.packed else _snapshot(rows)
 
     def pack_index(self, x: torch.Tensor) -> torch.Tensor:
-        return _kernels().pack_index(x) if self.packed else self._fake(x.float(), lambda t: fake_quant_fp4(t, INDEX_BLOCK))
+        if self.packed:
+            return _kernels().pack_index(x)
+        return self._fake(x.float(), lambda t: _kernels().fake_quant_fp4(t, INDEX_BLOCK))
 
     def unpack_index(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         return unpack_index(rows, dim) if self.packed else _snapshot(rows)

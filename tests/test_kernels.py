@@ -472,6 +472,34 @@ def test_pack_kernels_write_the_same_bytes(which, dtype) -> None:
         assert torch.equal(got, want), f"{which} {shape}: {(got != want).sum().item()} bytes differ"
 
 
+@needs_kernel
+@pytest.mark.parametrize("which", ["window", "main", "index"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fake_quant_kernels_give_the_values_bit_for_bit(which, dtype) -> None:
+    """The values the packed bytes decode to (the window's FP8 as attention sees the fresh
+    row, the indexer query's FP4): the kernel equals model.quant's fake_quant_* exactly, in
+    the input's dtype, -0.0 kept; through the dispatcher as well."""
+    from model import kernels, quant
+    from model.kernels import pack
+
+    dim, kw = {"window": (512, {}), "main": (512, {"block": 16, "e4m3_scales": True}),
+               "index": (128, {"block": INDEX_BLOCK})}[which]
+    kernel, twin = ((pack.fake_quant_fp8, quant.fake_quant_fp8) if which == "window"
+                    else (pack.fake_quant_fp4, quant.fake_quant_fp4))
+    via = kernels.fake_quant_fp8 if which == "window" else kernels.fake_quant_fp4
+    for shape in ((3, 5, dim), (1, dim), (2, 3, 4, dim)):
+        x = _kv_rows(shape, dtype, seed=len(shape)).to(DEVICE)
+        x[..., 1] = -0.0
+        got, want = kernel(x, **kw), twin(x, **kw)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(got.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want.view(torch.int16 if dtype == torch.bfloat16 else torch.int32)), \
+            f"{which} {shape}: {(got != want).sum().item()} values differ"
+        assert torch.equal(via(x, **kw), want)
+    strided = _kv_rows((4, 2 * dim), dtype).to(DEVICE)[:, ::2]  # not contiguous: rows copied first
+    assert torch.equal(kernel(strided, **kw), twin(strided, **kw))
+
+
 def test_kv_formats_pack_through_the_dispatcher() -> None:
     """KVFormat.PACKED packs with model.kernels (kernel or twin), giving model.quant's bytes."""
     from model import quant

@@ -1,7 +1,8 @@
 """Fused decode kernels on packed cache bytes, and the one place that picks kernel or twin.
 
 Public functions: ``pack_window`` / ``pack_main`` / ``pack_index`` (KV rows to the cache's
-bytes, equal to ``model.quant``'s, whose functions are their twins);
+bytes, equal to ``model.quant``'s, whose functions are their twins) and ``fake_quant_fp8`` /
+``fake_quant_fp4`` (the values those bytes hold, likewise);
 ``hc_split(mixes, scale, base, hc, iters, eps)`` -> (pre, post, comb), the mHC mixes after
 their projection (the model's own maths is its twin ``hc_split_ref``, used wherever the
 kernel is not); ``rope(x, cos, sin)`` (the RoPE rotation, kernel in ``model.kernels.rotary``,
@@ -35,7 +36,7 @@ from model import quant
 from model.kernels.reference import hc_split_ref, indexer_scores_ref, rms_norm_ref, rope_ref, sparse_attention_ref
 
 __all__ = ["triton_available", "enabled", "hc_split", "rope", "rms_norm", "sparse_attention", "indexer_scores",
-           "pack_window", "pack_main", "pack_index", "hc_split_ref", "rope_ref", "rms_norm_ref", "sparse_attention_ref",
+           "pack_window", "pack_main", "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "rope_ref", "rms_norm_ref", "sparse_attention_ref",
            "indexer_scores_ref"]
 
 
@@ -170,6 +171,26 @@ def pack_main(x: torch.Tensor) -> torch.Tensor:
 def pack_index(x: torch.Tensor) -> torch.Tensor:
     """FP4 index keys [..., d/2 + d/32] bytes: the kernel where :func:`enabled`, else ``model.quant``."""
     return _pack("pack_index", x)
+
+
+def fake_quant_fp8(x: torch.Tensor, block: int = quant.WINDOW_BLOCK) -> torch.Tensor:
+    """FP8 values as the window stores them (:func:`model.quant.fake_quant_fp8`): one kernel
+    where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
+    if _kernel_runs("FP8 values", x, grads=(x,)):
+        from model.kernels import pack
+
+        return _guarded("FP8 values", pack.fake_quant_fp8, quant.fake_quant_fp8, x, block)
+    return quant.fake_quant_fp8(x, block)
+
+
+def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
+    """FP4 values as records / index keys store them (:func:`model.quant.fake_quant_fp4`):
+    one kernel where :func:`enabled` and no gradient is wanted, else the twin; bit-exact."""
+    if _kernel_runs("FP4 values", x, grads=(x,)):
+        from model.kernels import pack
+
+        return _guarded("FP4 values", pack.fake_quant_fp4, quant.fake_quant_fp4, x, block, e4m3_scales)
+    return quant.fake_quant_fp4(x, block, e4m3_scales)
 
 
 def _pack(name: str, x: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,10 @@ Owns ``pack_window`` (FP8 e4m3 + one ue8m0 byte per 32 channels: 528 B at D=512)
 ``pack_main`` (FP4 e2m1 pairs + one e4m3 byte per 16: 288 B) and ``pack_index`` (FP4 e2m1
 pairs + one ue8m0 byte per 32: 68 B at d=128), one program per row. Their twins are
 ``model.quant.pack_window`` / ``pack_main`` / ``pack_index``; ``tests/test_kernels.py``
-requires equal bytes.
+requires equal bytes. The same kernels give ``fake_quant_fp8`` / ``fake_quant_fp4``: the
+quantised values themselves, decoded in registers (twins: ``model.quant``'s of the same
+names; every such value is exact in fp32 and bf16, so these are bit-exact too) — one launch
+where torch runs ~18 for the window's FP8 and ~25 for the indexer query's FP4.
 
 How the bytes stay exact: every rounding is done on integer bits, never by float
 arithmetic the compiler could contract — power-of-two scales are read off and built from
@@ -20,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _e4m3
+from model.kernels.fused import _e2m1, _e4m3
 from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
 
 # e2m1 thresholds as model.quant.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
@@ -70,7 +73,17 @@ def _e2m1_encode(y, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl
 
 
 @triton.jit
-def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr):
+def _signed(magnitude, negative):
+    """``magnitude`` (fp32, >= 0) negated where ``negative``, on the sign bit: -0.0 stays -0.0
+    (``-x`` may compile to ``0 - x``, which gives +0.0)."""
+    bits = magnitude.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
+                        VALUES: tl.constexpr = False):
+    """One row to its bytes, or (VALUES) to the values those bytes decode to, in out's dtype."""
     row = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = D // BLOCK
     offs = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -78,14 +91,20 @@ def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.con
     scale, k = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / FMAX))
     inv = ((254 - k) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
     y = tl.minimum(tl.maximum(x * inv[:, None], -FMAX), FMAX)
-    tl.store(out_ptr + row * s_o + offs, _e4m3_encode(y).to(tl.uint8))
-    tl.store(out_ptr + row * s_o + D + tl.arange(0, NB), k.to(tl.uint8))
+    if VALUES:
+        code = _e4m3_encode(y)
+        value = _signed(_e4m3(code & 0x7F) * scale[:, None], (code & 0x80) != 0)  # exact: power-of-two scale
+        tl.store(out_ptr + row * s_o + offs, value.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + row * s_o + offs, _e4m3_encode(y).to(tl.uint8))
+        tl.store(out_ptr + row * s_o + D + tl.arange(0, NB), k.to(tl.uint8))
 
 
 @triton.jit
 def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALES: tl.constexpr,
                      T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr,
-                     T5: tl.constexpr, T6: tl.constexpr):
+                     T5: tl.constexpr, T6: tl.constexpr, VALUES: tl.constexpr = False):
+    """One row to its bytes, or (VALUES) to the values those bytes decode to, in out's dtype."""
     row = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = D // BLOCK
     HALF: tl.constexpr = BLOCK // 2
@@ -104,9 +123,15 @@ def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.conste
         ye, yo = even * inv[:, None], odd * inv[:, None]
     ye = tl.minimum(tl.maximum(ye, -6.0), 6.0)
     yo = tl.minimum(tl.maximum(yo, -6.0), 6.0)
-    byte = _e2m1_encode(ye, T0, T1, T2, T3, T4, T5, T6) | (_e2m1_encode(yo, T0, T1, T2, T3, T4, T5, T6) << 4)
-    tl.store(out_ptr + row * s_o + pair, byte.to(tl.uint8))
-    tl.store(out_ptr + row * s_o + D // 2 + tl.arange(0, NB), sb.to(tl.uint8))
+    ce, co = _e2m1_encode(ye, T0, T1, T2, T3, T4, T5, T6), _e2m1_encode(yo, T0, T1, T2, T3, T4, T5, T6)
+    if VALUES:  # e2m1 (2 significant bits) times an e4m3 or power-of-two scale: exact
+        ve = _signed(_e2m1(ce & 0x7) * scale[:, None], (ce & 0x8) != 0)
+        vo = _signed(_e2m1(co & 0x7) * scale[:, None], (co & 0x8) != 0)
+        tl.store(out_ptr + row * s_o + 2 * pair, ve.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + row * s_o + 2 * pair + 1, vo.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + row * s_o + pair, (ce | (co << 4)).to(tl.uint8))
+        tl.store(out_ptr + row * s_o + D // 2 + tl.arange(0, NB), sb.to(tl.uint8))
 
 
 def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -125,14 +150,27 @@ def pack_window(x: torch.Tensor) -> torch.Tensor:
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool) -> torch.Tensor:
+def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_BLOCK) -> torch.Tensor:
+    """What ``pack_window``'s bytes decode to, in x's dtype (``model.quant.fake_quant_fp8``)."""
+    flat, D = _rows(x, block), x.shape[-1]
+    out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
+    if flat.shape[0]:
+        _pack_window_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=block,
+                                              FMAX=FP8_MAX, VALUES=True)
+    return out.view(x.shape)
+
+
+def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = False) -> torch.Tensor:
     assert FP4_MAX == 6.0
     flat, D = _rows(x, block), x.shape[-1]
-    out = torch.empty(flat.shape[0], D // 2 + D // block, dtype=torch.uint8, device=x.device)
+    if values:
+        out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(flat.shape[0], D // 2 + D // block, dtype=torch.uint8, device=x.device)
     if flat.shape[0]:
         _pack_fp4_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=block,
                                            E4M3_SCALES=e4m3_scales, T0=_T[0], T1=_T[1], T2=_T[2], T3=_T[3],
-                                           T4=_T[4], T5=_T[5], T6=_T[6])
+                                           T4=_T[4], T5=_T[5], T6=_T[6], VALUES=values)
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -142,3 +180,8 @@ def pack_main(x: torch.Tensor) -> torch.Tensor:
 
 def pack_index(x: torch.Tensor) -> torch.Tensor:
     return _pack_fp4(x, INDEX_BLOCK, False)
+
+
+def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
+    """What the FP4 bytes of ``x`` decode to, in x's dtype (``model.quant.fake_quant_fp4``)."""
+    return _pack_fp4(x, block, e4m3_scales, values=True)
