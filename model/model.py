@@ -452,13 +452,13 @@ def hc_mixes(streams: torch.Tensor, fn, scale, base, args: ModelArgs):
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-    return (pre.unsqueeze(-1) * streams.float()).sum(2).to(streams.dtype)
+    """sum_k pre_k * stream_k (``kernels.hc_collapse_ref``; one kernel on CUDA)."""
+    return kernels.hc_collapse(streams, pre)
 
 
 def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
-    """out_k = post_k * y + sum_j comb[j, k] * residual_j."""
-    mixed = torch.einsum("bsjk,bsjd->bskd", comb, residual.float())
-    return (post.unsqueeze(-1) * y.float().unsqueeze(-2) + mixed).to(residual.dtype)
+    """out_k = post_k * y + sum_j comb[j, k] * residual_j (``kernels.hc_expand_ref``; one kernel on CUDA)."""
+    return kernels.hc_expand(y, residual, post, comb)
 
 
 class Block(nn.Module):

@@ -7,8 +7,9 @@ bytes, equal to ``model.quant``'s, whose functions are their twins) and ``fake_q
 their projection (the model's own maths is its twin ``hc_split_ref``, used wherever the
 kernel is not); ``rope(x, cos, sin)`` (the RoPE rotation, kernel in ``model.kernels.rotary``,
 bit-exact with its twin ``rope_ref``) and ``rms_norm(x, weight, eps)`` (kernel in
-``model.kernels.norm``, twin ``rms_norm_ref``) — these three on any number of tokens, outside
-autograd; and, for one decode step (one query per batch row):
+``model.kernels.norm``, twin ``rms_norm_ref``), ``hc_collapse(streams, pre)`` and
+``hc_expand(y, residual, post, comb)`` (kernels in ``model.kernels.streams``, bit-exact with
+twins of the same names + ``_ref``) — these five on any number of tokens, outside autograd; and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
   fp32: ``Attention._attend`` for S=1 on FP8 window rows and selected FP4 records.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale)`` -> [B, N] fp32:
@@ -33,9 +34,11 @@ import warnings
 import torch
 
 from model import quant
-from model.kernels.reference import hc_split_ref, indexer_scores_ref, rms_norm_ref, rope_ref, sparse_attention_ref
+from model.kernels.reference import (hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref, rms_norm_ref,
+                                    rope_ref, sparse_attention_ref)
 
-__all__ = ["triton_available", "enabled", "hc_split", "rope", "rms_norm", "sparse_attention", "indexer_scores",
+__all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "rope", "rms_norm",
+           "sparse_attention", "indexer_scores", "hc_collapse_ref", "hc_expand_ref",
            "pack_window", "pack_main", "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "rope_ref", "rms_norm_ref", "sparse_attention_ref",
            "indexer_scores_ref"]
 
@@ -124,6 +127,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
         return _guarded("RMSNorm kernel", norm.rms_norm, rms_norm_ref, x, weight, eps)
     return rms_norm_ref(x, weight, eps)
+
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """The streams collapsed into a site's input (see :func:`hc_collapse_ref`): the kernel
+    where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
+    if _kernel_runs("mHC collapse kernel", streams, grads=(streams, pre)):
+        from model.kernels import streams as kernel
+
+        return _guarded("mHC collapse kernel", kernel.hc_collapse, hc_collapse_ref, streams, pre)
+    return hc_collapse_ref(streams, pre)
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """A site's output expanded into the streams (see :func:`hc_expand_ref`): the kernel
+    where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
+    if _kernel_runs("mHC expand kernel", y, grads=(y, residual, post, comb)):
+        from model.kernels import streams as kernel
+
+        return _guarded("mHC expand kernel", kernel.hc_expand, hc_expand_ref, y, residual, post, comb)
+    return hc_expand_ref(y, residual, post, comb)
 
 
 _FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process

@@ -2,8 +2,9 @@
 
 Owns ``rope_ref`` (the model's RoPE rotation, given cos / sin), ``rms_norm_ref`` (its
 RMSNorm), ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their
-projection: sigmoid pre / post and the Sinkhorn-normalised comb) — the model computes with
-these three, so they are its own code, not copies — and two functions on *packed* cache
+projection: sigmoid pre / post and the Sinkhorn-normalised comb), ``hc_collapse_ref`` /
+``hc_expand_ref`` (the streams into a site's input and its output back into the streams)
+— the model computes with these five, so they are its own code, not copies — and two functions on *packed* cache
 bytes, one decode step (one query per row):
 ``sparse_attention_ref`` (``Attention._attend`` for S=1: one softmax over the valid window
 entries, the selected FP4 records and the per-head sink, shared K=V latent) and
@@ -115,3 +116,23 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
+
+
+def hc_collapse_ref(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """A site's input from the residual streams [..., hc, D]: sum over k of pre_k · stream_k
+    [..., D] in fp32, k in order, cast back to the streams' dtype (``model.model.hc_collapse``)."""
+    s = streams.float()
+    out = pre[..., 0, None] * s[..., 0, :]
+    for k in range(1, s.shape[-2]):
+        out = out + pre[..., k, None] * s[..., k, :]
+    return out.to(streams.dtype)
+
+
+def hc_expand_ref(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The streams after a site: out_k = post_k · y + sum over j (in order) of comb[j, k] ·
+    residual_j, in fp32, cast back to the residual's dtype (``model.model.hc_expand``)."""
+    r = residual.float()
+    out = post.unsqueeze(-1) * y.float().unsqueeze(-2)
+    for j in range(r.shape[-2]):
+        out = out + comb[..., j, :, None] * r[..., j, None, :]
+    return out.to(residual.dtype)
