@@ -19,6 +19,8 @@ files (``model.checkpoint``), tokenization (``model.tokenizer``).
 from __future__ import annotations
 
 import math
+import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -66,9 +68,53 @@ def rope_inv_freq(dim: int, theta: float, yarn: dict | None = None) -> torch.Ten
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                inverse: bool = False) -> torch.Tensor:
     """Rotate adjacent channel pairs of the trailing rope slice. x: [B, S, D] or [B, S, H, D]."""
-    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]  # (S, rd/2)
-    cos, sin = freqs.cos(), freqs.sin()
-    return kernels.rope(x, cos, -sin if inverse else sin)  # kernels.rope_ref off the fast path
+    angles = rope_angles(positions, inv_freq)
+    return kernels.rope(x, angles.cos, angles.neg_sin if inverse else angles.sin)  # kernels.rope_ref off the fast path
+
+
+_ANGLES = threading.local()  # .memo: the angles of the layer call in progress, or None
+
+
+@contextmanager
+def shared_rope_angles():
+    """Within the block: every RoPE at the same positions tensor with the same frequency
+    table (a layer's queries, its window entry, its de-rotated output, its indexer query)
+    reuses one cos / sin — the same values, computed once (on a GPU, ~4 launches each)."""
+    if getattr(_ANGLES, "memo", None) is not None:  # an enclosing layer call's scope
+        yield
+        return
+    _ANGLES.memo = []
+    try:
+        yield
+    finally:
+        _ANGLES.memo = None
+
+
+class RopeAngles:
+    """cos / sin [S, rd/2] of some positions under a frequency table; -sin made on first use."""
+
+    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor):
+        freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+        self.cos, self.sin, self._neg_sin = freqs.cos(), freqs.sin(), None
+
+    @property
+    def neg_sin(self) -> torch.Tensor:
+        if self._neg_sin is None:
+            self._neg_sin = -self.sin
+        return self._neg_sin
+
+
+def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> RopeAngles:
+    """The angles of ``positions`` under ``inv_freq``, shared within :func:`shared_rope_angles`
+    (matched by identity: both tensors are alive while the scope is)."""
+    memo = getattr(_ANGLES, "memo", None)
+    for p, f, angles in memo or ():
+        if p is positions and f is inv_freq:
+            return angles
+    angles = RopeAngles(positions, inv_freq)
+    if memo is not None:
+        memo.append((positions, inv_freq, angles))
+    return angles
 
 
 @dataclass
@@ -480,6 +526,10 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
 
     def forward(self, streams, pre, step: Step, cache: Cache, ropes: Ropes):
+        with shared_rope_angles():
+            return self._forward(streams, pre, step, cache, ropes)
+
+    def _forward(self, streams, pre, step: Step, cache: Cache, ropes: Ropes):
         if self.engram is not None and step.hash_ids is not None:
             live = None if step.image_mask is None else ~step.image_mask
             streams = self.engram(streams, step.hash_ids[:, :, self.engram.slot], live)
@@ -517,6 +567,10 @@ class Block(nn.Module):
 
     def whole_layer(self, streams, pre, pos, *idx, ropes: Ropes, fmt: KVFormat, ring: WindowRing, records):
         """One decode step of a layer without a compressor or an indexer, fused kernels on."""
+        with shared_rope_angles():
+            return self._whole_layer(streams, pre, pos, *idx, ropes=ropes, fmt=fmt, ring=ring, records=records)
+
+    def _whole_layer(self, streams, pre, pos, *idx, ropes: Ropes, fmt: KVFormat, ring: WindowRing, records):
         a_pre, a_post, a_comb, x, q_res, q, kv = self.projected_attn_site(streams, pre, pos, ropes=ropes, fmt=fmt)
         ring.write(kv, pos)
         out = self.attn.fused_attend(q, pos, ring, records, idx[0] if idx else None)
@@ -531,8 +585,9 @@ class Block(nn.Module):
         """:meth:`attn_site`, the attention's projections (``Attention.project``) and, in a
         layer with an indexer, its query and head weights (``Indexer.query``)."""
         a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
-        q_res, q, kv = self.attn.project(x, pos, ropes, fmt)
-        index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
+        with shared_rope_angles():
+            q_res, q, kv = self.attn.project(x, pos, ropes, fmt)
+            index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
         return (a_pre, a_post, a_comb, x, q_res, q, kv, *index)
 
     def projected_ffn_site(self, out, pos, streams, a_pre, a_post, a_comb, *, ropes: Ropes):
