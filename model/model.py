@@ -33,7 +33,7 @@ from model.args import ModelArgs
 from model.cache import Cache, SourceKV, WindowRing
 from model.engram import NgramHasher
 from model.moe import MoE
-from model.quant import KVFormat, main_record_bytes
+from model.quant import KVFormat, main_record_bytes, on_device
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
 
 
@@ -490,11 +490,10 @@ class Engram(nn.Module):
 
 def hc_mixes(streams: torch.Tensor, fn, scale, base, args: ModelArgs):
     """(pre, post, comb) from one projection of the RMS-normalised flattened streams."""
-    hc = args.hc_mult
     flat = streams.flatten(2).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + args.rms_norm_eps)
-    mixes = F.linear(flat, fn.float())
-    return kernels.hc_split(mixes, scale, base, hc, args.hc_sinkhorn_iters, args.hc_eps)  # Sinkhorn: one kernel on CUDA
+    ones = on_device(f"ones:{flat.shape[-1]}", torch.ones(flat.shape[-1]), flat.device)  # a weightless RMSNorm
+    mixes = F.linear(kernels.rms_norm(flat, ones, args.rms_norm_eps), fn.float())
+    return kernels.hc_split(mixes, scale, base, args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps)  # Sinkhorn: one kernel on CUDA
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
