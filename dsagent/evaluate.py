@@ -68,7 +68,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from dsagent.agent import Agent, AgentOptions
-from dsagent.corpus import COLOURS, KINDS, NUMBER_WORDS, SHAPES, make_record
+from dsagent.corpus import COLOURS, KINDS, NUMBER_WORDS, RECALL_TOKENS, SHAPES, make_record
 from dsagent.runtime import Runtime
 from model.chat import EOS, encode_messages
 from model.dsml import DSMLError, parse_completion
@@ -128,15 +128,20 @@ def case_from_record(record: dict, tokenizer: Tokenizer) -> Case:
 
 
 def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
-               skills: Sequence[str] = SKILLS) -> list[Case]:
-    """``n`` cases per skill from records 0..n-1 of ``seed``."""
-    check_config(skills=skills, seed=seed)
-    return [case_from_record(make_record(seed, i, skill, tokenizer), tokenizer)
+               skills: Sequence[str] = SKILLS, recall_tokens: tuple[int, int] = RECALL_TOKENS) -> list[Case]:
+    """``n`` cases per skill from records 0..n-1 of ``seed``; recall logs drawn from
+    ``recall_tokens`` tokens (the corpus default unless probing by length)."""
+    check_config(skills=skills, seed=seed, recall_tokens=recall_tokens)
+    return [case_from_record(make_record(seed, i, skill, tokenizer, tuple(recall_tokens)), tokenizer)
             for skill in skills for i in range(n)]
 
 
-def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES, seed: int = HELD_OUT_SEED) -> None:
-    """Raise EvalConfigError for an unknown skill or mode, an empty list, or the training seed."""
+def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES, seed: int = HELD_OUT_SEED,
+                 recall_tokens: tuple[int, int] = RECALL_TOKENS) -> None:
+    """Raise EvalConfigError for an unknown skill or mode, an empty list, the training seed,
+    or a recall length range that is not 1 <= LO <= HI."""
+    if len(recall_tokens) != 2 or not 1 <= recall_tokens[0] <= recall_tokens[1]:
+        raise EvalConfigError(f"recall tokens must be LO,HI with 1 <= LO <= HI, not {recall_tokens}")
     for what, given, known in (("skill", skills, KINDS), ("mode", modes, MODES)):
         bad = [x for x in given if x not in known]
         if bad or not given:
@@ -290,6 +295,7 @@ class EvalResult:
     modes: list[str]
     results: list[CaseResult]
     seed: int | None = None
+    recall_tokens: tuple[int, int] = RECALL_TOKENS
 
     def cell(self, skill: str, mode: str) -> tuple[int, int]:
         """(correct, n) of one skill in one mode."""
@@ -311,7 +317,7 @@ class EvalResult:
 
     def to_json(self) -> dict:
         cells = {s: {m: self._cell_json(s, m) for m in self.modes} for s in self.skills}
-        return {"seed": self.seed, "skills": self.skills, "modes": self.modes, "accuracy": cells,
+        return {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "skills": self.skills, "modes": self.modes, "accuracy": cells,
                 "identical_to_ced": {m: self.identical_to_ced(m) for m in self.modes if m != "ced"},
                 "seconds": {m: round(self.seconds(m), 3) for m in self.modes},
                 "cases": [asdict(r) for r in self.results]}
@@ -340,9 +346,10 @@ def evaluate(generator: Generator, cases: Sequence[Case], modes: Sequence[str] =
 
 def run_eval(runtime: Runtime, *, n: int = 10, seed: int = HELD_OUT_SEED, skills: Sequence[str] = SKILLS,
              modes: Sequence[str] = MODES, max_new_tokens: int = MAX_NEW_TOKENS,
+             recall_tokens: tuple[int, int] = RECALL_TOKENS,
              progress: Callable[[int, int], None] | None = None) -> EvalResult:
     """The held-out evaluation of ``runtime``'s model: ``n`` cases per skill, every mode."""
-    cases = make_cases(runtime.tokenizer, n=n, seed=seed, skills=skills)
+    cases = make_cases(runtime.tokenizer, n=n, seed=seed, skills=skills, recall_tokens=recall_tokens)
     result = evaluate(ModelGenerator(runtime, max_new_tokens=max_new_tokens), cases, modes, progress=progress)
-    result.seed = seed
+    result.seed, result.recall_tokens = seed, tuple(recall_tokens)
     return result

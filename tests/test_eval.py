@@ -185,6 +185,20 @@ def test_cli_eval_refuses_bad_flags_before_loading():
     assert CliRunner().invoke(cli.app, ["eval", "--skills", "a,x"]).exit_code == 2
     assert CliRunner().invoke(cli.app, ["eval", "--seed", "0"]).exit_code == 2
     assert CliRunner().invoke(cli.app, ["eval", "--model", "m", "--preset", "tiny"]).exit_code == 2
+    for bad in ("300", "a,b", "500,300", "0,10"):
+        r = CliRunner().invoke(cli.app, ["eval", "--skills", "d", "--recall-tokens", bad])
+        assert r.exit_code == 2 and "recall" in r.output.lower(), (bad, r.output)
+
+
+def test_recall_cases_can_be_drawn_shorter(runtime):
+    """--recall-tokens probes retrieval by distance: the same held-out records, shorter logs
+    (the same key asked); the default stays the corpus's 2,000-6,000 tokens."""
+    full = make_cases(runtime.tokenizer, n=2, skills=["d"])
+    short = make_cases(runtime.tokenizer, n=2, skills=["d"], recall_tokens=(60, 120))
+    assert all(s.truth["key"] == f.truth["key"] for s, f in zip(short, full))
+    sizes = [sum(len(runtime.tokenizer.encode_content(m["content"])) for m in c.prompt if m["role"] == "user")
+             for c in full + short]
+    assert min(sizes[:2]) > 2000 and max(sizes[2:]) < 400, sizes
 
 
 def test_refused_seeds_are_the_ones_the_default_trained_on():

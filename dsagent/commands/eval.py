@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from dsagent.corpus import KINDS
+from dsagent.corpus import KINDS, RECALL_TOKENS
 from dsagent.errors import UsageError, handled
 from dsagent.evaluate import (HELD_OUT_SEED, MAX_NEW_TOKENS, MODES, SKILLS, EvalConfigError, EvalResult,
                               check_config, run_eval)
@@ -31,6 +31,9 @@ def eval_command(
     modes: str = typer.Option(",".join(MODES), "--modes", help="Comma-separated: " + ", ".join(MODES) + "."),
     max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", min=1, help="Cap on new tokens per "
                                        "reply (each is also capped at its target's length + 16)."),
+    recall_tokens: str = typer.Option(f"{RECALL_TOKENS[0]},{RECALL_TOKENS[1]}", "--recall-tokens",
+                                      help="LO,HI: length of the recall cases' logs in tokens (shorter ones probe "
+                                           "retrieval by distance; the table's default is the corpus's)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
@@ -40,13 +43,17 @@ def eval_command(
         if model and preset:
             raise UsageError("pass --model or --preset, not both")
         try:
-            check_config(skills=_split(skills), modes=_split(modes), seed=seed)
+            lengths = tuple(int(x) for x in _split(recall_tokens))
+        except ValueError:
+            raise UsageError(f"--recall-tokens takes LO,HI (two integers), not {recall_tokens!r}") from None
+        try:
+            check_config(skills=_split(skills), modes=_split(modes), seed=seed, recall_tokens=lengths)
         except EvalConfigError as e:
             raise UsageError(str(e)) from None
         rt = _runtime(model, preset, device)
         with load_progress(err, "evaluating") as progress:
             result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
-                              max_new_tokens=max_new_tokens, progress=progress)
+                              max_new_tokens=max_new_tokens, recall_tokens=lengths, progress=progress)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     else:
@@ -65,7 +72,8 @@ def _runtime(model: str | None, preset: str | None, device: str) -> Runtime:
 
 
 def result_table(result: EvalResult) -> Table:
-    t = Table(title=f"held-out skills (seed {result.seed}), correct/n")
+    logs = "" if tuple(result.recall_tokens) == RECALL_TOKENS else ", recall logs {}-{} tokens".format(*result.recall_tokens)
+    t = Table(title=f"held-out skills (seed {result.seed}{logs}), correct/n")
     t.add_column("skill")
     for mode in result.modes:
         t.add_column(mode, justify="right")
