@@ -79,15 +79,15 @@ _ANGLES = threading.local()  # .memo: the angles of the layer call in progress, 
 def shared_rope_angles():
     """Within the block: every RoPE at the same positions tensor with the same frequency
     table (a layer's queries, its window entry, its de-rotated output, its indexer query)
-    reuses one cos / sin — the same values, computed once (on a GPU, ~4 launches each)."""
-    if getattr(_ANGLES, "memo", None) is not None:  # an enclosing layer call's scope
-        yield
-        return
+    reuses one cos / sin — the same values, computed once (on a GPU, ~4 launches each).
+    Each scope starts empty, nested ones too: a CUDA graph segment opens its own, so its
+    capture never reads angles an eager warm-up computed outside the graph's memory."""
+    outer = getattr(_ANGLES, "memo", None)
     _ANGLES.memo = []
     try:
         yield
     finally:
-        _ANGLES.memo = None
+        _ANGLES.memo = outer
 
 
 class RopeAngles:
@@ -525,10 +525,6 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
 
     def forward(self, streams, pre, step: Step, cache: Cache, ropes: Ropes):
-        with shared_rope_angles():
-            return self._forward(streams, pre, step, cache, ropes)
-
-    def _forward(self, streams, pre, step: Step, cache: Cache, ropes: Ropes):
         if self.engram is not None and step.hash_ids is not None:
             live = None if step.image_mask is None else ~step.image_mask
             streams = self.engram(streams, step.hash_ids[:, :, self.engram.slot], live)
@@ -537,7 +533,8 @@ class Block(nn.Module):
             taps[self.layer] = streams.mean(dim=2)  # DSpark context: this layer's input, averaged over hc
         if step.graphs is None:
             a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
-            y = self.attn(x, step, cache, ropes)
+            with shared_rope_angles():  # not around graph segments: each opens its own
+                y = self.attn(x, step, cache, ropes)
             return self.ffn_site(y, streams, a_pre, a_post, a_comb, step.image_mask)
         # a CUDA decode step: everything but the attention's cache work replays as two graphs;
         # a layer whose cache work is a ring write and the fused attention replays as one
@@ -545,7 +542,7 @@ class Block(nn.Module):
         if self.attn.compressor is None and self.attn.indexer is None and _fused_step(streams, step, cache.kv):
             return self._graphed_layer(streams, pre, pos, step, cache, ropes)
         a_pre, a_post, a_comb, x, q_res, q, kv, *index_query = step.graphs.run(
-            (self.layer, "attn"), partial(self.projected_attn_site, ropes=ropes, fmt=cache.kv), streams, pre, pos)
+            (self.layer, "attn"), partial(self.attn_segment, ropes=ropes, fmt=cache.kv), streams, pre, pos)
         if index_query:
             step.shared[("index_query", self.layer)] = tuple(index_query)
         out = self.attn.core(x, q_res, q, kv, pos, step, cache, ropes)
@@ -584,10 +581,14 @@ class Block(nn.Module):
         """:meth:`attn_site`, the attention's projections (``Attention.project``) and, in a
         layer with an indexer, its query and head weights (``Indexer.query``)."""
         a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
-        with shared_rope_angles():
-            q_res, q, kv = self.attn.project(x, pos, ropes, fmt)
-            index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
+        q_res, q, kv = self.attn.project(x, pos, ropes, fmt)
+        index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
         return (a_pre, a_post, a_comb, x, q_res, q, kv, *index)
+
+    def attn_segment(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
+        """:meth:`projected_attn_site` as a graph segment: with its own RoPE-angle scope."""
+        with shared_rope_angles():
+            return self.projected_attn_site(streams, pre, pos, ropes=ropes, fmt=fmt)
 
     def projected_ffn_site(self, out, pos, streams, a_pre, a_post, a_comb, *, ropes: Ropes):
         """The attention's output projection (``Attention.output``), then :meth:`ffn_site`."""

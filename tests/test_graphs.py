@@ -224,3 +224,21 @@ def test_a_replaced_capture_leaves_no_outputs_behind():
     for version in range(5):
         segments.run("k", lambda t: (t + 1,), x, version=version)
     assert len(segments) == 1 and len(segments._outputs) == 1
+
+
+def test_rope_angles_are_shared_within_a_scope_and_never_into_a_nested_one():
+    """A graph segment opens its own scope: angles an eager warm-up computed outside it (in
+    memory the graph does not own) must not be reused by its capture — the bug that made
+    the first H200 run of session 5 read freed memory on replay."""
+    from model.model import rope_angles, shared_rope_angles
+
+    pos, inv = torch.arange(3), torch.rand(4)
+    with shared_rope_angles():
+        outer = rope_angles(pos, inv)
+        assert rope_angles(pos, inv) is outer and rope_angles(pos.clone(), inv) is not outer
+        with shared_rope_angles():
+            inner = rope_angles(pos, inv)
+            assert inner is not outer and rope_angles(pos, inv) is inner
+            assert torch.equal(inner.cos, outer.cos) and torch.equal(inner.neg_sin, -outer.sin)
+        assert rope_angles(pos, inv) is outer  # the outer scope's memo is back
+    assert rope_angles(pos, inv) is not outer  # no scope: nothing kept
