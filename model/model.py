@@ -564,13 +564,10 @@ class Block(nn.Module):
     def whole_layer(self, streams, pre, pos, *idx, ropes: Ropes, fmt: KVFormat, ring: WindowRing, records):
         """One decode step of a layer without a compressor or an indexer, fused kernels on."""
         with shared_rope_angles():
-            return self._whole_layer(streams, pre, pos, *idx, ropes=ropes, fmt=fmt, ring=ring, records=records)
-
-    def _whole_layer(self, streams, pre, pos, *idx, ropes: Ropes, fmt: KVFormat, ring: WindowRing, records):
-        a_pre, a_post, a_comb, x, q_res, q, kv = self.projected_attn_site(streams, pre, pos, ropes=ropes, fmt=fmt)
-        ring.write(kv, pos)
-        out = self.attn.fused_attend(q, pos, ring, records, idx[0] if idx else None)
-        return self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes)
+            a_pre, a_post, a_comb, x, q_res, q, kv = self.projected_attn_site(streams, pre, pos, ropes=ropes, fmt=fmt)
+            ring.write(kv, pos)
+            out = self.attn.fused_attend(q, pos, ring, records, idx[0] if idx else None)
+            return self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""

@@ -9,7 +9,8 @@ kernel is not); ``rope(x, cos, sin)`` (the RoPE rotation, kernel in ``model.kern
 bit-exact with its twin ``rope_ref``) and ``rms_norm(x, weight, eps)`` (kernel in
 ``model.kernels.norm``, twin ``rms_norm_ref``), ``hc_collapse(streams, pre)`` and
 ``hc_expand(y, residual, post, comb)`` (kernels in ``model.kernels.streams``, bit-exact with
-twins of the same names + ``_ref``) — these five on any number of tokens, outside autograd; and, for one decode step (one query per batch row):
+twins of the same names + ``_ref``) — these five on any number of tokens, outside autograd;
+and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
   fp32: ``Attention._attend`` for S=1 on FP8 window rows and selected FP4 records.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale)`` -> [B, N] fp32:
@@ -38,9 +39,9 @@ from model.kernels.reference import (hc_collapse_ref, hc_expand_ref, hc_split_re
                                     rope_ref, sparse_attention_ref)
 
 __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "rope", "rms_norm",
-           "sparse_attention", "indexer_scores", "hc_collapse_ref", "hc_expand_ref",
-           "pack_window", "pack_main", "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "rope_ref", "rms_norm_ref", "sparse_attention_ref",
-           "indexer_scores_ref"]
+           "sparse_attention", "indexer_scores", "pack_window", "pack_main", "pack_index", "fake_quant_fp8",
+           "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref", "rope_ref", "rms_norm_ref",
+           "sparse_attention_ref", "indexer_scores_ref"]
 
 
 def _interpreting() -> bool:
