@@ -117,7 +117,6 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     return weight * h.to(x.dtype)
 
 
-
 def hc_collapse_ref(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """A site's input from the residual streams [..., hc, D]: sum over k of pre_k · stream_k
     [..., D] in fp32, k in order, cast back to the streams' dtype (``model.model.hc_collapse``)."""
