@@ -13,20 +13,26 @@ from sessions import Store
 pexpect = pytest.importorskip("pexpect")
 
 
-MESSAGE = "please read this carefully " * 120
+LINE = "please read this carefully " * 120  # one line stays under the terminal's 4,096-byte line limit
+LINES = 6  # continued with a trailing backslash: ~7K message tokens, a prefill of seconds on any CPU
 
 
 def test_chat_in_a_terminal(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
-    # every built-in tool (a long system prompt) and a long message: the prefill takes seconds
+    # every built-in tool (a long system prompt) and a long message: the prefill takes seconds,
+    # so Ctrl-C lands inside it (with one line it took ~1 s, and a short reply could finish
+    # before the key arrived)
     child = pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", "--session", "tty",
                                            "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=300,
                           dimensions=(40, 120))
     try:
         child.expect("/help for commands")
         child.expect("› ")
-        child.sendline(MESSAGE)
+        for _ in range(LINES - 1):
+            child.sendline(LINE + "\\")
+            child.expect("… ")
+        child.sendline(LINE)
         child.expect("prefilling")  # the prompt takes more than a second
         child.sendcontrol("c")
         child.expect("interrupted")
@@ -40,4 +46,4 @@ def test_chat_in_a_terminal(tmp_path):
         child.close(force=True)
     assert child.exitstatus == 0
     with Store.open(home) as st:
-        assert st.messages("tty")[1]["content"] == MESSAGE  # the interrupted turn was kept
+        assert st.messages("tty")[1]["content"] == "\n".join([LINE] * LINES)  # the interrupted turn was kept
