@@ -10,6 +10,7 @@ loading the model (`dsagent.cli`).
 '''
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -121,6 +122,10 @@ class ChatShell:
 
     # ------------------------------------------------------------------ the loop
     def loop(self) -> None:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            # started with Ctrl-C ignored (a script's background job inherits that): the chat
+            # is interactive and Ctrl-C is how a reply is stopped, so take it back
+            signal.signal(signal.SIGINT, signal.default_int_handler)
         self.err.print("[dim]dsagent chat — /help for commands, Ctrl-D to leave[/]")
         while True:
             try:

@@ -4,6 +4,7 @@ Reads the screen: the banner, the prefill indicator, Ctrl-C stopping a reply wit
 losing the session, slash commands, and a clean exit. Skipped when pexpect is missing.
 """
 import os
+import signal
 import sys
 
 import pytest
@@ -21,11 +22,12 @@ def test_chat_in_a_terminal(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
     # every built-in tool (a long system prompt) and a long message: the prefill takes seconds,
-    # so Ctrl-C lands inside it (with one line it took ~1 s, and a short reply could finish
-    # before the key arrived)
+    # so Ctrl-C lands inside it (with one line it took ~1 s, close to when the indicator shows)
+    # started with SIGINT ignored, as a background job of a script would be: the chat takes
+    # Ctrl-C back (without that, this test hung in a CI run launched in the background)
     child = pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", "--session", "tty",
                                            "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=300,
-                          dimensions=(40, 120))
+                          dimensions=(40, 120), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         child.expect("/help for commands")
         child.expect("› ")
