@@ -33,7 +33,7 @@ from model.args import ModelArgs
 from model.cache import Cache, SourceKV, WindowRing
 from model.engram import NgramHasher
 from model.moe import MoE
-from model.quant import KVFormat, main_record_bytes, on_device
+from model.quant import KVFormat, main_record_bytes
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
 
 
@@ -490,9 +490,7 @@ class Engram(nn.Module):
 
 def hc_mixes(streams: torch.Tensor, fn, scale, base, args: ModelArgs):
     """(pre, post, comb) from one projection of the RMS-normalised flattened streams."""
-    flat = streams.flatten(2).float()
-    ones = on_device(f"ones:{flat.shape[-1]}", torch.ones(flat.shape[-1]), flat.device)  # a weightless RMSNorm
-    mixes = F.linear(kernels.rms_norm(flat, ones, args.rms_norm_eps), fn.float())
+    mixes = F.linear(kernels.rms_norm(streams.flatten(2).float(), None, args.rms_norm_eps), fn.float())
     return kernels.hc_split(mixes, scale, base, args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps)  # Sinkhorn: one kernel on CUDA
 
 

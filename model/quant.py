@@ -31,7 +31,7 @@ _E2M1_THRESHOLDS = torch.where(_E2M1_TIE_UP, _E2M1_MIDPOINTS,
 _ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
-def on_device(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _on(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``table`` on ``device``, copied there once: a CUDA graph capture may not copy from
     the host, so the eager warm-up before it leaves the copy here for the capture to reuse."""
     key = (name, device)
@@ -61,13 +61,13 @@ def ue8m0_decode(codes: torch.Tensor) -> torch.Tensor:
 
 def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
     """Pre-clamped fp32 values -> 4-bit codes (uint8, sign in bit 3), nearest-even."""
-    thresholds = on_device("e2m1_thresholds", _E2M1_THRESHOLDS, q.device)
+    thresholds = _on("e2m1_thresholds", _E2M1_THRESHOLDS, q.device)
     codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
     return codes | (torch.signbit(q).to(torch.uint8) << 3)
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return on_device("e2m1_values", _E2M1_VALUES, codes.device)[codes.long()]
+    return _on("e2m1_values", _E2M1_VALUES, codes.device)[codes.long()]
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:

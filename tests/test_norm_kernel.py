@@ -63,3 +63,16 @@ def test_the_dispatcher_runs_the_kernel_only_without_a_gradient(monkeypatch) -> 
     assert calls == [1]
     rms_norm(x, w, 1e-6).sum().backward()  # training: the differentiable twin
     assert calls == [1] and w.grad is not None
+
+
+def test_a_weightless_norm_is_the_norm_with_unit_weights() -> None:
+    """The mHC mixes normalise without a weight (``weight=None``): the same values as a
+    weight of ones, on the twin path and, where it runs, the kernel's."""
+    x = torch.randn(2, 3, 64, device=DEVICE) * 3
+    ones = torch.ones(64, device=DEVICE)
+    assert torch.equal(rms_norm_ref(x, None, 1e-20), rms_norm_ref(x, ones, 1e-20))
+    if triton_available():
+        from model.kernels import norm
+
+        assert torch.equal(norm.rms_norm(x, None, 1e-20), norm.rms_norm(x, ones, 1e-20))
+        assert torch.equal(rms_norm(x, None, 1e-20), norm.rms_norm(x, None, 1e-20))

@@ -28,6 +28,7 @@ when a kernel runs. Does not own: where the inputs come from (``model.model``, `
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 import warnings
@@ -112,42 +113,31 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE rotation by cos / sin (see :func:`rope_ref`): the kernel where :func:`enabled`
     and no gradient is wanted (it has no backward), else the twin; bit-exact either way."""
-    if _kernel_runs("RoPE kernel", x, grads=(x,)):
-        from model.kernels import rotary
-
-        return _guarded("RoPE kernel", rotary.rope, rope_ref, x, cos, sin)
-    return rope_ref(x, cos, sin)
+    return _kernel_or_twin("RoPE kernel", "rotary.rope", rope_ref, x, cos, sin, grads=(x,))
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (see :func:`rms_norm_ref`): the kernel where :func:`enabled` and no gradient is
-    wanted (it has no backward), else the twin. Agrees with the twin to a few fp32 ulps
-    before the cast back (another summation order)."""
-    if x.dtype == weight.dtype and _kernel_runs("RMSNorm kernel", x, grads=(x, weight)):
-        from model.kernels import norm
-
-        return _guarded("RMSNorm kernel", norm.rms_norm, rms_norm_ref, x, weight, eps)
-    return rms_norm_ref(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm (see :func:`rms_norm_ref`; ``weight`` None: none): the kernel where
+    :func:`enabled` and no gradient is wanted (it has no backward), else the twin. Agrees
+    with the twin to a few fp32 ulps before the cast back (another summation order)."""
+    if weight is not None and x.dtype != weight.dtype:
+        return rms_norm_ref(x, weight, eps)
+    grads = (x,) if weight is None else (x, weight)
+    return _kernel_or_twin("RMSNorm kernel", "norm.rms_norm", rms_norm_ref, x, weight, eps, grads=grads)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """The streams collapsed into a site's input (see :func:`hc_collapse_ref`): the kernel
     where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
-    if _kernel_runs("mHC collapse kernel", streams, grads=(streams, pre)):
-        from model.kernels import streams as kernel
-
-        return _guarded("mHC collapse kernel", kernel.hc_collapse, hc_collapse_ref, streams, pre)
-    return hc_collapse_ref(streams, pre)
+    return _kernel_or_twin("mHC collapse kernel", "streams.hc_collapse", hc_collapse_ref, streams, pre,
+                           grads=(streams, pre))
 
 
 def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """A site's output expanded into the streams (see :func:`hc_expand_ref`): the kernel
     where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
-    if _kernel_runs("mHC expand kernel", y, grads=(y, residual, post, comb)):
-        from model.kernels import streams as kernel
-
-        return _guarded("mHC expand kernel", kernel.hc_expand, hc_expand_ref, y, residual, post, comb)
-    return hc_expand_ref(y, residual, post, comb)
+    return _kernel_or_twin("mHC expand kernel", "streams.hc_expand", hc_expand_ref, y, residual, post, comb,
+                           grads=(y, residual, post, comb))
 
 
 _FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process
@@ -161,6 +151,15 @@ def _kernel_runs(path: str, x: torch.Tensor, grads: tuple[torch.Tensor, ...] = (
     """Whether ``path``'s kernel runs on ``x``: :func:`enabled` there, not failed in this
     process, and no gradient wanted through ``grads`` (the kernels have no backward)."""
     return enabled(x) and path not in _FAILED and not _wants_grad(*grads)
+
+
+def _kernel_or_twin(path: str, kernel: str, twin, x: torch.Tensor, *args, grads: tuple[torch.Tensor, ...]):
+    """``kernel`` ("module.function" under ``model.kernels``, imported on first use: it needs
+    Triton) on ``(x, *args)`` where :func:`_kernel_runs`, guarded; else ``twin(x, *args)``."""
+    if _kernel_runs(path, x, grads=grads):
+        module, name = kernel.split(".")
+        return _guarded(path, getattr(importlib.import_module(f"model.kernels.{module}"), name), twin, x, *args)
+    return twin(x, *args)
 
 
 def _guarded(path: str, fn, twin, x: torch.Tensor, *args):
@@ -200,26 +199,15 @@ def pack_index(x: torch.Tensor) -> torch.Tensor:
 def fake_quant_fp8(x: torch.Tensor, block: int = quant.WINDOW_BLOCK) -> torch.Tensor:
     """FP8 values as the window stores them (:func:`model.quant.fake_quant_fp8`): one kernel
     where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
-    if _kernel_runs("FP8 values", x, grads=(x,)):
-        from model.kernels import pack
-
-        return _guarded("FP8 values", pack.fake_quant_fp8, quant.fake_quant_fp8, x, block)
-    return quant.fake_quant_fp8(x, block)
+    return _kernel_or_twin("FP8 values", "pack.fake_quant_fp8", quant.fake_quant_fp8, x, block, grads=(x,))
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
     """FP4 values as records / index keys store them (:func:`model.quant.fake_quant_fp4`):
     one kernel where :func:`enabled` and no gradient is wanted, else the twin; bit-exact."""
-    if _kernel_runs("FP4 values", x, grads=(x,)):
-        from model.kernels import pack
-
-        return _guarded("FP4 values", pack.fake_quant_fp4, quant.fake_quant_fp4, x, block, e4m3_scales)
-    return quant.fake_quant_fp4(x, block, e4m3_scales)
+    return _kernel_or_twin("FP4 values", "pack.fake_quant_fp4", quant.fake_quant_fp4, x, block, e4m3_scales,
+                           grads=(x,))
 
 
 def _pack(name: str, x: torch.Tensor) -> torch.Tensor:
-    if _kernel_runs(name, x):  # bytes: no gradient either way
-        from model.kernels import pack
-
-        return _guarded(name, getattr(pack, name), getattr(quant, name), x)
-    return getattr(quant, name)(x)
+    return _kernel_or_twin(name, f"pack.{name}", getattr(quant, name), x, grads=())  # bytes: no gradient either way

@@ -18,13 +18,17 @@ from model.kernels.fused import _bf16_bits
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+                     WEIGHT: tl.constexpr = True):
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_D)
     live = c < D
     h = tl.load(x_ptr + row * D + c, mask=live, other=0.0).to(tl.float32)
     h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-    w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
+    if WEIGHT:
+        w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
+    else:  # a weight of ones: the products below are exact
+        w = tl.full([BLOCK_D], 1.0, tl.float32)
     if BF16:  # torch: weight (bf16) * h.to(bf16), the product rounded to bf16
         h = (_bf16_bits(h).to(tl.int32) << 16).to(tl.float32, bitcast=True)
         tl.store(out_ptr + row * D + c, _bf16_bits(w * h), mask=live)
@@ -32,14 +36,16 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, BF16:
         tl.store(out_ptr + row * D + c, w * h, mask=live)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] in fp32 or bf16; weight [D] of the same dtype."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x [..., D] in fp32 or bf16; weight [D] of the same dtype, or None (no weight)."""
     D = x.shape[-1]
-    assert weight.shape == (D,) and x.dtype == weight.dtype and x.dtype in (torch.float32, torch.bfloat16)
+    assert weight is None or (weight.shape == (D,) and x.dtype == weight.dtype)
+    assert x.dtype in (torch.float32, torch.bfloat16)
     x = x.contiguous()
     out = torch.empty_like(x)
     bf16 = x.dtype == torch.bfloat16
     block = triton.next_power_of_2(D)
-    _rms_norm_kernel[(x.numel() // D,)](x, weight.contiguous(), out.view(torch.int16) if bf16 else out, D, float(eps),
-                                        BLOCK_D=block, BF16=bf16, num_warps=4 if block <= 1024 else 8)
+    _rms_norm_kernel[(x.numel() // D,)](x, x if weight is None else weight.contiguous(),
+                                        out.view(torch.int16) if bf16 else out, D, float(eps), BLOCK_D=block,
+                                        BF16=bf16, WEIGHT=weight is not None, num_warps=4 if block <= 1024 else 8)
     return out

@@ -141,23 +141,25 @@ def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
 
-def pack_window(x: torch.Tensor) -> torch.Tensor:
-    flat, D = _rows(x, WINDOW_BLOCK), x.shape[-1]
-    out = torch.empty(flat.shape[0], D + D // WINDOW_BLOCK, dtype=torch.uint8, device=x.device)
+def _pack_fp8(x: torch.Tensor, block: int, values: bool = False) -> torch.Tensor:
+    flat, D = _rows(x, block), x.shape[-1]
+    if values:
+        out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
+    else:
+        out = torch.empty(flat.shape[0], D + D // block, dtype=torch.uint8, device=x.device)
     if flat.shape[0]:
-        _pack_window_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=WINDOW_BLOCK,
-                                              FMAX=FP8_MAX)
+        _pack_window_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=block,
+                                              FMAX=FP8_MAX, VALUES=values)
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def pack_window(x: torch.Tensor) -> torch.Tensor:
+    return _pack_fp8(x, WINDOW_BLOCK)
 
 
 def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_BLOCK) -> torch.Tensor:
     """What ``pack_window``'s bytes decode to, in x's dtype (``model.quant.fake_quant_fp8``)."""
-    flat, D = _rows(x, block), x.shape[-1]
-    out = torch.empty(flat.shape, dtype=x.dtype, device=x.device)
-    if flat.shape[0]:
-        _pack_window_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=block,
-                                              FMAX=FP8_MAX, VALUES=True)
-    return out.view(x.shape)
+    return _pack_fp8(x, block, values=True)
 
 
 def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = False) -> torch.Tensor:

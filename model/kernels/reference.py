@@ -109,12 +109,13 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim in fp32, cast back to x's dtype, times ``weight``
-    (``model.model.RMSNorm`` normalises with it, so this is the model's own code)."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim in fp32, cast back to x's dtype, times ``weight`` (None:
+    none, as the mHC mixes normalise) (``model.model.RMSNorm`` normalises with it, so this
+    is the model's own code)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return h.to(x.dtype) if weight is None else weight * h.to(x.dtype)
 
 
 def hc_collapse_ref(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
