@@ -18,6 +18,7 @@ evaluation (`dsagent eval`) uses another seed, so its cases are held out.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import multiprocessing as mp
@@ -63,6 +64,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="LO,HI: length of a recall record's log (shorter makes retrieval easier to find first)")
     p.add_argument("--recall-spread", choices=("uniform", "log"), default="uniform",
                    help="how a log's length is drawn from LO,HI: log gives each doubling of length the same share")
+    p.add_argument("--recall-first", default="0,0", metavar="STEPS,TOKENS",
+                   help="the first STEPS steps train on recall records alone, none longer than TOKENS "
+                        "tokens (a fresh model finds the lookup on short logs first)")
+    p.add_argument("--image-prob", type=float, default=0.0,
+                   help="share of steps that train on image conversations alone (the ViT learns slowly "
+                        "from the mixed batches)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--dense-fraction", type=float, default=0.15)
@@ -112,9 +119,10 @@ def _example(job: tuple[int, int]) -> tuple[int, str, Example]:
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform") -> dict[str, list[Example]]:
     """The first ``n`` records, or, in a data-parallel run, this process's share: whole
-    rounds of SCHEDULE, so every process holds every kind. The recall pool is sorted by
-    length (see next_batch)."""
-    pools: dict[str, list[Example]] = {"short": [], "long": []}
+    rounds of SCHEDULE, so every process holds every kind: "long" the recall records,
+    sorted by length (see next_batch), "short" every other kind, "image" the image
+    conversations (also in "short")."""
+    pools: dict[str, list[Example]] = {"short": [], "long": [], "image": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank]
     if workers <= 1:
         _init_worker(model_args, recall_tokens, spread)
@@ -124,6 +132,8 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex in results:
         pools["long" if kind == "d" else "short"].append(ex)
+        if kind == "c":
+            pools["image"].append(ex)  # also in "short"
     if workers > 1:
         pool.close()
     pools["long"].sort(key=lambda ex: len(ex.ids))  # stable: the order stays deterministic
@@ -171,12 +181,37 @@ def learning_rate(a, step: int, progress: float) -> float:
     return a.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def recall_first(a) -> tuple[int, int]:
+    """(steps, tokens) of ``--recall-first``: (0, 0) when not given."""
+    steps, tokens = (int(x) for x in getattr(a, "recall_first", "0,0").split(","))
+    return steps, tokens
+
+
+def step_kind(a, pools, step: int) -> str:
+    """What ``step`` trains on: "long" (recall records) on every step of the
+    ``--recall-first`` phase and a ``--long-prob`` share of the rest, "image" (the image
+    conversations alone) on an ``--image-prob`` share, else "short" (every other kind).
+    Drawn from the step alone, so every process of a run makes the same choice (even step
+    times)."""
+    draw = random.Random(f"batch:{a.seed}:{step}").random()
+    if pools["long"] and (step < recall_first(a)[0] or draw < a.long_prob):
+        return "long"
+    if pools.get("image") and a.long_prob <= draw < a.long_prob + getattr(a, "image_prob", 0.0):
+        return "image"
+    return "short"
+
+
 def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     rng = random.Random(f"batch:{a.seed}:{step}")
-    long = rng.random() < a.long_prob and pools["long"]  # the same kind on every process: even step times
+    rng.random()  # the draw step_kind made
+    kind = step_kind(a, pools, step)
     if world > 1:
         rng = random.Random(f"batch:{a.seed}:{step}:{rank}")
-    pool, n = (pools["long"], a.long_batch) if long else (pools["short"], a.short_batch)
+    long = kind == "long"
+    pool, n = pools[kind], a.long_batch if long else a.short_batch
+    steps, tokens = recall_first(a)
+    if long and step < steps:  # the first phase: only records of at most `tokens` tokens (the pool is sorted)
+        pool = pool[:max(1, bisect.bisect_right([len(ex.ids) for ex in pool], tokens))]
     if long and a.long_tokens:
         # records of like length (the pool is sorted), none longer than the drawn one: a
         # batch pads to its longest row, so mixed lengths would waste the budget on padding
@@ -279,7 +314,7 @@ def train(a) -> dict:
     budget = a.minutes * 60
     group.barrier()  # every process has its corpus: start the clock together
     began, last_save = time.time() - counters["seconds"], time.time()
-    window = torch.zeros(5, dtype=torch.float64)  # lm, index, tokens, correct, steps
+    window = torch.zeros(9, dtype=torch.float64)  # lm, index, tokens, correct, steps; the same two of recall, image steps
     while True:
         step = counters["step"]
         # elapsed time averaged over the processes, so that all of them stop at the same step
@@ -317,14 +352,19 @@ def train(a) -> dict:
         counters["step"] += 1
         counters["tokens"] += int(done[0])
         counters["rows"] += int(done[1])
+        kind = step_kind(a, pools, step)
         window += torch.tensor([float(losses.lm.detach()), float(losses.index.detach()), losses.tokens,
-                                losses.correct, 1.0], dtype=torch.float64)
+                                losses.correct, 1.0] + [losses.tokens * (kind == k) for k in ("long", "image")]
+                               + [losses.correct * (kind == k) for k in ("long", "image")], dtype=torch.float64)
         if counters["step"] % a.log_every == 0:
-            lm, index, tokens, correct, n = group.sum(window.to(a.device)).tolist()
+            lm, index, tokens, correct, n, *split = group.sum(window.to(a.device)).tolist()
             entry = {"step": counters["step"], "seconds": round(time.time() - began, 1),
                      "lm": round(lm / n, 4), "index": round(index / n, 4),
                      "acc": round(correct / max(1, tokens), 4), "max_load": round(worst, 2),
                      "lr": round(opt.param_groups[0]["lr"], 6)}
+            for name, kind_tokens, kind_correct in zip(("recall_acc", "image_acc"), split[:2], split[2:]):
+                if kind_tokens:  # next-token accuracy on the replies of the recall / image steps alone
+                    entry[name] = round(kind_correct / kind_tokens, 4)
             counters["history"].append(entry)
             log(group, json.dumps(entry))
             window.zero_()
@@ -357,7 +397,8 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
     write_checkpoint(out, model.args.to_config(), state, tokenizer_json=BUNDLED_TOKENIZER)
     info = {"command": "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
-            "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "schedule": SCHEDULE,
+            "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
+            "long_prob": a.long_prob, "image_prob": a.image_prob, "schedule": SCHEDULE,
             "replay_weights": dict(zip(REPLAY_MODES, REPLAY_WEIGHTS)), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,

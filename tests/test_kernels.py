@@ -442,6 +442,41 @@ def test_compiled_twin_matches_the_twin_with_gradients() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_compiled_twin_pads_rows_to_one_shape_class(monkeypatch) -> None:
+    """The compiled twin sees the rows flattened and zero-padded to a multiple of 8,192
+    (one graph for every batch shape); the caller gets its own rows back. The
+    compiler is replaced by the plain twin here (a compile takes ~90 s on a CPU)."""
+    import model.kernels as kernels
+
+    seen = []
+
+    def twin(flat, *rest):
+        seen.append(tuple(flat.shape))
+        return hc_split_ref(flat, *rest)
+
+    monkeypatch.setattr(kernels, "_compiled_twin", lambda: twin)
+    for shape in ((1, 1), (2, 37), (1, 9000)):
+        mixes, scale, base = _mixes(shape)
+        got = kernels._hc_split_compiled(mixes, scale, base, 4, 20, 1e-6)
+        for a, b in zip(got, hc_split_ref(mixes, scale, base, 4, 20, 1e-6)):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)  # other row counts, other vector paths
+    assert seen == [(8192, 24), (8192, 24), (16384, 24)]
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the compiled twin is the CUDA training path")
+def test_compiled_twin_compiles_once_for_every_row_count() -> None:
+    """1 row, 74 rows and 9,000 rows run one compiled graph (each new one cost a training
+    run 25-96 s of compiling)."""
+    from torch._dynamo.utils import counters
+
+    before = counters["stats"]["unique_graphs"]
+    for shape in ((1, 1), (2, 37), (1, 9000)):
+        mixes, scale, base = (t.requires_grad_(True) for t in _mixes(shape))
+        sum(o.sum() for o in hc_split(mixes, scale, base, 4, 20, 1e-6)).backward()
+    assert counters["stats"]["unique_graphs"] - before <= 1
+
+
 # ----------------------------------------------------------------------------- KV packing
 
 def _kv_rows(shape, dtype, seed: int = 0) -> torch.Tensor:

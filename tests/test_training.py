@@ -246,6 +246,25 @@ def test_log_spread_recall_lengths_and_like_length_batches(tiny):
     assert all(b.ids.shape[0] * b.ids.shape[1] <= a.long_tokens for b in batches)
     assert max(b.ids.shape[0] for b in batches) >= 3  # short records fill the budget with more rows
 
+    # step_kind (also the trainer's recall-accuracy split) names the pool next_batch drew from
+    a = argparse.Namespace(seed=0, long_prob=0.4, image_prob=0.3, short_batch=3, long_batch=2, long_tokens=0)
+    kinds = [train_default.step_kind(a, pools, step) for step in range(40)]
+    assert {"long", "image", "short"} == set(kinds)
+    for step, kind in enumerate(kinds):
+        batch = train_default.next_batch(a, pools, step, tiny.args)
+        assert batch.ids.shape[0] == (2 if kind == "long" else 3)
+        if kind == "image":
+            assert (batch.ids == tiny.args.image_token_id).any(-1).all()  # every row holds an image
+
+    # --recall-first: the first steps all train on recall records, the short ones only
+    cap = sizes[len(sizes) // 3]
+    a.recall_first = f"6,{cap}"
+    for step in range(6):
+        assert train_default.step_kind(a, pools, step) == "long"
+        batch = train_default.next_batch(a, pools, step, tiny.args)
+        assert batch.ids.shape[0] == 2 and batch.ids.shape[1] <= cap
+    assert [train_default.step_kind(a, pools, step) for step in range(6, 40)] == kinds[6:]
+
 
 @pytest.mark.parametrize("dense", [True, False])
 def test_the_loss_reaches_every_kv_source_through_its_records(tiny, dense):

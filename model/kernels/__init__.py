@@ -106,8 +106,25 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
         return _guarded("mHC kernel", fused.hc_split, hc_split_ref, *args)
     if (_wants_grad(mixes, scale) and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0"
             and "compiled mHC" not in _FAILED):
-        return _guarded("compiled mHC", _compiled_twin(), hc_split_ref, *args)
+        return _guarded("compiled mHC", _hc_split_compiled, hc_split_ref, *args)
     return hc_split_ref(*args)
+
+
+_COMPILE_ROWS = 8192
+
+
+def _hc_split_compiled(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
+                       eps: float):
+    """The compiled twin on the rows flattened and zero-padded to a multiple of
+    ``_COMPILE_ROWS``: every call then lands in one dynamic-shape graph. Unpadded, the
+    compiler specialised on 1 row and on its own size thresholds (4,096 rows), a fresh
+    25-96 s compile each time a training run met a new shape class."""
+    flat = mixes.reshape(-1, mixes.shape[-1])
+    n = flat.shape[0]
+    flat = torch.nn.functional.pad(flat, (0, 0, 0, max(1, -(-n // _COMPILE_ROWS)) * _COMPILE_ROWS - n))
+    torch._dynamo.mark_dynamic(flat, 0)
+    lead = mixes.shape[:-1]
+    return tuple(t[:n].unflatten(0, lead) for t in _compiled_twin()(flat, scale, base, hc, iters, eps))
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
