@@ -18,7 +18,6 @@ evaluation (`dsagent eval`) uses another seed, so its cases are held out.
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import math
 import multiprocessing as mp
@@ -64,9 +63,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="LO,HI: length of a recall record's log (shorter makes retrieval easier to find first)")
     p.add_argument("--recall-spread", choices=("uniform", "log"), default="uniform",
                    help="how a log's length is drawn from LO,HI: log gives each doubling of length the same share")
-    p.add_argument("--recall-first", default="0,0", metavar="STEPS,TOKENS",
-                   help="the first STEPS steps train on recall records alone, none longer than TOKENS "
-                        "tokens (a fresh model finds the lookup on short logs first)")
+    p.add_argument("--recall-first", default="0,1", metavar="STEPS,SHARE",
+                   help="the first STEPS steps train on recall records alone, the shortest SHARE of them "
+                        "(a fresh model finds the lookup on short logs first; every record also holds the "
+                        "~2.3K-token system prompt, so a share, not a length)")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
@@ -181,10 +181,12 @@ def learning_rate(a, step: int, progress: float) -> float:
     return a.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def recall_first(a) -> tuple[int, int]:
-    """(steps, tokens) of ``--recall-first``: (0, 0) when not given."""
-    steps, tokens = (int(x) for x in getattr(a, "recall_first", "0,0").split(","))
-    return steps, tokens
+def recall_first(a) -> tuple[int, float]:
+    """(steps, share) of ``--recall-first``: (0, 1.0) when not given."""
+    steps, share = getattr(a, "recall_first", "0,1").split(",")
+    if not 0 < float(share) <= 1 or int(steps) < 0:
+        raise SystemExit(f"--recall-first {a.recall_first}: want STEPS >= 0 and 0 < SHARE <= 1")
+    return int(steps), float(share)
 
 
 def step_kind(a, pools, step: int) -> str:
@@ -209,9 +211,9 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
         rng = random.Random(f"batch:{a.seed}:{step}:{rank}")
     long = kind == "long"
     pool, n = pools[kind], a.long_batch if long else a.short_batch
-    steps, tokens = recall_first(a)
-    if long and step < steps:  # the first phase: only records of at most `tokens` tokens (the pool is sorted)
-        pool = pool[:max(1, bisect.bisect_right([len(ex.ids) for ex in pool], tokens))]
+    steps, share = recall_first(a)
+    if long and step < steps:  # the first phase: the shortest `share` of the records (the pool is sorted)
+        pool = pool[:max(1, round(len(pool) * share))]
     if long and a.long_tokens:
         # records of like length (the pool is sorted), none longer than the drawn one: a
         # batch pads to its longest row, so mixed lengths would waste the budget on padding
