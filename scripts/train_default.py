@@ -64,9 +64,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recall-spread", choices=("uniform", "log"), default="uniform",
                    help="how a log's length is drawn from LO,HI: log gives each doubling of length the same share")
     p.add_argument("--recall-first", default="0,1", metavar="STEPS,SHARE",
-                   help="the first STEPS steps train on recall records alone, the shortest SHARE of them "
-                        "(a fresh model finds the lookup on short logs first; every record also holds the "
-                        "~2.3K-token system prompt, so a share, not a length)")
+                   help="the first STEPS steps train on --long-batch recall records alone, without the ~2.3K-token "
+                        "system prompt, the shortest SHARE of them: a fresh model finds the lookup on short "
+                        "logs first, and a long identical prefix dilutes its first attention 10x")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
@@ -108,21 +108,27 @@ def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int
     return n, n
 
 
-def _example(job: tuple[int, int]) -> tuple[int, str, Example]:
+def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None]:
+    """Record ``i`` as an example, and for a recall record also its bare form: the same
+    conversation without the ~2.3K-token system prompt (see ``--recall-first``)."""
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
-    ex = training_example(make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD)), _TOK, _ARGS)
-    ex.ids, ex.trained = np.asarray(ex.ids, dtype=np.int32), np.asarray(ex.trained, dtype=bool)
-    return i, kind, ex
+    record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD))
+    examples = [training_example(record, _TOK, _ARGS)]
+    if kind == "d":
+        examples.append(training_example(dict(record, messages=record["messages"][1:]), _TOK, _ARGS))
+    for ex in examples:
+        ex.ids, ex.trained = np.asarray(ex.ids, dtype=np.int32), np.asarray(ex.trained, dtype=bool)
+    return i, kind, examples[0], examples[-1] if kind == "d" else None
 
 
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform") -> dict[str, list[Example]]:
     """The first ``n`` records, or, in a data-parallel run, this process's share: whole
     rounds of SCHEDULE, so every process holds every kind: "long" the recall records,
-    sorted by length (see next_batch), "short" every other kind, "image" the image
-    conversations (also in "short")."""
-    pools: dict[str, list[Example]] = {"short": [], "long": [], "image": []}
+    sorted by length (see next_batch), "bare" the same without the system prompt, "short"
+    every other kind, "image" the image conversations (also in "short")."""
+    pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank]
     if workers <= 1:
         _init_worker(model_args, recall_tokens, spread)
@@ -130,13 +136,16 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     else:
         pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread))
         results = pool.imap(_example, jobs, chunksize=64)
-    for _, kind, ex in results:
+    for _, kind, ex, bare in results:
         pools["long" if kind == "d" else "short"].append(ex)
         if kind == "c":
             pools["image"].append(ex)  # also in "short"
+        if bare is not None:
+            pools["bare"].append(bare)
     if workers > 1:
         pool.close()
-    pools["long"].sort(key=lambda ex: len(ex.ids))  # stable: the order stays deterministic
+    for name in ("long", "bare"):
+        pools[name].sort(key=lambda ex: len(ex.ids))  # stable: the order stays deterministic
     return pools
 
 
@@ -212,9 +221,10 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     long = kind == "long"
     pool, n = pools[kind], a.long_batch if long else a.short_batch
     steps, share = recall_first(a)
-    if long and step < steps:  # the first phase: the shortest `share` of the records (the pool is sorted)
-        pool = pool[:max(1, round(len(pool) * share))]
-    if long and a.long_tokens:
+    first = long and step < steps
+    if first:  # the first phase: --long-batch rows of the shortest `share` of the bare records (sorted)
+        pool = pools["bare"][:max(1, round(len(pools["bare"]) * share))]
+    if long and a.long_tokens and not first:
         # records of like length (the pool is sorted), none longer than the drawn one: a
         # batch pads to its longest row, so mixed lengths would waste the budget on padding
         top = rng.randrange(len(pool))

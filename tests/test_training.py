@@ -256,12 +256,13 @@ def test_log_spread_recall_lengths_and_like_length_batches(tiny):
         if kind == "image":
             assert (batch.ids == tiny.args.image_token_id).any(-1).all()  # every row holds an image
 
-    # --recall-first: the first steps all train on recall records, the shortest half only
+    # --recall-first: the first steps all train on bare recall records, the shortest half only
     a.recall_first = "6,0.5"
     for step in range(6):
         assert train_default.step_kind(a, pools, step) == "long"
         batch = train_default.next_batch(a, pools, step, tiny.args)
-        assert batch.ids.shape[0] == 2 and batch.ids.shape[1] <= sizes[len(sizes) // 2 - 1]
+        bare = [len(ex.ids) for ex in pools["bare"]]  # the same records without the system prompt
+        assert batch.ids.shape[0] == 2 and batch.ids.shape[1] <= bare[len(bare) // 2 - 1] < sizes[0]
     assert [train_default.step_kind(a, pools, step) for step in range(6, 40)] == kinds[6:]
     a.recall_first = "6,0"
     with pytest.raises(SystemExit, match="SHARE"):
