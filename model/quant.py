@@ -194,7 +194,9 @@ class KVFormat:
     def _fake(self, x: torch.Tensor, quant) -> torch.Tensor:
         if not self.quantise:
             return x
-        return straight_through(x, quant(x)) if torch.is_grad_enabled() and x.requires_grad else quant(x)
+        if torch.is_grad_enabled() and x.requires_grad:  # the values alone: the kernel runs, no graph is built
+            return straight_through(x, quant(x.detach()))
+        return quant(x)
 
     # fresh values, as attention and the indexer see them
     def window(self, kv: torch.Tensor) -> torch.Tensor:

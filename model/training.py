@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from model import kernels
 from model.cache import Cache
 from model.checkpoint import DEFAULT_BLOCK, fp8_block_shape, stored_format
 from model.model import Transformer
@@ -50,13 +51,17 @@ class _WeightQAT(nn.Module):
         self.fmt, self.block = fmt, block
 
     def forward(self, w: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "fp8":
-            q = fake_quant_fp8_weight(w, self.block)
-        elif self.fmt == "fp4":
-            in_f = w.shape[1]
-            q = fake_quant_fp4(F.pad(w.float(), (0, -in_f % self.block[1])), self.block[1])[:, :in_f].to(w.dtype)
-        else:  # bf16 storage
-            q = w.to(torch.bfloat16).to(w.dtype)
+        with torch.no_grad():  # the straight-through gradient needs q's values only: no graph for them
+            if self.fmt == "fp8":
+                q = fake_quant_fp8_weight(w, self.block)
+            elif self.fmt == "fp4":
+                in_f, block = w.shape[1], self.block[1]
+                padded = F.pad(w.float(), (0, -in_f % block))
+                blocks = padded.shape[1] // block  # the kernel (one launch, bit-exact) takes 2^k blocks a row
+                quantise = kernels.fake_quant_fp4 if blocks & (blocks - 1) == 0 else fake_quant_fp4
+                q = quantise(padded, block)[:, :in_f].to(w.dtype)
+            else:  # bf16 storage
+                q = w.to(torch.bfloat16).to(w.dtype)
         return straight_through(w, q)
 
 

@@ -535,6 +535,38 @@ def test_fake_quant_kernels_give_the_values_bit_for_bit(which, dtype) -> None:
     assert torch.equal(kernel(strided, **kw), twin(strided, **kw))
 
 
+@needs_kernel
+def test_qat_training_quantises_through_the_kernels_with_identity_gradients(monkeypatch) -> None:
+    """Training's straight-through quantisers take the values from the one-launch kernels
+    (the gradient needs no graph through them): FP4 weights (2^k blocks a row; other widths
+    the twin), the window's FP8 and the index query's FP4 under KVFormat.TRAIN — the
+    values model.quant gives, and the identity's gradient."""
+    from model import kernels, quant
+    from model.kernels import pack
+    from model.training import _WeightQAT
+
+    calls = []
+    for name in ("fake_quant_fp4", "fake_quant_fp8"):
+        real = getattr(pack, name)
+        monkeypatch.setattr(pack, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    g = torch.Generator().manual_seed(3)
+    for in_f, kernel_runs in ((128, True), (96, False)):  # 4 blocks of 32; 3 blocks: the twin
+        w = (torch.randn(24, in_f, generator=g) * 0.05).to(DEVICE).requires_grad_(True)
+        calls.clear()
+        q = _WeightQAT("fp4", (1, 32))(w)
+        want = quant.fake_quant_fp4(torch.nn.functional.pad(w.detach().float(), (0, -in_f % 32)), 32)[:, :in_f]
+        assert torch.equal(q.detach(), want) and calls == (["fake_quant_fp4"] if kernel_runs else [])
+        q.square().sum().backward()
+        torch.testing.assert_close(w.grad, 2 * q.detach(), rtol=0, atol=0)  # d/dw of q^2 through the identity
+    x = _kv_rows((2, 3, 512), torch.float32).to(DEVICE).requires_grad_(True)
+    calls.clear()
+    y = quant.KVFormat.TRAIN.window(x)
+    assert calls == ["fake_quant_fp8"] and torch.equal(y.detach(), quant.fake_quant_fp8(x.detach()))
+    y.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    assert "FP4 values" not in kernels._FAILED and "FP8 values" not in kernels._FAILED
+
+
 def test_kv_formats_pack_through_the_dispatcher() -> None:
     """KVFormat.PACKED packs with model.kernels (kernel or twin), giving model.quant's bytes."""
     from model import quant

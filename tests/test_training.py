@@ -176,9 +176,9 @@ def test_data_parallel_shares_hold_every_kind(tiny):
     import train_default
 
     shares = [train_default.make_examples(40, 0, tiny.args, workers=1, rank=r, world=2) for r in range(2)]
-    assert [(len(s["short"]), len(s["long"])) for s in shares] == [(18, 2), (18, 2)]
-    ids = [tuple(ex.ids.tolist()) for s in shares for pool in s.values() for ex in pool]
-    assert len(set(ids)) == 40  # disjoint shares covering the 40 records
+    assert [(len(s["short"]), len(s["long"]), len(s["bare"]), len(s["image"])) for s in shares] == [(18, 2, 2, 4)] * 2
+    ids = [tuple(ex.ids.tolist()) for s in shares for pool in ("short", "long") for ex in s[pool]]
+    assert len(set(ids)) == 40  # disjoint shares covering the 40 records ("bare" and "image" are views of them)
 
 
 def _mean_grads_worker(rank: int, port: int, out: str) -> None:
