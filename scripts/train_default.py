@@ -70,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
+    p.add_argument("--image-batch", type=int, default=0,
+                   help="rows per image step (0: --short-batch); they share the system prompt's prefix, "
+                        "so a row costs its image and a few dozen tokens")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--dense-fraction", type=float, default=0.15)
@@ -219,7 +222,8 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     if world > 1:
         rng = random.Random(f"batch:{a.seed}:{step}:{rank}")
     long = kind == "long"
-    pool, n = pools[kind], a.long_batch if long else a.short_batch
+    pool, n = pools[kind], {"long": a.long_batch, "image": getattr(a, "image_batch", 0) or a.short_batch,
+                            "short": a.short_batch}[kind]
     steps, share = recall_first(a)
     first = long and step < steps
     if first:  # the first phase: --long-batch rows of the shortest `share` of the bare records (sorted)
@@ -410,7 +414,8 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
     info = {"command": "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
-            "long_prob": a.long_prob, "image_prob": a.image_prob, "schedule": SCHEDULE,
+            "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
+            "schedule": SCHEDULE,
             "replay_weights": dict(zip(REPLAY_MODES, REPLAY_WEIGHTS)), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,

@@ -247,12 +247,13 @@ def test_log_spread_recall_lengths_and_like_length_batches(tiny):
     assert max(b.ids.shape[0] for b in batches) >= 3  # short records fill the budget with more rows
 
     # step_kind (also the trainer's recall-accuracy split) names the pool next_batch drew from
-    a = argparse.Namespace(seed=0, long_prob=0.4, image_prob=0.3, short_batch=3, long_batch=2, long_tokens=0)
+    a = argparse.Namespace(seed=0, long_prob=0.4, image_prob=0.3, short_batch=3, long_batch=2, long_tokens=0,
+                           image_batch=5)
     kinds = [train_default.step_kind(a, pools, step) for step in range(40)]
     assert {"long", "image", "short"} == set(kinds)
     for step, kind in enumerate(kinds):
         batch = train_default.next_batch(a, pools, step, tiny.args)
-        assert batch.ids.shape[0] == (2 if kind == "long" else 3)
+        assert batch.ids.shape[0] == {"long": 2, "image": 5, "short": 3}[kind]
         if kind == "image":
             assert (batch.ids == tiny.args.image_token_id).any(-1).all()  # every row holds an image
 
