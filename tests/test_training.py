@@ -17,11 +17,13 @@ import pytest
 import torch
 from torch.nn.utils import parametrize
 
+from dsagent.corpus import make_record
 from model.checkpoint import fake_quantize_like_checkpoint
 from model.engine import Engine
 from model.loading import build, load
 from model.args import ModelArgs
 from model.quant import KVFormat
+from model.tokenizer import Tokenizer
 from model.training import (Example, ExpertLoads, add_weight_qat, batch_loss, common_prefix, make_batch,
                             plain_state_dict, remove_weight_qat)
 
@@ -300,3 +302,24 @@ def test_retrieval_drill_trains_only_the_planted_value():
     assert tok.decode([i for i, t in zip(ex.ids, ex.trained) if t]) == f"{value}."
     log = text.split("\nWhat is")[0].splitlines()
     assert sum(line.startswith(f"{key.split(' of ')[0]} of ") for line in log) == 3  # the key and two decoys
+
+
+def test_recall_probe_scores_the_value_tokens_alone(tiny):
+    """scripts/recall_probe.py trains (scores) exactly the reply's value tokens, with or
+    without the system prompt, and gives a share per range of log lengths."""
+    import recall_probe
+
+    tok = Tokenizer.bundled()
+    record = make_record(recall_probe.HELD_OUT_SEED, 200, "d", tok, (40, 90))
+    full, bare = (recall_probe.value_example(record, tok, tiny.args, b) for b in (False, True))
+    for ex in (full, bare):
+        scored = [t for t, m in zip(ex.ids, ex.trained) if m]
+        assert tok.decode(scored).strip() == record["truth"]["value"]
+        assert ex.trained.index(True) > len(ex.ids) - 16  # the reply's copy, not the log's
+    for i in range(200, 216):  # every record of the probe: the value is found, whatever its tokens
+        ex = recall_probe.value_example(make_record(recall_probe.HELD_OUT_SEED, i, "d", tok, (40, 90)), tok,
+                                        tiny.args, True)
+        assert 3 <= sum(ex.trained) <= 9
+    assert len(full.ids) - len(bare.ids) > 2000  # the system prompt
+    got = recall_probe.probe(tiny, tok, [(40, 90), (150, 300)], n=2, bare=True)
+    assert set(got) == {"40-90", "150-300"} and all(0 <= v <= 1 for v in got.values())

@@ -1,0 +1,79 @@
+"""Does a checkpoint look planted values up? Teacher-forced accuracy on the value's tokens.
+
+    python3 scripts/recall_probe.py MODEL [MODEL ...] [--bare] [--n 16] [--ranges 40,90:150,300:400,800]
+
+For each range of log lengths, ``--n`` held-out recall records (corpus seed 7919, records
+200 on; ``--bare``: without the system prompt, as the trainer's ``--recall-first`` phase
+sees them) run through the training forward pass in exact mode, and the share of the
+value's tokens (``ABC-1234``) predicted right is printed, one JSON line per model. The
+value's '-' alone is ~0.2 of its tokens, so a lookup shows as a rise well above that,
+long before whole answers come out right (what ``dsagent eval --recall-tokens`` scores).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dsagent.corpus import make_record, training_example  # noqa: E402
+from model import load  # noqa: E402
+from model.tokenizer import Tokenizer  # noqa: E402
+from model.training import Example, batch_loss, make_batch  # noqa: E402
+
+HELD_OUT_SEED = 7919
+
+
+def value_example(record: dict, tokenizer: Tokenizer, args, bare: bool) -> Example:
+    """The record as the trainer lays it out, scored on the tokens that spell the value in
+    the reply only (a token may also hold the space before it: " A" of " ABC-1234")."""
+    if bare:
+        record = dict(record, messages=record["messages"][1:])
+    ex = training_example(record, tokenizer, args)
+    ids, trained = list(ex.ids), list(ex.trained)
+    reply = [i for i, t in enumerate(trained) if t]  # the one reply of a recall record
+    text = [tokenizer.decode([ids[i] for i in reply[:k]]) for k in range(len(reply) + 1)]
+    end = text[-1].rfind(record["truth"]["value"])
+    if end < 0:
+        raise ValueError(f"record {record['id']}: the reply does not spell the value")
+    span = (end, end + len(record["truth"]["value"]))
+    scored = {reply[k] for k in range(len(reply)) if len(text[k]) < span[1] and len(text[k + 1]) > span[0]}
+    return Example(ids, [i in scored for i in range(len(ids))])
+
+
+def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, bare: bool) -> dict[str, float]:
+    a, out = model.args, {}
+    for lo, hi in ranges:
+        rows = [value_example(make_record(HELD_OUT_SEED, 200 + i, "d", tokenizer, (lo, hi)), tokenizer, a, bare)
+                for i in range(n)]
+        batch = make_batch(rows, ["exact"] * n, window=a.sliding_window, decoder_start=a.decoder_start,
+                           layers=a.num_hidden_layers, pad_id=a.pad_token_id, rng=random.Random(0))
+        with torch.no_grad():
+            losses = batch_loss(model, batch, share_prefix=False)
+        out[f"{lo}-{hi}"] = round(losses.correct / losses.tokens, 3)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("models", nargs="+", help="checkpoint directories (or a preset for random weights)")
+    p.add_argument("--bare", action="store_true", help="records without the system prompt")
+    p.add_argument("--n", type=int, default=16, help="records per range")
+    p.add_argument("--ranges", default="40,90:150,300:400,800", help="LO,HI log lengths in tokens, ':'-separated")
+    p.add_argument("--device", default="cpu")
+    a = p.parse_args()
+    ranges = [tuple(int(x) for x in r.split(",")) for r in a.ranges.split(":")]
+    tokenizer = Tokenizer.bundled()
+    for path in a.models:
+        model = load(path, device=a.device, dtype=torch.float32)
+        model.eval()
+        print(json.dumps({"model": path, "bare": a.bare, **probe(model, tokenizer, ranges, a.n, a.bare)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
