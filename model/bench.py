@@ -386,6 +386,13 @@ def bench_profile(model: Transformer, ctx: int, *, steps: int = 4, chunk: int = 
         for _ in range(steps):
             step()
         _sync(model.device)
+    return {"bench": "profile", "ctx": ctx, **profile_summary(prof, cuda, steps, top)}
+
+
+def profile_summary(prof, cuda: bool, steps: int, top: int = 12) -> dict:
+    """A torch.profiler run of ``steps`` steps, per step: kernels launched and their summed
+    device time (on the CPU: top-level operators and their time), and the ``top`` names by
+    time."""
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     events = [e for e in prof.events() if e.device_type == kind]
     if not cuda:  # top-level operators only: nested ones would count twice
@@ -398,7 +405,7 @@ def bench_profile(model: Transformer, ctx: int, *, steps: int = 4, chunk: int = 
         entry[1] += us
     busy = sum(t for _, t in total.values())
     ranked = sorted(total.items(), key=lambda kv: -kv[1][1])[:top]
-    return {"bench": "profile", "ctx": ctx, "steps": steps, "unit": "kernel" if cuda else "operator",
+    return {"steps": steps, "unit": "kernel" if cuda else "operator",
             "launches_per_step": len(events) / steps, "busy_ms_per_step": busy / 1e3 / steps,
             "top": [{"name": name[:90], "calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps,
                      "share": us / busy if busy else 0.0} for name, (n, us) in ranked]}

@@ -37,6 +37,7 @@ from torch.nn.utils import parametrize
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import CORPUS_VERSION, RECALL_TOKENS, make_record, training_example  # noqa: E402
+from model.bench import profile_summary  # noqa: E402
 from model.checkpoint import write_checkpoint  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -73,6 +74,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--image-batch", type=int, default=0,
                    help="rows per image step (0: --short-batch); they share the system prompt's prefix, "
                         "so a row costs its image and a few dozen tokens")
+    p.add_argument("--profile", default="", metavar="STEP,N",
+                   help="profile steps STEP..STEP+N-1 (torch.profiler) and log one JSON line of it")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--dense-fraction", type=float, default=0.15)
@@ -330,6 +333,7 @@ def train(a) -> dict:
     budget = a.minutes * 60
     group.barrier()  # every process has its corpus: start the clock together
     began, last_save = time.time() - counters["seconds"], time.time()
+    profile_at, prof = tuple(int(x) for x in a.profile.split(",")) if a.profile else (-1, 0), None
     window = torch.zeros(9, dtype=torch.float64)  # lm, index, tokens, correct, steps; the same two of recall, image steps
     while True:
         step = counters["step"]
@@ -338,6 +342,8 @@ def train(a) -> dict:
         if elapsed >= budget or (a.max_steps and step >= a.max_steps):
             break
         progress = elapsed / budget
+        if step == profile_at[0] and group.main:
+            prof = profile_steps(a.device)
         for g in opt.param_groups:
             g["lr"] = learning_rate(a, step, progress)
         batch = next_batch(a, pools, step, args, group.rank, group.world)
@@ -366,6 +372,11 @@ def train(a) -> dict:
         worst = loads.update_bias(a.bias_rate)
         done = group.sum(torch.tensor([float(batch.ids.numel()), float(batch.ids.shape[0])], device=a.device))
         counters["step"] += 1
+        if prof is not None:
+            prof.steps += 1
+        if prof is not None and counters["step"] == sum(profile_at):
+            log(group, json.dumps({"profile": prof.finish()}))
+            prof = None
         counters["tokens"] += int(done[0])
         counters["rows"] += int(done[1])
         kind = step_kind(a, pools, step)
@@ -396,6 +407,27 @@ def train(a) -> dict:
         info = finish(a, model, counters, group.world)
     group.close()
     return info
+
+
+class profile_steps:
+    """torch.profiler over training steps (``--profile STEP,N``): per step, the wall time
+    and the kernels launched with their summed device time — how far a step is from being
+    bound by the GPU (on the CPU: operators)."""
+
+    def __init__(self, device: str):
+        from torch.profiler import ProfilerActivity, profile
+
+        self.cuda = device.startswith("cuda")
+        self.prof = profile(activities=[ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU])
+        self.prof.__enter__()
+        self.steps, self.began = 0, time.time()
+
+    def finish(self) -> dict:
+        if self.cuda:
+            torch.cuda.synchronize()
+        wall = time.time() - self.began
+        self.prof.__exit__(None, None, None)
+        return {"wall_ms_per_step": wall * 1e3 / self.steps, **profile_summary(self.prof, self.cuda, self.steps)}
 
 
 def log(group: Group, line: str) -> None:

@@ -323,3 +323,17 @@ def test_recall_probe_scores_the_value_tokens_alone(tiny):
     assert len(full.ids) - len(bare.ids) > 2000  # the system prompt
     got = recall_probe.probe(tiny, tok, [(40, 90), (150, 300)], n=2, bare=True)
     assert set(got) == {"40-90", "150-300"} and all(0 <= v <= 1 for v in got.values())
+
+
+def test_trainer_profile_counts_each_steps_operations():
+    """--profile's summary: per step, the top-level operators (kernels on CUDA) and the wall time."""
+    import train_default
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    prof = train_default.profile_steps("cpu")
+    for _ in range(3):
+        torch.mm(a, b).relu()
+        prof.steps += 1
+    got = prof.finish()
+    assert got["steps"] == 3 and got["unit"] == "operator" and got["launches_per_step"] == 2
+    assert {t["name"] for t in got["top"]} == {"aten::mm", "aten::relu"} and got["wall_ms_per_step"] > 0
