@@ -3,8 +3,9 @@
 Owns :class:`Gate` (scores with the aux-loss-free ``bias`` / ``bias_vl`` in the choice only,
 top-k, normalised and scaled weights),
 :class:`Expert` (SwiGLU with the training clamps) and :class:`MoE`, whose routed experts
-run either one by one (``MoE._loop``: the reference, and the only path autograd sees) or
-all at once as grouped GEMMs from stacked weights (:class:`GroupedExperts`, no host sync).
+run one by one (``MoE._loop``: the reference), all at once as grouped GEMMs from stacked
+weights (:class:`GroupedExperts`, no host sync, inference), or densely (``MoE._dense``:
+every expert on every token, gate-weighted; no host sync, training on CUDA with few experts).
 Parameter names are the official checkpoint names. Does not own: where the FFN sits in a
 layer (``model.model.Block``) or the router's balance updates (``model.training``).
 """
@@ -129,10 +130,14 @@ class GroupedExperts(nn.Module):
         return unsorted.view(-1, k, out.shape[-1]).float().sum(1)
 
 
+DENSE_RATIO = 4  # see MoE.runs_dense
+
+
 class MoE(nn.Module):
     """The gate's top-k routed experts plus the shared expert. The routed experts run one
-    SwiGLU per expert (``_loop``: the reference, and the only path autograd sees) or all at
-    once from stacked weights (``grouped``); :meth:`runs_grouped` chooses."""
+    SwiGLU per expert (``_loop``: the reference), all at once from stacked weights
+    (``grouped``, outside autograd) or densely (``_dense``, training on CUDA);
+    :meth:`runs_grouped` and :meth:`runs_dense` choose."""
 
     def __init__(self, args: ModelArgs, n_experts: int | None = None, top_k: int | None = None):
         super().__init__()
@@ -148,7 +153,8 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
-        y = (self.grouped if self.runs_grouped(flat) else self._loop)(flat, weights, indices)
+        routed = self.grouped if self.runs_grouped(flat) else self._dense if self.runs_dense(flat) else self._loop
+        y = routed(flat, weights, indices)
         y += self.shared_experts(flat).float()
         return y.to(x.dtype).view(shape)
 
@@ -159,6 +165,25 @@ class MoE(nn.Module):
             rows, slot = torch.where(indices == e)
             y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
         return y
+
+    def _dense(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """What ``_loop`` computes, with no host sync: every expert on every token, its
+        SwiGLU scaled by the token's gate weight for it (zero where the gate did not pick
+        it), the experts summed inside the w2 product. ``n_experts / top_k`` times the
+        expert FLOPs, and as many activations saved for the backward pass."""
+        gate = torch.zeros(x.shape[0], len(self.experts), device=x.device, dtype=weights.dtype)
+        gate = gate.scatter(1, indices, weights)  # [N, E]; differentiable in the weights
+        w1, w2, w3 = (torch.stack([getattr(e, name).weight for e in self.experts]) for name in ("w1", "w2", "w3"))
+        h = swiglu(torch.einsum("nd,eid->nei", x, w1), torch.einsum("nd,eid->nei", x, w3), self.experts[0].limit)
+        return torch.einsum("nei,edi->nd", (h * gate[:, :, None]).to(x.dtype), w2).float()
+
+    def runs_dense(self, x: torch.Tensor) -> bool:
+        """Training on CUDA with few experts (at most ``DENSE_RATIO`` × top-k: the default
+        model's 8 and top-2): the loop reads each layer's expert ids on the host, ~9 syncs
+        a layer that stop the host queuing work ahead, on steps bound by the host.
+        ``DSAGENT_DENSE_MOE=0`` forces the loop."""
+        return (x.is_cuda and torch.is_grad_enabled() and len(self.experts) <= DENSE_RATIO * self.gate.top_k
+                and os.environ.get("DSAGENT_DENSE_MOE", "1") != "0")
 
     def runs_grouped(self, x: torch.Tensor) -> bool:
         """The grouped path computes what the loop does only from stacked, unparametrized weights

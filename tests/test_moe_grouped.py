@@ -154,6 +154,47 @@ def test_autograd_takes_the_loop_and_training_is_unchanged_by_stacking():
     assert all(torch.equal(g1[n], g2[n]) for n in g1)
 
 
+def test_dense_training_path_equals_the_loop_with_gradients_and_reads_nothing_on_the_host(monkeypatch):
+    """The sync-free training path (every expert on every token, gate-weighted) gives the
+    loop's outputs and gradients — gate included — under QAT weights too, and never reads
+    expert ids on the host. It runs on CUDA only; here it is switched on by hand."""
+    results = []
+    for dense in (True, False):
+        net = build(TINY, seed=4)
+        add_weight_qat(net)
+        moe = net.layers[0].ffn
+        with torch.no_grad():
+            moe.gate.bias.copy_(torch.tensor([-100.0, 100.0, 0, 0, 0, 0, 0, 0]))  # skewed: expert 0 idle
+        monkeypatch.setattr(MoE, "runs_dense", lambda self, x, _on=dense: _on)
+        x, mask = inputs((2, 20), torch.float32, image=True)
+        x = (x / 20).requires_grad_(True)
+        with HostReads() as reads:
+            y = moe(x, mask)
+        assert bool(reads.seen) != dense, reads.seen
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad, {n: p.grad for n, p in moe.named_parameters() if p.grad is not None}))
+    (y1, x1, g1), (y2, x2, g2) = results
+    torch.testing.assert_close(y1, y2, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x1, x2, rtol=1e-4, atol=1e-5)
+    assert any(n.startswith("gate.") for n in g1) and g1.keys() >= g2.keys()
+    for name in g2:
+        torch.testing.assert_close(g1[name], g2[name], rtol=1e-4, atol=1e-5, msg=name)
+    for name in set(g1) - set(g2):  # the dense path also differentiates experts no token picked: zero
+        assert not g1[name].any(), name
+
+
+def test_dense_path_is_for_training_on_cuda_with_few_experts(monkeypatch):
+    moe = make_moe()
+    x = torch.zeros(3, TINY.hidden_size)
+    assert not moe.runs_dense(x)  # the CPU: the loop
+    cuda_like = type("T", (), {"is_cuda": True})()
+    assert moe.runs_dense(cuda_like) and len(moe.experts) == 4 * moe.gate.top_k
+    with torch.no_grad():
+        assert not moe.runs_dense(cuda_like)
+    monkeypatch.setenv("DSAGENT_DENSE_MOE", "0")
+    assert not moe.runs_dense(cuda_like)
+
+
 def test_weight_qat_takes_the_loop_until_removed(monkeypatch):
     """Under training's QAT the experts compute with quantised weights the stacks do not hold."""
     net = build(TINY)
