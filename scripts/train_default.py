@@ -343,7 +343,7 @@ def train(a) -> dict:
             break
         progress = elapsed / budget
         if step == profile_at[0] and group.main:
-            prof = profile_steps(a.device)
+            prof = StepProfile(a.device)
         for g in opt.param_groups:
             g["lr"] = learning_rate(a, step, progress)
         batch = next_batch(a, pools, step, args, group.rank, group.world)
@@ -374,9 +374,9 @@ def train(a) -> dict:
         counters["step"] += 1
         if prof is not None:
             prof.steps += 1
-        if prof is not None and counters["step"] == sum(profile_at):
-            log(group, json.dumps({"profile": prof.finish()}))
-            prof = None
+            if counters["step"] == sum(profile_at):
+                log(group, json.dumps({"profile": prof.finish()}))
+                prof = None
         counters["tokens"] += int(done[0])
         counters["rows"] += int(done[1])
         kind = step_kind(a, pools, step)
@@ -409,7 +409,7 @@ def train(a) -> dict:
     return info
 
 
-class profile_steps:
+class StepProfile:
     """torch.profiler over training steps (``--profile STEP,N``): per step, the wall time
     and the kernels launched with their summed device time — how far a step is from being
     bound by the GPU (on the CPU: operators)."""

@@ -330,7 +330,7 @@ def test_trainer_profile_counts_each_steps_operations():
     import train_default
 
     a, b = torch.randn(64, 64), torch.randn(64, 64)
-    prof = train_default.profile_steps("cpu")
+    prof = train_default.StepProfile("cpu")
     for _ in range(3):
         torch.mm(a, b).relu()
         prof.steps += 1
