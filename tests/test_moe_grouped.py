@@ -338,3 +338,24 @@ def test_bench_linears_counts_flops_by_hand(grouped, monkeypatch):
     for key in ("matmul_tflops", "linear_tflops", "linear_over_matmul", "linear_share_of_prefill"):
         assert math.isfinite(out[key]) and out[key] > 0, key
     assert out["linear_seconds"] < out["prefill_seconds"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_training_takes_the_dense_path_and_matches_the_loop(monkeypatch):
+    """On CUDA with gradients the dense path runs (no host reads) and gives the loop's
+    outputs and input gradients (fp32, TF32 off)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    results = []
+    for dense in ("1", "0"):
+        monkeypatch.setenv("DSAGENT_DENSE_MOE", dense)
+        moe = make_moe().cuda()
+        x, mask = inputs((2, 33), torch.float32, image=True)
+        x, mask = (x / 20).cuda().requires_grad_(True), mask.cuda()
+        assert moe.runs_dense(x.view(-1, x.shape[-1])) == (dense == "1")
+        with HostReads() as reads:
+            y = moe(x, mask)
+        assert bool(reads.seen) != (dense == "1"), reads.seen
+        y.square().sum().backward()
+        results.append((y.detach(), x.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-5)
