@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recall-first", default="0,1", metavar="STEPS,SHARE",
                    help="the first STEPS steps train on --long-batch recall records alone, without the ~2.3K-token "
                         "system prompt, the shortest SHARE of them: a fresh model finds the lookup on short "
-                        "logs first, and a long identical prefix dilutes its first attention 10x")
+                        "logs first, and a long identical prefix spreads its first, even attention ~10x thinner")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
