@@ -337,3 +337,15 @@ def test_trainer_profile_counts_each_steps_operations():
     got = prof.finish()
     assert got["steps"] == 3 and got["unit"] == "operator" and got["launches_per_step"] == 2
     assert {t["name"] for t in got["top"]} == {"aten::mm", "aten::relu"} and got["wall_ms_per_step"] > 0
+
+
+def test_image_drill_rows_are_bare_image_conversations(tiny):
+    """scripts/image_drill.py trains on image conversations without the system prompt: one
+    picture a row, its span of image tokens, and a trained reply."""
+    import image_drill
+
+    tok = Tokenizer.bundled()
+    rows = image_drill.bare_images(image_drill.DRILL_SEED, 3, tok, tiny.args)
+    for ex in rows:
+        assert len(ex.images) == 1 and (torch.tensor(ex.ids) == tiny.args.image_token_id).sum() > 0
+        assert len(ex.ids) < 200 and any(ex.trained)  # the ~2.3K-token system prompt is not there
