@@ -349,3 +349,19 @@ def test_image_drill_rows_are_bare_image_conversations(tiny):
     for ex in rows:
         assert len(ex.images) == 1 and (torch.tensor(ex.ids) == tiny.args.image_token_id).sum() > 0
         assert len(ex.ids) < 200 and any(ex.trained)  # the ~2.3K-token system prompt is not there
+
+
+def test_vit_probe_separates_what_is_separable_and_reads_each_cell(tiny):
+    """scripts/vit_probe.py: its probe finds a linearly separable label (and not a random
+    one); its features are the image's 3x3 cell embeddings, flattened."""
+    import random as _random
+
+    import vit_probe
+    from dsagent.corpus import draw_shapes
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(400, 20, generator=g)
+    assert vit_probe.probe_accuracy(x, (x[:, 3] > 0).long(), 300) > 0.9
+    assert vit_probe.probe_accuracy(x, torch.randint(0, 2, (400,), generator=g), 300) < 0.7
+    pictures = [draw_shapes(_random.Random(i)) for i in range(2)]
+    assert vit_probe.features(tiny, pictures).shape == (2, 9 * tiny.args.hidden_size)
