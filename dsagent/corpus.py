@@ -141,6 +141,13 @@ def encode_record(record: dict[str, Any], tokenizer: Tokenizer) -> tuple[Convers
     return conv, mask
 
 
+def bare_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The record without its system message (the ~2.3K-token prompt with every tool
+    schema): the setting of the trainer's first recall phase and of the drills."""
+    assert record["messages"][0]["role"] == "system", record["id"]
+    return dict(record, messages=record["messages"][1:])
+
+
 def training_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:
     """The record's ids as the agent logs them — each image placeholder expanded to its
     span of image tokens, as ``Agent._append`` does — with the trained mask and images."""

@@ -37,7 +37,7 @@ from model.cache import Cache
 from model.checkpoint import DEFAULT_BLOCK, fp8_block_shape, stored_format
 from model.model import Transformer
 from model.moe import MoE
-from model.quant import KVFormat, fake_quant_fp4, fake_quant_fp8_weight, straight_through
+from model.quant import KVFormat, fake_quant_fp8_weight, straight_through
 from model.vision import image_inputs
 
 REPLAY_MODES = ("exact", "ced", "resume")
@@ -54,12 +54,9 @@ class _WeightQAT(nn.Module):
         with torch.no_grad():  # the straight-through gradient needs q's values only: no graph for them
             if self.fmt == "fp8":
                 q = fake_quant_fp8_weight(w, self.block)
-            elif self.fmt == "fp4":
+            elif self.fmt == "fp4":  # one kernel launch on CUDA, bit-exact with the twin
                 in_f, block = w.shape[1], self.block[1]
-                padded = F.pad(w.float(), (0, -in_f % block))
-                blocks = padded.shape[1] // block  # the kernel (one launch, bit-exact) takes 2^k blocks a row
-                quantise = kernels.fake_quant_fp4 if blocks & (blocks - 1) == 0 else fake_quant_fp4
-                q = quantise(padded, block)[:, :in_f].to(w.dtype)
+                q = kernels.fake_quant_fp4(F.pad(w.float(), (0, -in_f % block)), block)[:, :in_f].to(w.dtype)
             else:  # bf16 storage
                 q = w.to(torch.bfloat16).to(w.dtype)
         return straight_through(w, q)

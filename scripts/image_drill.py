@@ -24,7 +24,7 @@ from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import make_record, training_example  # noqa: E402
+from dsagent.corpus import bare_record, make_record, training_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import Example, add_weight_qat, batch_loss, make_batch  # noqa: E402
@@ -37,7 +37,7 @@ def bare_images(seed: int, n: int, tokenizer: Tokenizer, args) -> list[Example]:
     out = []
     for i in range(n):
         record = make_record(seed, i, "c", tokenizer)
-        out.append(training_example(dict(record, messages=record["messages"][1:]), tokenizer, args))
+        out.append(training_example(bare_record(record), tokenizer, args))
     return out
 
 

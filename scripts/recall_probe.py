@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import make_record, training_example  # noqa: E402
+from dsagent.corpus import bare_record, make_record, training_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import Example, batch_loss, make_batch  # noqa: E402
@@ -33,7 +33,7 @@ def value_example(record: dict, tokenizer: Tokenizer, args, bare: bool) -> Examp
     """The record as the trainer lays it out, scored on the tokens that spell the value in
     the reply only (a token may also hold the space before it: " A" of " ABC-1234")."""
     if bare:
-        record = dict(record, messages=record["messages"][1:])
+        record = bare_record(record)
     ex = training_example(record, tokenizer, args)
     ids, trained = list(ex.ids), list(ex.trained)
     reply = [i for i, t in enumerate(trained) if t]  # the one reply of a recall record

@@ -36,7 +36,7 @@ from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import CORPUS_VERSION, RECALL_TOKENS, make_record, training_example  # noqa: E402
+from dsagent.corpus import CORPUS_VERSION, RECALL_TOKENS, bare_record, make_record, training_example  # noqa: E402
 from model.bench import profile_summary  # noqa: E402
 from model.checkpoint import write_checkpoint  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
@@ -120,12 +120,15 @@ def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None]:
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD))
-    examples = [training_example(record, _TOK, _ARGS)]
-    if kind == "d":
-        examples.append(training_example(dict(record, messages=record["messages"][1:]), _TOK, _ARGS))
-    for ex in examples:
-        ex.ids, ex.trained = np.asarray(ex.ids, dtype=np.int32), np.asarray(ex.trained, dtype=bool)
-    return i, kind, examples[0], examples[-1] if kind == "d" else None
+    bare = _compact(training_example(bare_record(record), _TOK, _ARGS)) if kind == "d" else None
+    return i, kind, _compact(training_example(record, _TOK, _ARGS)), bare
+
+
+def _compact(ex: Example) -> Example:
+    """ids and mask as numpy arrays rather than lists of Python ints (memory, and the pickling
+    from the worker pool)."""
+    ex.ids, ex.trained = np.asarray(ex.ids, dtype=np.int32), np.asarray(ex.trained, dtype=bool)
+    return ex
 
 
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,

@@ -213,15 +213,27 @@ def pack_index(x: torch.Tensor) -> torch.Tensor:
     return _pack("pack_index", x)
 
 
+def pow2_blocks(dim: int, block: int) -> bool:
+    """Whether a row of ``dim`` channels is a power-of-two number of ``block``-blocks: what
+    the pack kernels take (their block loop is one ``tl.arange``)."""
+    return dim % block == 0 and (dim // block) & (dim // block - 1) == 0
+
+
 def fake_quant_fp8(x: torch.Tensor, block: int = quant.WINDOW_BLOCK) -> torch.Tensor:
     """FP8 values as the window stores them (:func:`model.quant.fake_quant_fp8`): one kernel
-    where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
+    where :func:`enabled`, no gradient is wanted and the rows suit it (:func:`pow2_blocks`),
+    else the twin; bit-exact either way."""
+    if not pow2_blocks(x.shape[-1], block):
+        return quant.fake_quant_fp8(x, block)
     return _kernel_or_twin("FP8 values", "pack.fake_quant_fp8", quant.fake_quant_fp8, x, block, grads=(x,))
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
-    """FP4 values as records / index keys store them (:func:`model.quant.fake_quant_fp4`):
-    one kernel where :func:`enabled` and no gradient is wanted, else the twin; bit-exact."""
+    """FP4 values as records / index keys / QAT weights store them
+    (:func:`model.quant.fake_quant_fp4`): one kernel where :func:`enabled`, no gradient is
+    wanted and the rows suit it (:func:`pow2_blocks`), else the twin; bit-exact."""
+    if not pow2_blocks(x.shape[-1], block):
+        return quant.fake_quant_fp4(x, block, e4m3_scales)
     return _kernel_or_twin("FP4 values", "pack.fake_quant_fp4", quant.fake_quant_fp4, x, block, e4m3_scales,
                            grads=(x,))
 

@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels import pow2_blocks
 from model.kernels.fused import _e2m1, _e4m3
 from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
 
@@ -136,7 +137,7 @@ def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.conste
 
 def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
     D = x.shape[-1]
-    assert D % block == 0 and (D // block) & (D // block - 1) == 0, f"dim {D} must be a power-of-two number of {block}-blocks"
+    assert pow2_blocks(D, block), f"dim {D} must be a power-of-two number of {block}-blocks"
     flat = x.reshape(-1, D)
     return flat if flat.stride(-1) == 1 else flat.contiguous()
 
