@@ -309,3 +309,18 @@ class ExpertLoads:
     def close(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+def param_groups(model, tower_lr: float = 1.0) -> list[dict]:
+    """AdamW groups: weight decay on matrices only (not on the router's biases, which the
+    aux-free balance sets), and the learning-rate multiplier ``scale`` — ``tower_lr`` for
+    the vision tower and its aligner, 1 elsewhere."""
+    groups = {}
+    for n, p in model.named_parameters():
+        if n.endswith(("gate.bias", "gate.bias_vl")):
+            continue
+        decay = p.dim() == 2 and not n.endswith("bias")
+        scale = tower_lr if n.startswith(("vision.", "aligner.")) else 1.0
+        groups.setdefault((decay, scale), []).append(p)
+    return [{"params": ps, "weight_decay": 0.01 if decay else 0.0, "scale": scale}
+            for (decay, scale), ps in groups.items()]

@@ -1,7 +1,7 @@
 """A focused experiment for the image skill: does a model learn shapes and counts from pictures alone?
 
     python3 scripts/image_drill.py [--init model/assets/default] [--steps 300] [--batch 32] [--lr 1e-3]
-                                   [--records 3000] [--device cpu]
+                                   [--records 3000] [--device cpu] [--tower-lr 1]
 
 Trains on the corpus's image conversations only, without the system prompt (corpus seed 31,
 not a training seed), through the same code path as scripts/train_default.py (QAT weights
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsagent.corpus import bare_record, make_record, training_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.training import Example, add_weight_qat, batch_loss, make_batch  # noqa: E402
+from model.training import Example, add_weight_qat, batch_loss, make_batch, param_groups  # noqa: E402
 
 DRILL_SEED, HELD_OUT_SEED = 31, 7919
 
@@ -49,6 +49,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--records", type=int, default=3000)
     p.add_argument("--device", default="cpu")
+    p.add_argument("--tower-lr", type=float, default=1.0, help="learning-rate multiplier of the ViT and its aligner")
     a = p.parse_args()
     torch.manual_seed(0)
     model = load(a.init, device=a.device, dtype=torch.float32, seed=0)
@@ -70,7 +71,10 @@ def main() -> None:
         model.train()
         return round(losses.correct / losses.tokens, 4)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95))
+    groups = param_groups(model, a.tower_lr)
+    for g in groups:
+        g["lr"] = a.lr * g["scale"]
+    opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(1), time.time(), [0, 0]
     print(json.dumps({"step": 0, "held_acc": held_acc()}), flush=True)
     for step in range(1, a.steps + 1):

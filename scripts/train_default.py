@@ -42,9 +42,10 @@ from model.checkpoint import write_checkpoint  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, batch_loss,  # noqa: E402
-                            make_batch, official_name, plain_state_dict, remove_weight_qat)
+                            make_batch, official_name, param_groups, plain_state_dict, remove_weight_qat)
 
 SCHEDULE = "aabbbccdee"  # record i has kind SCHEDULE[i % 10]: tools, images and sessions weigh most
+SCHEDULE_KINDS = "abcde"
 REPLAY_WEIGHTS = (0.4, 0.4, 0.2)  # exact, ced, resume
 
 
@@ -76,7 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "so a row costs its image and a few dozen tokens")
     p.add_argument("--profile", default="", metavar="STEP,N",
                    help="profile steps STEP..STEP+N-1 (torch.profiler) and log one JSON line of it")
+    p.add_argument("--kinds", default=SCHEDULE_KINDS,
+                   help="record kinds to train on (letters of the corpus's a-e): the others of the schedule are skipped")
+    p.add_argument("--replay", default=",".join(map(str, REPLAY_WEIGHTS)), metavar="EXACT,CED,RESUME",
+                   help="weights of the replay modes a row simulates")
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--tower-lr", type=float, default=1.0,
+                   help="learning-rate multiplier of the vision tower and its aligner")
     p.add_argument("--warmup", type=int, default=50)
     p.add_argument("--dense-fraction", type=float, default=0.15)
     p.add_argument("--bias-rate", type=float, default=1e-3)
@@ -132,13 +139,14 @@ def _compact(ex: Example) -> Example:
 
 
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
-                  recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform") -> dict[str, list[Example]]:
-    """The first ``n`` records, or, in a data-parallel run, this process's share: whole
-    rounds of SCHEDULE, so every process holds every kind: "long" the recall records,
+                  recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
+                  kinds: str = SCHEDULE_KINDS) -> dict[str, list[Example]]:
+    """The first ``n`` records of the ``kinds`` given, or, in a data-parallel run, this
+    process's share: whole rounds of SCHEDULE, so every process holds every kind: "long" the recall records,
     sorted by length (see next_batch), "bare" the same without the system prompt, "short"
     every other kind, "image" the image conversations (also in "short")."""
     pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": []}
-    jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank]
+    jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank and SCHEDULE[i % len(SCHEDULE)] in kinds]
     if workers <= 1:
         _init_worker(model_args, recall_tokens, spread)
         results = map(_example, jobs)
@@ -199,6 +207,14 @@ def learning_rate(a, step: int, progress: float) -> float:
     return a.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
+def replay_weights(a) -> tuple[float, ...]:
+    """The weights of REPLAY_MODES from ``--replay``."""
+    weights = tuple(float(x) for x in getattr(a, "replay", ",".join(map(str, REPLAY_WEIGHTS))).split(","))
+    if len(weights) != len(REPLAY_MODES) or min(weights) < 0 or sum(weights) <= 0:
+        raise SystemExit(f"--replay {a.replay}: want three weights >= 0 (exact, ced, resume), not all 0")
+    return weights
+
+
 def recall_first(a) -> tuple[int, float]:
     """(steps, share) of ``--recall-first``: (0, 1.0) when not given."""
     steps, share = getattr(a, "recall_first", "0,1").split(",")
@@ -209,12 +225,13 @@ def recall_first(a) -> tuple[int, float]:
 
 def step_kind(a, pools, step: int) -> str:
     """What ``step`` trains on: "long" (recall records) on every step of the
-    ``--recall-first`` phase and a ``--long-prob`` share of the rest, "image" (the image
+    ``--recall-first`` phase and a ``--long-prob`` share of the rest (every step when
+    ``--kinds`` leaves nothing else), "image" (the image
     conversations alone) on an ``--image-prob`` share, else "short" (every other kind).
     Drawn from the step alone, so every process of a run makes the same choice (even step
     times)."""
     draw = random.Random(f"batch:{a.seed}:{step}").random()
-    if pools["long"] and (step < recall_first(a)[0] or draw < a.long_prob):
+    if pools["long"] and (step < recall_first(a)[0] or draw < a.long_prob or not pools["short"]):
         return "long"
     if pools.get("image") and a.long_prob <= draw < a.long_prob + getattr(a, "image_prob", 0.0):
         return "image"
@@ -242,7 +259,7 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
         rows = [pool[top - rng.randrange(2 * n) % (top + 1)] for _ in range(n)]
     else:
         rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
-    modes = rng.choices(REPLAY_MODES, weights=REPLAY_WEIGHTS, k=n)
+    modes = rng.choices(REPLAY_MODES, weights=replay_weights(a), k=n)
     return make_batch(rows, modes, window=model_args.sliding_window, decoder_start=model_args.decoder_start,
                       layers=model_args.num_hidden_layers, pad_id=model_args.pad_token_id, rng=rng)
 
@@ -315,10 +332,8 @@ def train(a) -> dict:
     args = model.args
     add_weight_qat(model)
     model.train()
-    decay = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.endswith(("bias", "bias_vl"))]
-    rest = [p for n, p in model.named_parameters() if p.dim() != 2 and not n.endswith(("gate.bias", "gate.bias_vl"))]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}],
-                            lr=a.lr, betas=(0.9, 0.95), fused=a.device.startswith("cuda"))
+    opt = torch.optim.AdamW(param_groups(model, a.tower_lr), lr=a.lr, betas=(0.9, 0.95),
+                            fused=a.device.startswith("cuda"))
     state_dir = a.out / "state"
     counters = {"step": 0, "seconds": 0.0, "tokens": 0, "rows": 0, "history": []}
     if (state_dir / "counters.json").is_file():
@@ -329,7 +344,7 @@ def train(a) -> dict:
     t0 = time.time()
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
-                          a.recall_spread)
+                          a.recall_spread, a.kinds)
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -348,7 +363,7 @@ def train(a) -> dict:
         if step == profile_at[0] and group.main:
             prof = StepProfile(a.device)
         for g in opt.param_groups:
-            g["lr"] = learning_rate(a, step, progress)
+            g["lr"] = learning_rate(a, step, progress) * g["scale"]
         batch = next_batch(a, pools, step, args, group.rank, group.world)
         opt.zero_grad(set_to_none=True)
         ok = True
@@ -451,7 +466,8 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
-            "replay_weights": dict(zip(REPLAY_MODES, REPLAY_WEIGHTS)), "steps": counters["step"],
+            "kinds": a.kinds, "tower_lr": a.tower_lr,
+            "replay_weights": dict(zip(REPLAY_MODES, replay_weights(a))), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
             "processes": world,

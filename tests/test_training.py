@@ -365,3 +365,36 @@ def test_vit_probe_separates_what_is_separable_and_reads_each_cell(tiny):
     assert vit_probe.probe_accuracy(x, torch.randint(0, 2, (400,), generator=g), 300) < 0.7
     pictures = [draw_shapes(_random.Random(i)) for i in range(2)]
     assert vit_probe.features(tiny, pictures).shape == (2, 9 * tiny.args.hidden_size)
+
+
+def test_trainer_kinds_replay_weights_and_tower_learning_rate(tiny):
+    """--kinds keeps only the records of those kinds; --replay sets the replay modes rows
+    simulate (a bad spelling is refused); param_groups gives the ViT and its aligner the
+    --tower-lr multiplier, decays matrices only and leaves the router's biases out."""
+    import argparse
+
+    import train_default
+    from model.training import param_groups
+
+    pools = train_default.make_examples(30, 0, tiny.args, workers=1, kinds="d")
+    assert (len(pools["long"]), len(pools["bare"]), len(pools["short"]), len(pools["image"])) == (3, 3, 0, 0)
+    a = argparse.Namespace(seed=0, long_prob=1.0, short_batch=3, long_batch=6, long_tokens=0, replay="1,0,0")
+    assert train_default.next_batch(a, pools, 3, tiny.args).modes == ["exact"] * 6
+    assert {train_default.step_kind(argparse.Namespace(**{**vars(a), "long_prob": 0.0}), pools, s)
+            for s in range(20)} == {"long"}  # nothing else to train on
+    a.replay = "0,0,1"
+    assert train_default.next_batch(a, pools, 3, tiny.args).modes == ["resume"] * 6
+    for bad in ("1,0", "0,0,0", "1,-1,1"):
+        with pytest.raises(SystemExit, match="--replay"):
+            train_default.next_batch(argparse.Namespace(**{**vars(a), "replay": bad}), pools, 3, tiny.args)
+
+    names = {id(p): n for n, p in tiny.named_parameters()}
+    groups = param_groups(tiny, tower_lr=4.0)
+    seen = {names[id(p)]: g for g in groups for p in g["params"]}
+    assert len(seen) == sum(len(g["params"]) for g in groups)  # each parameter once
+    assert {n for n in names.values() if n not in seen} == {n for n in names.values()
+                                                            if n.endswith(("gate.bias", "gate.bias_vl"))} != set()
+    for n, g in seen.items():
+        assert g["scale"] == (4.0 if n.startswith(("vision.", "aligner.")) else 1.0), n
+        assert (g["weight_decay"] > 0) == (tiny.get_parameter(n).dim() == 2), n
+    assert any(n.startswith("vision.") for n in seen)
