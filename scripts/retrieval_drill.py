@@ -1,7 +1,7 @@
 """A focused experiment for the recall skill: can a model learn to look a planted value up?
 
     python3 scripts/retrieval_drill.py [--init model/assets/default] [--steps 300] [--tokens 150,300]
-                                       [--lr 1e-3] [--batch 8] [--device cpu] [--dense]
+                                       [--lr 1e-3] [--batch 8] [--device cpu] [--dense] [--chat]
 
 Trains on short synthetic logs only — filler lines, a `password of cobalt: ABC-1234` line in
 the first third, two decoys of the same kind later, then the question and the answer; no
@@ -9,6 +9,10 @@ system prompt, no chat template — with the loss on the answer value alone, thr
 same code path as scripts/train_default.py (QAT weights and KV, exact replay). Prints one
 JSON line per 10 steps with the answer-token accuracy: the '-' and '.' of a value are
 ~0.3 of its tokens, so a rise above that is retrieval being learnt. Writes nothing.
+
+``--chat`` trains on the corpus's own recall conversations instead (bare: without the system
+prompt; logs of --tokens; the loss on the whole reply, as scripts/train_default.py has it):
+the accuracy is then over the reply's tokens, whose '-' and copied key words make ~0.8.
 """
 from __future__ import annotations
 
@@ -23,11 +27,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import KEY_KINDS, WORDS, filler_line, secret  # noqa: E402
+from dsagent.corpus import KEY_KINDS, WORDS, bare_record, filler_line, make_record, secret, training_example  # noqa: E402
 from model import load  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import Example, add_weight_qat, batch_loss, make_batch  # noqa: E402
+
+DRILL_SEED = 37  # the corpus seed of --chat conversations (no training run uses it)
 
 
 def drill(rng: random.Random, tokenizer: Tokenizer, lo: int, hi: int) -> Example:
@@ -44,6 +50,12 @@ def drill(rng: random.Random, tokenizer: Tokenizer, lo: int, hi: int) -> Example
     return Example(prompt + answer, [False] * len(prompt) + [True] * len(answer))
 
 
+def chat_drill(rng: random.Random, tokenizer: Tokenizer, lo: int, hi: int, args) -> Example:
+    """A recall conversation of the corpus (its log of LO..HI tokens) without the system prompt."""
+    record = make_record(DRILL_SEED, rng.randrange(10 ** 9), "d", tokenizer, (lo, hi))
+    return training_example(bare_record(record), tokenizer, args)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--init", default="tiny", help="a checkpoint directory, or a preset for random weights")
@@ -54,6 +66,7 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dense", action="store_true", help="every record visible (the indexer's warm-up)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--chat", action="store_true", help="the corpus's recall conversations, bare, the whole reply trained")
     a = p.parse_args()
     lo, hi = map(int, a.tokens.split(","))
     torch.manual_seed(a.seed)
@@ -64,7 +77,9 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(a.seed), time.time(), [0, 0, 0.0, 0]
     for step in range(1, a.steps + 1):
-        batch = make_batch([drill(rng, tokenizer, lo, hi) for _ in range(a.batch)], ["exact"] * a.batch,
+        rows = [chat_drill(rng, tokenizer, lo, hi, args) if a.chat else drill(rng, tokenizer, lo, hi)
+                for _ in range(a.batch)]
+        batch = make_batch(rows, ["exact"] * a.batch,
                            window=args.sliding_window, decoder_start=args.decoder_start,
                            layers=args.num_hidden_layers, pad_id=args.pad_token_id, rng=rng)
         opt.zero_grad(set_to_none=True)

@@ -85,6 +85,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tower-lr", type=float, default=1.0,
                    help="learning-rate multiplier of the vision tower and its aligner")
     p.add_argument("--warmup", type=int, default=50)
+    p.add_argument("--decay", choices=("cosine", "none"), default="cosine",
+                   help="the learning rate after warm-up: cosine to a tenth over the time budget, or constant")
+    p.add_argument("--no-share-prefix", dest="share_prefix", action="store_false",
+                   help="run every row's prefix itself rather than a batch's common prefix once")
     p.add_argument("--dense-fraction", type=float, default=0.15)
     p.add_argument("--bias-rate", type=float, default=1e-3)
     p.add_argument("--chunk", type=int, default=2048)
@@ -204,6 +208,8 @@ def load_state(path: Path, model, opt) -> dict:
 
 def learning_rate(a, step: int, progress: float) -> float:
     warm = min(1.0, (step + 1) / a.warmup)
+    if getattr(a, "decay", "cosine") == "none":
+        return a.lr * warm
     return a.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
@@ -370,7 +376,7 @@ def train(a) -> dict:
         try:
             with parametrize.cached():  # each QAT weight quantised once per step, not per chunk
                 losses = batch_loss(model, batch, chunk=a.chunk, prefix_chunk=a.prefix_chunk,
-                                    dense=progress < a.dense_fraction)
+                                    dense=progress < a.dense_fraction, share_prefix=a.share_prefix)
                 losses.total.backward()
         except torch.cuda.OutOfMemoryError:
             ok = False
@@ -466,7 +472,7 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
-            "kinds": a.kinds, "tower_lr": a.tower_lr,
+            "kinds": a.kinds, "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
             "replay_weights": dict(zip(REPLAY_MODES, replay_weights(a))), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,

@@ -398,3 +398,25 @@ def test_trainer_kinds_replay_weights_and_tower_learning_rate(tiny):
         assert g["scale"] == (4.0 if n.startswith(("vision.", "aligner.")) else 1.0), n
         assert (g["weight_decay"] > 0) == (tiny.get_parameter(n).dim() == 2), n
     assert any(n.startswith("vision.") for n in seen)
+
+
+def test_chat_drill_rows_and_a_constant_learning_rate(tiny):
+    """retrieval_drill --chat trains the corpus's recall conversation without the system
+    prompt, its whole reply; the trainer's --decay none keeps the rate after warm-up."""
+    import argparse
+
+    import train_default
+    from dsagent.corpus import DEFAULT_SYSTEM
+    from retrieval_drill import chat_drill
+
+    tok = Tokenizer.bundled()
+    ex = chat_drill(random.Random(3), tok, 60, 90, tiny.args)
+    text = tok.decode(ex.ids)
+    reply = tok.decode([i for i, t in zip(ex.ids, ex.trained) if t])
+    assert "<｜User｜>" in text and DEFAULT_SYSTEM[:40] not in text  # no system prompt
+    key, value = reply.split("The ", 1)[1].split(" is ", 1)
+    assert f"{key}: {value.split('.')[0]}" in text.split("<｜Assistant｜>")[0]
+    a = argparse.Namespace(lr=1e-3, warmup=10, decay="none")
+    assert [train_default.learning_rate(a, s, p) for s, p in ((4, 0.1), (50, 0.5), (90, 0.99))] == [5e-4, 1e-3, 1e-3]
+    a.decay = "cosine"
+    assert train_default.learning_rate(a, 90, 0.99) < 2e-4
