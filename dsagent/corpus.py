@@ -160,6 +160,22 @@ def training_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelAr
     return Example(ids, trained, list(zip(starts, images)))
 
 
+def value_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:
+    """A recall record as ``training_example`` lays it out, trained on the reply's tokens
+    that spell the planted value only (a token may also hold the space before it: " A" of
+    " ABC-1234"): the lookup's own signal, not diluted by the reply's words around it."""
+    ex = training_example(record, tokenizer, args)
+    ids, trained = list(ex.ids), list(ex.trained)
+    reply = [i for i, t in enumerate(trained) if t]  # the one reply of a recall record
+    text = [tokenizer.decode([ids[i] for i in reply[:k]]) for k in range(len(reply) + 1)]
+    end = text[-1].rfind(record["truth"]["value"])
+    if end < 0:
+        raise ValueError(f"record {record['id']}: the reply does not spell the value")
+    span = (end, end + len(record["truth"]["value"]))
+    scored = {reply[k] for k in range(len(reply)) if len(text[k]) < span[1] and len(text[k + 1]) > span[0]}
+    return Example(ids, [i in scored for i in range(len(ids))], ex.images)
+
+
 def turn_groups(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
     """Each assistant message alone; runs of other messages together."""
     groups: list[list[dict[str, Any]]] = []

@@ -21,36 +21,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import bare_record, make_record, training_example  # noqa: E402
+from dsagent.corpus import bare_record, make_record, value_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.training import Example, batch_loss, make_batch  # noqa: E402
+from model.training import batch_loss, make_batch  # noqa: E402
 
 HELD_OUT_SEED = 7919
-
-
-def value_example(record: dict, tokenizer: Tokenizer, args, bare: bool) -> Example:
-    """The record as the trainer lays it out, scored on the tokens that spell the value in
-    the reply only (a token may also hold the space before it: " A" of " ABC-1234")."""
-    if bare:
-        record = bare_record(record)
-    ex = training_example(record, tokenizer, args)
-    ids, trained = list(ex.ids), list(ex.trained)
-    reply = [i for i, t in enumerate(trained) if t]  # the one reply of a recall record
-    text = [tokenizer.decode([ids[i] for i in reply[:k]]) for k in range(len(reply) + 1)]
-    end = text[-1].rfind(record["truth"]["value"])
-    if end < 0:
-        raise ValueError(f"record {record['id']}: the reply does not spell the value")
-    span = (end, end + len(record["truth"]["value"]))
-    scored = {reply[k] for k in range(len(reply)) if len(text[k]) < span[1] and len(text[k + 1]) > span[0]}
-    return Example(ids, [i in scored for i in range(len(ids))])
 
 
 def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, bare: bool) -> dict[str, float]:
     a, out = model.args, {}
     for lo, hi in ranges:
-        rows = [value_example(make_record(HELD_OUT_SEED, 200 + i, "d", tokenizer, (lo, hi)), tokenizer, a, bare)
-                for i in range(n)]
+        records = [make_record(HELD_OUT_SEED, 200 + i, "d", tokenizer, (lo, hi)) for i in range(n)]
+        rows = [value_example(bare_record(r) if bare else r, tokenizer, a) for r in records]
         batch = make_batch(rows, ["exact"] * n, window=a.sliding_window, decoder_start=a.decoder_start,
                            layers=a.num_hidden_layers, pad_id=a.pad_token_id, rng=random.Random(0))
         with torch.no_grad():

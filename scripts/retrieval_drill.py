@@ -12,7 +12,8 @@ JSON line per 10 steps with the answer-token accuracy: the '-' and '.' of a valu
 
 ``--chat`` trains on the corpus's own recall conversations instead (bare: without the system
 prompt; logs of --tokens; the loss on the whole reply, as scripts/train_default.py has it):
-the accuracy is then over the reply's tokens, whose '-' and copied key words make ~0.8.
+the accuracy is then over the reply's tokens, whose '-' and copied key words make ~0.8
+(``--value-only``: the value's tokens alone are trained, as without --chat).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import KEY_KINDS, WORDS, bare_record, filler_line, make_record, secret, training_example  # noqa: E402
+from dsagent.corpus import (KEY_KINDS, WORDS, bare_record, filler_line, make_record, secret,  # noqa: E402
+                            training_example, value_example)
 from model import load  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -50,10 +52,11 @@ def drill(rng: random.Random, tokenizer: Tokenizer, lo: int, hi: int) -> Example
     return Example(prompt + answer, [False] * len(prompt) + [True] * len(answer))
 
 
-def chat_drill(rng: random.Random, tokenizer: Tokenizer, lo: int, hi: int, args) -> Example:
-    """A recall conversation of the corpus (its log of LO..HI tokens) without the system prompt."""
+def chat_drill(rng: random.Random, tokenizer: Tokenizer, lo: int, hi: int, args, value_only: bool = False) -> Example:
+    """A recall conversation of the corpus (its log of LO..HI tokens) without the system
+    prompt, its whole reply trained or (``value_only``) the value's tokens alone."""
     record = make_record(DRILL_SEED, rng.randrange(10 ** 9), "d", tokenizer, (lo, hi))
-    return training_example(bare_record(record), tokenizer, args)
+    return (value_example if value_only else training_example)(bare_record(record), tokenizer, args)
 
 
 def main() -> None:
@@ -67,6 +70,7 @@ def main() -> None:
     p.add_argument("--dense", action="store_true", help="every record visible (the indexer's warm-up)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--chat", action="store_true", help="the corpus's recall conversations, bare, the whole reply trained")
+    p.add_argument("--value-only", action="store_true", help="with --chat: the reply's value tokens alone trained")
     a = p.parse_args()
     lo, hi = map(int, a.tokens.split(","))
     torch.manual_seed(a.seed)
@@ -77,7 +81,7 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(a.seed), time.time(), [0, 0, 0.0, 0]
     for step in range(1, a.steps + 1):
-        rows = [chat_drill(rng, tokenizer, lo, hi, args) if a.chat else drill(rng, tokenizer, lo, hi)
+        rows = [chat_drill(rng, tokenizer, lo, hi, args, a.value_only) if a.chat else drill(rng, tokenizer, lo, hi)
                 for _ in range(a.batch)]
         batch = make_batch(rows, ["exact"] * a.batch,
                            window=args.sliding_window, decoder_start=args.decoder_start,

@@ -36,7 +36,8 @@ from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import CORPUS_VERSION, RECALL_TOKENS, bare_record, make_record, training_example  # noqa: E402
+from dsagent.corpus import (CORPUS_VERSION, RECALL_TOKENS, bare_record, make_record, training_example,  # noqa: E402
+                            value_example)
 from model.bench import profile_summary  # noqa: E402
 from model.checkpoint import write_checkpoint  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
@@ -69,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the first STEPS steps train on --long-batch recall records alone, without the ~2.3K-token "
                         "system prompt, the shortest SHARE of them: a fresh model finds the lookup on short "
                         "logs first, and a long identical prefix spreads its first, even attention ~10x thinner")
+    p.add_argument("--recall-value-only", action="store_true",
+                   help="the --recall-first phase's bare records train the reply's value tokens alone (as "
+                        "scripts/retrieval_drill.py does), not the words around them that copy the question")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
@@ -107,12 +111,13 @@ _TOK = None
 _ARGS = None
 _RECALL = RECALL_TOKENS
 _SPREAD = "uniform"
+_VALUE_ONLY = False
 
 
-def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform") -> None:
-    global _TOK, _ARGS, _RECALL, _SPREAD
+def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False) -> None:
+    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY
     torch.set_num_threads(1)
-    _TOK, _ARGS, _RECALL, _SPREAD = Tokenizer.bundled(), args, tuple(recall_tokens), spread
+    _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY = Tokenizer.bundled(), args, tuple(recall_tokens), spread, value_only
 
 
 def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int, int]:
@@ -131,7 +136,9 @@ def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None]:
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD))
-    bare = _compact(training_example(bare_record(record), _TOK, _ARGS)) if kind == "d" else None
+    bare = None
+    if kind == "d":
+        bare = _compact((value_example if _VALUE_ONLY else training_example)(bare_record(record), _TOK, _ARGS))
     return i, kind, _compact(training_example(record, _TOK, _ARGS)), bare
 
 
@@ -144,18 +151,19 @@ def _compact(ex: Example) -> Example:
 
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
-                  kinds: str = SCHEDULE_KINDS) -> dict[str, list[Example]]:
+                  kinds: str = SCHEDULE_KINDS, value_only: bool = False) -> dict[str, list[Example]]:
     """The first ``n`` records of the ``kinds`` given, or, in a data-parallel run, this
     process's share: whole rounds of SCHEDULE, so every process holds every kind: "long" the recall records,
-    sorted by length (see next_batch), "bare" the same without the system prompt, "short"
+    sorted by length (see next_batch), "bare" the same without the system prompt (``value_only``:
+    trained on the value's tokens alone), "short"
     every other kind, "image" the image conversations (also in "short")."""
     pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank and SCHEDULE[i % len(SCHEDULE)] in kinds]
     if workers <= 1:
-        _init_worker(model_args, recall_tokens, spread)
+        _init_worker(model_args, recall_tokens, spread, value_only)
         results = map(_example, jobs)
     else:
-        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread))
+        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread, value_only))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare in results:
         pools["long" if kind == "d" else "short"].append(ex)
@@ -350,7 +358,7 @@ def train(a) -> dict:
     t0 = time.time()
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
-                          a.recall_spread, a.kinds)
+                          a.recall_spread, a.kinds, a.recall_value_only)
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -472,7 +480,7 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
-            "kinds": a.kinds, "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
+            "recall_value_only": a.recall_value_only, "kinds": a.kinds, "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
             "replay_weights": dict(zip(REPLAY_MODES, replay_weights(a))), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,

@@ -305,20 +305,21 @@ def test_retrieval_drill_trains_only_the_planted_value():
 
 
 def test_recall_probe_scores_the_value_tokens_alone(tiny):
-    """scripts/recall_probe.py trains (scores) exactly the reply's value tokens, with or
-    without the system prompt, and gives a share per range of log lengths."""
+    """corpus.value_example trains (scripts/recall_probe.py scores) exactly the reply's value
+    tokens, with or without the system prompt; the probe gives a share per range of log lengths."""
     import recall_probe
+
+    from dsagent.corpus import bare_record, value_example
 
     tok = Tokenizer.bundled()
     record = make_record(recall_probe.HELD_OUT_SEED, 200, "d", tok, (40, 90))
-    full, bare = (recall_probe.value_example(record, tok, tiny.args, b) for b in (False, True))
+    full, bare = (value_example(r, tok, tiny.args) for r in (record, bare_record(record)))
     for ex in (full, bare):
         scored = [t for t, m in zip(ex.ids, ex.trained) if m]
         assert tok.decode(scored).strip() == record["truth"]["value"]
         assert ex.trained.index(True) > len(ex.ids) - 16  # the reply's copy, not the log's
     for i in range(200, 216):  # every record of the probe: the value is found, whatever its tokens
-        ex = recall_probe.value_example(make_record(recall_probe.HELD_OUT_SEED, i, "d", tok, (40, 90)), tok,
-                                        tiny.args, True)
+        ex = value_example(bare_record(make_record(recall_probe.HELD_OUT_SEED, i, "d", tok, (40, 90))), tok, tiny.args)
         assert 3 <= sum(ex.trained) <= 9
     assert len(full.ids) - len(bare.ids) > 2000  # the system prompt
     got = recall_probe.probe(tiny, tok, [(40, 90), (150, 300)], n=2, bare=True)
@@ -378,6 +379,12 @@ def test_trainer_kinds_replay_weights_and_tower_learning_rate(tiny):
 
     pools = train_default.make_examples(30, 0, tiny.args, workers=1, kinds="d")
     assert (len(pools["long"]), len(pools["bare"]), len(pools["short"]), len(pools["image"])) == (3, 3, 0, 0)
+    valued = train_default.make_examples(30, 0, tiny.args, workers=1, kinds="d", value_only=True)
+    tok = Tokenizer.bundled()
+    for full, value, prompted in zip(pools["bare"], valued["bare"], valued["long"]):
+        assert full.ids.tolist() == value.ids.tolist() and value.trained.sum() < full.trained.sum() - 5
+        said = tok.decode([i for i, t in zip(value.ids, value.trained) if t]).strip()
+        assert f": {said}\n" in tok.decode(value.ids.tolist()) and prompted.trained.sum() > value.trained.sum()
     a = argparse.Namespace(seed=0, long_prob=1.0, short_batch=3, long_batch=6, long_tokens=0, replay="1,0,0")
     assert train_default.next_batch(a, pools, 3, tiny.args).modes == ["exact"] * 6
     assert {train_default.step_kind(argparse.Namespace(**{**vars(a), "long_prob": 0.0}), pools, s)
@@ -411,6 +418,8 @@ def test_chat_drill_rows_and_a_constant_learning_rate(tiny):
 
     tok = Tokenizer.bundled()
     ex = chat_drill(random.Random(3), tok, 60, 90, tiny.args)
+    valued = chat_drill(random.Random(3), tok, 60, 90, tiny.args, value_only=True)
+    assert valued.ids == ex.ids and 3 <= sum(valued.trained) <= 9 < sum(ex.trained)
     text = tok.decode(ex.ids)
     reply = tok.decode([i for i, t in zip(ex.ids, ex.trained) if t])
     assert "<｜User｜>" in text and DEFAULT_SYSTEM[:40] not in text  # no system prompt
