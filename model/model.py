@@ -363,8 +363,9 @@ class Attention(nn.Module):
         mask = mask[None]
         if step.floor is not None:
             mask = mask & (key_pos[None, None, :] >= step.floor[:, self.layer, None, None])
+        keys = torch.cat([old.to(kv.dtype), kv], dim=1)  # before the write: a float ring's read is its buffer
         ring.write(kv, pos)
-        return torch.cat([old.to(kv.dtype), kv], dim=1), mask
+        return keys, mask
 
     def _update_source(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> None:
         if self.compressor is None:

@@ -19,6 +19,7 @@ from model.model import stable_topk
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "v41-tiny-a"
 SMALL = dict(sliding_window=16, index_topk=8, candidate_topk_blocks=3, candidate_block_size=2)
+DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "model" / "assets" / "default"
 
 
 @pytest.fixture(autouse=True)
@@ -78,31 +79,57 @@ def test_bf16_small_forward_runs_on_cuda():
     assert engine.decode(state, logits.argmax(-1)).shape == (2, args.vocab_size)
 
 
-def test_a_training_step_on_cuda_matches_the_cpu():
-    """The CUDA training path — QAT values from the kernels, the dense MoE, the compiled mHC
-    twin — gives the CPU reference's loss and gradients (tiny preset, QAT, exact replay)."""
+def _training_step(device: str, off: tuple[str, ...] = ()) -> tuple[float, dict[str, float]]:
+    """Loss and gradient norms of one QAT training step of the embedded default on 3 rows
+    of random ids, with the ``off`` switches (DSAGENT_*) set to 0."""
+    import os
     import random
 
+    from model.loading import load
     from model.training import Example, add_weight_qat, batch_loss, make_batch
 
-    args = ModelArgs.preset("tiny").replace(**SMALL)
     rng = random.Random(0)
-    rows = [Example([rng.randrange(10, 4000) for _ in range(90)], [False] * 70 + [True] * 20) for _ in range(3)]
-    got = {}
-    for device in ("cpu", "cuda"):
-        model = build(args, seed=2).to(device)
-        bind_tokenizer(model, BUNDLED_TOKENIZER)
+    rows = [Example([rng.randrange(10, 4000) for _ in range(300)], [False] * 250 + [True] * 50) for _ in range(3)]
+    switches = ("DSAGENT_KERNELS", "DSAGENT_DENSE_MOE", "DSAGENT_COMPILE")
+    before = {k: os.environ.get(k) for k in switches}
+    os.environ.update({k: "0" if k in off else "1" for k in switches})
+    try:
+        model = load(DEFAULT_MODEL, device=device)
         add_weight_qat(model)
         model.train()
-        batch = make_batch(rows, ["exact"] * 3, window=args.sliding_window, decoder_start=args.decoder_start,
-                           layers=args.num_hidden_layers, pad_id=args.pad_token_id, rng=random.Random(1))
+        a = model.args
+        batch = make_batch(rows, ["exact"] * 3, window=a.sliding_window, decoder_start=a.decoder_start,
+                           layers=a.num_hidden_layers, pad_id=a.pad_token_id, rng=random.Random(1))
         losses = batch_loss(model, batch, dense=True, share_prefix=False)
         losses.total.backward()
-        grads = {n: p.grad.norm().item() for n, p in model.named_parameters() if p.grad is not None}
-        got[device] = (losses.lm.item(), grads)
-    (cpu_loss, cpu_grads), (cuda_loss, cuda_grads) = got["cpu"], got["cuda"]
-    assert abs(cpu_loss - cuda_loss) <= 1e-3 * abs(cpu_loss)
-    shared = [n for n in cpu_grads if n in cuda_grads and cpu_grads[n] > 1e-6]
-    assert len(shared) > 100
-    close = [abs(cpu_grads[n] - cuda_grads[n]) <= 1e-2 * cpu_grads[n] + 1e-6 for n in shared]
-    assert sum(close) >= 0.95 * len(shared)
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    return losses.lm.item(), {n: p.grad.norm().item() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _assert_steps_agree(a, b, loss_rtol: float, grad_rtol: float) -> None:
+    (loss_a, grads_a), (loss_b, grads_b) = a, b
+    assert abs(loss_a - loss_b) <= loss_rtol * abs(loss_a), (loss_a, loss_b)
+    shared = [n for n in grads_a if n in grads_b and grads_a[n] > 1e-6]
+    assert len(shared) > 100 and set(grads_a) == set(grads_b)
+    close = [abs(grads_a[n] - grads_b[n]) <= grad_rtol * grads_a[n] + 1e-6 for n in shared]
+    assert sum(close) >= 0.95 * len(shared), sorted(shared, key=lambda n: -abs(grads_a[n] - grads_b[n]) / grads_a[n])[:5]
+
+
+def test_a_training_step_on_cuda_matches_the_cpu():
+    """The CUDA training path — QAT values from the kernels, the dense MoE, the compiled mHC
+    twin — gives the CPU reference's loss and gradients. On the trained default, not random
+    weights: a random model's near-tied selections (gate top-k, indexer, candidate pool) turn
+    float noise into other choices — on the CPU its loss moved by 2% between chunks of 1,024
+    and 32 tokens, and from CPU to CUDA by 0.4% with every fast path off (H200, session 7) —
+    where the default's moved by 2.4e-4 (chunks)."""
+    _assert_steps_agree(_training_step("cpu"), _training_step("cuda"), 1e-3, 2e-2)
+
+
+def test_the_cuda_training_fast_paths_match_the_cuda_reference():
+    """On one device, the fast paths (kernels, dense MoE, compiled mHC) against the reference
+    paths (all three switched off): only float order differs."""
+    fast = _training_step("cuda")
+    _assert_steps_agree(_training_step("cuda", ("DSAGENT_KERNELS", "DSAGENT_DENSE_MOE", "DSAGENT_COMPILE")), fast,
+                        5e-4, 1e-2)

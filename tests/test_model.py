@@ -24,7 +24,7 @@ from model.args import ConfigError, ModelArgs
 from model.cache import Cache, CacheFormatError
 from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
 from model.model import Transformer
-from model.quant import unpack_main
+from model.quant import KVFormat, unpack_main
 
 TINY = ModelArgs.preset("tiny")
 VOCAB = TINY.vocab_size
@@ -136,6 +136,22 @@ class TeacherForcing:
     def close(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+@pytest.mark.parametrize("kv, tol", [(KVFormat.FLOAT, 1e-4), (KVFormat.TRAIN, 0.5)], ids=["float", "train"])
+def test_a_float_window_ring_is_read_before_the_chunk_writes_it(kv, tol) -> None:
+    """A float ring's read is its buffer, not a copy: a chunk that wraps the ring (here 48
+    tokens into a 2 x 16 + spare ring) overwrote the previous chunk's entries before
+    attention read them — logits O(1) off from the first chunk boundary on, in every
+    no-grad forward over a ``FLOAT`` or ``TRAIN`` cache (the eval's float-kv mode). Chunked
+    equals whole (measured: before the fix 5.1 / 4.6 at most; after, 5e-6 / 0.08 — ``TRAIN``
+    rounds KV to FP8 / FP4, and this random model turns float-order changes into rounding flips)."""
+    small = make_tiny(sliding_window=16)
+    ids = tokens(1, 120, seed=4)
+    with torch.no_grad():
+        whole = small(ids, Cache(small.args, kv=kv))
+        chunked = feed(small, ids, [24, 72], Cache(small.args, kv=kv))
+    assert (chunked - whole).abs().max() < tol, (chunked - whole).abs().amax(-1)
 
 
 def test_incremental_equals_full_layerwise(net) -> None:
