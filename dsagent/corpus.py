@@ -29,6 +29,7 @@ import base64
 import io
 import json
 import random
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -160,20 +161,40 @@ def training_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelAr
     return Example(ids, trained, list(zip(starts, images)))
 
 
-def value_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:
-    """A recall record as ``training_example`` lays it out, trained on the reply's tokens
-    that spell the planted value only (a token may also hold the space before it: " A" of
-    " ABC-1234"): the lookup's own signal, not diluted by the reply's words around it."""
+def focus_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs, words: list[str]) -> Example:
+    """``record`` as ``training_example`` lays it out, trained only on the tokens of its last
+    reply that spell one of ``words`` (whole words; a token may also hold the space before
+    one: " A" of " ABC-1234"): the one skill's own signal, not diluted by the reply's words
+    around it — a fresh model learns a lookup from the value's tokens alone (and not from
+    the whole reply) within the same steps."""
     ex = training_example(record, tokenizer, args)
     ids, trained = list(ex.ids), list(ex.trained)
-    reply = [i for i, t in enumerate(trained) if t]  # the one reply of a recall record
+    last = max(i for i, t in enumerate(trained) if t)
+    first = last
+    while first > 0 and trained[first - 1]:
+        first -= 1
+    reply = list(range(first, last + 1))
     text = [tokenizer.decode([ids[i] for i in reply[:k]]) for k in range(len(reply) + 1)]
-    end = text[-1].rfind(record["truth"]["value"])
-    if end < 0:
-        raise ValueError(f"record {record['id']}: the reply does not spell the value")
-    span = (end, end + len(record["truth"]["value"]))
-    scored = {reply[k] for k in range(len(reply)) if len(text[k]) < span[1] and len(text[k + 1]) > span[0]}
+    spans = [(m.start(), m.end()) for w in words
+             for m in re.finditer(rf"(?<![\w-]){re.escape(w)}(?![\w-])", text[-1])]
+    if not spans:
+        raise ValueError(f"record {record['id']}: the reply spells none of {words}")
+    scored = {reply[k] for k in range(len(reply)) for lo, hi in spans if len(text[k]) < hi and len(text[k + 1]) > lo}
     return Example(ids, [i in scored for i in range(len(ids))], ex.images)
+
+
+def value_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:
+    """A recall record trained on its reply's planted value alone (see ``focus_example``)."""
+    return focus_example(record, tokenizer, args, [record["truth"]["value"]])
+
+
+def form_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:
+    """An image record trained on the words of its reply that name the shapes' kind and
+    count alone (not their colour, which a model learns first)."""
+    truth = record["truth"]["image"]
+    kind, count = truth["kind"], truth["count"]
+    words = [str(count), NUMBER_WORDS[count], kind, _plural(2, kind).split(" ", 1)[1]]
+    return focus_example(record, tokenizer, args, words + [w.capitalize() for w in words[2:]])
 
 
 def turn_groups(messages: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

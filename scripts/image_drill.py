@@ -1,14 +1,16 @@
 """A focused experiment for the image skill: does a model learn shapes and counts from pictures alone?
 
     python3 scripts/image_drill.py [--init model/assets/default] [--steps 300] [--batch 32] [--lr 1e-3]
-                                   [--records 3000] [--device cpu] [--tower-lr 1]
+                                   [--records 3000] [--device cpu] [--tower-lr 1] [--form-only]
 
 Trains on the corpus's image conversations only, without the system prompt (corpus seed 31,
 not a training seed), through the same code path as scripts/train_default.py (QAT weights
 and KV, exact replay), and prints one JSON line per 25 steps: the next-token accuracy of the
 replies on the training batches and on 64 held-out conversations (seed 7919). The replies
 name colour, shape and count ("3. There are three red circles."); a model that knows colour
-alone sits near 0.85-0.88, so a rise above that is the ViT learning form. Writes nothing.
+alone sits near 0.85-0.88, so a rise above that is the ViT learning form. ``--form-only``
+trains and scores the kind and count words alone (chance: a third of the kinds, a fifth of
+the counts). Writes nothing.
 """
 from __future__ import annotations
 
@@ -24,7 +26,7 @@ from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import bare_record, make_record, training_example  # noqa: E402
+from dsagent.corpus import bare_record, form_example, make_record, training_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import Example, add_weight_qat, batch_loss, make_batch, param_groups  # noqa: E402
@@ -32,13 +34,11 @@ from model.training import Example, add_weight_qat, batch_loss, make_batch, para
 DRILL_SEED, HELD_OUT_SEED = 31, 7919
 
 
-def bare_images(seed: int, n: int, tokenizer: Tokenizer, args) -> list[Example]:
-    """``n`` image conversations of corpus ``seed``, without the system prompt."""
-    out = []
-    for i in range(n):
-        record = make_record(seed, i, "c", tokenizer)
-        out.append(training_example(bare_record(record), tokenizer, args))
-    return out
+def bare_images(seed: int, n: int, tokenizer: Tokenizer, args, form_only: bool = False) -> list[Example]:
+    """``n`` image conversations of corpus ``seed``, without the system prompt (``form_only``:
+    trained on the words naming the shapes' kind and count alone)."""
+    lay_out = form_example if form_only else training_example
+    return [lay_out(bare_record(make_record(seed, i, "c", tokenizer)), tokenizer, args) for i in range(n)]
 
 
 def main() -> None:
@@ -50,13 +50,16 @@ def main() -> None:
     p.add_argument("--records", type=int, default=3000)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tower-lr", type=float, default=1.0, help="learning-rate multiplier of the ViT and its aligner")
+    p.add_argument("--form-only", action="store_true",
+                   help="train (and score) the reply's words for the shapes' kind and count alone, not their colour")
     a = p.parse_args()
     torch.manual_seed(0)
     model = load(a.init, device=a.device, dtype=torch.float32, seed=0)
     add_weight_qat(model)
     model.train()
     args, tokenizer = model.args, Tokenizer.bundled()
-    train, held = bare_images(DRILL_SEED, a.records, tokenizer, args), bare_images(HELD_OUT_SEED, 64, tokenizer, args)
+    train = bare_images(DRILL_SEED, a.records, tokenizer, args, a.form_only)
+    held = bare_images(HELD_OUT_SEED, 64, tokenizer, args, a.form_only)
 
     def loss(rows, rng):
         batch = make_batch(rows, ["exact"] * len(rows), window=args.sliding_window, decoder_start=args.decoder_start,

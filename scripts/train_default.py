@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recall-value-only", action="store_true",
                    help="the --recall-first phase's bare records train the reply's value tokens alone (as "
                         "scripts/retrieval_drill.py does), not the words around them that copy the question")
+    p.add_argument("--recall-pool", choices=("prompted", "bare"), default="prompted",
+                   help="what the recall steps after the --recall-first phase draw: the records with the system "
+                        "prompt, or their bare forms (trained as --recall-value-only says)")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
@@ -265,6 +268,8 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     first = long and step < steps
     if first:  # the first phase: --long-batch rows of the shortest `share` of the bare records (sorted)
         pool = pools["bare"][:max(1, round(len(pools["bare"]) * share))]
+    elif long and getattr(a, "recall_pool", "prompted") == "bare":
+        pool = pools["bare"]
     if long and a.long_tokens and not first:
         # records of like length (the pool is sorted), none longer than the drawn one: a
         # batch pads to its longest row, so mixed lengths would waste the budget on padding
@@ -480,7 +485,7 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
-            "recall_value_only": a.recall_value_only, "kinds": a.kinds, "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
+            "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "kinds": a.kinds, "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
             "replay_weights": dict(zip(REPLAY_MODES, replay_weights(a))), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,

@@ -230,3 +230,20 @@ def test_multi_turn_final_answers_depend_on_earlier_turns(records):
         last_user = [m for m in r["messages"] if m["role"] == "user"][-1]
         answer = str(r["truth"]["answer"]) if "answer" in r["truth"] else r["truth"]["image"]["colour"]
         assert answer in final and answer not in _text(last_user["content"]), r["id"]
+
+
+def test_focus_example_trains_whole_words_of_the_last_reply_alone():
+    """focus_example scores the tokens spelling the words given, in the last reply only and
+    as whole words (a value inside a longer word is not it); a reply without them is refused."""
+    from model.args import ModelArgs
+
+    tok, args = Tokenizer.bundled(), ModelArgs.preset("tiny")
+    record = corpus_gen.make_record(5, 3, "d", tok, (40, 60))
+    value = record["truth"]["value"]
+    ex = corpus_gen.focus_example(record, tok, args, [value])
+    said = [i for i, m in enumerate(ex.trained) if m]
+    assert tok.decode([ex.ids[i] for i in said]).strip() == value
+    assert said[0] > len(ex.ids) - 16  # the reply's copy, not the log's (the log spells it too)
+    assert corpus_gen.value_example(record, tok, args).trained == ex.trained
+    with pytest.raises(ValueError, match="spells none"):
+        corpus_gen.focus_example(record, tok, args, [value[1:]])  # inside the value: not a whole word

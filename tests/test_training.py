@@ -350,6 +350,13 @@ def test_image_drill_rows_are_bare_image_conversations(tiny):
     for ex in rows:
         assert len(ex.images) == 1 and (torch.tensor(ex.ids) == tiny.args.image_token_id).sum() > 0
         assert len(ex.ids) < 200 and any(ex.trained)  # the ~2.3K-token system prompt is not there
+    form = image_drill.bare_images(image_drill.DRILL_SEED, 3, tok, tiny.args, form_only=True)
+    from dsagent.corpus import NUMBER_WORDS, make_record
+    for i, (ex, full) in enumerate(zip(form, rows)):
+        truth = make_record(image_drill.DRILL_SEED, i, "c", tok)["truth"]["image"]
+        said = tok.decode([t for t, m in zip(ex.ids, ex.trained) if m]).lower()
+        assert ex.ids == full.ids and sum(ex.trained) < sum(full.trained)
+        assert truth["kind"][:4] in said and NUMBER_WORDS[truth["count"]] in said and truth["colour"] not in said
 
 
 def test_vit_probe_separates_what_is_separable_and_reads_each_cell(tiny):
@@ -387,6 +394,10 @@ def test_trainer_kinds_replay_weights_and_tower_learning_rate(tiny):
         assert f": {said}\n" in tok.decode(value.ids.tolist()) and prompted.trained.sum() > value.trained.sum()
     a = argparse.Namespace(seed=0, long_prob=1.0, short_batch=3, long_batch=6, long_tokens=0, replay="1,0,0")
     assert train_default.next_batch(a, pools, 3, tiny.args).modes == ["exact"] * 6
+    bare = {tuple(ex.ids.tolist()) for ex in pools["bare"]}
+    for pool, want in (("prompted", False), ("bare", True)):  # --recall-pool, after the first phase
+        rows = train_default.next_batch(argparse.Namespace(**{**vars(a), "recall_pool": pool}), pools, 3, tiny.args)
+        assert all((tuple(r[r != tiny.args.pad_token_id].tolist()) in bare) == want for r in rows.ids)
     assert {train_default.step_kind(argparse.Namespace(**{**vars(a), "long_prob": 0.0}), pools, s)
             for s in range(20)} == {"long"}  # nothing else to train on
     a.replay = "0,0,1"
