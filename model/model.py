@@ -387,9 +387,11 @@ class Attention(nn.Module):
         B, S, k = idx.shape
         packed = src.view()[0]
         if step.index_losses is not None:
-            selected = torch.zeros(B, S, src.n, dtype=torch.bool, device=idx.device)
-            selected.scatter_(-1, idx.clamp_min(0), idx >= 0)
-            return src.kv.unpack_main(packed, self.head_dim), selected
+            # a -1 (no record) goes to a spare column: clamped to 0, its False would land on
+            # record 0 too, and of two writes to one place the last wins (on CUDA, either)
+            selected = torch.zeros(B, S, src.n + 1, dtype=torch.bool, device=idx.device)
+            selected.scatter_(-1, torch.where(idx >= 0, idx, src.n), True)
+            return src.kv.unpack_main(packed, self.head_dim), selected[..., :src.n]
         rows = packed.gather(1, idx.clamp_min(0).reshape(B, S * k, 1).expand(-1, -1, packed.shape[-1]))
         return src.kv.unpack_main(rows, self.head_dim).view(B, S, k, -1), idx >= 0
 

@@ -57,6 +57,27 @@ def test_train_format_cache_gives_the_packed_logits(tiny):
     assert (unquantised - packed).abs().max() > 1e-3  # FLOAT really skips the quantisers
 
 
+def test_the_training_forward_selects_the_records_inference_does(tiny):
+    """Training attends over every record with a mask of the indexer's picks (the dense-mask
+    form, for the index loss); inference gathers the picks. Early queries see fewer records
+    than top-k, so their picks end in -1s: those once landed on record 0 as False and
+    dropped it from the mask (CPU: always; CUDA: as the writes fell) — the logits differed
+    by 0.2-3.0 at every position of this random model. Same logits now (float KV: TRAIN's
+    FP4 rounding turns the two forms' float order into ~1e-3 here)."""
+    ids = torch.tensor([_ids(60, 5)])
+    assert tiny.args.index_topk * min(r for r in tiny.args.ratios if r > 1) > 30  # early picks hold -1s
+
+    def logits(training_form: bool) -> torch.Tensor:
+        cache = tiny.new_cache(1, kv=KVFormat.FLOAT)
+        streams, pre, step = tiny.begin(ids, cache, 0)
+        step.index_losses = [] if training_form else None
+        streams, pre = tiny.run_layers(streams, pre, step, cache, range(tiny.args.num_hidden_layers))
+        return tiny.logits(streams, pre)
+
+    with torch.no_grad():
+        torch.testing.assert_close(logits(True), logits(False), rtol=1e-5, atol=1e-5)
+
+
 def test_weight_qat_reads_what_the_checkpoint_stores():
     model = build(ModelArgs.preset("tiny"), seed=5)
     expected = fake_quantize_like_checkpoint(model.state_dict())
