@@ -112,7 +112,7 @@ def _assert_steps_agree(a, b, loss_rtol: float, grad_rtol: float) -> None:
     (loss_a, grads_a), (loss_b, grads_b) = a, b
     assert abs(loss_a - loss_b) <= loss_rtol * abs(loss_a), (loss_a, loss_b)
     shared = [n for n in grads_a if n in grads_b and grads_a[n] > 1e-6]
-    assert len(shared) > 100 and set(grads_a) == set(grads_b)
+    assert len(shared) > 100  # (an expert no token chose has a zero gradient densely, none in the loop)
     close = [abs(grads_a[n] - grads_b[n]) <= grad_rtol * grads_a[n] + 1e-6 for n in shared]
     assert sum(close) >= 0.95 * len(shared), sorted(shared, key=lambda n: -abs(grads_a[n] - grads_b[n]) / grads_a[n])[:5]
 
