@@ -29,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
+import os
 import warnings
 from dataclasses import dataclass
 
@@ -37,6 +38,11 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageOps, UnidentifiedImageError
 from torch import nn
+
+try:  # the optional extra `flash`: its kernel runs the ViT's attention on CUDA where it is installed
+    from flash_attn import flash_attn_func
+except (ImportError, OSError):  # not installed, or built against another torch
+    flash_attn_func = None
 
 from model.args import ConfigError, VisionArgs
 
@@ -361,8 +367,19 @@ class VisionAttention(nn.Module):
         n = x.shape[0]
         q, k, v = self.wqkv(x).view(n, 3, self.n_heads, self.head_dim).unbind(1)  # each (N, H, hd)
         q, k = apply_rope_2d(q, cos, sin), apply_rope_2d(k, cos, sin)
-        o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
-        return self.wo(o.transpose(0, 1).reshape(n, -1))
+        return self.wo(patch_attention(q, k, v).reshape(n, -1))
+
+
+def patch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Bidirectional softmax attention of one image's patches, (N, heads, hd) each, scale
+    hd^-1/2: flash-attn's kernel where it is installed and takes the inputs (CUDA, fp16 /
+    bf16, hd <= 256; ``DSAGENT_FLASH=0`` turns it off), else torch SDPA — the same function.
+    (The text model's attention does not fit flash-attn: 512-dim heads and a sink logit.)"""
+    if (flash_attn_func is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+            and q.shape[-1] <= 256 and os.environ.get("DSAGENT_FLASH", "1") != "0"):
+        return flash_attn_func(q[None], k[None], v[None])[0]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+    return o.transpose(0, 1)
 
 
 class VisionMLP(nn.Module):

@@ -402,3 +402,28 @@ def test_an_image_changes_the_model_output(tower):
     # causal: text before the image is unchanged up to float noise (row blocking of the matmuls)
     assert (outs[0][:, :3] - outs[1][:, :3]).abs().max() < 1e-3
     assert not torch.allclose(outs[0][:, -1], outs[1][:, -1])  # the image reaches later tokens
+
+
+def test_patch_attention_is_softmax_attention_over_every_patch():
+    """The ViT's attention (the SDPA fallback here) is plain bidirectional softmax attention
+    per head with scale hd^-1/2, on (patches, heads, hd) tensors."""
+    from model.vision import patch_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(7, 3, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    want = torch.einsum("hnm,mhd->nhd", (torch.einsum("nhd,mhd->hnm", q, k) / 4).softmax(-1), v)
+    torch.testing.assert_close(patch_attention(q, k, v), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flash_attn_patch_attention_matches_sdpa(monkeypatch):
+    """flash-attn's kernel, where installed, gives the SDPA fallback's result (bf16)."""
+    import model.vision as vision
+
+    if vision.flash_attn_func is None:
+        pytest.skip("flash-attn is not installed")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(300, 16, 64, generator=g, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    flash = vision.patch_attention(q, k, v)
+    monkeypatch.setenv("DSAGENT_FLASH", "0")
+    torch.testing.assert_close(flash, vision.patch_attention(q, k, v), rtol=2e-2, atol=2e-2)
