@@ -165,8 +165,8 @@ def focus_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
     """``record`` as ``training_example`` lays it out, trained only on the tokens of its last
     reply that spell one of ``words`` (whole words; a token may also hold the space before
     one: " A" of " ABC-1234"): the one skill's own signal, not diluted by the reply's words
-    around it — a fresh model learns a lookup from the value's tokens alone (and not from
-    the whole reply) within the same steps."""
+    around it — a fresh model learns the recall lookup from the value's tokens alone, and not
+    in as many steps from the whole reply (README, *The embedded default*, session 7)."""
     ex = training_example(record, tokenizer, args)
     ids, trained = list(ex.ids), list(ex.trained)
     last = max(i for i, t in enumerate(trained) if t)

@@ -69,9 +69,12 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dense", action="store_true", help="every record visible (the indexer's warm-up)")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--chat", action="store_true", help="the corpus's recall conversations, bare, the whole reply trained")
+    p.add_argument("--chat", action="store_true",
+                   help="the corpus's recall conversations, bare, the whole reply trained")
     p.add_argument("--value-only", action="store_true", help="with --chat: the reply's value tokens alone trained")
     a = p.parse_args()
+    if a.value_only and not a.chat:
+        p.error("--value-only goes with --chat (without it only the value is trained anyway)")
     lo, hi = map(int, a.tokens.split(","))
     torch.manual_seed(a.seed)
     model = load(a.init, device=a.device, dtype=torch.float32, seed=a.seed)

@@ -71,8 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "system prompt, the shortest SHARE of them: a fresh model finds the lookup on short "
                         "logs first, and a long identical prefix spreads its first, even attention ~10x thinner")
     p.add_argument("--recall-value-only", action="store_true",
-                   help="the --recall-first phase's bare records train the reply's value tokens alone (as "
-                        "scripts/retrieval_drill.py does), not the words around them that copy the question")
+                   help="bare recall records (the --recall-first phase's, and --recall-pool bare's) train the "
+                        "reply's value tokens alone, not the words around them that copy the question: with "
+                        "the whole reply trained, a fresh model does not learn the lookup")
     p.add_argument("--recall-pool", choices=("prompted", "bare"), default="prompted",
                    help="what the recall steps after the --recall-first phase draw: the records with the system "
                         "prompt, or their bare forms (trained as --recall-value-only says)")
@@ -85,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile", default="", metavar="STEP,N",
                    help="profile steps STEP..STEP+N-1 (torch.profiler) and log one JSON line of it")
     p.add_argument("--kinds", default=SCHEDULE_KINDS,
-                   help="record kinds to train on (letters of the corpus's a-e): the others of the schedule are skipped")
+                   help="record kinds to train on (letters of the corpus's a-e); the schedule's others are skipped")
     p.add_argument("--replay", default=",".join(map(str, REPLAY_WEIGHTS)), metavar="EXACT,CED,RESUME",
                    help="weights of the replay modes a row simulates")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -155,10 +156,10 @@ def _compact(ex: Example) -> Example:
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False) -> dict[str, list[Example]]:
-    """The first ``n`` records of the ``kinds`` given, or, in a data-parallel run, this
-    process's share: whole rounds of SCHEDULE, so every process holds every kind: "long" the recall records,
-    sorted by length (see next_batch), "bare" the same without the system prompt (``value_only``:
-    trained on the value's tokens alone), "short"
+    """The records of the ``kinds`` given among the first ``n``, or, in a data-parallel run,
+    this process's share: whole rounds of SCHEDULE, so every process holds every kind.
+    Pools: "long" the recall records, sorted by length (see next_batch), "bare" the same
+    without the system prompt (``value_only``: trained on the value's tokens alone), "short"
     every other kind, "image" the image conversations (also in "short")."""
     pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank and SCHEDULE[i % len(SCHEDULE)] in kinds]
@@ -485,7 +486,8 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
-            "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "kinds": a.kinds, "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
+            "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "kinds": a.kinds,
+            "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
             "replay_weights": dict(zip(REPLAY_MODES, replay_weights(a))), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
@@ -497,6 +499,8 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
 
 def main(argv=None) -> None:
     a = parse_args(argv)
+    if not a.kinds or set(a.kinds) - set(SCHEDULE_KINDS):
+        raise SystemExit(f"--kinds {a.kinds!r}: want letters of {SCHEDULE_KINDS}")
     info = train(a)
     if info is not None:
         print(json.dumps(info), flush=True)

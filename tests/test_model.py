@@ -141,7 +141,7 @@ class TeacherForcing:
 @pytest.mark.parametrize("kv, tol", [(KVFormat.FLOAT, 1e-4), (KVFormat.TRAIN, 0.5)], ids=["float", "train"])
 def test_a_float_window_ring_is_read_before_the_chunk_writes_it(kv, tol) -> None:
     """A float ring's read is its buffer, not a copy: a chunk that wraps the ring (here 48
-    tokens into a 2 x 16 + spare ring) overwrote the previous chunk's entries before
+    tokens into 16 window + 16 spare slots) overwrote the previous chunk's entries before
     attention read them — logits O(1) off from the first chunk boundary on, in every
     no-grad forward over a ``FLOAT`` or ``TRAIN`` cache (the eval's float-kv mode). Chunked
     equals whole (measured: before the fix 5.1 / 4.6 at most; after, 5e-6 / 0.08 — ``TRAIN``
