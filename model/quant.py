@@ -175,8 +175,20 @@ def unpack_index(b: torch.Tensor, dim: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- KV formats
 
 def straight_through(x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
-    """``quantised`` in the forward pass, the identity's gradient in the backward pass."""
-    return x + (quantised - x).detach()
+    """``quantised`` in the forward pass (exactly: not ``x + (quantised - x)``, whose sum can
+    round), the identity's gradient to ``x`` in the backward pass; no kernel either way (the
+    subtract-and-add spelling launched two each way, ~800 a training step of ``tiny``)."""
+    return _StraightThrough.apply(x, quantised)
+
+
+class _StraightThrough(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, quantised: torch.Tensor) -> torch.Tensor:
+        return quantised  # autograd hands out a view of it: no copy
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
 
 
 class KVFormat:
@@ -266,22 +278,33 @@ def quantize_fp8_weight(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
     return q.to(torch.float8_e4m3fn), ue8m0_encode(scale).view(torch.float8_e8m0fnu)
 
 
+def _fp8_tile_view(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled (not yet rounded) values of the zero-padded ``w`` [..., out, in] as tiles
+    [..., To, bo, Ti, bi], and the power-of-two tile scales [..., To, 1, Ti, 1] (the padding
+    never raises a tile's amax)."""
+    (out_f, in_f), (bo, bi) = w.shape[-2:], block
+    pad = torch.nn.functional.pad(w.float(), (0, -in_f % bi, 0, -out_f % bo))
+    tiles = pad.view(*pad.shape[:-2], pad.shape[-2] // bo, bo, pad.shape[-1] // bi, bi)
+    scale = pow2_ceil(tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(1e-4) / FP8_MAX)
+    return (tiles / scale).clamp(-FP8_MAX, FP8_MAX), scale
+
+
+def _untile(tiles: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    rows = tiles.shape[-4] * tiles.shape[-3]
+    return tiles.reshape(*tiles.shape[:-4], rows, -1)[..., : shape[-2], : shape[-1]]
+
+
 def _fp8_tiles(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled (not yet rounded) values [out, in] and the power-of-two tile scales."""
-    (out_f, in_f), (bo, bi) = w.shape, block
-    pad = torch.zeros(-(-out_f // bo) * bo, -(-in_f // bi) * bi, dtype=torch.float32, device=w.device)
-    pad[:out_f, :in_f] = w.float()
-    tiles = pad.reshape(pad.shape[0] // bo, bo, pad.shape[1] // bi, bi)
-    scale = pow2_ceil(tiles.abs().amax(dim=(1, 3)).clamp_min(1e-4) / FP8_MAX)
-    q = (tiles / scale[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).reshape(pad.shape)
-    return q[:out_f, :in_f], scale
+    q, scale = _fp8_tile_view(w, block)
+    return _untile(q, w.shape), scale[..., :, 0, :, 0]
 
 
 def fake_quant_fp8_weight(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """FP8 weight with one power-of-two scale per (rows, cols) tile, dequantised on ``w``'s device."""
-    q, scale = _fp8_tiles(w, block)
-    s = scale.repeat_interleave(block[0], 0)[: w.shape[0]].repeat_interleave(block[1], 1)[:, : w.shape[1]]
-    return (q.to(torch.float8_e4m3fn).float() * s).to(w.dtype)
+    """FP8 weight(s) [..., out, in] with one power-of-two scale per (rows, cols) tile,
+    dequantised on ``w``'s device (the scales broadcast over their tiles)."""
+    q, scale = _fp8_tile_view(w, block)
+    return _untile(q.to(torch.float8_e4m3fn).float() * scale, w.shape).to(w.dtype)
 
 
 def fp8_block_from_shapes(shape: tuple, scale_shape: tuple) -> tuple[int, int]:

@@ -22,14 +22,14 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import bare_record, form_example, make_record, training_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.training import Example, add_weight_qat, batch_loss, make_batch, param_groups  # noqa: E402
+from model.training import (Example, add_weight_qat, batch_loss, make_batch, param_groups,  # noqa: E402
+                            quantised_weights)
 
 DRILL_SEED, HELD_OUT_SEED = 31, 7919
 
@@ -64,7 +64,7 @@ def main() -> None:
     def loss(rows, rng):
         batch = make_batch(rows, ["exact"] * len(rows), window=args.sliding_window, decoder_start=args.decoder_start,
                            layers=args.num_hidden_layers, pad_id=args.pad_token_id, rng=rng)
-        with parametrize.cached():
+        with quantised_weights(model):
             return batch_loss(model, batch, share_prefix=False)
 
     def held_acc() -> float:

@@ -33,7 +33,7 @@ from dsagent.corpus import (KEY_KINDS, WORDS, bare_record, filler_line, make_rec
 from model import load  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.training import Example, add_weight_qat, batch_loss, make_batch  # noqa: E402
+from model.training import Example, add_weight_qat, batch_loss, make_batch, quantised_weights  # noqa: E402
 
 DRILL_SEED = 37  # the corpus seed of --chat conversations (no training run uses it)
 
@@ -90,8 +90,9 @@ def main() -> None:
                            window=args.sliding_window, decoder_start=args.decoder_start,
                            layers=args.num_hidden_layers, pad_id=args.pad_token_id, rng=rng)
         opt.zero_grad(set_to_none=True)
-        losses = batch_loss(model, batch, dense=a.dense, share_prefix=False)
-        losses.total.backward()
+        with quantised_weights(model):
+            losses = batch_loss(model, batch, dense=a.dense, share_prefix=False)
+            losses.total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         window = [window[0] + losses.correct, window[1] + losses.tokens, window[2] + float(losses.lm.detach()),

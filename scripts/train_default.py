@@ -32,7 +32,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch.nn.utils import parametrize
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,7 +42,8 @@ from model.checkpoint import write_checkpoint  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, batch_loss,  # noqa: E402
-                            make_batch, official_name, param_groups, plain_state_dict, remove_weight_qat)
+                            make_batch, official_name, param_groups, plain_state_dict, quantised_weights,
+                            remove_weight_qat)
 
 SCHEDULE = "aabbbccdee"  # record i has kind SCHEDULE[i % 10]: tools, images and sessions weigh most
 SCHEDULE_KINDS = "abcde"
@@ -388,7 +388,7 @@ def train(a) -> dict:
         opt.zero_grad(set_to_none=True)
         ok = True
         try:
-            with parametrize.cached():  # each QAT weight quantised once per step, not per chunk
+            with quantised_weights(model):  # every QAT weight quantised once per step, stacked
                 losses = batch_loss(model, batch, chunk=a.chunk, prefix_chunk=a.prefix_chunk,
                                     dense=progress < a.dense_fraction, share_prefix=a.share_prefix)
                 losses.total.backward()

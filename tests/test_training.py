@@ -78,6 +78,41 @@ def test_the_training_forward_selects_the_records_inference_does(tiny):
         torch.testing.assert_close(logits(True), logits(False), rtol=1e-5, atol=1e-5)
 
 
+def test_quantised_weights_are_the_per_weight_values_computed_in_stacks():
+    """quantised_weights computes every QAT weight up front, stacked by format and shape:
+    the same values (bit for bit) and gradients as one weight at a time, no quantiser
+    operation left when a weight is read inside, and nothing kept after it."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from model.training import quantised_weights
+
+    model = load("tiny", seed=4)
+    add_weight_qat(model)
+    linears = {n: m for n, m in model.named_modules() if parametrize.is_parametrized(m, "weight")}
+    with parametrize.cached():
+        one_by_one = {n: m.weight.detach().clone() for n, m in linears.items()}
+
+    class Ops(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.split(".")[0] not in ("view", "alias", "detach"):
+                Ops.count += 1
+            return func(*args, **(kwargs or {}))
+
+    with quantised_weights(model):
+        with Ops():
+            stacked = {n: m.weight for n, m in linears.items()}
+        assert Ops.count == 0  # every value was ready
+        assert all(torch.equal(stacked[n], one_by_one[n]) for n in linears) and len(linears) > 400
+        loss = sum((w.float() ** 2).sum() for w in stacked.values())
+        loss.backward()
+    grads = {n: m.parametrizations.weight.original.grad.clone() for n, m in linears.items()}
+    assert all(m.parametrizations.weight[0].ready is None for m in linears.values())
+    for n, m in linears.items():  # straight-through: d(sum q^2)/dw = 2q
+        torch.testing.assert_close(grads[n], 2 * one_by_one[n].float().to(grads[n].dtype), msg=n)
+
+
 def test_weight_qat_reads_what_the_checkpoint_stores():
     model = build(ModelArgs.preset("tiny"), seed=5)
     expected = fake_quantize_like_checkpoint(model.state_dict())
