@@ -9,7 +9,8 @@ kernel is not); ``rope(x, cos, sin)`` (the RoPE rotation, kernel in ``model.kern
 bit-exact with its twin ``rope_ref``) and ``rms_norm(x, weight, eps)`` (kernel in
 ``model.kernels.norm``, twin ``rms_norm_ref``), ``hc_collapse(streams, pre)`` and
 ``hc_expand(y, residual, post, comb)`` (kernels in ``model.kernels.streams``, bit-exact with
-twins of the same names + ``_ref``) — these five on any number of tokens, outside autograd;
+twins of the same names + ``_ref``) — these five on any number of tokens; the last four
+also in training, through the closed-form backward passes of ``model.kernels.backward``;
 and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
   fp32: ``Attention._attend`` for S=1 on FP8 window rows and selected FP4 records.
@@ -36,6 +37,7 @@ import warnings
 import torch
 
 from model import quant
+from model.kernels import backward
 from model.kernels.reference import (hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref, rms_norm_ref,
                                     rope_ref, sparse_attention_ref)
 
@@ -128,33 +130,39 @@ def _hc_split_compiled(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Ten
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE rotation by cos / sin (see :func:`rope_ref`): the kernel where :func:`enabled`
-    and no gradient is wanted (it has no backward), else the twin; bit-exact either way."""
-    return _kernel_or_twin("RoPE kernel", "rotary.rope", rope_ref, x, cos, sin, grads=(x,))
+    """RoPE rotation by cos / sin (see :func:`rope_ref`): the kernel where :func:`enabled`,
+    else the twin; bit-exact either way. With a gradient wanted, through
+    :class:`backward.Rope` (whose backward is the same rotation by -sin)."""
+    return _kernel_or_twin("RoPE kernel", "rotary.rope", rope_ref, x, cos, sin, grads=(x,),
+                           function=backward.Rope)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm (see :func:`rms_norm_ref`; ``weight`` None: none): the kernel where
-    :func:`enabled` and no gradient is wanted (it has no backward), else the twin. Agrees
-    with the twin to a few fp32 ulps before the cast back (another summation order)."""
+    :func:`enabled`, else the twin (with a gradient wanted, through
+    :class:`backward.RMSNorm`). Agrees with the twin to a few fp32 ulps before the cast back
+    (another summation order)."""
     if weight is not None and x.dtype != weight.dtype:
         return rms_norm_ref(x, weight, eps)
     grads = (x,) if weight is None else (x, weight)
-    return _kernel_or_twin("RMSNorm kernel", "norm.rms_norm", rms_norm_ref, x, weight, eps, grads=grads)
+    return _kernel_or_twin("RMSNorm kernel", "norm.rms_norm", rms_norm_ref, x, weight, eps, grads=grads,
+                           function=backward.RMSNorm)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """The streams collapsed into a site's input (see :func:`hc_collapse_ref`): the kernel
-    where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
+    where :func:`enabled`, else the twin (with a gradient wanted, through
+    :class:`backward.HcCollapse`); bit-exact either way."""
     return _kernel_or_twin("mHC collapse kernel", "streams.hc_collapse", hc_collapse_ref, streams, pre,
-                           grads=(streams, pre))
+                           grads=(streams, pre), function=backward.HcCollapse)
 
 
 def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """A site's output expanded into the streams (see :func:`hc_expand_ref`): the kernel
-    where :func:`enabled` and no gradient is wanted, else the twin; bit-exact either way."""
+    where :func:`enabled`, else the twin (with a gradient wanted, through
+    :class:`backward.HcExpand`); bit-exact either way."""
     return _kernel_or_twin("mHC expand kernel", "streams.hc_expand", hc_expand_ref, y, residual, post, comb,
-                           grads=(y, residual, post, comb))
+                           grads=(y, residual, post, comb), function=backward.HcExpand)
 
 
 _FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process
@@ -170,9 +178,14 @@ def _kernel_runs(path: str, x: torch.Tensor, grads: tuple[torch.Tensor, ...] = (
     return enabled(x) and path not in _FAILED and not _wants_grad(*grads)
 
 
-def _kernel_or_twin(path: str, kernel: str, twin, x: torch.Tensor, *args, grads: tuple[torch.Tensor, ...]):
+def _kernel_or_twin(path: str, kernel: str, twin, x: torch.Tensor, *args, grads: tuple[torch.Tensor, ...],
+                    function: type[torch.autograd.Function] | None = None):
     """``kernel`` ("module.function" under ``model.kernels``, imported on first use: it needs
-    Triton) on ``(x, *args)`` where :func:`_kernel_runs`, guarded; else ``twin(x, *args)``."""
+    Triton) on ``(x, *args)`` where :func:`_kernel_runs`, guarded; else ``twin(x, *args)``.
+    With a gradient wanted through ``grads`` and a ``function`` (``model.kernels.backward``)
+    given, that function runs, its forward this same choice made without autograd."""
+    if function is not None and _wants_grad(*grads):
+        return function.apply(functools.partial(_kernel_or_twin, path, kernel, twin, grads=()), x, *args)
     if _kernel_runs(path, x, grads=grads):
         module, name = kernel.split(".")
         return _guarded(path, getattr(importlib.import_module(f"model.kernels.{module}"), name), twin, x, *args)
