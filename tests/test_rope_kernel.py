@@ -65,7 +65,9 @@ def test_kernel_equals_twin_bit_for_bit(shape, half, dtype, inverse) -> None:
 
 
 @needs_kernel
-def test_the_dispatcher_runs_the_kernel_only_without_a_gradient(monkeypatch) -> None:
+def test_the_dispatcher_runs_the_kernel_in_training_too(monkeypatch) -> None:
+    """Without a gradient, one launch; with one (training), the forward and the backward
+    (the rotation by -sin) each launch it, and the gradient is the twin's."""
     from model.kernels import rotary
 
     calls = []
@@ -78,5 +80,9 @@ def test_the_dispatcher_runs_the_kernel_only_without_a_gradient(monkeypatch) -> 
         rope(x, cos, sin)
     assert calls == [1]
     x.requires_grad_(True)
-    rope(x, cos, sin).sum().backward()  # training: the differentiable twin
-    assert calls == [1] and x.grad is not None
+    g = torch.randn(x.shape, device=DEVICE)
+    rope(x, cos, sin).backward(g)  # training: backward.Rope
+    assert calls == [1, 1, 1]
+    twin_x = x.detach().clone().requires_grad_(True)
+    rope_ref(twin_x, cos, sin).backward(g)
+    torch.testing.assert_close(x.grad, twin_x.grad, rtol=1e-6, atol=1e-6)

@@ -59,7 +59,8 @@ def test_kernels_match_the_twins_bit_for_bit(lead, hc, D, dtype) -> None:
 
 
 @needs_kernel
-def test_the_dispatcher_runs_the_kernels_only_without_a_gradient(monkeypatch) -> None:
+def test_the_dispatcher_runs_the_kernels_in_training_too(monkeypatch) -> None:
+    """Without a gradient and with one (training's forward, under backward.HcExpand): the kernels."""
     from model.kernels import streams as kernel
 
     calls = []
@@ -69,5 +70,5 @@ def test_the_dispatcher_runs_the_kernels_only_without_a_gradient(monkeypatch) ->
     streams, y, pre, post, comb = _inputs((1, 2), 4, 64, torch.float32)
     hc_collapse(streams, pre), hc_expand(y, streams, post, comb)
     assert calls == ["hc_collapse", "hc_expand"]
-    hc_expand(y.requires_grad_(), streams, post, comb)
-    assert calls == ["hc_collapse", "hc_expand"]  # a gradient wanted: the twin
+    hc_expand(y.requires_grad_(), streams, post, comb).sum().backward()
+    assert calls == ["hc_collapse", "hc_expand", "hc_expand"] and y.grad is not None
