@@ -297,7 +297,7 @@ def _untile(tiles: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 def _fp8_tiles(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled (not yet rounded) values [out, in] and the power-of-two tile scales."""
     q, scale = _fp8_tile_view(w, block)
-    return _untile(q, w.shape), scale[..., :, 0, :, 0]
+    return _untile(q, w.shape), scale[..., 0, :, 0]
 
 
 def fake_quant_fp8_weight(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -193,6 +193,13 @@ def make_batch(examples: list[Example], modes: list[str], *, window: int, decode
     return Batch(ids, mask, torch.tensor(floors, dtype=torch.long), images, list(modes))
 
 
+def batch_for(args, examples: list[Example], modes: list[str], rng: random.Random) -> Batch:
+    """:func:`make_batch` with the window, decoder start, layer count and pad id of the
+    model's ``args`` (``ModelArgs``)."""
+    return make_batch(examples, modes, window=args.sliding_window, decoder_start=args.decoder_start,
+                      layers=args.num_hidden_layers, pad_id=args.pad_token_id, rng=rng)
+
+
 def common_prefix(batch: Batch, multiple: int = 1) -> int:
     """Positions every row shares: same ids, no image, no floor and no trained prediction inside."""
     ids = batch.ids

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsagent.corpus import bare_record, form_example, make_record, training_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.training import (Example, add_weight_qat, batch_loss, make_batch, param_groups,  # noqa: E402
+from model.training import (Example, add_weight_qat, batch_for, batch_loss, param_groups,  # noqa: E402
                             quantised_weights)
 
 DRILL_SEED, HELD_OUT_SEED = 31, 7919
@@ -62,8 +62,7 @@ def main() -> None:
     held = bare_images(HELD_OUT_SEED, 64, tokenizer, args, a.form_only)
 
     def loss(rows, rng):
-        batch = make_batch(rows, ["exact"] * len(rows), window=args.sliding_window, decoder_start=args.decoder_start,
-                           layers=args.num_hidden_layers, pad_id=args.pad_token_id, rng=rng)
+        batch = batch_for(args, rows, ["exact"] * len(rows), rng)
         with quantised_weights(model):
             return batch_loss(model, batch, share_prefix=False)
 

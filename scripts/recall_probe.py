@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsagent.corpus import bare_record, make_record, value_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.training import batch_loss, make_batch  # noqa: E402
+from model.training import batch_for, batch_loss  # noqa: E402
 
 HELD_OUT_SEED = 7919
 
@@ -34,8 +34,7 @@ def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, ba
     for lo, hi in ranges:
         records = [make_record(HELD_OUT_SEED, 200 + i, "d", tokenizer, (lo, hi)) for i in range(n)]
         rows = [value_example(bare_record(r) if bare else r, tokenizer, a) for r in records]
-        batch = make_batch(rows, ["exact"] * n, window=a.sliding_window, decoder_start=a.decoder_start,
-                           layers=a.num_hidden_layers, pad_id=a.pad_token_id, rng=random.Random(0))
+        batch = batch_for(a, rows, ["exact"] * n, random.Random(0))
         with torch.no_grad():
             losses = batch_loss(model, batch, share_prefix=False)
         out[f"{lo}-{hi}"] = round(losses.correct / losses.tokens, 3)

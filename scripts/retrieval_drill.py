@@ -33,7 +33,7 @@ from dsagent.corpus import (KEY_KINDS, WORDS, bare_record, filler_line, make_rec
 from model import load  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.training import Example, add_weight_qat, batch_loss, make_batch, quantised_weights  # noqa: E402
+from model.training import Example, add_weight_qat, batch_for, batch_loss, quantised_weights  # noqa: E402
 
 DRILL_SEED = 37  # the corpus seed of --chat conversations (no training run uses it)
 
@@ -86,9 +86,7 @@ def main() -> None:
     for step in range(1, a.steps + 1):
         rows = [chat_drill(rng, tokenizer, lo, hi, args, a.value_only) if a.chat else drill(rng, tokenizer, lo, hi)
                 for _ in range(a.batch)]
-        batch = make_batch(rows, ["exact"] * a.batch,
-                           window=args.sliding_window, decoder_start=args.decoder_start,
-                           layers=args.num_hidden_layers, pad_id=args.pad_token_id, rng=rng)
+        batch = batch_for(args, rows, ["exact"] * a.batch, rng)
         opt.zero_grad(set_to_none=True)
         with quantised_weights(model):
             losses = batch_loss(model, batch, dense=a.dense, share_prefix=False)

@@ -42,7 +42,7 @@ from model.checkpoint import write_checkpoint  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, batch_loss,  # noqa: E402
-                            make_batch, official_name, param_groups, plain_state_dict, quantised_weights,
+                            batch_for, official_name, param_groups, plain_state_dict, quantised_weights,
                             remove_weight_qat)
 
 SCHEDULE = "aabbbccdee"  # record i has kind SCHEDULE[i % 10]: tools, images and sessions weigh most
@@ -280,8 +280,7 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     else:
         rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
     modes = rng.choices(REPLAY_MODES, weights=replay_weights(a), k=n)
-    return make_batch(rows, modes, window=model_args.sliding_window, decoder_start=model_args.decoder_start,
-                      layers=model_args.num_hidden_layers, pad_id=model_args.pad_token_id, rng=rng)
+    return batch_for(model_args, rows, modes, rng)
 
 
 class Group:

@@ -11,20 +11,18 @@ held-out accuracy on the other 300 is printed per model, one JSON line each. Cha
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import random
 import sys
 from pathlib import Path
 
 import torch
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import SHAPES, Shapes, draw_shapes  # noqa: E402
 from model import load  # noqa: E402
-from model.vision import preprocess  # noqa: E402
+from model.vision import decode_image, preprocess  # noqa: E402
 
 
 def features(model, pictures: list[Shapes]) -> torch.Tensor:
@@ -32,7 +30,7 @@ def features(model, pictures: list[Shapes]) -> torch.Tensor:
     out = []
     with torch.no_grad():
         for s in pictures:
-            pixels, plan = preprocess(Image.open(io.BytesIO(s.png)).convert("RGB"), model.args.vision)
+            pixels, plan = preprocess(decode_image(s.png), model.args.vision)
             rows = model.aligner(model.vision(pixels, plan.n_h, plan.n_w), plan.n_h, plan.n_w)
             out.append(rows.flatten())
     return torch.stack(out)

@@ -86,7 +86,7 @@ def _training_step(device: str, off: tuple[str, ...] = ()) -> tuple[float, dict[
     import random
 
     from model.loading import load
-    from model.training import Example, add_weight_qat, batch_loss, make_batch
+    from model.training import Example, add_weight_qat, batch_for, batch_loss
 
     rng = random.Random(0)
     rows = [Example([rng.randrange(10, 4000) for _ in range(300)], [False] * 250 + [True] * 50) for _ in range(3)]
@@ -97,9 +97,7 @@ def _training_step(device: str, off: tuple[str, ...] = ()) -> tuple[float, dict[
         model = load(DEFAULT_MODEL, device=device)
         add_weight_qat(model)
         model.train()
-        a = model.args
-        batch = make_batch(rows, ["exact"] * 3, window=a.sliding_window, decoder_start=a.decoder_start,
-                           layers=a.num_hidden_layers, pad_id=a.pad_token_id, rng=random.Random(1))
+        batch = batch_for(model.args, rows, ["exact"] * 3, random.Random(1))
         losses = batch_loss(model, batch, dense=True, share_prefix=False)
         losses.total.backward()
     finally:

@@ -24,7 +24,7 @@ from model.loading import build, load
 from model.args import ModelArgs
 from model.quant import KVFormat
 from model.tokenizer import Tokenizer
-from model.training import (Example, ExpertLoads, add_weight_qat, batch_loss, common_prefix, make_batch,
+from model.training import (Example, ExpertLoads, add_weight_qat, batch_for, batch_loss, common_prefix,
                             plain_state_dict, remove_weight_qat)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
@@ -42,9 +42,7 @@ def _ids(n: int, seed: int, vocab: int = 4096) -> list[int]:
 
 
 def _batch(model, examples, modes, seed=0):
-    a = model.args
-    return make_batch(examples, modes, window=a.sliding_window, decoder_start=a.decoder_start,
-                      layers=a.num_hidden_layers, pad_id=a.pad_token_id, rng=random.Random(seed))
+    return batch_for(model.args, examples, modes, random.Random(seed))
 
 
 def test_train_format_cache_gives_the_packed_logits(tiny):
