@@ -74,9 +74,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bare recall records (the --recall-first phase's, and --recall-pool bare's) train the "
                         "reply's value tokens alone, not the words around them that copy the question: with "
                         "the whole reply trained, a fresh model does not learn the lookup")
-    p.add_argument("--recall-pool", choices=("prompted", "bare"), default="prompted",
+    p.add_argument("--recall-pool", choices=("prompted", "bare", "both"), default="prompted",
                    help="what the recall steps after the --recall-first phase draw: the records with the system "
-                        "prompt, or their bare forms (trained as --recall-value-only says)")
+                        "prompt (whole reply trained), their bare forms (trained as --recall-value-only says), "
+                        "or either, half the steps each: the bare value teaches the lookup, the prompted "
+                        "reply its words and the served form")
+    p.add_argument("--recall-rows", type=int, default=0,
+                   help="rows of recall records added to every short (and image) step, with the system prompt "
+                        "and trained as --recall-value-only says: the lookup learnt in the same gradient as the "
+                        "other kinds rather than in steps of its own, which the other kinds' steps undo")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
@@ -140,10 +146,11 @@ def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None]:
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD))
-    bare = None
+    bare = valued = None
     if kind == "d":
         bare = _compact((value_example if _VALUE_ONLY else training_example)(bare_record(record), _TOK, _ARGS))
-    return i, kind, _compact(training_example(record, _TOK, _ARGS)), bare
+        valued = _compact(value_example(record, _TOK, _ARGS)) if _VALUE_ONLY else None
+    return i, kind, _compact(training_example(record, _TOK, _ARGS)), bare, valued
 
 
 def _compact(ex: Example) -> Example:
@@ -160,8 +167,10 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     this process's share: whole rounds of SCHEDULE, so every process holds every kind.
     Pools: "long" the recall records, sorted by length (see next_batch), "bare" the same
     without the system prompt (``value_only``: trained on the value's tokens alone), "short"
-    every other kind, "image" the image conversations (also in "short")."""
-    pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": []}
+    every other kind, "image" the image conversations (also in "short"), and with
+    ``value_only`` "valued": the recall records with the system prompt trained on the value
+    alone (for --recall-rows)."""
+    pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank and SCHEDULE[i % len(SCHEDULE)] in kinds]
     if workers <= 1:
         _init_worker(model_args, recall_tokens, spread, value_only)
@@ -169,12 +178,14 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     else:
         pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread, value_only))
         results = pool.imap(_example, jobs, chunksize=64)
-    for _, kind, ex, bare in results:
+    for _, kind, ex, bare, valued in results:
         pools["long" if kind == "d" else "short"].append(ex)
         if kind == "c":
             pools["image"].append(ex)  # also in "short"
         if bare is not None:
             pools["bare"].append(bare)
+        if valued is not None:
+            pools["valued"].append(valued)
     if workers > 1:
         pool.close()
     for name in ("long", "bare"):
@@ -269,8 +280,10 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     first = long and step < steps
     if first:  # the first phase: --long-batch rows of the shortest `share` of the bare records (sorted)
         pool = pools["bare"][:max(1, round(len(pools["bare"]) * share))]
-    elif long and getattr(a, "recall_pool", "prompted") == "bare":
-        pool = pools["bare"]
+    elif long and getattr(a, "recall_pool", "prompted") != "prompted":
+        # "both": one draw for the step, the same in every process (even step times)
+        if a.recall_pool == "bare" or random.Random(f"pool:{a.seed}:{step}").random() < 0.5:
+            pool = pools["bare"]
     if long and a.long_tokens and not first:
         # records of like length (the pool is sorted), none longer than the drawn one: a
         # batch pads to its longest row, so mixed lengths would waste the budget on padding
@@ -279,7 +292,11 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
         rows = [pool[top - rng.randrange(2 * n) % (top + 1)] for _ in range(n)]
     else:
         rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
-    modes = rng.choices(REPLAY_MODES, weights=replay_weights(a), k=n)
+    extra = getattr(a, "recall_rows", 0) if not long else 0
+    if extra and pools["long"]:  # same system prompt as the short rows: the shared prefix stays
+        recall = pools["valued"] or pools["long"]
+        rows += [recall[rng.randrange(len(recall))] for _ in range(extra)]
+    modes = rng.choices(REPLAY_MODES, weights=replay_weights(a), k=len(rows))
     return batch_for(model_args, rows, modes, rng)
 
 
@@ -485,7 +502,8 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
-            "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "kinds": a.kinds,
+            "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,
+            "kinds": a.kinds,
             "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
             "replay_weights": dict(zip(REPLAY_MODES, replay_weights(a))), "steps": counters["step"],
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),

@@ -429,6 +429,31 @@ def test_vit_probe_separates_what_is_separable_and_reads_each_cell(tiny):
     assert vit_probe.features(tiny, pictures).shape == (2, 9 * tiny.args.hidden_size)
 
 
+def test_trainer_recall_rows_join_the_short_steps_and_keep_the_shared_prefix(tiny):
+    """--recall-rows K: every short step also trains K recall records with the system prompt,
+    on the value alone under --recall-value-only; the rows still share the system prompt."""
+    import argparse
+
+    import train_default
+    from model.training import common_prefix
+
+    pools = train_default.make_examples(40, 0, tiny.args, workers=1, kinds="ad", value_only=True)
+    assert len(pools["valued"]) == len(pools["long"]) == 4
+    valued = {tuple(ex.ids.tolist()) for ex in pools["valued"]}
+    assert valued == {tuple(ex.ids.tolist()) for ex in pools["long"]}  # same records, other targets
+    a = argparse.Namespace(seed=0, long_prob=0.0, short_batch=3, long_batch=2, long_tokens=0, recall_rows=2)
+    batch = train_default.next_batch(a, pools, 5, tiny.args)
+    rows = [tuple(r[r != tiny.args.pad_token_id].tolist()) for r in batch.ids]
+    assert len(rows) == 5 and all(r in valued for r in rows[3:]) and not any(r in valued for r in rows[:3])
+    value_only = {tuple(ex.ids.tolist()): int(ex.trained.sum()) for ex in pools["valued"]}
+    whole = {tuple(ex.ids.tolist()): int(ex.trained.sum()) for ex in pools["long"]}
+    for row, said in zip(rows[3:], batch.loss_mask[3:].sum(1).tolist()):
+        assert 0 < said == value_only[row] < whole[row] - 5
+    assert common_prefix(batch) > 1000  # the system prompt
+    assert len(train_default.next_batch(argparse.Namespace(**{**vars(a), "recall_rows": 0}), pools, 5,
+                                        tiny.args).ids) == 3
+
+
 def test_trainer_kinds_replay_weights_and_tower_learning_rate(tiny):
     """--kinds keeps only the records of those kinds; --replay sets the replay modes rows
     simulate (a bad spelling is refused); param_groups gives the ViT and its aligner the
@@ -452,6 +477,10 @@ def test_trainer_kinds_replay_weights_and_tower_learning_rate(tiny):
     for pool, want in (("prompted", False), ("bare", True)):  # --recall-pool, after the first phase
         rows = train_default.next_batch(argparse.Namespace(**{**vars(a), "recall_pool": pool}), pools, 3, tiny.args)
         assert all((tuple(r[r != tiny.args.pad_token_id].tolist()) in bare) == want for r in rows.ids)
+    drawn = [{tuple(r[r != tiny.args.pad_token_id].tolist()) in bare for r in
+              train_default.next_batch(argparse.Namespace(**{**vars(a), "recall_pool": "both"}), pools, s,
+                                       tiny.args).ids} for s in range(3, 23)]
+    assert all(len(d) == 1 for d in drawn) and 3 <= sum(True in d for d in drawn) <= 17  # "both": whole steps, ~half each
     assert {train_default.step_kind(argparse.Namespace(**{**vars(a), "long_prob": 0.0}), pools, s)
             for s in range(20)} == {"long"}  # nothing else to train on
     a.replay = "0,0,1"
