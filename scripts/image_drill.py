@@ -2,6 +2,7 @@
 
     python3 scripts/image_drill.py [--init model/assets/default] [--steps 300] [--batch 32] [--lr 1e-3]
                                    [--records 3000] [--device cpu] [--tower-lr 1] [--form-only]
+                                   [--tower-only] [--save DIR]
 
 Trains on the corpus's image conversations only, without the system prompt (corpus seed 31,
 not a training seed), through the same code path as scripts/train_default.py (QAT weights
@@ -10,13 +11,15 @@ replies on the training batches and on 64 held-out conversations (seed 7919). Th
 name colour, shape and count ("3. There are three red circles."); a model that knows colour
 alone sits near 0.85-0.88, so a rise above that is the ViT learning form. ``--form-only``
 trains and scores the kind and count words alone (chance: a third of the kinds, a fifth of
-the counts). Writes nothing.
+the counts). ``--tower-only`` trains the vision tower alone (text is answered as before);
+``--save DIR`` writes the result as an official checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import random
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -25,13 +28,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import bare_record, form_example, make_record, training_example  # noqa: E402
+from dsagent.corpus import CORPUS_VERSION, bare_record, form_example, make_record, training_example  # noqa: E402
 from model import load  # noqa: E402
+from model.checkpoint import write_checkpoint  # noqa: E402
+from model.loading import BUNDLED_TOKENIZER  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (Example, add_weight_qat, batch_for, batch_loss, param_groups,  # noqa: E402
-                            quantised_weights)
+                            quantised_weights, remove_weight_qat)
 
 DRILL_SEED, HELD_OUT_SEED = 31, 7919
+TOWER = ("vision.", "aligner.", "image_")  # the ViT, its aligner and the image span markers
 
 
 def bare_images(seed: int, n: int, tokenizer: Tokenizer, args, form_only: bool = False) -> list[Example]:
@@ -41,7 +47,7 @@ def bare_images(seed: int, n: int, tokenizer: Tokenizer, args, form_only: bool =
     return [lay_out(bare_record(make_record(seed, i, "c", tokenizer)), tokenizer, args) for i in range(n)]
 
 
-def main() -> None:
+def main(argv=None) -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--init", default="model/assets/default", help="a checkpoint directory, or a preset")
     p.add_argument("--steps", type=int, default=300)
@@ -52,7 +58,11 @@ def main() -> None:
     p.add_argument("--tower-lr", type=float, default=1.0, help="learning-rate multiplier of the ViT and its aligner")
     p.add_argument("--form-only", action="store_true",
                    help="train (and score) the reply's words for the shapes' kind and count alone, not their colour")
-    a = p.parse_args()
+    p.add_argument("--tower-only", action="store_true",
+                   help="train the ViT and its aligner alone: the language model stays as it is, so text "
+                        "without images is answered exactly as before")
+    p.add_argument("--save", type=Path, help="write the trained model here (official checkpoint + TRAINING.json)")
+    a = p.parse_args(argv)
     torch.manual_seed(0)
     model = load(a.init, device=a.device, dtype=torch.float32, seed=0)
     add_weight_qat(model)
@@ -73,8 +83,12 @@ def main() -> None:
         model.train()
         return round(losses.correct / losses.tokens, 4)
 
-    groups = param_groups(model, a.tower_lr)
+    if a.tower_only:
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith(TOWER))
+    groups = [g for g in param_groups(model, a.tower_lr) if any(p.requires_grad for p in g["params"])]
     for g in groups:
+        g["params"] = [p for p in g["params"] if p.requires_grad]
         g["lr"] = a.lr * g["scale"]
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(1), time.time(), [0, 0]
@@ -90,6 +104,23 @@ def main() -> None:
             print(json.dumps({"step": step, "seconds": round(time.time() - began),
                               "train_acc": round(window[0] / window[1], 4), "held_acc": held_acc()}), flush=True)
             window = [0, 0]
+    if a.save:
+        save(a, model, step_count=a.steps, seconds=time.time() - began)
+
+
+def save(a, model, step_count: int, seconds: float) -> None:
+    """The model as an official checkpoint in ``a.save`` with a TRAINING.json saying how it
+    was made (the run's entry for the shipped model's ``runs``)."""
+    remove_weight_qat(model)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    write_checkpoint(a.save, model.args.to_config(), state, tokenizer_json=BUNDLED_TOKENIZER)
+    info = {"command": "python3 scripts/image_drill.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+            "init": str(a.init), "corpus_seed": DRILL_SEED, "corpus_version": CORPUS_VERSION, "records": a.records,
+            "steps": step_count, "rows": step_count * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
+            "tower_only": a.tower_only, "form_only": a.form_only, "seconds": round(seconds, 1),
+            "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else str(a.device),
+            "torch": torch.__version__}
+    (a.save / "TRAINING.json").write_text(json.dumps(info, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import json
 import random
 import sys
 from pathlib import Path
@@ -28,6 +29,7 @@ from model.training import (Example, ExpertLoads, add_weight_qat, batch_for, bat
                             plain_state_dict, remove_weight_qat)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+DEFAULT = Path(__file__).resolve().parents[1] / "model" / "assets" / "default"
 
 
 @pytest.fixture(scope="module")
@@ -411,6 +413,23 @@ def test_image_drill_rows_are_bare_image_conversations(tiny):
         said = tok.decode([t for t, m in zip(ex.ids, ex.trained) if m]).lower()
         assert ex.ids == full.ids and sum(ex.trained) < sum(full.trained)
         assert truth["kind"][:4] in said and NUMBER_WORDS[truth["count"]] in said and truth["colour"] not in said
+
+
+def test_image_drill_tower_only_leaves_the_language_model_bit_for_bit(tmp_path):
+    """--tower-only --save: the written checkpoint's language model is the one it started
+    from, bit for bit (so text is answered as before); its vision tower has moved."""
+    import image_drill
+
+    out = tmp_path / "drilled"
+    image_drill.main(["--init", str(DEFAULT), "--steps", "1", "--batch", "2", "--records", "4", "--lr", "1e-2",
+                      "--tower-only", "--save", str(out)])
+    before, after = (dict(load(p).named_parameters()) for p in (DEFAULT, out))
+    tower = [n for n in before if n.startswith(image_drill.TOWER)]
+    assert len(tower) > 10 and len(before) - len(tower) > 100
+    assert all(torch.equal(before[n], after[n]) for n in before if n not in tower)
+    assert sum(not torch.equal(before[n], after[n]) for n in tower) > len(tower) // 2
+    info = json.loads((out / "TRAINING.json").read_text())
+    assert info["tower_only"] and info["steps"] == 1 and info["command"].startswith("python3 scripts/image_drill.py")
 
 
 def test_vit_probe_separates_what_is_separable_and_reads_each_cell(tiny):
