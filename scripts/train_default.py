@@ -18,6 +18,7 @@ evaluation (`dsagent eval`) uses another seed, so its cases are held out.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import math
 import multiprocessing as mp
@@ -81,8 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "reply its words and the served form")
     p.add_argument("--recall-rows", type=int, default=0,
                    help="rows of recall records added to every short (and image) step, with the system prompt "
-                        "and trained as --recall-value-only says: the lookup learnt in the same gradient as the "
-                        "other kinds rather than in steps of its own, which the other kinds' steps undo")
+                        "and trained as --recall-value-only says, none longer than the step's longest row where "
+                        "any fits: the lookup learnt in the same gradient as the other kinds rather than in "
+                        "steps of its own, which the other kinds' steps undo")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
@@ -188,7 +190,7 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
             pools["valued"].append(valued)
     if workers > 1:
         pool.close()
-    for name in ("long", "bare"):
+    for name in ("long", "bare", "valued"):
         pools[name].sort(key=lambda ex: len(ex.ids))  # stable: the order stays deterministic
     return pools
 
@@ -293,9 +295,12 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     else:
         rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
     extra = getattr(a, "recall_rows", 0) if not long else 0
-    if extra and pools["long"]:  # same system prompt as the short rows: the shared prefix stays
+    if extra and pools["long"]:
+        # same system prompt as the short rows (the shared prefix stays), and none longer than
+        # the longest of them where any fits (the pool is sorted): a batch pads to its longest row
         recall = pools["valued"] or pools["long"]
-        rows += [recall[rng.randrange(len(recall))] for _ in range(extra)]
+        fits = bisect.bisect_right([len(ex.ids) for ex in recall], max(len(ex.ids) for ex in rows))
+        rows += [recall[rng.randrange(max(fits, 1))] for _ in range(extra)]
     modes = rng.choices(REPLAY_MODES, weights=replay_weights(a), k=len(rows))
     return batch_for(model_args, rows, modes, rng)
 

@@ -469,6 +469,14 @@ def test_trainer_recall_rows_join_the_short_steps_and_keep_the_shared_prefix(tin
     for row, said in zip(rows[3:], batch.loss_mask[3:].sum(1).tolist()):
         assert 0 < said == value_only[row] < whole[row] - 5
     assert common_prefix(batch) > 1000  # the system prompt
+    short = train_default.make_examples(40, 0, tiny.args, workers=1, kinds="ad", value_only=True,
+                                        recall_tokens=(20, 900))
+    lengths = sorted(len(ex.ids) for ex in short["valued"])
+    for step in range(5, 15):
+        batch = train_default.next_batch(a, short, step, tiny.args)
+        longest = max(int((r != tiny.args.pad_token_id).sum()) for r in batch.ids[:3])
+        fits = [n for n in lengths if n <= longest] or lengths[:1]
+        assert all(int((r != tiny.args.pad_token_id).sum()) <= fits[-1] for r in batch.ids[3:])  # no longer rows
     assert len(train_default.next_batch(argparse.Namespace(**{**vars(a), "recall_rows": 0}), pools, 5,
                                         tiny.args).ids) == 3
 
