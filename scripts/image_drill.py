@@ -59,8 +59,8 @@ def main(argv=None) -> None:
     p.add_argument("--form-only", action="store_true",
                    help="train (and score) the reply's words for the shapes' kind and count alone, not their colour")
     p.add_argument("--tower-only", action="store_true",
-                   help="train the ViT and its aligner alone: the language model stays as it is, so text "
-                        "without images is answered exactly as before")
+                   help="train the ViT, its aligner and the image span markers alone: the language model "
+                        "stays as it is, so text without images is answered exactly as before")
     p.add_argument("--save", type=Path, help="write the trained model here (official checkpoint + TRAINING.json)")
     a = p.parse_args(argv)
     torch.manual_seed(0)

@@ -142,9 +142,10 @@ def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int
     return n, n
 
 
-def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None]:
-    """Record ``i`` as an example, and for a recall record also its bare form: the same
-    conversation without the ~2.3K-token system prompt (see ``--recall-first``)."""
+def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None, Example | None]:
+    """Record ``i`` as an example, and for a recall record also its bare form (the same
+    conversation without the ~2.3K-token system prompt, see ``--recall-first``) and, when
+    trained on the value alone, itself so trained (see ``--recall-rows``)."""
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD))
