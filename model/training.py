@@ -35,7 +35,8 @@ from torch.nn.utils import parametrize
 
 from model import kernels
 from model.cache import Cache
-from model.checkpoint import DEFAULT_BLOCK, fp8_block_shape, stored_format
+from model.checkpoint import DEFAULT_BLOCK, fp8_block_shape, stored_format, write_checkpoint
+from model.loading import BUNDLED_TOKENIZER
 from model.model import Transformer
 from model.moe import MoE
 from model.quant import KVFormat, fake_quant_fp8_weight, straight_through
@@ -117,6 +118,14 @@ def remove_weight_qat(model: Transformer) -> None:
         if parametrize.is_parametrized(module):
             for attr in list(module.parametrizations):
                 parametrize.remove_parametrizations(module, attr, leave_parametrized=False)
+
+
+def write_trained(model: Transformer, out) -> None:
+    """The trained ``model`` as an official checkpoint in ``out`` (new or empty) with the
+    bundled tokenizer: QAT removed first, so the stored values are the ones it trained with."""
+    remove_weight_qat(model)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    write_checkpoint(out, model.args.to_config(), state, tokenizer_json=BUNDLED_TOKENIZER)
 
 
 def official_name(name: str) -> str:
@@ -358,7 +367,7 @@ def param_groups(model, tower_lr: float = 1.0) -> list[dict]:
     the vision tower and its aligner, 1 elsewhere."""
     groups = {}
     for n, p in model.named_parameters():
-        if n.endswith(("gate.bias", "gate.bias_vl")):
+        if not p.requires_grad or n.endswith(("gate.bias", "gate.bias_vl")):  # frozen, or set by the balance
             continue
         decay = p.dim() == 2 and not n.endswith("bias")
         scale = tower_lr if n.startswith(("vision.", "aligner.")) else 1.0

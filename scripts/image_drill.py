@@ -30,11 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import CORPUS_VERSION, bare_record, form_example, make_record, training_example  # noqa: E402
 from model import load  # noqa: E402
-from model.checkpoint import write_checkpoint  # noqa: E402
-from model.loading import BUNDLED_TOKENIZER  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (Example, add_weight_qat, batch_for, batch_loss, param_groups,  # noqa: E402
-                            quantised_weights, remove_weight_qat)
+                            quantised_weights, write_trained)
 
 DRILL_SEED, HELD_OUT_SEED = 31, 7919
 TOWER = ("vision.", "aligner.", "image_")  # the ViT, its aligner and the image span markers
@@ -86,9 +84,8 @@ def main(argv=None) -> None:
     if a.tower_only:
         for name, p in model.named_parameters():
             p.requires_grad_(name.startswith(TOWER))
-    groups = [g for g in param_groups(model, a.tower_lr) if any(p.requires_grad for p in g["params"])]
+    groups = param_groups(model, a.tower_lr)
     for g in groups:
-        g["params"] = [p for p in g["params"] if p.requires_grad]
         g["lr"] = a.lr * g["scale"]
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(1), time.time(), [0, 0]
@@ -105,18 +102,16 @@ def main(argv=None) -> None:
                               "train_acc": round(window[0] / window[1], 4), "held_acc": held_acc()}), flush=True)
             window = [0, 0]
     if a.save:
-        save(a, model, step_count=a.steps, seconds=time.time() - began)
+        save(a, model, seconds=time.time() - began)
 
 
-def save(a, model, step_count: int, seconds: float) -> None:
+def save(a, model, seconds: float) -> None:
     """The model as an official checkpoint in ``a.save`` with a TRAINING.json saying how it
     was made (the run's entry for the shipped model's ``runs``)."""
-    remove_weight_qat(model)
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    write_checkpoint(a.save, model.args.to_config(), state, tokenizer_json=BUNDLED_TOKENIZER)
+    write_trained(model, a.save)
     info = {"command": "python3 scripts/image_drill.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "init": str(a.init), "corpus_seed": DRILL_SEED, "corpus_version": CORPUS_VERSION, "records": a.records,
-            "steps": step_count, "rows": step_count * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
+            "steps": a.steps, "rows": a.steps * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
             "tower_only": a.tower_only, "form_only": a.form_only, "seconds": round(seconds, 1),
             "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else str(a.device),
             "torch": torch.__version__}

@@ -39,12 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsagent.corpus import (CORPUS_VERSION, RECALL_TOKENS, bare_record, make_record, training_example,  # noqa: E402
                             value_example)
 from model.bench import profile_summary  # noqa: E402
-from model.checkpoint import write_checkpoint  # noqa: E402
-from model.loading import BUNDLED_TOKENIZER, load  # noqa: E402
+from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, batch_loss,  # noqa: E402
                             batch_for, official_name, param_groups, plain_state_dict, quantised_weights,
-                            remove_weight_qat)
+                            write_trained)
 
 SCHEDULE = "aabbbccdee"  # record i has kind SCHEDULE[i % 10]: tools, images and sessions weigh most
 SCHEDULE_KINDS = "abcde"
@@ -300,7 +299,7 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
         # same system prompt as the short rows (the shared prefix stays), and none longer than
         # the longest of them where any fits (the pool is sorted): a batch pads to its longest row
         recall = pools["valued"] or pools["long"]
-        fits = bisect.bisect_right([len(ex.ids) for ex in recall], max(len(ex.ids) for ex in rows))
+        fits = bisect.bisect_right(recall, max(len(ex.ids) for ex in rows), key=lambda ex: len(ex.ids))
         rows += [recall[rng.randrange(max(fits, 1))] for _ in range(extra)]
     modes = rng.choices(REPLAY_MODES, weights=replay_weights(a), k=len(rows))
     return batch_for(model_args, rows, modes, rng)
@@ -496,13 +495,11 @@ def log(group: Group, line: str) -> None:
 
 
 def finish(a, model, counters: dict, world: int = 1) -> dict:
-    remove_weight_qat(model)
     out = a.out / "model"
     if out.exists():
         for f in sorted(out.rglob("*"), reverse=True):
             f.unlink() if f.is_file() else f.rmdir()
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    write_checkpoint(out, model.args.to_config(), state, tokenizer_json=BUNDLED_TOKENIZER)
+    write_trained(model, out)
     info = {"command": "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
