@@ -223,7 +223,9 @@ def load_state(path: Path, model, opt) -> dict:
     moments = load_file(path / "moments.safetensors")
     for name, p in model.named_parameters():
         if f"{name}.exp_avg" in moments:
-            opt.state[p] = {"step": torch.tensor(counters["adam_step"]),
+            # fused AdamW keeps its step counter on the parameter's device
+            on = p.device if opt.defaults.get("fused") or opt.defaults.get("capturable") else "cpu"
+            opt.state[p] = {"step": torch.tensor(counters["adam_step"], dtype=torch.float32, device=on),
                             "exp_avg": moments[f"{name}.exp_avg"].to(p.device),
                             "exp_avg_sq": moments[f"{name}.exp_avg_sq"].to(p.device)}
     return counters

@@ -192,24 +192,35 @@ def test_every_parameter_learns(tiny):
     assert any(not torch.equal(before[n][1], g.bias_vl) for n, g in loads.gates.items())  # image tokens
 
 
-def test_trainer_state_round_trips(tmp_path, tiny):
+@pytest.mark.parametrize("fused", [False, True])
+def test_trainer_state_round_trips(tmp_path, tiny, fused):
+    """A resumed run continues bit for bit: the next AdamW step after load_state equals the
+    step the unbroken run takes (fused AdamW, as on CUDA, keeps its step counter as a tensor)."""
     import train_default
 
-    model = build(tiny.args, seed=2)
-    add_weight_qat(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    def fresh(seed):
+        net = build(tiny.args, seed=seed)
+        add_weight_qat(net)
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fused)
+
+    model, opt = fresh(2)
     for p in model.parameters():
         p.grad = torch.randn_like(p)
     opt.step()
     train_default.save_state(tmp_path, model, opt, {"step": 7, "seconds": 1.5, "history": []})
-    other = build(tiny.args, seed=9)
-    add_weight_qat(other)
-    opt2 = torch.optim.AdamW(other.parameters(), lr=1e-3)
+    other, opt2 = fresh(9)
     counters = train_default.load_state(tmp_path, other, opt2)
     assert counters["step"] == 7
     for (n, p), q in zip(model.named_parameters(), other.parameters()):
         torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
         torch.testing.assert_close(opt.state[p]["exp_avg_sq"], opt2.state[q]["exp_avg_sq"], rtol=0, atol=0)
+        assert opt2.state[q]["step"].device == q.device or not fused
+        p.grad = torch.randn_like(p)
+        q.grad = p.grad.clone()
+    opt.step()
+    opt2.step()
+    for (n, p), q in zip(model.named_parameters(), other.parameters()):
+        torch.testing.assert_close(p, q, rtol=0, atol=0, msg=n)
 
 
 def test_trainer_batches_come_from_the_corpus_as_the_agent_logs_it(tiny):
