@@ -29,14 +29,15 @@ from model.training import batch_for, batch_loss  # noqa: E402
 HELD_OUT_SEED = 7919
 
 
-def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, bare: bool) -> dict[str, float]:
+def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, bare: bool,
+          dense: bool = False) -> dict[str, float]:
     a, out = model.args, {}
     for lo, hi in ranges:
         records = [make_record(HELD_OUT_SEED, 200 + i, "d", tokenizer, (lo, hi)) for i in range(n)]
         rows = [value_example(bare_record(r) if bare else r, tokenizer, a) for r in records]
         batch = batch_for(a, rows, ["exact"] * n, random.Random(0))
         with torch.no_grad():
-            losses = batch_loss(model, batch, share_prefix=False)
+            losses = batch_loss(model, batch, share_prefix=False, dense=dense)
         out[f"{lo}-{hi}"] = round(losses.correct / losses.tokens, 3)
     return out
 
@@ -47,6 +48,8 @@ def main() -> None:
     p.add_argument("--bare", action="store_true", help="records without the system prompt")
     p.add_argument("--n", type=int, default=16, help="records per range")
     p.add_argument("--ranges", default="40,90:150,300:400,800", help="LO,HI log lengths in tokens, ':'-separated")
+    p.add_argument("--dense", action="store_true",
+                   help="every compressed record selected, not the indexer's top-k: what selection costs")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
     ranges = [tuple(int(x) for x in r.split(",")) for r in a.ranges.split(":")]
@@ -54,7 +57,8 @@ def main() -> None:
     for path in a.models:
         model = load(path, device=a.device, dtype=torch.float32)
         model.eval()
-        print(json.dumps({"model": path, "bare": a.bare, **probe(model, tokenizer, ranges, a.n, a.bare)}), flush=True)
+        print(json.dumps({"model": path, "bare": a.bare, "dense": a.dense,
+                          **probe(model, tokenizer, ranges, a.n, a.bare, a.dense)}), flush=True)
 
 
 if __name__ == "__main__":
