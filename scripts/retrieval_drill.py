@@ -72,6 +72,10 @@ def main() -> None:
     p.add_argument("--chat", action="store_true",
                    help="the corpus's recall conversations, bare, the whole reply trained")
     p.add_argument("--value-only", action="store_true", help="with --chat: the reply's value tokens alone trained")
+    p.add_argument("--tokenizer", type=Path, default=BUNDLED_TOKENIZER,
+                   help="a tokenizer.json to write the logs with (say, scripts/train_tokenizer.py --digits individual)")
+    p.add_argument("--eval", type=int, default=0, metavar="N",
+                   help="at the end, N held-out drills: accuracy of the value's letters, its digits, and whole values")
     a = p.parse_args()
     if a.value_only and not a.chat:
         p.error("--value-only goes with --chat (without it only the value is trained anyway)")
@@ -80,7 +84,7 @@ def main() -> None:
     model = load(a.init, device=a.device, dtype=torch.float32, seed=a.seed)
     add_weight_qat(model)
     model.train()
-    args, tokenizer = model.args, Tokenizer.from_file(BUNDLED_TOKENIZER)
+    args, tokenizer = model.args, Tokenizer.from_file(a.tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(a.seed), time.time(), [0, 0, 0.0, 0]
     for step in range(1, a.steps + 1):
@@ -99,6 +103,32 @@ def main() -> None:
             print(json.dumps({"step": step, "seconds": round(time.time() - began), "lm": round(window[2] / window[3], 3),
                               "answer_token_acc": round(window[0] / window[1], 3)}), flush=True)
             window = [0, 0, 0.0, 0]
+    if a.eval:
+        print(json.dumps({"held_out": a.eval, **held_out(model, tokenizer, lo, hi, a.eval)}), flush=True)
+
+
+def held_out(model, tokenizer: Tokenizer, lo: int, hi: int, n: int) -> dict[str, float]:
+    """Teacher-forced accuracy on ``n`` drills of another seed: the value's letter tokens, its
+    digit tokens, and values whose every token is predicted right."""
+    rng, hits = random.Random(10 ** 6 + 7), {"letters": [0, 0], "digits": [0, 0], "values": [0, 0]}
+    training = model.training
+    model.eval()
+    with torch.no_grad(), quantised_weights(model):
+        for _ in range(n):
+            ex = drill(rng, tokenizer, lo, hi)
+            ids = torch.tensor(ex.ids, device=model.device)[None]
+            predicted = model(ids)[0].argmax(-1)
+            right = [bool(predicted[t - 1] == ex.ids[t]) for t in range(1, len(ex.ids)) if ex.trained[t]]
+            texts = [tokenizer.token_text(i) for i, t in zip(ex.ids, ex.trained) if t][:len(right)]
+            for ok, text in zip(right, texts):
+                kind = "digits" if text.strip().isdigit() else "letters" if text.strip().isalpha() else None
+                if kind:
+                    hits[kind][0] += ok
+                    hits[kind][1] += 1
+            hits["values"][0] += all(right)
+            hits["values"][1] += 1
+    model.train(training)
+    return {k: round(c / max(1, m), 3) for k, (c, m) in hits.items()}
 
 
 if __name__ == "__main__":

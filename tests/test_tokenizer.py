@@ -138,3 +138,19 @@ def test_shipped_tokenizer_is_reproducible():
     assert script.SPECIAL_TOKENS == SPECIALS
     assert not any(s in doc for doc in script.corpus(n=2000) for s in SPECIALS)
     assert script.train() == BUNDLED_PATH.read_text(encoding="utf-8")
+
+
+def test_the_individual_digit_tokenizer_spells_numbers_digit_by_digit(tmp_path):
+    """train_tokenizer --digits individual: no token holds two digits, so a planted value's
+    number is ten-token spelling a small model can copy (the shipped file merges numbers:
+    most of its vocabulary is digit strings)."""
+    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO / "scripts" / "train_tokenizer.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    (tmp_path / "tokenizer.json").write_text(script.train(digits="individual"), encoding="utf-8")
+    tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    assert [tok.token_text(i) for i in tok.encode_content("WDL-5665")][-4:] == ["5", "6", "6", "5"]
+    assert not [i for i in range(tok.vocab_size) if sum(c.isdigit() for c in tok.token_text(i)) > 1]
+    shipped = Tokenizer.bundled()
+    assert sum(sum(c.isdigit() for c in shipped.token_text(i)) > 1 for i in range(shipped.vocab_size)) > 2000
+    assert tok.encode_control("<｜User｜>") == shipped.encode_control("<｜User｜>")  # special ids kept

@@ -371,6 +371,18 @@ def test_retrieval_drill_trains_only_the_planted_value():
     assert sum(line.startswith(f"{key.split(' of ')[0]} of ") for line in log) == 3  # the key and two decoys
 
 
+def test_retrieval_drill_held_out_split_scores_letters_digits_and_values(tiny):
+    """The drill's closing evaluation: teacher-forced accuracy of the value's letter tokens,
+    digit tokens and whole values, on drills of its own seed; a random model gets ~none."""
+    from retrieval_drill import held_out
+
+    from model.tokenizer import Tokenizer
+
+    scores = held_out(tiny, Tokenizer.bundled(), 40, 60, 2)
+    assert set(scores) == {"letters", "digits", "values"}
+    assert all(0.0 <= v <= 1.0 for v in scores.values()) and scores["values"] == 0.0
+
+
 def test_recall_probe_scores_the_value_tokens_alone(tiny):
     """corpus.value_example trains (scripts/recall_probe.py scores) exactly the reply's value
     tokens, with or without the system prompt; the probe gives a share per range of log lengths."""
