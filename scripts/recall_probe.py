@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dsagent.corpus import bare_record, make_record, value_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
-from model.training import batch_for, batch_loss  # noqa: E402
+from model.training import batch_for, batch_loss, quantised_weights  # noqa: E402
 
 HELD_OUT_SEED = 7919
 
@@ -42,6 +42,30 @@ def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, ba
     return out
 
 
+def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float]:
+    """Teacher-forced accuracy of the trained tokens of ``rows`` (examples whose trained tokens
+    are a value, ``ABC-1234.``), by kind: letter tokens, digit tokens, and whole values (every
+    trained token right). Runs the serving forward pass one row at a time."""
+    hits = {"letters": [0, 0], "digits": [0, 0], "values": [0, 0]}
+    training = model.training
+    model.eval()
+    with torch.no_grad(), quantised_weights(model):
+        for ex in rows:
+            predicted = model(torch.tensor(ex.ids, device=model.device)[None])[0].argmax(-1)
+            trained = [t for t in range(1, len(ex.ids)) if ex.trained[t]]
+            right = [bool(predicted[t - 1] == ex.ids[t]) for t in trained]
+            for t, ok in zip(trained, right):
+                text = tokenizer.token_text(ex.ids[t]).strip()
+                kind = "digits" if text.isdigit() else "letters" if text.isalpha() else None
+                if kind:
+                    hits[kind][0] += ok
+                    hits[kind][1] += 1
+            hits["values"][0] += all(right)
+            hits["values"][1] += 1
+    model.train(training)
+    return {k: round(c / max(1, m), 3) for k, (c, m) in hits.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("models", nargs="+", help="checkpoint directories (or a preset for random weights)")
@@ -50,6 +74,8 @@ def main() -> None:
     p.add_argument("--ranges", default="40,90:150,300:400,800", help="LO,HI log lengths in tokens, ':'-separated")
     p.add_argument("--dense", action="store_true",
                    help="every compressed record selected, not the indexer's top-k: what selection costs")
+    p.add_argument("--split", action="store_true",
+                   help="instead: accuracy of the value's letter tokens, digit tokens and whole values")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
     ranges = [tuple(int(x) for x in r.split(",")) for r in a.ranges.split(":")]
@@ -57,6 +83,13 @@ def main() -> None:
     for path in a.models:
         model = load(path, device=a.device, dtype=torch.float32)
         model.eval()
+        if a.split:
+            for lo, hi in ranges:
+                rows = [value_example(bare_record(r) if a.bare else r, tokenizer, model.args)
+                        for r in (make_record(HELD_OUT_SEED, 200 + i, "d", tokenizer, (lo, hi)) for i in range(a.n))]
+                print(json.dumps({"model": path, "bare": a.bare, "range": f"{lo}-{hi}",
+                                  **split_accuracy(model, tokenizer, rows)}), flush=True)
+            continue
         print(json.dumps({"model": path, "bare": a.bare, "dense": a.dense,
                           **probe(model, tokenizer, ranges, a.n, a.bare, a.dense)}), flush=True)
 

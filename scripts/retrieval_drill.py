@@ -2,6 +2,7 @@
 
     python3 scripts/retrieval_drill.py [--init model/assets/default] [--steps 300] [--tokens 150,300]
                                        [--lr 1e-3] [--batch 8] [--device cpu] [--dense] [--chat]
+                                       [--minutes M] [--tokenizer FILE] [--eval N]
 
 Trains on short synthetic logs only — filler lines, a `password of cobalt: ABC-1234` line in
 the first third, two decoys of the same kind later, then the question and the answer; no
@@ -9,6 +10,9 @@ system prompt, no chat template — with the loss on the answer value alone, thr
 same code path as scripts/train_default.py (QAT weights and KV, exact replay). Prints one
 JSON line per 10 steps with the answer-token accuracy: the '-' and '.' of a value are
 ~0.3 of its tokens, so a rise above that is retrieval being learnt. Writes nothing.
+``--eval N`` ends with N held-out drills scored by the value's letter tokens, digit tokens
+and whole values; ``--tokenizer`` writes the logs with another tokenizer (the model's ids
+are the same 4096, its Engram map the bundled one's), to compare how numbers are split.
 
 ``--chat`` trains on the corpus's own recall conversations instead (bare: without the system
 prompt; logs of --tokens; the loss on the whole reply, as scripts/train_default.py has it):
@@ -34,6 +38,7 @@ from model import load  # noqa: E402
 from model.loading import BUNDLED_TOKENIZER  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import Example, add_weight_qat, batch_for, batch_loss, quantised_weights  # noqa: E402
+from recall_probe import split_accuracy  # noqa: E402  (a script beside this one)
 
 DRILL_SEED = 37  # the corpus seed of --chat conversations (no training run uses it)
 
@@ -63,6 +68,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--init", default="tiny", help="a checkpoint directory, or a preset for random weights")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--minutes", type=float, default=0.0, help="stop training after this long (0: --steps alone)")
     p.add_argument("--tokens", default="150,300", help="LO,HI: length of a log in tokens")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch", type=int, default=8)
@@ -88,6 +94,8 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(a.seed), time.time(), [0, 0, 0.0, 0]
     for step in range(1, a.steps + 1):
+        if a.minutes and time.time() - began >= a.minutes * 60:
+            break
         rows = [chat_drill(rng, tokenizer, lo, hi, args, a.value_only) if a.chat else drill(rng, tokenizer, lo, hi)
                 for _ in range(a.batch)]
         batch = batch_for(args, rows, ["exact"] * a.batch, rng)
@@ -110,25 +118,8 @@ def main() -> None:
 def held_out(model, tokenizer: Tokenizer, lo: int, hi: int, n: int) -> dict[str, float]:
     """Teacher-forced accuracy on ``n`` drills of another seed: the value's letter tokens, its
     digit tokens, and values whose every token is predicted right."""
-    rng, hits = random.Random(10 ** 6 + 7), {"letters": [0, 0], "digits": [0, 0], "values": [0, 0]}
-    training = model.training
-    model.eval()
-    with torch.no_grad(), quantised_weights(model):
-        for _ in range(n):
-            ex = drill(rng, tokenizer, lo, hi)
-            ids = torch.tensor(ex.ids, device=model.device)[None]
-            predicted = model(ids)[0].argmax(-1)
-            right = [bool(predicted[t - 1] == ex.ids[t]) for t in range(1, len(ex.ids)) if ex.trained[t]]
-            texts = [tokenizer.token_text(i) for i, t in zip(ex.ids, ex.trained) if t][:len(right)]
-            for ok, text in zip(right, texts):
-                kind = "digits" if text.strip().isdigit() else "letters" if text.strip().isalpha() else None
-                if kind:
-                    hits[kind][0] += ok
-                    hits[kind][1] += 1
-            hits["values"][0] += all(right)
-            hits["values"][1] += 1
-    model.train(training)
-    return {k: round(c / max(1, m), 3) for k, (c, m) in hits.items()}
+    rng = random.Random(10 ** 6 + 7)
+    return split_accuracy(model, tokenizer, [drill(rng, tokenizer, lo, hi) for _ in range(n)])
 
 
 if __name__ == "__main__":
