@@ -192,14 +192,19 @@ def test_every_parameter_learns(tiny):
     assert any(not torch.equal(before[n][1], g.bias_vl) for n, g in loads.gates.items())  # image tokens
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_trainer_state_round_trips(tmp_path, tiny, fused):
+@pytest.mark.parametrize("device, fused", [
+    ("cpu", False), ("cpu", True),
+    pytest.param("cuda", True, marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_trainer_state_round_trips(tmp_path, tiny, device, fused):
     """A resumed run continues bit for bit: the next AdamW step after load_state equals the
-    step the unbroken run takes (fused AdamW, as on CUDA, keeps its step counter as a tensor)."""
+    step the unbroken run takes. Fused AdamW (the trainer's choice on CUDA) wants its step
+    counters on the parameters' device: session 9 found them loaded onto the CPU, which
+    stopped every resumed CUDA run at its first step (a CUDA twin of this case failed so on
+    the H200 without the fix and passed with it)."""
     import train_default
 
     def fresh(seed):
-        net = build(tiny.args, seed=seed)
+        net = build(tiny.args, device=device, seed=seed)
         add_weight_qat(net)
         return net, torch.optim.AdamW(net.parameters(), lr=1e-3, fused=fused)
 
