@@ -78,6 +78,8 @@ def main() -> None:
                    help="instead: accuracy of the value's letter tokens, digit tokens and whole values")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
+    if a.split and a.dense:
+        p.error("--split scores the served forward pass (the indexer's top-k); --dense goes without it")
     ranges = [tuple(int(x) for x in r.split(",")) for r in a.ranges.split(":")]
     tokenizer = Tokenizer.bundled()
     for path in a.models:

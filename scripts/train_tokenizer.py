@@ -112,6 +112,8 @@ def train(seed: int = SEED, digits: str = "merged") -> str:
     of digits is one pre-token, so BPE learns whole numbers — 3,153 of its 4,096 tokens are
     digit strings, nearly every 4-digit number one token) or "individual" (every digit its
     own pre-token: numbers are spelled in 10 tokens, as a small model copies them)."""
+    if digits not in ("merged", "individual"):
+        raise ValueError(f"digits={digits!r}: want 'merged' or 'individual'")
     tok = Tokenizer(models.BPE())
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.pre_tokenizer = (byte_level if digits == "merged" else
