@@ -320,14 +320,14 @@ def _v41_flash() -> ModelArgs:
 def _small() -> ModelArgs:
     """The V4.1 schedule (40 layers, same sources, window, top-k and candidate pool) at a
     width that fits one H200 in bf16: D=2048, 16 heads x 512, 64 experts top-6 of width
-    768, engram tables of ~2.4M rows, the bundled 4096-token tokenizer: 12.9B backbone and
+    768, engram tables of ~2.4M rows, the bundled 1024-token tokenizer: 12.9B backbone and
     14.6B total parameters (`dsagent model info --preset small`)."""
     base = ModelArgs()
     return base.replace(
-        vocab_size=4096, hidden_size=2048, num_attention_heads=16, q_lora_rank=512,
+        vocab_size=1024, hidden_size=2048, num_attention_heads=16, q_lora_rank=512,
         o_groups=4, o_lora_rank=512, index_n_heads=16, n_routed_experts=64,
         moe_intermediate_size=768, engram_vocab_size=100000,
-        engram_num_embeddings=_engram_sums(100000, 8, 4, (1, 14)), engram_compressed_vocab_size=3074,
+        engram_num_embeddings=_engram_sums(100000, 8, 4, (1, 14)), engram_compressed_vocab_size=660,
         dspark_n_routed_experts=16, dspark_noise_token_id=7, image_token_id=8,  # bundled tokenizer ids
         vision=VisionArgs(num_hidden_layers=8, hidden_size=512, num_attention_heads=8, intermediate_size=1408))
 
@@ -338,7 +338,7 @@ def _tiny() -> ModelArgs:
     Reindex layer and Reuse layers; full-size 512-dim latents so KV records keep the real
     byte layouts (528 / 288 / 68 B)."""
     return ModelArgs(
-        vocab_size=4096, hidden_size=128, num_hidden_layers=10, num_attention_heads=4,
+        vocab_size=1024, hidden_size=128, num_hidden_layers=10, num_attention_heads=4,
         head_dim=512, qk_rope_head_dim=64, q_lora_rank=64, o_groups=2, o_lora_rank=64,
         compress_ratios=(0, 0, 2, 2, 2, 2, 1, 1, 1, 1), kv_source_layer_ids=(2, 4, 6),
         index_source_layer_ids=(2, 4, 6, 8), candidate_source_layer_id=6,
@@ -346,7 +346,7 @@ def _tiny() -> ModelArgs:
         index_topk=16, sliding_window=128, n_routed_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=128, engram_layer_ids=(1, 4), engram_n_heads=2, engram_head_dim=32,
         engram_vocab_size=1000, engram_num_embeddings=_engram_sums(1000, 2, 4, (1, 4)),
-        engram_compressed_vocab_size=3074, num_nextn_predict_layers=0, dspark_target_layer_ids=(7, 8, 9),
+        engram_compressed_vocab_size=660, num_nextn_predict_layers=0, dspark_target_layer_ids=(7, 8, 9),
         dspark_n_routed_experts=4, dspark_num_experts_per_tok=2, dspark_markov_rank=32,
         dspark_noise_token_id=7, image_token_id=8,  # ids of </think> and the image token in the bundled tokenizer
         vision=VisionArgs(num_hidden_layers=2, hidden_size=64, num_attention_heads=2,

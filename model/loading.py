@@ -35,6 +35,7 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
         load_weights(model, path, device=device, dtype=dtype, progress=progress)
         tokenizer = find_tokenizer_json(path)
     bind_tokenizer(model, tokenizer)
+    model.tokenizer_json = tokenizer  # the tokenizer its ids mean: written back with it, read by the scripts
     return model.eval()
 
 

@@ -80,6 +80,13 @@ class Tokenizer:
 
     # -- special tokens --------------------------------------------------------------
 
+    @classmethod
+    def of(cls, model) -> Tokenizer:
+        """The tokenizer a loaded model's ids mean (``model.loading.load`` records its file):
+        a checkpoint's own, else the bundled one."""
+        path = getattr(model, "tokenizer_json", None)
+        return cls.from_file(path) if path else cls.bundled()
+
     def token_id(self, text: str) -> int:
         """The id of a special/added token such as `<｜User｜>`."""
         try:

@@ -122,10 +122,12 @@ def remove_weight_qat(model: Transformer) -> None:
 
 def write_trained(model: Transformer, out) -> None:
     """The trained ``model`` as an official checkpoint in ``out`` (new or empty) with the
-    bundled tokenizer: QAT removed first, so the stored values are the ones it trained with."""
+    tokenizer it was loaded with (``load`` records it; else the bundled one): QAT removed
+    first, so the stored values are the ones it trained with."""
     remove_weight_qat(model)
     state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
-    write_checkpoint(out, model.args.to_config(), state, tokenizer_json=BUNDLED_TOKENIZER)
+    tokenizer_json = getattr(model, "tokenizer_json", None) or BUNDLED_TOKENIZER
+    write_checkpoint(out, model.args.to_config(), state, tokenizer_json=tokenizer_json)
 
 
 def official_name(name: str) -> str:

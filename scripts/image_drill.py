@@ -65,7 +65,7 @@ def main(argv=None) -> None:
     model = load(a.init, device=a.device, dtype=torch.float32, seed=0)
     add_weight_qat(model)
     model.train()
-    args, tokenizer = model.args, Tokenizer.bundled()
+    args, tokenizer = model.args, Tokenizer.of(model)
     train = bare_images(DRILL_SEED, a.records, tokenizer, args, a.form_only)
     held = bare_images(HELD_OUT_SEED, 64, tokenizer, args, a.form_only)
 

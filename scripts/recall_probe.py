@@ -81,10 +81,10 @@ def main() -> None:
     if a.split and a.dense:
         p.error("--split scores the served forward pass (the indexer's top-k); --dense goes without it")
     ranges = [tuple(int(x) for x in r.split(",")) for r in a.ranges.split(":")]
-    tokenizer = Tokenizer.bundled()
     for path in a.models:
         model = load(path, device=a.device, dtype=torch.float32)
         model.eval()
+        tokenizer = Tokenizer.of(model)
         if a.split:
             for lo, hi in ranges:
                 rows = [value_example(bare_record(r) if a.bare else r, tokenizer, model.args)

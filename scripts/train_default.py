@@ -5,7 +5,7 @@
 Writes DIR/state/ (resumable training state: fp32 weights, AdamW moments, counters, in
 safetensors + JSON; rerunning with the same --out continues from it) every
 --save-minutes and at the end, then DIR/model/ (the official FP8/FP4 checkpoint, the
-bundled tokenizer, and TRAINING.json with the command, seed, corpus version, steps,
+tokenizer (the bundled one, or --init's), and TRAINING.json with the command, seed, corpus version, steps,
 tokens and losses). Copy DIR/model to model/assets/default to ship it.
 
 What it trains (model.training): QAT weights and KV exactly as served; each row
@@ -113,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 2))
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: time only)")
+    p.add_argument("--stop-minutes", type=float, default=0.0,
+                   help="end this invocation after this many minutes of training (state and checkpoint "
+                        "written; a rerun with the same --out continues the --minutes budget and its schedule)")
     return p.parse_args(argv)
 
 
@@ -125,10 +128,11 @@ _SPREAD = "uniform"
 _VALUE_ONLY = False
 
 
-def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False) -> None:
+def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer_json=None) -> None:
     global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY
     torch.set_num_threads(1)
-    _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY = Tokenizer.bundled(), args, tuple(recall_tokens), spread, value_only
+    _TOK = Tokenizer.from_file(tokenizer_json) if tokenizer_json else Tokenizer.bundled()
+    _ARGS, _RECALL, _SPREAD, _VALUE_ONLY = args, tuple(recall_tokens), spread, value_only
 
 
 def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int, int]:
@@ -164,7 +168,8 @@ def _compact(ex: Example) -> Example:
 
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
-                  kinds: str = SCHEDULE_KINDS, value_only: bool = False) -> dict[str, list[Example]]:
+                  kinds: str = SCHEDULE_KINDS, value_only: bool = False,
+                  tokenizer_json=None) -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, or, in a data-parallel run,
     this process's share: whole rounds of SCHEDULE, so every process holds every kind.
     Pools: "long" the recall records, sorted by length (see next_batch), "bare" the same
@@ -175,10 +180,10 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank and SCHEDULE[i % len(SCHEDULE)] in kinds]
     if workers <= 1:
-        _init_worker(model_args, recall_tokens, spread, value_only)
+        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer_json)
         results = map(_example, jobs)
     else:
-        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread, value_only))
+        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread, value_only, tokenizer_json))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare, valued in results:
         pools["long" if kind == "d" else "short"].append(ex)
@@ -387,20 +392,26 @@ def train(a) -> dict:
     t0 = time.time()
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
-                          a.recall_spread, a.kinds, a.recall_value_only)
+                          a.recall_spread, a.kinds, a.recall_value_only, getattr(model, "tokenizer_json", None))
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
     budget = a.minutes * 60
     group.barrier()  # every process has its corpus: start the clock together
     began, last_save = time.time() - counters["seconds"], time.time()
+    run_began, run_first_step = time.time(), counters["step"]
     profile_at, prof = tuple(int(x) for x in a.profile.split(",")) if a.profile else (-1, 0), None
     window = torch.zeros(9, dtype=torch.float64)  # lm, index, tokens, correct, steps; the same two of recall, image steps
     while True:
         step = counters["step"]
         # elapsed time averaged over the processes, so that all of them stop at the same step
-        elapsed = group.sum(torch.tensor([time.time() - began], device=a.device)).item() / group.world
+        now = time.time()
+        elapsed, this_run = (group.sum(torch.tensor([now - began, now - run_began], device=a.device)) / group.world).tolist()
         if elapsed >= budget or (a.max_steps and step >= a.max_steps):
+            break
+        if a.stop_minutes and step > run_first_step and this_run >= a.stop_minutes * 60:  # one step at least
+            log(group, f"stopping this run at step {step} after {this_run:.0f} s (--stop-minutes); "
+                       f"{budget - elapsed:.0f} s of the budget left")
             break
         progress = elapsed / budget
         if step == profile_at[0] and group.main:

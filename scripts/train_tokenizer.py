@@ -29,7 +29,8 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 SEED = 41
-VOCAB_SIZE = 4096
+VOCAB_SIZE = 4096  # the BPE trainer's target; the generated text fills ~950 of it
+PADDED_SIZE = 1024  # the shipped file's size: placeholders fill the rest (as V3 / V4 pad theirs)
 N_DOCUMENTS = 24_000
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "model" / "assets" / "tokenizer" / "tokenizer.json"
 
@@ -107,11 +108,13 @@ def corpus(seed: int = SEED, n: int = N_DOCUMENTS) -> Iterator[str]:
         yield rng.choice([" ", "\n", "\n\n"]).join(parts)
 
 
-def train(seed: int = SEED, digits: str = "merged") -> str:
-    """Train and return the tokenizer JSON text. ``digits``: "merged" (the shipped file: a run
+def train(seed: int = SEED, digits: str = "individual") -> str:
+    """Train and return the tokenizer JSON text. ``digits``: "individual" (the shipped file:
+    every digit its own pre-token, so numbers are spelled with 10 tokens, as a small model
+    copies them; padded to `PADDED_SIZE` ids with special placeholders
+    `<｜place▁holder▁no▁N｜>`) or "merged" (the tokenizer of the first embedded defaults: a run
     of digits is one pre-token, so BPE learns whole numbers — 3,153 of its 4,096 tokens are
-    digit strings, nearly every 4-digit number one token) or "individual" (every digit its
-    own pre-token: numbers are spelled in 10 tokens, as a small model copies them)."""
+    digit strings, nearly every 4-digit number one rare token — unpadded)."""
     if digits not in ("merged", "individual"):
         raise ValueError(f"digits={digits!r}: want 'merged' or 'individual'")
     tok = Tokenizer(models.BPE())
@@ -124,6 +127,11 @@ def train(seed: int = SEED, digits: str = "merged") -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(corpus(seed), trainer=trainer)
+    if digits == "individual":
+        size = tok.get_vocab_size(with_added_tokens=True)
+        if size > PADDED_SIZE:
+            raise RuntimeError(f"BPE filled {size} ids, more than the padded size {PADDED_SIZE}")
+        tok.add_special_tokens([f"<｜place▁holder▁no▁{i}｜>" for i in range(PADDED_SIZE - size)])
     spec = json.loads(tok.to_str())
     for added in spec["added_tokens"]:
         added["special"] = added["content"] not in NOT_SPECIAL
@@ -134,8 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--check", action="store_true", help="compare with --out, write nothing")
-    parser.add_argument("--digits", choices=("merged", "individual"), default="merged",
-                        help="numbers as BPE merges them (the shipped file) or one token per digit")
+    parser.add_argument("--digits", choices=("merged", "individual"), default="individual",
+                        help="one token per digit (the shipped file) or numbers as BPE merges them")
     args = parser.parse_args(argv)
     text = train(digits=args.digits)
     if args.check:

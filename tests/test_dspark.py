@@ -72,7 +72,7 @@ def tiny():
     return make(TINY)
 
 
-def ids_of(n: int, seed: int = 0, vocab: int = 4000) -> torch.Tensor:
+def ids_of(n: int, seed: int = 0, vocab: int = 1000) -> torch.Tensor:
     return torch.randint(3, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
@@ -275,7 +275,7 @@ def test_closing_the_stream_mid_block_leaves_the_plain_state(tiny):
         plain = list(engine.generate(prefilled(engine, ids), Sampling(max_new_tokens=12)))
         a, b = prefilled(engine, ids), prefilled(engine, ids)
         want = list(itertools.islice(engine.generate(a, Sampling(max_new_tokens=12)), 3))
-        spec = Speculator(tiny, engine, drafter=ScriptedDrafter({19 + j: t for j, t in enumerate(plain)}, 50, 4096))
+        spec = Speculator(tiny, engine, drafter=ScriptedDrafter({19 + j: t for j, t in enumerate(plain)}, 50, TINY.vocab_size))
         stream = spec.generate(b, Sampling(max_new_tokens=12), ids[0])
         got = list(itertools.islice(stream, 3))
         stream.close()

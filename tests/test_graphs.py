@@ -70,7 +70,7 @@ def _plain_then_segmented(monkeypatch, model, segments, seed: int, steps: int):
     the same from a copy of the prefilled state with ``segments`` standing in for the graphs."""
     engine = Engine(model, mode="ced", chunk=40)
     state = engine.new_state(batch=2)
-    engine.prefill(state, torch.randint(3, 4000, (2, 70), generator=torch.Generator().manual_seed(seed)))
+    engine.prefill(state, torch.randint(3, 1000, (2, 70), generator=torch.Generator().manual_seed(seed)))
     other = copy.deepcopy(state)
     token = state.last_logits.argmax(-1)
     plain = [engine.decode(state, token).clone() for _ in range(steps)]
@@ -107,7 +107,7 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
     """Real CUDA graphs give the eager steps' logits bit for bit, at two batch sizes; a
     weight move drops the captures."""
     model = _tiny("cuda", torch.bfloat16)
-    ids = torch.randint(3, 4000, (batch, 90), generator=torch.Generator().manual_seed(0)).cuda()
+    ids = torch.randint(3, 1000, (batch, 90), generator=torch.Generator().manual_seed(0)).cuda()
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("DSAGENT_GRAPHS", flag)
@@ -161,7 +161,7 @@ def test_fp32_decode_on_cuda_stays_eager(monkeypatch):
     model = _tiny("cuda", torch.float32)
     engine = Engine(model, mode="ced", chunk=40)
     state = engine.new_state(batch=1)
-    engine.prefill(state, torch.randint(3, 4000, (1, 50), generator=torch.Generator().manual_seed(0)).cuda())
+    engine.prefill(state, torch.randint(3, 1000, (1, 50), generator=torch.Generator().manual_seed(0)).cuda())
     engine.decode(state, state.last_logits.argmax(-1))
     assert len(model._graphs) == 0 and model._graphs.failed is None
 
@@ -193,7 +193,7 @@ def test_whole_layer_segments_follow_the_cache_they_write(monkeypatch):
     states = []
     for seed in (3, 4):
         state = engine.new_state(batch=1)
-        engine.prefill(state, torch.randint(3, 4000, (1, 60 + 7 * seed), generator=torch.Generator().manual_seed(seed)))
+        engine.prefill(state, torch.randint(3, 1000, (1, 60 + 7 * seed), generator=torch.Generator().manual_seed(seed)))
         states.append(state)
     copies = [copy.deepcopy(s) for s in states]
 

@@ -4,6 +4,7 @@ checkpoint layout, special ids read from the file, and the content/control split
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -38,7 +39,7 @@ def test_bundled_special_ids_are_fixed(tok):
 def test_bundled_size_and_image_token_not_special():
     spec = json.loads(BUNDLED_PATH.read_text(encoding="utf-8"))
     assert BUNDLED_PATH.stat().st_size < 1_000_000
-    assert 3000 <= Tokenizer.bundled().vocab_size <= 4096
+    assert Tokenizer.bundled().vocab_size == 1024
     special = {t["content"]: t["special"] for t in spec["added_tokens"]}
     assert special.pop("<｜deepseek_image｜>") is False
     assert all(special.values())
@@ -140,17 +141,32 @@ def test_shipped_tokenizer_is_reproducible():
     assert script.train() == BUNDLED_PATH.read_text(encoding="utf-8")
 
 
-def test_the_individual_digit_tokenizer_spells_numbers_digit_by_digit(tmp_path):
-    """train_tokenizer --digits individual: no token holds two digits, so a planted value's
-    number is ten-token spelling a small model can copy (the shipped file merges numbers:
-    most of its vocabulary is digit strings)."""
+def test_the_bundled_tokenizer_spells_numbers_digit_by_digit():
+    """The bundled tokenizer (train_tokenizer's default, --digits individual): no token holds
+    two digits, so a planted value's number is a ten-token spelling a small model can copy;
+    placeholders pad it to 1024 ids. The first embedded defaults' tokenizer (--digits merged,
+    kept in their checkpoint) merges numbers: most of its vocabulary is digit strings."""
     spec = importlib.util.spec_from_file_location("train_tokenizer", REPO / "scripts" / "train_tokenizer.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    (tmp_path / "tokenizer.json").write_text(script.train(digits="individual"), encoding="utf-8")
-    tok = Tokenizer.from_file(tmp_path / "tokenizer.json")
+    tok = Tokenizer.bundled()
+    assert tok.vocab_size == script.PADDED_SIZE == 1024
     assert [tok.token_text(i) for i in tok.encode_content("WDL-5665")][-4:] == ["5", "6", "6", "5"]
-    assert not [i for i in range(tok.vocab_size) if sum(c.isdigit() for c in tok.token_text(i)) > 1]
-    shipped = Tokenizer.bundled()
-    assert sum(sum(c.isdigit() for c in shipped.token_text(i)) > 1 for i in range(shipped.vocab_size)) > 2000
-    assert tok.encode_control("<｜User｜>") == shipped.encode_control("<｜User｜>")  # special ids kept
+    assert not [i for i in range(tok.vocab_size)
+                if not tok.is_control(i) and sum(c.isdigit() for c in tok.token_text(i)) > 1]
+    assert tok.token_text(1023) == "<｜place▁holder▁no▁67｜>" and tok.is_control(1023)
+    merged_path = REPO / "model" / "assets" / "default" / "tokenizer" / "tokenizer.json"
+    merged = Tokenizer.from_file(merged_path)
+    assert sum(sum(c.isdigit() for c in merged.token_text(i)) > 1 for i in range(merged.vocab_size)) > 2000
+    assert tok.encode_control("<｜User｜>") == merged.encode_control("<｜User｜>")  # special ids kept
+    assert tok.image_token_id == merged.image_token_id == 8
+
+
+def test_the_merged_digit_tokenizer_is_reproducible():
+    """`--digits merged` rebuilds, byte for byte, the tokenizer bundled until session 10 (and
+    carried by the defaults trained on it): its sha256 is pinned here."""
+    spec = importlib.util.spec_from_file_location("train_tokenizer", REPO / "scripts" / "train_tokenizer.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    text = script.train(digits="merged")
+    assert hashlib.sha256(text.encode("utf-8")).hexdigest() == "10cc2647cb7210b703b8fe0b128e6d04a6f0b222f441ec31907e0266aefca75b"

@@ -38,7 +38,7 @@ def tiny():
     return load("tiny", seed=3)
 
 
-def _ids(n: int, seed: int, vocab: int = 4096) -> list[int]:
+def _ids(n: int, seed: int, vocab: int = 1000) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(16, vocab, (n,), generator=g).tolist()
 
@@ -578,3 +578,21 @@ def test_chat_drill_rows_and_a_constant_learning_rate(tiny):
     assert [train_default.learning_rate(a, s, p) for s, p in ((4, 0.1), (50, 0.5), (90, 0.99))] == [5e-4, 1e-3, 1e-3]
     a.decay = "cosine"
     assert train_default.learning_rate(a, 90, 0.99) < 2e-4
+
+
+def test_trainer_stops_a_run_and_a_rerun_finishes_the_budget(tmp_path, capsys):
+    """`--stop-minutes` ends one invocation with its state and checkpoint written (the device
+    lends machines for 10-minute calls); a rerun with the same --out resumes at that step and
+    finishes: its checkpoint loads and TRAINING.json counts both runs' steps."""
+    import train_default
+
+    common = ["--out", str(tmp_path / "run"), "--device", "cpu", "--records", "4", "--workers", "1",
+              "--kinds", "a", "--short-batch", "1", "--log-every", "1", "--long-prob", "0", "--max-steps", "2"]
+    train_default.main(common + ["--stop-minutes", "1e-6"])
+    first = json.loads((tmp_path / "run" / "state" / "counters.json").read_text())
+    assert first["step"] == 1 and "stopping this run at step 1" in capsys.readouterr().out
+    assert (tmp_path / "run" / "model" / "TRAINING.json").is_file()
+    train_default.main(common)
+    info = json.loads((tmp_path / "run" / "model" / "TRAINING.json").read_text())
+    assert info["steps"] == 2 and "resumed at step 1" in capsys.readouterr().out
+    assert load(str(tmp_path / "run" / "model")).args.vocab_size == 1024
