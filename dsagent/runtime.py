@@ -14,8 +14,7 @@ from pathlib import Path
 import torch
 
 from model.engine import Engine
-from model.engram import find_tokenizer_json
-from model.loading import PRESETS, fingerprint, load
+from model.loading import fingerprint, load
 from model.model import Transformer
 from model.tokenizer import Tokenizer
 from model.vision import decode_image
@@ -51,7 +50,7 @@ class Runtime:
         source = settings.preset or settings.model or default_source()
         dtype = getattr(torch, settings.dtype)
         model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress)
-        tokenizer = _tokenizer_for(source)
+        tokenizer = Tokenizer.of(model)
         engine = Engine(model, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context)
         return cls(model, tokenizer, engine, fingerprint(model, source, settings.seed), source)
 
@@ -71,10 +70,3 @@ class Runtime:
                 raise ValueError("this model has no vision tower, so it cannot read images")
             self._spans[sha] = self.model.encode_image(decode_image(data))
         return sha, self._spans[sha]
-
-
-def _tokenizer_for(source: str) -> Tokenizer:
-    if source in PRESETS:
-        return Tokenizer.bundled()
-    path = find_tokenizer_json(source)
-    return Tokenizer.from_file(path) if path else Tokenizer.bundled()

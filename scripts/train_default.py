@@ -128,10 +128,10 @@ _SPREAD = "uniform"
 _VALUE_ONLY = False
 
 
-def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer_json=None) -> None:
+def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer=None) -> None:
     global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY
     torch.set_num_threads(1)
-    _TOK = Tokenizer.from_file(tokenizer_json) if tokenizer_json else Tokenizer.bundled()
+    _TOK = tokenizer or Tokenizer.bundled()
     _ARGS, _RECALL, _SPREAD, _VALUE_ONLY = args, tuple(recall_tokens), spread, value_only
 
 
@@ -169,7 +169,7 @@ def _compact(ex: Example) -> Example:
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False,
-                  tokenizer_json=None) -> dict[str, list[Example]]:
+                  tokenizer: Tokenizer | None = None) -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, or, in a data-parallel run,
     this process's share: whole rounds of SCHEDULE, so every process holds every kind.
     Pools: "long" the recall records, sorted by length (see next_batch), "bare" the same
@@ -180,10 +180,10 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": []}
     jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank and SCHEDULE[i % len(SCHEDULE)] in kinds]
     if workers <= 1:
-        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer_json)
+        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer)
         results = map(_example, jobs)
     else:
-        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread, value_only, tokenizer_json))
+        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread, value_only, tokenizer))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare, valued in results:
         pools["long" if kind == "d" else "short"].append(ex)
@@ -392,7 +392,7 @@ def train(a) -> dict:
     t0 = time.time()
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
-                          a.recall_spread, a.kinds, a.recall_value_only, getattr(model, "tokenizer_json", None))
+                          a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model))
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
