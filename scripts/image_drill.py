@@ -59,6 +59,8 @@ def main(argv=None) -> None:
     p.add_argument("--tower-only", action="store_true",
                    help="train the ViT, its aligner and the image span markers alone: the language model "
                         "stays as it is, so text without images is answered exactly as before")
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop after this many minutes of training (at least one step) and save what was trained")
     p.add_argument("--save", type=Path, help="write the trained model here (official checkpoint + TRAINING.json)")
     a = p.parse_args(argv)
     torch.manual_seed(0)
@@ -90,12 +92,17 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(1), time.time(), [0, 0]
     print(json.dumps({"step": 0, "held_acc": held_acc()}), flush=True)
+    a.steps_run = 0
     for step in range(1, a.steps + 1):
+        if a.minutes and step > 1 and time.time() - began >= a.minutes * 60:
+            print(f"stopping at step {step - 1} of {a.steps} after {time.time() - began:.0f} s (--minutes)", flush=True)
+            break
         opt.zero_grad(set_to_none=True)
         losses = loss([train[rng.randrange(len(train))] for _ in range(a.batch)], rng)
         losses.total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        a.steps_run = step
         window = [window[0] + losses.correct, window[1] + losses.tokens]
         if step % 25 == 0:
             print(json.dumps({"step": step, "seconds": round(time.time() - began),
@@ -111,7 +118,7 @@ def save(a, model, seconds: float) -> None:
     write_trained(model, a.save)
     info = {"command": "python3 scripts/image_drill.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "init": str(a.init), "corpus_seed": DRILL_SEED, "corpus_version": CORPUS_VERSION, "records": a.records,
-            "steps": a.steps, "rows": a.steps * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
+            "steps": a.steps_run, "rows": a.steps_run * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
             "tower_only": a.tower_only, "form_only": a.form_only, "seconds": round(seconds, 1),
             "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else str(a.device),
             "torch": torch.__version__}

@@ -202,6 +202,22 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
 
 # ----------------------------------------------------------------------------- state on disk
 
+# Arguments a rerun may change: where and how fast it runs, not what it trains.
+RUN_ONLY_ARGS = ("out", "device", "workers", "log_every", "save_minutes", "profile", "max_steps", "stop_minutes")
+
+
+def training_args(a) -> dict:
+    """The arguments that define what a run trains (its corpus, schedule and model), as JSON values."""
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in sorted(vars(a).items()) if k not in RUN_ONLY_ARGS}
+
+
+def resume_mismatch(saved: dict, now: dict) -> list[str]:
+    """What a rerun changed of the arguments its state was trained with (none for a state
+    written before they were recorded)."""
+    return [f"--{k.replace('_', '-')}: {saved[k]!r} in the state, {now.get(k)!r} now"
+            for k in sorted(saved) if saved[k] != now.get(k)]
+
+
 def save_state(path: Path, model, opt, counters: dict) -> None:
     path.mkdir(parents=True, exist_ok=True)
     names = {p: n for n, p in model.named_parameters()}
@@ -383,10 +399,17 @@ def train(a) -> dict:
     opt = torch.optim.AdamW(param_groups(model, a.tower_lr), lr=a.lr, betas=(0.9, 0.95),
                             fused=a.device.startswith("cuda"))
     state_dir = a.out / "state"
-    counters = {"step": 0, "seconds": 0.0, "tokens": 0, "rows": 0, "history": []}
+    counters = {"step": 0, "seconds": 0.0, "tokens": 0, "rows": 0, "history": [], "args": training_args(a),
+                "commands": []}
     if (state_dir / "counters.json").is_file():
+        saved = json.loads((state_dir / "counters.json").read_text()).get("args", {})
+        changed = resume_mismatch(saved, training_args(a))
+        if changed:  # the state would go on under other settings than its record says
+            raise SystemExit(f"{state_dir} was trained with other arguments; rerun with the same ones "
+                             f"(or another --out):\n  " + "\n  ".join(changed))
         counters = load_state(state_dir, model, opt)
         log(group, f"resumed at step {counters['step']} ({counters['seconds']:.0f} s trained)")
+    counters.setdefault("commands", []).append(command_line())
     group.same_weights(model)
     params = list(model.parameters())
     t0 = time.time()
@@ -507,13 +530,18 @@ def log(group: Group, line: str) -> None:
         print(line, flush=True)
 
 
+def command_line() -> str:
+    return "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+
+
 def finish(a, model, counters: dict, world: int = 1) -> dict:
     out = a.out / "model"
     if out.exists():
         for f in sorted(out.rglob("*"), reverse=True):
             f.unlink() if f.is_file() else f.rmdir()
     write_trained(model, out)
-    info = {"command": "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
+    commands = counters.get("commands") or [command_line()]
+    info = {"command": commands[0], **({"reruns": commands[1:]} if len(commands) > 1 else {}),
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 import dsagent.cli as cli
 from dsagent.commands.eval import result_table
 from dsagent.corpus import Builder, describe, draw_shapes
-from dsagent.evaluate import (MODES, Case, Completion, EvalConfigError, ModelGenerator, case_from_record, evaluate,
+from dsagent.evaluate import (MODES, TRAIN_SEEDS, Case, Completion, EvalConfigError, ModelGenerator, case_from_record, evaluate,
                               make_cases, prompt_inputs, score, score_text, score_tool_calls)
 from dsagent.runtime import Runtime, Settings
 from model.chat import EOS
@@ -87,7 +87,7 @@ def test_cases_are_held_out_and_cut_before_their_target(cases):
 
 def test_bad_configuration_is_refused(runtime):
     with pytest.raises(EvalConfigError, match="training"):
-        make_cases(runtime.tokenizer, n=1, seed=0)
+        make_cases(runtime.tokenizer, n=1, seed=TRAIN_SEEDS[0])
     with pytest.raises(EvalConfigError, match="skill"):
         make_cases(runtime.tokenizer, n=1, skills=["x"])
     with pytest.raises(EvalConfigError, match="mode"):
@@ -183,7 +183,7 @@ def test_cli_eval_json_on_the_embedded_default(monkeypatch, tmp_path):
 
 def test_cli_eval_refuses_bad_flags_before_loading():
     assert CliRunner().invoke(cli.app, ["eval", "--skills", "a,x"]).exit_code == 2
-    assert CliRunner().invoke(cli.app, ["eval", "--seed", "0"]).exit_code == 2
+    assert CliRunner().invoke(cli.app, ["eval", "--seed", str(TRAIN_SEEDS[0])]).exit_code == 2
     assert CliRunner().invoke(cli.app, ["eval", "--model", "m", "--preset", "tiny"]).exit_code == 2
     for bad in ("300", "a,b", "500,300", "0,10"):
         r = CliRunner().invoke(cli.app, ["eval", "--skills", "d", "--recall-tokens", bad])
@@ -205,7 +205,7 @@ def test_refused_seeds_are_the_ones_the_default_trained_on():
     """TRAIN_SEEDS must name every corpus seed in the shipped model's training record."""
     import json
 
-    from dsagent.evaluate import HELD_OUT_SEED, TRAIN_SEEDS
+    from dsagent.evaluate import HELD_OUT_SEED
     from dsagent.runtime import EMBEDDED_MODEL
 
     runs = json.loads((EMBEDDED_MODEL / "TRAINING.json").read_text())["runs"]

@@ -592,7 +592,11 @@ def test_trainer_stops_a_run_and_a_rerun_finishes_the_budget(tmp_path, capsys):
     first = json.loads((tmp_path / "run" / "state" / "counters.json").read_text())
     assert first["step"] == 1 and "stopping this run at step 1" in capsys.readouterr().out
     assert (tmp_path / "run" / "model" / "TRAINING.json").is_file()
-    train_default.main(common)
+    with pytest.raises(SystemExit, match=r"--lr: 0.002 in the state, 0.0001 now"):
+        train_default.main(common + ["--lr", "1e-4"])  # another schedule than the state's: refused
+    assert json.loads((tmp_path / "run" / "state" / "counters.json").read_text())["step"] == 1
+    train_default.main(common + ["--workers", "2"])  # how it runs may change
     info = json.loads((tmp_path / "run" / "model" / "TRAINING.json").read_text())
     assert info["steps"] == 2 and "resumed at step 1" in capsys.readouterr().out
+    assert len(info["reruns"]) == 1 and info["lr"] == 0.002
     assert load(str(tmp_path / "run" / "model")).args.vocab_size == 1024
