@@ -57,6 +57,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0, help="corpus seed and weight seed")
     p.add_argument("--records", type=int, default=60000)
+    p.add_argument("--recall-records", type=int, default=0,
+                   help="at least this many recall records (the schedule gives --records a tenth): the extra "
+                        "ones follow --records, so recall rows can come from a pool too large to learn by heart")
     p.add_argument("--long-prob", type=float, default=0.2, help="share of steps that train on recall records")
     p.add_argument("--short-batch", type=int, default=80, help="rows per batch of the ~2.3K-token kinds")
     p.add_argument("--long-batch", type=int, default=4, help="rows per batch of recall records (2-6K more)")
@@ -169,16 +172,25 @@ def _compact(ex: Example) -> Example:
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False,
-                  tokenizer: Tokenizer | None = None) -> dict[str, list[Example]]:
+                  tokenizer: Tokenizer | None = None, recall_records: int = 0) -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, or, in a data-parallel run,
     this process's share: whole rounds of SCHEDULE, so every process holds every kind.
     Pools: "long" the recall records, sorted by length (see next_batch), "bare" the same
     without the system prompt (``value_only``: trained on the value's tokens alone), "short"
     every other kind, "image" the image conversations (also in "short"), and with
     ``value_only`` "valued": the recall records with the system prompt trained on the value
-    alone (for --recall-rows)."""
+    alone (for --recall-rows). ``recall_records``: at least that many recall records in all
+    (over the processes), the extra ones the records after the first ``n`` that SCHEDULE makes
+    recall records — so a pool of recall rows can be too large to learn by heart."""
     pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": []}
-    jobs = [(seed, i) for i in range(n) if i // len(SCHEDULE) % world == rank and SCHEDULE[i % len(SCHEDULE)] in kinds]
+    mine = [i for i in range(n) if i // len(SCHEDULE) % world == rank]
+    if "d" in kinds:
+        recall_at = [i for i in range(len(SCHEDULE)) if SCHEDULE[i] == "d"]
+        have = sum(SCHEDULE[i % len(SCHEDULE)] == "d" for i in range(n))
+        rounds = -(-(recall_records - have) // len(recall_at)) if recall_records > have else 0
+        first = -(-n // len(SCHEDULE))  # the first whole round after the first n records
+        mine += [r * len(SCHEDULE) + j for r in range(first, first + rounds) if r % world == rank for j in recall_at]
+    jobs = [(seed, i) for i in mine if SCHEDULE[i % len(SCHEDULE)] in kinds]
     if workers <= 1:
         _init_worker(model_args, recall_tokens, spread, value_only, tokenizer)
         results = map(_example, jobs)
@@ -415,7 +427,7 @@ def train(a) -> dict:
     t0 = time.time()
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
-                          a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model))
+                          a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records)
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -542,7 +554,7 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
     write_trained(model, out)
     commands = counters.get("commands") or [command_line()]
     info = {"command": commands[0], **({"reruns": commands[1:]} if len(commands) > 1 else {}),
-            "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
+            "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records, "recall_records": a.recall_records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,

@@ -255,6 +255,25 @@ def test_data_parallel_shares_hold_every_kind(tiny):
     assert len(set(ids)) == 40  # disjoint shares covering the 40 records ("bare" and "image" are views of them)
 
 
+def test_recall_records_enlarge_the_recall_pool_alone(tiny):
+    """--recall-records N: the recall pool holds N records, the schedule's share of --records
+    plus the recall records that follow them (distinct, none of the first records again);
+    the other kinds are unchanged, and data-parallel shares split the extra ones too."""
+    import train_default
+
+    base = train_default.make_examples(20, 0, tiny.args, workers=1, kinds="ad", recall_tokens=(40, 80))
+    more = train_default.make_examples(20, 0, tiny.args, workers=1, kinds="ad", recall_tokens=(40, 80),
+                                       recall_records=5)
+    assert (len(base["long"]), len(more["long"]), len(more["bare"])) == (2, 5, 5)
+    assert [ex.ids.tolist() for ex in more["short"]] == [ex.ids.tolist() for ex in base["short"]]
+    recalled = {tuple(ex.ids.tolist()) for ex in more["long"]}
+    assert len(recalled) == 5 and {tuple(ex.ids.tolist()) for ex in base["long"]} < recalled
+    shares = [train_default.make_examples(20, 0, tiny.args, workers=1, rank=r, world=2, kinds="d",
+                                          recall_tokens=(40, 80), recall_records=6) for r in range(2)]
+    split = [{tuple(ex.ids.tolist()) for ex in s["long"]} for s in shares]
+    assert [len(x) for x in split] == [3, 3] and not split[0] & split[1]
+
+
 def _mean_grads_worker(rank: int, port: int, out: str) -> None:
     import os
 
