@@ -29,11 +29,20 @@ from model.training import batch_for, batch_loss, quantised_weights  # noqa: E40
 HELD_OUT_SEED = 7919
 
 
+def recall_records(tokenizer: Tokenizer, lo: int, hi: int, n: int, seed: int = HELD_OUT_SEED,
+                   indices: tuple[int, int] = (200, 1)) -> list[dict]:
+    """``n`` recall records of corpus ``seed`` at indices START, START+STEP, ... with logs of
+    LO-HI tokens. A record's key and value do not depend on its log's length, so a training
+    run's own records (seed and indices of its recall pool) test what it learnt by heart."""
+    start, step = indices
+    return [make_record(seed, start + step * i, "d", tokenizer, (lo, hi)) for i in range(n)]
+
+
 def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, bare: bool,
           dense: bool = False) -> dict[str, float]:
     a, out = model.args, {}
     for lo, hi in ranges:
-        records = [make_record(HELD_OUT_SEED, 200 + i, "d", tokenizer, (lo, hi)) for i in range(n)]
+        records = recall_records(tokenizer, lo, hi, n)
         rows = [value_example(bare_record(r) if bare else r, tokenizer, a) for r in records]
         batch = batch_for(a, rows, ["exact"] * n, random.Random(0))
         with torch.no_grad():
@@ -76,11 +85,16 @@ def main() -> None:
                    help="every compressed record selected, not the indexer's top-k: what selection costs")
     p.add_argument("--split", action="store_true",
                    help="instead: accuracy of the value's letter tokens, digit tokens and whole values")
+    p.add_argument("--seed", type=int, default=HELD_OUT_SEED,
+                   help="with --split: the corpus seed of the records (a training seed tests memory)")
+    p.add_argument("--indices", default="200,1", metavar="START,STEP",
+                   help="with --split: the records' indices (a run's recall pool: 7,10 — SCHEDULE's recall slot)")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
     if a.split and a.dense:
         p.error("--split scores the served forward pass (the indexer's top-k); --dense goes without it")
     ranges = [tuple(int(x) for x in r.split(",")) for r in a.ranges.split(":")]
+    indices = tuple(int(x) for x in a.indices.split(","))
     for path in a.models:
         model = load(path, device=a.device, dtype=torch.float32)
         model.eval()
@@ -88,8 +102,9 @@ def main() -> None:
         if a.split:
             for lo, hi in ranges:
                 rows = [value_example(bare_record(r) if a.bare else r, tokenizer, model.args)
-                        for r in (make_record(HELD_OUT_SEED, 200 + i, "d", tokenizer, (lo, hi)) for i in range(a.n))]
-                print(json.dumps({"model": path, "bare": a.bare, "range": f"{lo}-{hi}",
+                        for r in recall_records(tokenizer, lo, hi, a.n, a.seed, indices)]
+                print(json.dumps({"model": path, "bare": a.bare, "range": f"{lo}-{hi}", "seed": a.seed,
+                                  "indices": a.indices,
                                   **split_accuracy(model, tokenizer, rows)}), flush=True)
             continue
         print(json.dumps({"model": path, "bare": a.bare, "dense": a.dense,

@@ -427,6 +427,12 @@ def test_recall_probe_scores_the_value_tokens_alone(tiny):
     assert len(full.ids) - len(bare.ids) > 2000  # the system prompt
     got = recall_probe.probe(tiny, tok, [(40, 90), (150, 300)], n=2, bare=True)
     assert set(got) == {"40-90", "150-300"} and all(0 <= v <= 1 for v in got.values())
+    # a training run's own records (--seed S --indices 7,10): the key and value a record plants
+    # do not depend on its log's length, so the probe asks what the run saw, at any length
+    short, long = (recall_probe.recall_records(tok, lo, hi, 3, seed=8, indices=(7, 10)) for lo, hi in ((40, 90), (300, 400)))
+    assert [r["truth"] for r in short] == [r["truth"] for r in long]
+    assert [r["id"] for r in short] == ["8-0000007-d", "8-0000017-d", "8-0000027-d"]
+    assert len(long[0]["messages"][1]["content"]) > len(short[0]["messages"][1]["content"])
 
 
 def test_trainer_profile_counts_each_steps_operations():
