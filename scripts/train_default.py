@@ -554,7 +554,8 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
     write_trained(model, out)
     commands = counters.get("commands") or [command_line()]
     info = {"command": commands[0], **({"reruns": commands[1:]} if len(commands) > 1 else {}),
-            "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records, "recall_records": a.recall_records,
+            "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
+            "recall_records": a.recall_records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
