@@ -304,6 +304,15 @@ def step_kind(a, pools, step: int) -> str:
     return "short"
 
 
+def bare_recall_step(a, step: int) -> bool:
+    """Whether recall step ``step`` draws the bare records (the --recall-first phase, or
+    --recall-pool bare, or "both" by one draw for the step, the same in every process)."""
+    if step < recall_first(a)[0]:
+        return True
+    pool = getattr(a, "recall_pool", "prompted")
+    return pool == "bare" or (pool == "both" and random.Random(f"pool:{a.seed}:{step}").random() < 0.5)
+
+
 def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     rng = random.Random(f"batch:{a.seed}:{step}")
     rng.random()  # the draw step_kind made
@@ -317,10 +326,8 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     first = long and step < steps
     if first:  # the first phase: --long-batch rows of the shortest `share` of the bare records (sorted)
         pool = pools["bare"][:max(1, round(len(pools["bare"]) * share))]
-    elif long and getattr(a, "recall_pool", "prompted") != "prompted":
-        # "both": one draw for the step, the same in every process (even step times)
-        if a.recall_pool == "bare" or random.Random(f"pool:{a.seed}:{step}").random() < 0.5:
-            pool = pools["bare"]
+    elif long and bare_recall_step(a, step):
+        pool = pools["bare"]
     if long and a.long_tokens and not first:
         # records of like length (the pool is sorted), none longer than the drawn one: a
         # batch pads to its longest row, so mixed lengths would waste the budget on padding
@@ -436,7 +443,8 @@ def train(a) -> dict:
     began, last_save = time.time() - counters["seconds"], time.time()
     run_began, run_first_step = time.time(), counters["step"]
     profile_at, prof = tuple(int(x) for x in a.profile.split(",")) if a.profile else (-1, 0), None
-    window = torch.zeros(9, dtype=torch.float64)  # lm, index, tokens, correct, steps; the same two of recall, image steps
+    # lm, index, tokens, correct, steps; then tokens and correct of the recall, bare recall, image steps
+    window = torch.zeros(11, dtype=torch.float64)
     while True:
         step = counters["step"]
         # elapsed time averaged over the processes, so that all of them stop at the same step
@@ -487,17 +495,21 @@ def train(a) -> dict:
         counters["tokens"] += int(done[0])
         counters["rows"] += int(done[1])
         kind = step_kind(a, pools, step)
+        if kind == "long" and bare_recall_step(a, step):
+            kind = "bare"  # a recall step of bare records: with --recall-value-only, the values' tokens alone
+        kinds = [kind in ("long", "bare"), kind == "bare", kind == "image"]
         window += torch.tensor([float(losses.lm.detach()), float(losses.index.detach()), losses.tokens,
-                                losses.correct, 1.0] + [losses.tokens * (kind == k) for k in ("long", "image")]
-                               + [losses.correct * (kind == k) for k in ("long", "image")], dtype=torch.float64)
+                                losses.correct, 1.0] + [losses.tokens * k for k in kinds]
+                               + [losses.correct * k for k in kinds], dtype=torch.float64)
         if counters["step"] % a.log_every == 0:
             lm, index, tokens, correct, n, *split = group.sum(window.to(a.device)).tolist()
             entry = {"step": counters["step"], "seconds": round(time.time() - began, 1),
                      "lm": round(lm / n, 4), "index": round(index / n, 4),
                      "acc": round(correct / max(1, tokens), 4), "max_load": round(worst, 2),
                      "lr": round(opt.param_groups[0]["lr"], 6)}
-            for name, kind_tokens, kind_correct in zip(("recall_acc", "image_acc"), split[:2], split[2:]):
-                if kind_tokens:  # next-token accuracy on the replies of the recall / image steps alone
+            for name, kind_tokens, kind_correct in zip(("recall_acc", "bare_recall_acc", "image_acc"),
+                                                       split[:3], split[3:]):
+                if kind_tokens:  # next-token accuracy on the replies of the recall / bare recall / image steps
                     entry[name] = round(kind_correct / kind_tokens, 4)
             counters["history"].append(entry)
             log(group, json.dumps(entry))

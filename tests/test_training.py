@@ -561,6 +561,8 @@ def test_trainer_kinds_replay_weights_and_tower_learning_rate(tiny):
               train_default.next_batch(argparse.Namespace(**{**vars(a), "recall_pool": "both"}), pools, s,
                                        tiny.args).ids} for s in range(3, 23)]
     assert all(len(d) == 1 for d in drawn) and 3 <= sum(True in d for d in drawn) <= 17  # "both": whole steps, ~half each
+    both = argparse.Namespace(**{**vars(a), "recall_pool": "both"})
+    assert [True in d for d in drawn] == [train_default.bare_recall_step(both, s) for s in range(3, 23)]
     assert {train_default.step_kind(argparse.Namespace(**{**vars(a), "long_prob": 0.0}), pools, s)
             for s in range(20)} == {"long"}  # nothing else to train on
     a.replay = "0,0,1"
@@ -603,6 +605,21 @@ def test_chat_drill_rows_and_a_constant_learning_rate(tiny):
     assert [train_default.learning_rate(a, s, p) for s, p in ((4, 0.1), (50, 0.5), (90, 0.99))] == [5e-4, 1e-3, 1e-3]
     a.decay = "cosine"
     assert train_default.learning_rate(a, 90, 0.99) < 2e-4
+
+
+def test_trainer_logs_bare_recall_steps_apart(tmp_path, capsys):
+    """The log's recall_acc counts every recall step's trained tokens (a prompted record's whole
+    reply); bare_recall_acc the bare records' steps alone (with --recall-value-only: the values'
+    tokens), the measure of the lookup itself."""
+    import train_default
+
+    train_default.main(["--out", str(tmp_path / "run"), "--device", "cpu", "--records", "10", "--workers", "1",
+                        "--kinds", "d", "--long-batch", "1", "--recall-tokens", "40,90", "--recall-value-only",
+                        "--recall-first", "1,1", "--log-every", "1", "--max-steps", "2", "--long-prob", "1"])
+    entries = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith('{"step"')]
+    first, second = entries[:2]
+    assert first["step"] == 1 and first["bare_recall_acc"] == first["recall_acc"]  # the recall-first phase
+    assert second["step"] == 2 and "bare_recall_acc" not in second and "recall_acc" in second  # prompted
 
 
 def test_trainer_stops_a_run_and_a_rerun_finishes_the_budget(tmp_path, capsys):
