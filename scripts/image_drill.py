@@ -92,7 +92,7 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(groups, lr=a.lr, betas=(0.9, 0.95))
     rng, began, window = random.Random(1), time.time(), [0, 0]
     print(json.dumps({"step": 0, "held_acc": held_acc()}), flush=True)
-    a.steps_run = 0
+    steps_run = 0
     for step in range(1, a.steps + 1):
         if a.minutes and step > 1 and time.time() - began >= a.minutes * 60:
             print(f"stopping at step {step - 1} of {a.steps} after {time.time() - began:.0f} s (--minutes)", flush=True)
@@ -102,23 +102,23 @@ def main(argv=None) -> None:
         losses.total.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        a.steps_run = step
+        steps_run = step
         window = [window[0] + losses.correct, window[1] + losses.tokens]
         if step % 25 == 0:
             print(json.dumps({"step": step, "seconds": round(time.time() - began),
                               "train_acc": round(window[0] / window[1], 4), "held_acc": held_acc()}), flush=True)
             window = [0, 0]
     if a.save:
-        save(a, model, seconds=time.time() - began)
+        save(a, model, seconds=time.time() - began, steps=steps_run)
 
 
-def save(a, model, seconds: float) -> None:
+def save(a, model, seconds: float, steps: int) -> None:
     """The model as an official checkpoint in ``a.save`` with a TRAINING.json saying how it
     was made (the run's entry for the shipped model's ``runs``)."""
     write_trained(model, a.save)
     info = {"command": "python3 scripts/image_drill.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "init": str(a.init), "corpus_seed": DRILL_SEED, "corpus_version": CORPUS_VERSION, "records": a.records,
-            "steps": a.steps_run, "rows": a.steps_run * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
+            "steps": steps, "rows": steps * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
             "tower_only": a.tower_only, "form_only": a.form_only, "seconds": round(seconds, 1),
             "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else str(a.device),
             "torch": torch.__version__}

@@ -39,10 +39,10 @@ def recall_records(tokenizer: Tokenizer, lo: int, hi: int, n: int, seed: int = H
 
 
 def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, bare: bool,
-          dense: bool = False) -> dict[str, float]:
+          dense: bool = False, seed: int = HELD_OUT_SEED, indices: tuple[int, int] = (200, 1)) -> dict[str, float]:
     a, out = model.args, {}
     for lo, hi in ranges:
-        records = recall_records(tokenizer, lo, hi, n)
+        records = recall_records(tokenizer, lo, hi, n, seed, indices)
         rows = [value_example(bare_record(r) if bare else r, tokenizer, a) for r in records]
         batch = batch_for(a, rows, ["exact"] * n, random.Random(0))
         with torch.no_grad():
@@ -86,9 +86,9 @@ def main() -> None:
     p.add_argument("--split", action="store_true",
                    help="instead: accuracy of the value's letter tokens, digit tokens and whole values")
     p.add_argument("--seed", type=int, default=HELD_OUT_SEED,
-                   help="with --split: the corpus seed of the records (a training seed tests memory)")
+                   help="the corpus seed of the records (a training seed tests memory)")
     p.add_argument("--indices", default="200,1", metavar="START,STEP",
-                   help="with --split: the records' indices (a run's recall pool: 7,10 — SCHEDULE's recall slot)")
+                   help="the records' indices (a run's recall pool: 7,10 — SCHEDULE's recall slot)")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
     if a.split and a.dense:
@@ -108,7 +108,7 @@ def main() -> None:
                                   **split_accuracy(model, tokenizer, rows)}), flush=True)
             continue
         print(json.dumps({"model": path, "bare": a.bare, "dense": a.dense,
-                          **probe(model, tokenizer, ranges, a.n, a.bare, a.dense)}), flush=True)
+                          **probe(model, tokenizer, ranges, a.n, a.bare, a.dense, a.seed, indices)}), flush=True)
 
 
 if __name__ == "__main__":

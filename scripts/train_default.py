@@ -421,12 +421,11 @@ def train(a) -> dict:
     counters = {"step": 0, "seconds": 0.0, "tokens": 0, "rows": 0, "history": [], "args": training_args(a),
                 "commands": []}
     if (state_dir / "counters.json").is_file():
-        saved = json.loads((state_dir / "counters.json").read_text()).get("args", {})
-        changed = resume_mismatch(saved, training_args(a))
+        counters = load_state(state_dir, model, opt)
+        changed = resume_mismatch(counters.get("args", {}), training_args(a))
         if changed:  # the state would go on under other settings than its record says
             raise SystemExit(f"{state_dir} was trained with other arguments; rerun with the same ones "
                              f"(or another --out):\n  " + "\n  ".join(changed))
-        counters = load_state(state_dir, model, opt)
         log(group, f"resumed at step {counters['step']} ({counters['seconds']:.0f} s trained)")
     counters.setdefault("commands", []).append(command_line())
     group.same_weights(model)

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 import dsagent.cli as cli
 from dsagent.commands.eval import result_table
 from dsagent.corpus import Builder, describe, draw_shapes
-from dsagent.evaluate import (MODES, TRAIN_SEEDS, Case, Completion, EvalConfigError, ModelGenerator, case_from_record, evaluate,
-                              make_cases, prompt_inputs, score, score_text, score_tool_calls)
+from dsagent.evaluate import (MODES, TRAIN_SEEDS, Case, Completion, EvalConfigError, ModelGenerator, case_from_record,
+                              evaluate, make_cases, prompt_inputs, score, score_text, score_tool_calls)
 from dsagent.runtime import Runtime, Settings
 from model.chat import EOS
 from model.quant import KVFormat
