@@ -2,7 +2,7 @@
 
     python3 scripts/image_drill.py [--init model/assets/default] [--steps 300] [--batch 32] [--lr 1e-3]
                                    [--records 3000] [--device cpu] [--tower-lr 1] [--form-only]
-                                   [--tower-only] [--save DIR]
+                                   [--tower-only] [--prompted] [--save DIR]
 
 Trains on the corpus's image conversations only, without the system prompt (corpus seed 31,
 not a training seed), through the same code path as scripts/train_default.py (QAT weights
@@ -12,7 +12,9 @@ name colour, shape and count ("3. There are three red circles."); a model that k
 alone sits near 0.85-0.88, so a rise above that is the ViT learning form. ``--form-only``
 trains and scores the kind and count words alone (chance: a third of the kinds, a fifth of
 the counts). ``--tower-only`` trains the vision tower alone (text is answered as before);
-``--save DIR`` writes the result as an official checkpoint.
+``--prompted`` keeps the system prompt in every conversation (training and held-out), as
+the agent and ``dsagent eval`` have it: one forward of the shared prompt a batch, then the
+rows. ``--save DIR`` writes the result as an official checkpoint.
 """
 from __future__ import annotations
 
@@ -38,11 +40,13 @@ DRILL_SEED, HELD_OUT_SEED = 31, 7919
 TOWER = ("vision.", "aligner.", "image_")  # the ViT, its aligner and the image span markers
 
 
-def bare_images(seed: int, n: int, tokenizer: Tokenizer, args, form_only: bool = False) -> list[Example]:
-    """``n`` image conversations of corpus ``seed``, without the system prompt (``form_only``:
-    trained on the words naming the shapes' kind and count alone)."""
+def image_examples(seed: int, n: int, tokenizer: Tokenizer, args, form_only: bool = False,
+                   prompted: bool = False) -> list[Example]:
+    """``n`` image conversations of corpus ``seed``, without the system prompt unless
+    ``prompted`` (``form_only``: trained on the words naming the shapes' kind and count alone)."""
     lay_out = form_example if form_only else training_example
-    return [lay_out(bare_record(make_record(seed, i, "c", tokenizer)), tokenizer, args) for i in range(n)]
+    keep = (lambda record: record) if prompted else bare_record
+    return [lay_out(keep(make_record(seed, i, "c", tokenizer)), tokenizer, args) for i in range(n)]
 
 
 def main(argv=None) -> None:
@@ -59,6 +63,8 @@ def main(argv=None) -> None:
     p.add_argument("--tower-only", action="store_true",
                    help="train the ViT, its aligner and the image span markers alone: the language model "
                         "stays as it is, so text without images is answered exactly as before")
+    p.add_argument("--prompted", action="store_true",
+                   help="keep the system prompt in every conversation, as the agent and the evaluation have it")
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop after this many minutes of training (at least one step) and save what was trained")
     p.add_argument("--save", type=Path, help="write the trained model here (official checkpoint + TRAINING.json)")
@@ -68,13 +74,13 @@ def main(argv=None) -> None:
     add_weight_qat(model)
     model.train()
     args, tokenizer = model.args, Tokenizer.of(model)
-    train = bare_images(DRILL_SEED, a.records, tokenizer, args, a.form_only)
-    held = bare_images(HELD_OUT_SEED, 64, tokenizer, args, a.form_only)
+    train = image_examples(DRILL_SEED, a.records, tokenizer, args, a.form_only, a.prompted)
+    held = image_examples(HELD_OUT_SEED, 64, tokenizer, args, a.form_only, a.prompted)
 
     def loss(rows, rng):
         batch = batch_for(args, rows, ["exact"] * len(rows), rng)
         with quantised_weights(model):
-            return batch_loss(model, batch, share_prefix=False)
+            return batch_loss(model, batch, share_prefix=a.prompted)
 
     def held_acc() -> float:
         model.eval()
@@ -119,7 +125,7 @@ def save(a, model, seconds: float, steps: int) -> None:
     info = {"command": "python3 scripts/image_drill.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "init": str(a.init), "corpus_seed": DRILL_SEED, "corpus_version": CORPUS_VERSION, "records": a.records,
             "steps": steps, "rows": steps * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
-            "tower_only": a.tower_only, "form_only": a.form_only, "seconds": round(seconds, 1),
+            "tower_only": a.tower_only, "form_only": a.form_only, "prompted": a.prompted, "seconds": round(seconds, 1),
             "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else str(a.device),
             "torch": torch.__version__}
     (a.save / "TRAINING.json").write_text(json.dumps(info, indent=1) + "\n")

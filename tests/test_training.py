@@ -455,34 +455,41 @@ def test_image_drill_rows_are_bare_image_conversations(tiny):
     import image_drill
 
     tok = Tokenizer.bundled()
-    rows = image_drill.bare_images(image_drill.DRILL_SEED, 3, tok, tiny.args)
+    rows = image_drill.image_examples(image_drill.DRILL_SEED, 3, tok, tiny.args)
     for ex in rows:
         assert len(ex.images) == 1 and (torch.tensor(ex.ids) == tiny.args.image_token_id).sum() > 0
         assert len(ex.ids) < 200 and any(ex.trained)  # the ~2.3K-token system prompt is not there
-    form = image_drill.bare_images(image_drill.DRILL_SEED, 3, tok, tiny.args, form_only=True)
+    form = image_drill.image_examples(image_drill.DRILL_SEED, 3, tok, tiny.args, form_only=True)
     from dsagent.corpus import NUMBER_WORDS, make_record
     for i, (ex, full) in enumerate(zip(form, rows)):
         truth = make_record(image_drill.DRILL_SEED, i, "c", tok)["truth"]["image"]
         said = tok.decode([t for t, m in zip(ex.ids, ex.trained) if m]).lower()
         assert ex.ids == full.ids and sum(ex.trained) < sum(full.trained)
         assert truth["kind"][:4] in said and NUMBER_WORDS[truth["count"]] in said and truth["colour"] not in said
+    # --prompted: the same conversations behind the system prompt, one shared prefix, the same replies
+    prompted = image_drill.image_examples(image_drill.DRILL_SEED, 3, tok, tiny.args, prompted=True)
+    prefix = len(prompted[0].ids) - len(rows[0].ids)
+    assert prefix > 1000
+    for ex, bare in zip(prompted, rows):
+        assert ex.ids[:prefix] == prompted[0].ids[:prefix] and ex.ids[-len(bare.ids) + 1:] == bare.ids[1:]
+        assert ex.trained[-len(bare.ids) + 1:] == bare.trained[1:] and not any(ex.trained[:prefix])
 
 
 def test_image_drill_tower_only_leaves_the_language_model_bit_for_bit(tmp_path):
-    """--tower-only --save: the written checkpoint's language model is the one it started
+    """--tower-only --prompted --save: the written checkpoint's language model is the one it started
     from, bit for bit (so text is answered as before); its vision tower has moved."""
     import image_drill
 
     out = tmp_path / "drilled"
     image_drill.main(["--init", str(DEFAULT), "--steps", "1", "--batch", "2", "--records", "4", "--lr", "1e-2",
-                      "--tower-only", "--save", str(out)])
+                      "--tower-only", "--prompted", "--save", str(out)])
     before, after = (dict(load(p).named_parameters()) for p in (DEFAULT, out))
     tower = [n for n in before if n.startswith(image_drill.TOWER)]
     assert len(tower) > 10 and len(before) - len(tower) > 100
     assert all(torch.equal(before[n], after[n]) for n in before if n not in tower)
     assert sum(not torch.equal(before[n], after[n]) for n in tower) > len(tower) // 2
     info = json.loads((out / "TRAINING.json").read_text())
-    assert info["tower_only"] and info["steps"] == 1 and info["command"].startswith("python3 scripts/image_drill.py")
+    assert info["tower_only"] and info["prompted"] and info["steps"] == 1 and info["command"].startswith("python3 scripts/image_drill.py")
 
 
 def test_vit_probe_separates_what_is_separable_and_reads_each_cell(tiny):
