@@ -1,7 +1,7 @@
 """A focused experiment for the image skill: does a model learn shapes and counts from pictures alone?
 
     python3 scripts/image_drill.py [--init model/assets/default] [--steps 300] [--batch 32] [--lr 1e-3]
-                                   [--records 3000] [--device cpu] [--tower-lr 1] [--form-only]
+                                   [--records 3000] [--device cpu] [--tower-lr 1] [--form-only | --form-share F]
                                    [--tower-only] [--prompted] [--save DIR]
 
 Trains on the corpus's image conversations only, without the system prompt (corpus seed 31,
@@ -11,7 +11,9 @@ replies on the training batches and on 64 held-out conversations (seed 7919). Th
 name colour, shape and count ("3. There are three red circles."); a model that knows colour
 alone sits near 0.85-0.88, so a rise above that is the ViT learning form. ``--form-only``
 trains and scores the kind and count words alone (chance: a third of the kinds, a fifth of
-the counts). ``--tower-only`` trains the vision tower alone (text is answered as before);
+the counts) — with ``--tower-only`` the colour then drifts, nothing asking for it (session
+12: 286 such steps named every picture green); ``--form-share F`` narrows a share F of the
+conversations so and keeps the whole reply in the rest. ``--tower-only`` trains the vision tower alone (text is answered as before);
 ``--prompted`` keeps the system prompt in every conversation (training and held-out), as
 the agent and ``dsagent eval`` have it: one forward of the shared prompt a batch, then the
 rows. ``--save DIR`` writes the result as an official checkpoint.
@@ -40,13 +42,14 @@ DRILL_SEED, HELD_OUT_SEED = 31, 7919
 TOWER = ("vision.", "aligner.", "image_")  # the ViT, its aligner and the image span markers
 
 
-def image_examples(seed: int, n: int, tokenizer: Tokenizer, args, form_only: bool = False,
+def image_examples(seed: int, n: int, tokenizer: Tokenizer, args, form_share: float = 0.0,
                    prompted: bool = False) -> list[Example]:
     """``n`` image conversations of corpus ``seed``, without the system prompt unless
-    ``prompted`` (``form_only``: trained on the words naming the shapes' kind and count alone)."""
-    lay_out = form_example if form_only else training_example
+    ``prompted``; a ``form_share`` of them (drawn per conversation) trained on the words naming
+    the shapes' kind and count alone, the rest on the whole reply."""
     keep = (lambda record: record) if prompted else bare_record
-    return [lay_out(keep(make_record(seed, i, "c", tokenizer)), tokenizer, args) for i in range(n)]
+    return [(form_example if random.Random(f"form:{seed}:{i}").random() < form_share else training_example)(
+        keep(make_record(seed, i, "c", tokenizer)), tokenizer, args) for i in range(n)]
 
 
 def main(argv=None) -> None:
@@ -58,6 +61,9 @@ def main(argv=None) -> None:
     p.add_argument("--records", type=int, default=3000)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tower-lr", type=float, default=1.0, help="learning-rate multiplier of the ViT and its aligner")
+    p.add_argument("--form-share", type=float, default=0.0,
+                   help="the share of conversations trained (and scored) on the kind and count words alone; the "
+                        "rest keep the whole reply, so the colour the tower knows is still asked of it")
     p.add_argument("--form-only", action="store_true",
                    help="train (and score) the reply's words for the shapes' kind and count alone, not their colour")
     p.add_argument("--tower-only", action="store_true",
@@ -69,13 +75,15 @@ def main(argv=None) -> None:
                    help="stop after this many minutes of training (at least one step) and save what was trained")
     p.add_argument("--save", type=Path, help="write the trained model here (official checkpoint + TRAINING.json)")
     a = p.parse_args(argv)
+    if a.form_only:
+        a.form_share = 1.0
     torch.manual_seed(0)
     model = load(a.init, device=a.device, dtype=torch.float32, seed=0)
     add_weight_qat(model)
     model.train()
     args, tokenizer = model.args, Tokenizer.of(model)
-    train = image_examples(DRILL_SEED, a.records, tokenizer, args, a.form_only, a.prompted)
-    held = image_examples(HELD_OUT_SEED, 64, tokenizer, args, a.form_only, a.prompted)
+    train = image_examples(DRILL_SEED, a.records, tokenizer, args, a.form_share, a.prompted)
+    held = image_examples(HELD_OUT_SEED, 64, tokenizer, args, a.form_share, a.prompted)
 
     def loss(rows, rng):
         batch = batch_for(args, rows, ["exact"] * len(rows), rng)
@@ -125,7 +133,7 @@ def save(a, model, seconds: float, steps: int) -> None:
     info = {"command": "python3 scripts/image_drill.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
             "init": str(a.init), "corpus_seed": DRILL_SEED, "corpus_version": CORPUS_VERSION, "records": a.records,
             "steps": steps, "rows": steps * a.batch, "lr": a.lr, "tower_lr": a.tower_lr,
-            "tower_only": a.tower_only, "form_only": a.form_only, "prompted": a.prompted, "seconds": round(seconds, 1),
+            "tower_only": a.tower_only, "form_share": a.form_share, "prompted": a.prompted, "seconds": round(seconds, 1),
             "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else str(a.device),
             "torch": torch.__version__}
     (a.save / "TRAINING.json").write_text(json.dumps(info, indent=1) + "\n")

@@ -459,13 +459,17 @@ def test_image_drill_rows_are_bare_image_conversations(tiny):
     for ex in rows:
         assert len(ex.images) == 1 and (torch.tensor(ex.ids) == tiny.args.image_token_id).sum() > 0
         assert len(ex.ids) < 200 and any(ex.trained)  # the ~2.3K-token system prompt is not there
-    form = image_drill.image_examples(image_drill.DRILL_SEED, 3, tok, tiny.args, form_only=True)
+    form = image_drill.image_examples(image_drill.DRILL_SEED, 3, tok, tiny.args, form_share=1.0)
     from dsagent.corpus import NUMBER_WORDS, make_record
     for i, (ex, full) in enumerate(zip(form, rows)):
         truth = make_record(image_drill.DRILL_SEED, i, "c", tok)["truth"]["image"]
         said = tok.decode([t for t, m in zip(ex.ids, ex.trained) if m]).lower()
         assert ex.ids == full.ids and sum(ex.trained) < sum(full.trained)
         assert truth["kind"][:4] in said and NUMBER_WORDS[truth["count"]] in said and truth["colour"] not in said
+    half = image_drill.image_examples(image_drill.DRILL_SEED, 40, tok, tiny.args, form_share=0.5)
+    whole = image_drill.image_examples(image_drill.DRILL_SEED, 40, tok, tiny.args)
+    narrowed = [sum(h.trained) < sum(w.trained) for h, w in zip(half, whole)]
+    assert 10 <= sum(narrowed) <= 30 and all(h.ids == w.ids for h, w in zip(half, whole))
     # --prompted: the same conversations behind the system prompt, one shared prefix, the same replies
     prompted = image_drill.image_examples(image_drill.DRILL_SEED, 3, tok, tiny.args, prompted=True)
     prefix = len(prompted[0].ids) - len(rows[0].ids)
