@@ -1,22 +1,25 @@
 """A focused experiment for the image skill: does a model learn shapes and counts from pictures alone?
 
     python3 scripts/image_drill.py [--init model/assets/default] [--steps 300] [--batch 32] [--lr 1e-3]
-                                   [--records 3000] [--device cpu] [--tower-lr 1] [--form-only | --form-share F]
-                                   [--tower-only] [--prompted] [--save DIR]
+                                   [--records 3000] [--device cpu] [--tower-lr 1]
+                                   [--form-only | --form-share F] [--tower-only] [--prompted] [--save DIR]
 
-Trains on the corpus's image conversations only, without the system prompt (corpus seed 31,
-not a training seed), through the same code path as scripts/train_default.py (QAT weights
-and KV, exact replay), and prints one JSON line per 25 steps: the next-token accuracy of the
-replies on the training batches and on 64 held-out conversations (seed 7919). The replies
-name colour, shape and count ("3. There are three red circles."); a model that knows colour
-alone sits near 0.85-0.88, so a rise above that is the ViT learning form. ``--form-only``
-trains and scores the kind and count words alone (chance: a third of the kinds, a fifth of
-the counts) — with ``--tower-only`` the colour then drifts, nothing asking for it (session
-12: 286 such steps named every picture green); ``--form-share F`` narrows a share F of the
-conversations so and keeps the whole reply in the rest. ``--tower-only`` trains the vision tower alone (text is answered as before);
-``--prompted`` keeps the system prompt in every conversation (training and held-out), as
-the agent and ``dsagent eval`` have it: one forward of the shared prompt a batch, then the
-rows. ``--save DIR`` writes the result as an official checkpoint.
+Trains on the corpus's image conversations only (corpus seed 31: since run 5 of the shipped
+default a training seed), without the system prompt unless ``--prompted``, through the same
+code path as scripts/train_default.py (QAT weights and KV, exact replay), and prints one
+JSON line per 25 steps: the next-token accuracy of the replies on the training batches and
+on 64 held-out conversations (seed 7919). The replies name colour, shape and count ("3.
+There are three red circles."); a model that knows colour alone sits near 0.85-0.88, so a
+rise above that is the ViT learning form.
+
+``--form-only`` trains and scores the kind and count words alone (chance: a third of the
+kinds, a fifth of the counts) — with ``--tower-only`` the colour then drifts, nothing asking
+for it (session 12: 286 such steps named every picture green); ``--form-share F`` narrows a
+share F of the conversations so and keeps the whole reply in the rest. ``--tower-only``
+trains the vision tower alone (text is answered as before). ``--prompted`` keeps the system
+prompt in every conversation (training and held-out), as the agent and ``dsagent eval``
+have it: one forward of the shared prompt a batch, then the rows. ``--save DIR`` writes the
+result as an official checkpoint.
 """
 from __future__ import annotations
 
@@ -77,6 +80,8 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.form_only:
         a.form_share = 1.0
+    if not 0.0 <= a.form_share <= 1.0:
+        p.error(f"--form-share {a.form_share}: want a share between 0 and 1")
     torch.manual_seed(0)
     model = load(a.init, device=a.device, dtype=torch.float32, seed=0)
     add_weight_qat(model)

@@ -449,9 +449,11 @@ def test_trainer_profile_counts_each_steps_operations():
     assert {t["name"] for t in got["top"]} == {"aten::mm", "aten::relu"} and got["wall_ms_per_step"] > 0
 
 
-def test_image_drill_rows_are_bare_image_conversations(tiny):
-    """scripts/image_drill.py trains on image conversations without the system prompt: one
-    picture a row, its span of image tokens, and a trained reply."""
+def test_image_drill_rows_are_image_conversations(tiny):
+    """scripts/image_drill.py trains on image conversations, by default without the system
+    prompt: one picture a row, its span of image tokens, and a trained reply; --form-share
+    narrows about that share of them to the kind and count words; --prompted puts the same
+    conversations behind the system prompt."""
     import image_drill
 
     tok = Tokenizer.bundled()
