@@ -67,8 +67,8 @@ def main(argv=None) -> None:
     p.add_argument("--form-share", type=float, default=0.0,
                    help="the share of conversations trained (and scored) on the kind and count words alone; the "
                         "rest keep the whole reply, so the colour the tower knows is still asked of it")
-    p.add_argument("--form-only", action="store_true",
-                   help="train (and score) the reply's words for the shapes' kind and count alone, not their colour")
+    p.add_argument("--form-only", dest="form_share", action="store_const", const=1.0,
+                   help="--form-share 1: every conversation trained (and scored) on the kind and count words alone")
     p.add_argument("--tower-only", action="store_true",
                    help="train the ViT, its aligner and the image span markers alone: the language model "
                         "stays as it is, so text without images is answered exactly as before")
@@ -78,8 +78,6 @@ def main(argv=None) -> None:
                    help="stop after this many minutes of training (at least one step) and save what was trained")
     p.add_argument("--save", type=Path, help="write the trained model here (official checkpoint + TRAINING.json)")
     a = p.parse_args(argv)
-    if a.form_only:
-        a.form_share = 1.0
     if not 0.0 <= a.form_share <= 1.0:
         p.error(f"--form-share {a.form_share}: want a share between 0 and 1")
     torch.manual_seed(0)
