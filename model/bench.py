@@ -209,7 +209,8 @@ def bench_batch(model: Transformer, ctx: int, *, batch: int = 16, steps: int = 8
             f"tokens_per_s_batch{batch}": rates[batch], "batch_speedup": rates[batch] / rates[1]}
 
 
-PATH_SWITCHES = {"graphs": "DSAGENT_GRAPHS", "kernels": "DSAGENT_KERNELS", "grouped_moe": "DSAGENT_GROUPED_MOE"}
+PATH_SWITCHES = {"graphs": "DSAGENT_GRAPHS", "kernels": "DSAGENT_KERNELS", "fused_moe": "DSAGENT_FUSED_MOE",
+                 "grouped_moe": "DSAGENT_GROUPED_MOE"}
 
 
 @contextmanager

@@ -69,7 +69,7 @@ class SourceKV:
         self.records = torch.zeros(batch, 16, rec_w, dtype=rec_t, device=device)
         self.index = torch.zeros(batch, 16, idx_w, dtype=idx_t, device=device)
         empty = torch.zeros(batch, 0, dim, device=device)
-        self.pending_kv, self.pending_gate = empty, empty.clone()
+        self.set_pending(empty, empty.clone())
 
     @property
     def covered(self) -> int:
@@ -79,13 +79,43 @@ class SourceKV:
     @property
     def done(self) -> int:
         """Tokens consumed by the compressor: covered + pending."""
-        return self.covered + self.pending_kv.shape[1]
+        return self.covered + self.pending_n
+
+    # the pending group's projections: a pair of tensors, or None after a decode step on
+    # the fixed buffers (:meth:`stepped`), when the history ring holds them
+    @property
+    def pending_kv(self) -> torch.Tensor:
+        return self._pending_pair()[0]
+
+    @property
+    def pending_gate(self) -> torch.Tensor:
+        return self._pending_pair()[1]
+
+    def set_pending(self, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        self._pending, self.pending_n = (kv, gate), kv.shape[1]
+
+    def _pending_pair(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._pending is None:
+            self._pending = self._from_history(self.covered, self.done)
+        return self._pending
+
+    def _from_history(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The remembered projections of tokens [lo, hi)."""
+        wanted = torch.arange(lo, hi, device=self.hist_pos.device)
+        if wanted.numel() == 0:
+            return self.hist_kv[:, :0], self.hist_gate[:, :0]
+        slots = wanted % self.hist_pos.shape[0]
+        assert bool((self.hist_pos[slots] == wanted).all()), "rollback deeper than the projection history"
+        return self.hist_kv[:, slots], self.hist_gate[:, slots]
 
     def _grow(self, need: int) -> None:
+        """Room for ``need`` records: a quarter more than now at least. A decode step reads the
+        whole buffers (its index scores and top-k run over them, so a CUDA graph can hold
+        them), so they stay close to their count; each growth is a copy and a recapture."""
         cap = self.records.shape[1]
         if need <= cap:
             return
-        new = max(need, 2 * cap)
+        new = max(need, cap + cap // 4)
         for name in ("records", "index"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[0], new, old.shape[2])
@@ -118,13 +148,38 @@ class SourceKV:
         if length >= self.done:
             return
         self.n = min(self.n, length // self.ratio)
-        wanted = torch.arange(self.covered, length, device=self.hist_pos.device)
-        if wanted.numel() == 0:
-            self.pending_kv, self.pending_gate = self.pending_kv[:, :0], self.pending_gate[:, :0]
-            return
-        slots = wanted % max(1, self.hist_pos.shape[0])
-        assert bool((self.hist_pos[slots] == wanted).all()), "rollback deeper than the projection history"
-        self.pending_kv, self.pending_gate = self.hist_kv[:, slots], self.hist_gate[:, slots]
+        self.set_pending(*self._from_history(self.covered, length))
+
+    # ------------------------------------------------------------------ decode steps on fixed buffers
+    # A decode step's position is a tensor here, so its cache work can replay as a CUDA graph;
+    # the host keeps the counts (``reserve`` before the step, ``stepped`` after it).
+    def reserve(self, position: int) -> None:
+        """Room for the records of every token up to ``position``; asserts that the source
+        has consumed every earlier position (what a decode step continues from)."""
+        assert self.done == position, f"a decode step at {position} on a source that consumed {self.done}"
+        self._grow((position + 1) // self.ratio)
+
+    def remember_at(self, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor) -> None:
+        """:meth:`remember` of one token at ``pos`` [1]."""
+        slot = pos % self.hist_pos.shape[0]
+        self.hist_kv[:, slot], self.hist_gate[:, slot] = kv, gate
+        self.hist_pos[slot] = pos
+
+    def recall(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The remembered projections [B, len, D] of ``positions`` (a tensor; unchecked)."""
+        slots = positions % self.hist_pos.shape[0]
+        return self.hist_kv[:, slots], self.hist_gate[:, slots]
+
+    def write_at(self, slot: torch.Tensor, records: torch.Tensor, index: torch.Tensor) -> None:
+        """Write one record and its index key ([B, 1, width] packed) at ``slot`` [1]."""
+        self.records[:, slot], self.index[:, slot] = records, index
+
+    def stepped(self, position: int) -> None:
+        """Count the decode step at ``position``: its record (if its group completed) and
+        its pending projection (left in the history ring) are in the buffers."""
+        done = position + 1
+        self.n = done // self.ratio
+        self._pending, self.pending_n = None, done - self.covered
 
 
 class Cache:
@@ -270,8 +325,7 @@ class Cache:
         for i, w in enumerate(self.windows):
             w.data.copy_(t[f"layers.{i}.window"]), w.pos.copy_(t[f"layers.{i}.window_pos"])
         for s, src in self.sources.items():
-            src.pending_kv = t[f"layers.{s}.pending_kv"].to(self.device)
-            src.pending_gate = t[f"layers.{s}.pending_gate"].to(self.device)
+            src.set_pending(t[f"layers.{s}.pending_kv"].to(self.device), t[f"layers.{s}.pending_gate"].to(self.device))
             for part in ("hist_kv", "hist_gate", "hist_pos"):
                 getattr(src, part).copy_(t[f"layers.{s}.{part}"])
         self.engram_ids.copy_(t["engram.ids"]), self.engram_pos.copy_(t["engram.pos"])

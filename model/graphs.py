@@ -2,14 +2,17 @@
 
 A decode step launches hundreds of small kernels per layer, and on a GPU its time was the
 time to launch them. :class:`SegmentGraphs` captures segments of each layer once per batch
-size and replays them, so a step launches a graph where it launched hundreds of kernels. A
-layer whose cache work is only its window-ring write and the fused attention over records
-another layer selected replays whole (its cache buffers stay put: the capture is keyed on
-their addresses and redone when one moves). Elsewhere two segments a layer replay — the
-attention site (mixes, norm, projections, RoPE) and the FFN site (output projection, mixes,
-the whole MoE) — and the cache work between them (compressor, index scoring, top-k) stays
-eager, as its shapes change every few steps. A segment reads another segment's output where
-that one wrote it; other inputs are copied in.
+size and replays them, so a step launches a graph where it launched hundreds of kernels.
+With the fused kernels every layer replays whole, its cache work included: the window-ring
+write, the compressor's record, the index scores, top-k and candidate pool run on the
+cache's fixed buffers with the position as a tensor (``Attention.decode_step``), and the
+host keeps the counts around the replay. Those buffers stay put: the capture is keyed on
+their addresses and redone when one moves (a new cache, a grown buffer); a compressor that
+pools groups has two captures, for steps that complete a group and steps that do not.
+Without the fused kernels two segments a layer replay — the attention site (mixes, norm,
+projections, RoPE) and the FFN site (output projection, mixes, the whole MoE) — around the
+eager cache work. A segment reads another segment's output where that one wrote it (the
+selection one layer hands the next, too); other inputs are copied in.
 
 Replay runs the captured kernels on the same weights, so a graphed step computes what the
 eager one does, bit for bit (``tests/test_graphs.py``). Graphs hold the weights' addresses:
@@ -53,13 +56,15 @@ class SegmentGraphs:
 
     def run(self, key, fn: Callable[..., tuple], *inputs: torch.Tensor, version=None) -> tuple:
         """``fn(*inputs)`` (a tuple of tensors) by replaying its graph for ``key`` and the
-        inputs' shapes, captured on first use. ``version`` names the memory ``fn`` reaches
-        besides its inputs (say, a cache's buffers): a different one replaces the capture.
-        The returned tensors are the graph's own outputs: valid until this key replays
-        again (the next step's same layer)."""
+        batch size (the first input's first dimension), captured on first use. ``version``
+        names the memory ``fn`` reaches besides its inputs (say, a cache's buffers): a
+        different one, or inputs of other shapes (a grown buffer's candidate pool), replace
+        the capture. The returned tensors are the graph's own outputs: valid until this key
+        replays again (the next step's same layer)."""
         if self.failed:
             return fn(*inputs)
-        key = (key, *((tuple(x.shape), x.dtype) for x in inputs))
+        key = (key, inputs[0].shape[0] if inputs else None)
+        version = (version, *((tuple(x.shape), x.dtype) for x in inputs))
         entry = self._graphs.get(key)
         if entry is None or entry[0] != version:
             if entry is not None:  # replaced: later captures must not read its outputs in place

@@ -4,8 +4,8 @@ Reads like the architecture (ARCHITECTURE.md §2): RMSNorm, the two RoPE tables,
 Compressor and Indexer of the CSA2 KV sources, the shared-latent Attention with its sink,
 the MoE (``model.moe``), Engram, the mHC Block with its lagged ``pre``, and the
 Transformer. Module and parameter names are the official checkpoint names, so loading is
-a name-for-name copy. A decode step on CUDA replays each layer's cache-free segments as
-CUDA graphs (``model.graphs``); the fused kernels live in ``model.kernels``.
+a name-for-name copy. A decode step on CUDA replays each layer as a CUDA graph
+(``model.graphs``), its cache work included where the fused kernels of ``model.kernels`` run.
 
 Every forward goes through an explicit :class:`model.cache.Cache` (a fresh one when none
 is given): the window entries, records and index keys the attention reads are the packed
@@ -177,12 +177,26 @@ class Compressor(nn.Module):
         src.remember(new_kv, new_gate, src.done)
         kv, gate = torch.cat([src.pending_kv, new_kv], dim=1), torch.cat([src.pending_gate, new_gate], dim=1)
         usable = kv.shape[1] // self.ratio * self.ratio
-        src.pending_kv, src.pending_gate = kv[:, usable:], gate[:, usable:]
+        src.set_pending(kv[:, usable:], gate[:, usable:])
         if usable == 0:
             return None, src.covered
         kv = kv[:, :usable].unflatten(1, (-1, self.ratio))
         weights = gate[:, :usable].unflatten(1, (-1, self.ratio)).softmax(dim=2)
         return self.norm((kv * weights).sum(dim=2).to(x.dtype)), src.covered
+
+    def step(self, x: torch.Tensor, pos: torch.Tensor, src: SourceKV, emits: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """:meth:`forward` of one decode step at ``pos`` [1] (a tensor: graph-safe), on the
+        source's fixed buffers: the token's projection goes to the history ring, and when
+        ``emits`` (its group completes here) the group is pooled from there. -> (latent
+        [B, 1, D], the group's first position [1]) or None."""
+        if self.wgate is None:
+            return self.norm(self.wkv(x)), pos
+        src.remember_at(F.linear(x.float(), self.wkv.weight.float()), F.linear(x.float(), self.wgate.weight.float()), pos)
+        if not emits:
+            return None
+        first = pos - (self.ratio - 1)
+        kv, gate = (t.unsqueeze(1) for t in src.recall(first + torch.arange(self.ratio, device=pos.device)))
+        return self.norm((kv * gate.softmax(dim=2)).sum(dim=2).to(x.dtype)), first
 
 
 class Indexer(nn.Module):
@@ -219,12 +233,23 @@ class Indexer(nn.Module):
         visible = torch.arange(keys.shape[1], device=x.device) < ((pos + 1) // self.args.ratios[self.layer])[:, None]
         return s.masked_fill(~visible, float("-inf"))
 
-    def fused_scores(self, x, q_res, step: Step, src: SourceKV, inv_freq, qw=None) -> torch.Tensor:
-        """:meth:`scores` of one decode step, by the fused kernel on the packed index keys."""
-        q, w = qw or self.query(x, q_res, step.positions(x.device), inv_freq, src.kv)
-        n_visible = (step.start + 1) // self.args.ratios[self.layer]
-        s = kernels.indexer_scores(q[:, 0].float(), w[:, 0], src.view()[1], n_visible, self.head_dim ** -0.5)
-        return s[:, None]
+    def select_step(self, x, q_res, pos: torch.Tensor, src: SourceKV, inv_freq, candidates=None, qw=None):
+        """:meth:`forward` of one decode step at ``pos`` [1] (a tensor: graph-safe), by the
+        fused kernel over the source's whole index buffer, the records not yet visible
+        masked by ``pos``. -> (indices [B, 1, index_topk], -1 = none; the candidate pool
+        [B, 1, buffer] when this layer makes it, else ``candidates``, which it honours).
+        ``qw``: this step's :meth:`query` when already computed."""
+        q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
+        lens = (pos + 1) // self.args.ratios[self.layer]
+        s = kernels.indexer_scores(q[:, 0].float(), w[:, 0], src.index, lens, self.head_dim ** -0.5)[:, None]
+        if self.layer == self.args.candidate_source_layer_id:
+            candidates = candidate_blocks(s, lens, self.args.candidate_topk_blocks, self.args.candidate_block_size)
+        elif self.args.uses_candidates(self.layer) and candidates is not None:
+            s = s.masked_fill(~candidates, float("-inf"))
+        k = self.args.index_topk
+        values, indices = stable_topk(s, k)
+        indices = indices.masked_fill(values == float("-inf"), -1)
+        return F.pad(indices, (0, k - indices.shape[-1]), value=-1), candidates
 
     def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor | None:
         """Selected record indices [B, S, k] (-1 = none), or None when no record exists."""
@@ -233,11 +258,8 @@ class Indexer(nn.Module):
             return None
         # the indexer learns from its own loss only (its inputs are cut from the graph; so
         # are the latents its keys come from, in Attention._update_source)
-        if _fused_step(x, step, src.kv):
-            s = self.fused_scores(x, q_res, step, src, inv_freq, qw)
-        else:
-            keys = src.kv.unpack_index(src.view()[1], self.head_dim)
-            s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv, qw)
+        keys = src.kv.unpack_index(src.view()[1], self.head_dim)
+        s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv, qw)
         if step.index_losses is not None:
             step.shared["index_scores"] = s
         if step.dense:
@@ -327,11 +349,12 @@ class Attention(nn.Module):
 
     def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
         """The part that reads and writes the cache: window ring, KV source, indexer, attention."""
-        fused = _fused_step(x, step, cache.kv)
-        if fused:
-            cache.windows[self.layer].write(kv, pos)
-        else:
-            keys, key_mask = self._window_keys(kv, step, cache)
+        if _fused_step(x, step, cache.kv):
+            emits = self.before_step(step, cache)
+            out, written = self.decode_step(x, q_res, q, kv, pos, self.step_reads(step), cache, ropes, emits)
+            self.after_step(step, cache, written)
+            return out
+        keys, key_mask = self._window_keys(kv, step, cache)
         records = None
         if self.ratio:
             self._update_source(x, step, cache, ropes)
@@ -340,16 +363,69 @@ class Attention(nn.Module):
                 step.shared["topk"] = self.indexer(x, q_res, step, src, ropes.compress)
                 if step.index_losses is not None and "index_scores" in step.shared:
                     step.index_losses.append(self._index_loss(q, src, step.shared.pop("index_scores")))
-            records = None if fused else self._selected_records(cache, step)
-        if not fused:
-            return self._attend(q, keys, key_mask, records)
-        return self.fused_attend(q, pos, cache.windows[self.layer], *self.selection(step, cache))
+            records = self._selected_records(cache, step)
+        return self._attend(q, keys, key_mask, records)
 
-    def selection(self, step: Step, cache: Cache) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(the KV source's whole packed records buffer, this step's top-k indices [B, S, k]),
-        or (None, None) in a window-only layer or before any record exists."""
-        idx = step.shared.get("topk") if self.ratio else None
-        return (None, None) if idx is None else (cache.sources[self.args.kv_source(self.layer)].records, idx)
+    # -- one decode step on the fused kernels. Its cache work runs on the cache's fixed
+    # buffers with the position as a tensor, so it can replay as a CUDA graph: the host
+    # keeps the counts around it (before_step / after_step) and hands the top-k and the
+    # candidate pool from layer to layer (step_reads / the step's ``written``).
+
+    def step_reads(self, step: Step) -> dict[str, torch.Tensor]:
+        """What this layer's decode step reads of the earlier layers' selection: a layer
+        without an indexer their top-k; one that honours the candidate pool that pool."""
+        names = (("topk",) if self.ratio and self.indexer is None else ()) \
+            + (("candidates",) if self.indexer is not None and self.args.uses_candidates(self.layer) else ())
+        return {n: step.shared[n] for n in names if step.shared.get(n) is not None}
+
+    def before_step(self, step: Step, cache: Cache) -> bool:
+        """Room in the KV source for this step's record; whether its group completes here."""
+        if self.compressor is None:
+            return False
+        cache.sources[self.layer].reserve(step.start)
+        return (step.start + 1) % self.ratio == 0
+
+    def after_step(self, step: Step, cache: Cache, written: tuple) -> None:
+        """The host's side of :meth:`decode_step`: the source's counts, the selection passed on."""
+        if self.compressor is not None:
+            cache.sources[self.layer].stepped(step.start)
+        step.shared.update(zip(("topk", "candidates"), written))
+
+    def step_memory(self, cache: Cache) -> tuple:
+        """Addresses and shapes of the cache buffers :meth:`decode_step` reads or writes."""
+        ring = cache.windows[self.layer]
+        buffers = [ring.data, ring.pos]
+        if self.compressor is not None:
+            src = cache.sources[self.layer]
+            buffers += [src.hist_kv, src.hist_gate, src.hist_pos]
+        if self.ratio:
+            src = cache.sources[self.args.kv_source(self.layer)]
+            buffers += [src.records, src.index]
+        return tuple((t.data_ptr(), tuple(t.shape)) for t in buffers)
+
+    def decode_step(self, x, q_res, q, kv, pos, reads: dict, cache: Cache, ropes: Ropes, emits: bool, qw=None):
+        """:meth:`core` of one decode step at ``pos`` [1] on the fused kernels, graph-safe
+        (nothing here reads a count from the host): the window-ring write, the compressor's
+        record when ``emits``, the indexer's top-k (and candidate pool) over the whole
+        buffers, the sparse attention. -> (output, what later layers read: () or (top-k,)
+        or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
+        query when already computed."""
+        ring = cache.windows[self.layer]
+        ring.write(kv, pos)
+        if self.compressor is not None:
+            src = cache.sources[self.layer]
+            made = self.compressor.step(x, pos, src, emits)
+            if made is not None:
+                latent, first = made
+                src.write_at(first // self.ratio, src.kv.pack_main(apply_rope(latent, first, ropes.compress)),
+                             self.indexer.keys(latent, first, ropes.compress, src.kv))
+        written, topk = (), reads.get("topk")
+        if self.indexer is not None:
+            src = cache.sources[self.args.kv_source(self.layer)]
+            topk, pool = self.indexer.select_step(x, q_res, pos, src, ropes.compress, reads.get("candidates"), qw)
+            written = (topk, pool) if self.layer == self.args.candidate_source_layer_id else (topk,)
+        records = None if topk is None else cache.sources[self.args.kv_source(self.layer)].records
+        return self.fused_attend(q, pos, ring, records, topk), written
 
     def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
         """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""
@@ -537,10 +613,10 @@ class Block(nn.Module):
             with shared_rope_angles():  # not around graph segments: each opens its own
                 y = self.attn(x, step, cache, ropes)
             return self.ffn_site(y, streams, a_pre, a_post, a_comb, step.image_mask)
-        # a CUDA decode step: everything but the attention's cache work replays as two graphs;
-        # a layer whose cache work is a ring write and the fused attention replays as one
+        # a CUDA decode step: with the fused kernels the whole layer replays as one graph, its
+        # cache work included; without them two graphs replay around the eager cache work
         pos = step.positions(streams.device)
-        if self.attn.compressor is None and self.attn.indexer is None and _fused_step(streams, step, cache.kv):
+        if _fused_step(streams, step, cache.kv):
             return self._graphed_layer(streams, pre, pos, step, cache, ropes)
         a_pre, a_post, a_comb, x, q_res, q, kv, *index_query = step.graphs.run(
             (self.layer, "attn"), partial(self.attn_segment, ropes=ropes, fmt=cache.kv), streams, pre, pos)
@@ -551,24 +627,26 @@ class Block(nn.Module):
                                out, pos, streams, a_pre, a_post, a_comb)
 
     def _graphed_layer(self, streams, pre, pos, step: Step, cache: Cache, ropes: Ropes):
-        """The whole layer as one graph. Its cache work writes this layer's window ring and
-        reads records another layer's indexer selected, at addresses that stay put, so the
-        graph holds them; it is captured again when one moves (a new cache, a grown buffer)."""
-        ring = cache.windows[self.layer]
-        records, idx = self.attn.selection(step, cache)
-        at = (ring.data.data_ptr(), ring.pos.data_ptr(),
-              None if records is None else (records.data_ptr(), records.shape))
-        fn = partial(self.whole_layer, ropes=ropes, fmt=cache.kv, ring=ring, records=records)
-        return step.graphs.run((self.layer, "layer"), fn, streams, pre, pos, *(() if idx is None else (idx,)),
-                               version=at)
+        """The whole layer as one graph (fused kernels on). Its cache work (``Attention.
+        decode_step``) reads and writes the cache's buffers at addresses that stay put, so
+        the graph holds them; it is captured again when one moves (a new cache, a grown
+        buffer). A compressor layer has two captures: with its group completing, without."""
+        emits = self.attn.before_step(step, cache)
+        reads = self.attn.step_reads(step)
+        fn = partial(self.whole_layer, ropes=ropes, cache=cache, emits=emits, names=tuple(reads))
+        streams, pre, *written = step.graphs.run((self.layer, "layer", emits, tuple(reads)), fn, streams, pre, pos,
+                                                 *reads.values(), version=self.attn.step_memory(cache))
+        self.attn.after_step(step, cache, tuple(written))
+        return streams, pre
 
-    def whole_layer(self, streams, pre, pos, *idx, ropes: Ropes, fmt: KVFormat, ring: WindowRing, records):
-        """One decode step of a layer without a compressor or an indexer, fused kernels on."""
+    def whole_layer(self, streams, pre, pos, *read, ropes: Ropes, cache: Cache, emits: bool, names: tuple):
+        """One decode step of the layer, fused kernels on: (streams, pre, *what later layers read)."""
         with shared_rope_angles():
-            a_pre, a_post, a_comb, x, q_res, q, kv = self.projected_attn_site(streams, pre, pos, ropes=ropes, fmt=fmt)
-            ring.write(kv, pos)
-            out = self.attn.fused_attend(q, pos, ring, records, idx[0] if idx else None)
-            return self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes)
+            a_pre, a_post, a_comb, x, q_res, q, kv, *qw = self.projected_attn_site(streams, pre, pos, ropes=ropes,
+                                                                                  fmt=cache.kv)
+            out, written = self.attn.decode_step(x, q_res, q, kv, pos, dict(zip(names, read)), cache, ropes, emits,
+                                                 tuple(qw) or None)
+            return (*self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes), *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -669,11 +747,12 @@ class Transformer(nn.Module):
         return self.logits(streams, pre)
 
     def ffn_capturable(self, x: torch.Tensor) -> bool:
-        """Whether every layer's MoE runs its grouped experts on ``x``'s dtype and device: the
-        per-expert loop reads expert ids on the host, which a CUDA graph cannot capture. The
+        """Whether every layer's MoE runs its fused kernels or its grouped experts on ``x``
+        [B, S, D]: the per-expert loop reads expert ids on the host, which a CUDA graph cannot capture. The
         first layer answers for all (asked every decode step): their experts are stacked
         (``stack_experts``) and parametrized (training's QAT) together, and share their shapes."""
-        return self.layers[0].ffn.runs_grouped(x)
+        ffn = self.layers[0].ffn
+        return ffn.runs_fused(x.reshape(-1, x.shape[-1])) or ffn.runs_grouped(x)
 
     def begin(self, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None, image_mask=None):
         """Embeddings copied into the hc streams, the one-hot first ``pre``, and the Step."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from model import kernels
 from model.args import ModelArgs
 
 
@@ -152,6 +153,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
+        if image_mask is None and self.runs_fused(flat):
+            y = self._fused(flat)  # a decode step on CUDA: three kernels (model.kernels.moe)
+            if y is not None:
+                return y.to(x.dtype).view(shape)
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         routed = self.grouped if self.runs_grouped(flat) else self._dense if self.runs_dense(flat) else self._loop
         y = routed(flat, weights, indices)
@@ -185,13 +190,29 @@ class MoE(nn.Module):
         return (x.is_cuda and torch.is_grad_enabled() and len(self.experts) <= DENSE_RATIO * self.gate.top_k
                 and os.environ.get("DSAGENT_DENSE_MOE", "1") != "0")
 
+    def _fused(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """``kernels.moe_decode`` on text tokens (routed sum + shared, fp32), or None where it
+        does not run."""
+        g, a, shared = self.gate, self.gate.args, self.shared_experts
+        return kernels.moe_decode(flat, g.weight, g.bias, self.grouped.w1.weight, self.grouped.w3.weight,
+                                  self.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,
+                                  top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
+                                  scale=a.routed_scaling_factor, limit=shared.limit)
+
+    def runs_fused(self, x: torch.Tensor) -> bool:
+        """Whether text tokens ``x`` [N, D] run through ``kernels.moe_decode``: stacked,
+        unparametrized weights and :func:`model.kernels.moe_decode_runs`."""
+        return self.grouped.w1.weight is not None and not self._parametrized() and kernels.moe_decode_runs(x)
+
+    def _parametrized(self) -> bool:
+        return parametrize.is_parametrized(self.experts[0].w1)  # QAT covers every expert alike
+
     def runs_grouped(self, x: torch.Tensor) -> bool:
         """The grouped path computes what the loop does only from stacked, unparametrized weights
         (training's QAT rewrites them) and without autograd; ``DSAGENT_GROUPED_MOE=0`` forces the loop."""
         w = self.grouped.w1.weight
         return (w is not None and not torch.is_grad_enabled() and grouped_mm_supported(x, w.shape[1])
-                and os.environ.get("DSAGENT_GROUPED_MOE", "1") != "0"
-                and not parametrize.is_parametrized(self.experts[0].w1))  # QAT covers every expert alike
+                and os.environ.get("DSAGENT_GROUPED_MOE", "1") != "0" and not self._parametrized())
 
     def stack_experts(self) -> None:
         """Hold the routed experts' w1/w2/w3 as three [E, out, in] tensors whose slices become the

@@ -309,9 +309,11 @@ def repeat_rows(cache: Cache, n: int) -> Cache:
     for s, src in out.sources.items():
         old = cache.sources[s]
         src.n = old.n
-        for name in ("records", "index", "hist_kv", "hist_gate", "pending_kv", "pending_gate"):
-            t = getattr(old, name)
-            setattr(src, name, t.expand(n, *t.shape[1:]).clone())
+        rows = {name: (t := getattr(old, name)).expand(n, *t.shape[1:]).clone()
+                for name in ("records", "index", "hist_kv", "hist_gate", "pending_kv", "pending_gate")}
+        src.set_pending(rows.pop("pending_kv"), rows.pop("pending_gate"))
+        for name, t in rows.items():
+            setattr(src, name, t)
         src.hist_pos = old.hist_pos.clone()
     out.engram_ids, out.engram_pos = cache.engram_ids.expand(n, -1).clone(), cache.engram_pos.clone()
     out.length = cache.length

@@ -52,11 +52,22 @@ class ReplayedSegments(graphs.SegmentGraphs):
 
 
 def _segments_per_step(model, fused: bool | None = None) -> int:
-    """Two segments a layer; one where the fused kernels run (``fused``; default: where they
-    are enabled) and the layer has neither a compressor nor an indexer (its cache work joins
-    the graph)."""
-    whole = kernels.enabled(model.embed.weight) if fused is None else fused
-    return sum(1 if whole and b.attn.compressor is None and b.attn.indexer is None else 2 for b in model.layers)
+    """Captures over a few steps: two segments a layer; where the fused kernels run
+    (``fused``; default: where they are enabled) one a layer, its cache work in the graph,
+    and two for a layer whose compressor pools groups (a step that completes one and a step
+    that does not)."""
+    if not (kernels.enabled(model.embed.weight) if fused is None else fused):
+        return 2 * len(model.layers)
+    return sum(2 if b.attn.compressor is not None and b.attn.ratio > 1 else 1 for b in model.layers)
+
+
+def _fused_anywhere(monkeypatch):
+    """Decode steps take the fused path here too, on the kernels' PyTorch twins (no Triton
+    on the CPU)."""
+    import model.model as mm
+
+    monkeypatch.setattr(mm, "_fused_step", lambda x, step, kv: (x.shape[1] == 1 and kv.packed and step.floor is None
+                                                               and step.index_losses is None and not step.dense))
 
 
 def _tiny(device="cpu", dtype=torch.float32):
@@ -84,7 +95,8 @@ def test_segmented_decode_steps_equal_whole_ones(monkeypatch):
     them) computes exactly what the plain layer does, over several steps of every layer kind."""
     model = _tiny()
     (state, plain), (other, segmented) = _plain_then_segmented(monkeypatch, model, double := DirectSegments(), 0, 5)
-    assert len(double) == _segments_per_step(model) and len(double.keys) == 5 * len(double)
+    per_step = len(model.layers) if kernels.enabled(model.embed.weight) else 2 * len(model.layers)
+    assert len(double) == _segments_per_step(model) and len(double.keys) == 5 * per_step
     for a, b in zip(plain, segmented):
         assert torch.equal(a, b)
     assert torch.equal(state.cache.global_state()[0]["layers.6.kv"], other.cache.global_state()[0]["layers.6.kv"])
@@ -155,15 +167,19 @@ def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_fp32_decode_on_cuda_stays_eager(monkeypatch):
-    """fp32 experts take the loop on CUDA (grouped GEMMs want bf16): no capture is tried."""
+@pytest.mark.parametrize("fused_moe", ["0", "1"])
+def test_fp32_decode_on_cuda_is_graphed_only_with_the_fused_moe(monkeypatch, fused_moe):
+    """fp32 experts take the loop on CUDA without the fused MoE (grouped GEMMs want bf16):
+    no capture is tried then; the fused MoE kernels take fp32, and the step is graphed."""
     monkeypatch.setenv("DSAGENT_GRAPHS", "1")
+    monkeypatch.setenv("DSAGENT_FUSED_MOE", fused_moe)
     model = _tiny("cuda", torch.float32)
     engine = Engine(model, mode="ced", chunk=40)
     state = engine.new_state(batch=1)
     engine.prefill(state, torch.randint(3, 1000, (1, 50), generator=torch.Generator().manual_seed(0)).cuda())
     engine.decode(state, state.last_logits.argmax(-1))
-    assert len(model._graphs) == 0 and model._graphs.failed is None
+    assert model._graphs.failed is None
+    assert len(model._graphs) == (len(model.layers) if fused_moe == "1" and kernels.enabled(model.embed.weight) else 0)
 
 
 def test_replayed_segments_pass_outputs_on_without_copies(monkeypatch):
@@ -180,14 +196,11 @@ def test_replayed_segments_pass_outputs_on_without_copies(monkeypatch):
 
 
 def test_whole_layer_segments_follow_the_cache_they_write(monkeypatch):
-    """Layers without a compressor or an indexer replay as one segment that writes their
-    window ring and reads the selected records in place; decoding two states in turn
+    """With the fused kernels every layer replays as one segment that writes its window
+    ring, KV source and selection and reads the records in place; decoding two states in turn
     captures again for each (their buffers differ) and stays equal to plain steps. The
     fused path runs here on its PyTorch twins (no Triton on the CPU)."""
-    import model.model as mm
-
-    monkeypatch.setattr(mm, "_fused_step", lambda x, step, kv: (x.shape[1] == 1 and kv.packed and step.floor is None
-                                                               and step.index_losses is None and not step.dense))
+    _fused_anywhere(monkeypatch)
     model = _tiny()
     engine = Engine(model, mode="ced", chunk=40)
     states = []
@@ -212,8 +225,12 @@ def test_whole_layer_segments_follow_the_cache_they_write(monkeypatch):
     assert whole and len(segments) == _segments_per_step(model, fused=True)
     for a, b in zip(plain, replayed):
         assert torch.equal(a, b)
-    ring = copies[1].cache.windows[whole[0][0][0]]
-    assert segments._graphs[whole[0]][0][:2] == (ring.data.data_ptr(), ring.pos.data_ptr())  # the last state's
+    last = [key for key in whole if key[0][2] == (model.layers[key[0][0]].attn.compressor is not None)]
+    assert len(last) == len(model.layers)  # the last step completes the ratio-2 groups (position 89)
+    for key in last:  # each holds the memory of the state decoded last
+        ring = copies[1].cache.windows[key[0][0]]
+        assert segments._graphs[key][0][0][:2] == ((ring.data.data_ptr(), tuple(ring.data.shape)),
+                                                   (ring.pos.data_ptr(), tuple(ring.pos.shape)))
 
 
 
@@ -242,3 +259,105 @@ def test_rope_angles_are_shared_within_a_scope_and_never_into_a_nested_one():
             assert torch.equal(inner.cos, outer.cos) and torch.equal(inner.neg_sin, -outer.sin)
         assert rope_angles(pos, inv) is outer  # the outer scope's memo is back
     assert rope_angles(pos, inv) is not outer  # no scope: nothing kept
+
+
+def _decode(engine, state, steps: int) -> list[torch.Tensor]:
+    out = []
+    for _ in range(steps):
+        out.append(engine.decode(state, state.last_logits.argmax(-1)).clone())
+    return out
+
+
+def test_fused_steps_keep_the_cache_the_reference_path_keeps(monkeypatch):
+    """A decode step on the fused path (twins here) does its cache work on the fixed buffers
+    with the position as a tensor: over steps that complete a ratio-2 group and steps that
+    do not, its logits, counts and pending group follow the reference path's (the fused
+    attention sums in another order, so to rounding), and a rollback works on what it
+    leaves."""
+    model = _tiny()
+    engine = Engine(model, mode="ced", chunk=40)
+    reference = engine.new_state(batch=2)
+    engine.prefill(reference, torch.randint(3, 1000, (2, 40), generator=torch.Generator().manual_seed(5)))
+    fused = copy.deepcopy(reference)
+    plain = _decode(engine, reference, 5)
+    _fused_anywhere(monkeypatch)
+    stepped = _decode(engine, fused, 5)
+    for a, b in zip(plain, stepped):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    mine, theirs = fused.cache, reference.cache
+    for s, src in mine.sources.items():
+        other = theirs.sources[s]
+        assert (src.n, src.done) == (other.n, other.done)
+        torch.testing.assert_close(src.pending_kv, other.pending_kv, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(src.pending_gate, other.pending_gate, rtol=1e-4, atol=1e-4)
+    assert mine.sources[2].pending_n == 1  # 45 tokens at ratio 2
+    for cache in (mine, theirs):
+        cache.truncate(cache.length - 2)  # a rollback rebuilds the pending group from the history
+    assert mine.sources[2].pending_n == 1
+    torch.testing.assert_close(mine.sources[2].pending_kv, theirs.sources[2].pending_kv, rtol=1e-4, atol=1e-4)
+    for a, b in zip(_decode(engine, reference, 2), _decode(engine, fused, 2)):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_graphed_fused_steps_equal_eager_fused_ones(monkeypatch):
+    """Every layer as one replayed segment (compressor, indexer, candidate pool inside)
+    gives the eager fused steps' logits and cache bytes bit for bit, across a records buffer
+    that grows (a new capture) and a rollback."""
+    _fused_anywhere(monkeypatch)
+    model = _tiny()
+    engine = Engine(model, mode="ced", chunk=40)
+    eager = engine.new_state(batch=1)
+    engine.prefill(eager, torch.randint(3, 1000, (1, 29), generator=torch.Generator().manual_seed(6)))
+    graphed = copy.deepcopy(eager)
+    room = eager.cache.sources[6].records.shape[1]
+    assert room == 29  # full: the first step grows the ratio-1 source's buffers
+    plain = _decode(engine, eager, 6)
+    eager.cache.truncate(eager.cache.length - 2)
+    plain += _decode(engine, eager, 3)
+    monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
+    model._graphs = segments = ReplayedSegments()
+    replayed = _decode(engine, graphed, 6)
+    graphed.cache.truncate(graphed.cache.length - 2)
+    replayed += _decode(engine, graphed, 3)
+    assert graphed.cache.sources[6].records.shape[1] > room and not segments.failed
+    assert len(segments) == _segments_per_step(model, fused=True)
+    for a, b in zip(plain, replayed):
+        assert torch.equal(a, b)
+    for (name, t), (_, u) in zip(eager.cache.state()[0].items(), graphed.cache.state()[0].items()):
+        assert torch.equal(t, u), name
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_a_compressor_step_makes_what_its_forward_makes(ratio):
+    """Compressor.step (position a tensor, the group pooled from the history ring) gives the
+    latents Compressor.forward gives one token at a time, bit for bit, at every phase of a
+    group; the source's counts and pending group after it are the same."""
+    from model.cache import SourceKV
+    from model.model import Compressor, Step
+
+    args = ModelArgs.preset("tiny")
+    torch.manual_seed(ratio)
+    comp = Compressor(args, ratio)
+    x = torch.randn(2, 13, args.hidden_size)
+    plain, fixed = (SourceKV(2, ratio, args.head_dim, args.index_head_dim, "cpu") for _ in range(2))
+
+    def forward(src, start, length):  # and the records Attention._update_source appends
+        latent, first = comp(x[:, start:start + length], Step(start=start, length=length), src)
+        if latent is not None:
+            g = latent.shape[1]
+            src.append(torch.zeros(2, g, src.records.shape[2], dtype=torch.uint8),
+                       torch.zeros(2, g, src.index.shape[2], dtype=torch.uint8))
+        return latent, first
+
+    with torch.no_grad():
+        forward(plain, 0, 5), forward(fixed, 0, 5)
+        for t in range(5, 13):
+            want, first = forward(plain, t, 1)
+            fixed.reserve(t)
+            got = comp.step(x[:, t:t + 1], torch.tensor([t]), fixed, emits=(t + 1) % ratio == 0)
+            fixed.stepped(t)
+            assert (got is None) == (want is None), t
+            if want is not None:
+                assert torch.equal(got[0], want) and got[1].tolist() == [first], t
+            assert (fixed.n, fixed.done) == (plain.n, plain.done)
+            assert torch.equal(fixed.pending_kv, plain.pending_kv) and torch.equal(fixed.pending_gate, plain.pending_gate)

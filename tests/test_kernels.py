@@ -106,14 +106,17 @@ def _kernels_off():
 
 
 @needs_kernel
-def test_model_decode_runs_the_kernels_and_matches_its_reference_path():
+def test_model_decode_runs_the_kernels_and_matches_its_reference_path(monkeypatch):
     """The wiring in model.model: decode steps on a packed cache go through the kernels
     (counted) and give the reference path's logits; prefill never does. Both arms run the
-    mHC and RMSNorm twins (those kernels run in prefill too, and on a random model their
-    last-bit differences flip FP4 roundings and top-k choices; each is compared with its
-    twin on its own: below, and in tests/test_norm_kernel.py)."""
+    mHC and RMSNorm twins and the MoE in torch (those kernels run in prefill too, and on a
+    random model their last-bit differences flip FP4 roundings and top-k choices; each is
+    compared with its twin on its own: below, in tests/test_norm_kernel.py and
+    tests/test_moe_kernel.py). Eager steps: a graph's capture would run a layer twice."""
     import model.kernels as kernels
 
+    monkeypatch.setenv("DSAGENT_FUSED_MOE", "0")
+    monkeypatch.setenv("DSAGENT_GRAPHS", "0")
     real = kernels.hc_split, kernels.rms_norm
     kernels.hc_split, kernels.rms_norm = kernels.hc_split_ref, kernels.rms_norm_ref
     try:
@@ -349,6 +352,9 @@ def test_indexer_kernel(B, HI, N) -> None:
         out = indexer_scores(q, w, keys, n_visible, 128 ** -0.5)
         assert out.shape == (B, N) and out.dtype == torch.float32
         assert_scores_close(out, ref)
+        held = torch.tensor([n_visible], device=q.device)  # the count as a graphed step passes it
+        assert torch.equal(indexer_scores(q, w, keys, held, 128 ** -0.5), out)
+        assert torch.equal(indexer_scores_ref(q, w, keys, held, 128 ** -0.5), ref)
 
 
 @needs_kernel

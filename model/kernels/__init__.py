@@ -15,9 +15,14 @@ and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
   fp32: ``Attention._attend`` for S=1 on FP8 window rows and selected FP4 records.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale)`` -> [B, N] fp32:
-  ``Indexer.scores`` for S=1 on FP4 index keys. Top-k stays in torch
-  (``model.model.stable_topk``): it is a sort over at most ~16k scores per row, and its
-  tie order must stay the model's.
+  ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, or a one-element
+  device tensor that a CUDA graph can hold). Top-k stays in torch
+  (``model.model.stable_topk``): a sort over the source's whole buffer in a decode step
+  (what a CUDA graph can hold), and its tie order must stay the model's.
+
+- ``moe_decode(x, ...)`` -> [N, D] fp32 or None: ``model.moe.MoE`` on a few text tokens in
+  four launches (``model.kernels.moe``); None where it does not run, and the caller runs
+  the MoE in torch, which is its twin.
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
@@ -42,8 +47,8 @@ from model.kernels.reference import (hc_collapse_ref, hc_expand_ref, hc_split_re
                                     rope_ref, sparse_attention_ref)
 
 __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "rope", "rms_norm",
-           "sparse_attention", "indexer_scores", "pack_window", "pack_main", "pack_index", "fake_quant_fp8",
-           "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref", "rope_ref", "rms_norm_ref",
+           "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
+           "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref", "rope_ref", "rms_norm_ref",
            "sparse_attention_ref", "indexer_scores_ref"]
 
 
@@ -84,7 +89,7 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
     return sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int,
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int | torch.Tensor,
                    head_scale: float) -> torch.Tensor:
     """Index scores [B, N] of one decode step; see :func:`model.kernels.reference.indexer_scores_ref`."""
     if _use_triton(q):
@@ -92,6 +97,28 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n
 
         return fused.indexer_scores(q, weights, keys, n_visible, head_scale)
     return indexer_scores_ref(q, weights, keys, n_visible, head_scale)
+
+
+MOE_TOKENS = 16  # the most tokens moe_decode takes: decode steps (batch x 1), not prefill chunks
+
+
+def moe_decode_runs(x: torch.Tensor) -> bool:
+    """Whether :func:`moe_decode` runs on tokens ``x`` [N, D]: where :func:`enabled`, outside
+    autograd, N <= ``MOE_TOKENS`` and ``DSAGENT_FUSED_MOE`` is not ``0``."""
+    return (x.shape[0] <= MOE_TOKENS and not torch.is_grad_enabled() and _kernel_runs("MoE kernel", x)
+            and os.environ.get("DSAGENT_FUSED_MOE", "1") != "0")
+
+
+def moe_decode(x: torch.Tensor, *weights: torch.Tensor, **config) -> torch.Tensor | None:
+    """The MoE of tokens ``x`` [N, D] by the Triton kernels of ``model.kernels.moe`` (see
+    ``moe_decode`` there for the weights and ``config``) where :func:`moe_decode_runs`; else
+    None, and the caller runs the MoE in torch. A kernel that cannot be built warns once and
+    returns None for the rest of the process."""
+    if not moe_decode_runs(x):
+        return None
+    from model.kernels import moe
+
+    return _guarded("MoE kernel", lambda *a: moe.moe_decode(*a, **config), lambda *a: None, x, *weights)
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):

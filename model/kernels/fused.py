@@ -220,10 +220,14 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
 # ----------------------------------------------------------------------------- indexer
 
 @triton.jit(do_not_specialize=["N", "n_visible", "s_ob"])
-def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, HI, N, n_visible, head_scale,
+def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, HI, N, n_visible, head_scale,
                     s_qb, s_qh, s_wb, s_kb, s_kn, s_ob,
-                    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr):
+                    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, VIS_PTR: tl.constexpr):
     b, blk = tl.program_id(0), tl.program_id(1)
+    if VIS_PTR:  # the count is a device tensor (a graphed decode step)
+        limit = tl.load(vis_ptr)
+    else:
+        limit = n_visible
     b64 = b.to(tl.int64)
     heads = tl.arange(0, BLOCK_HI)
     head_ok = heads < HI
@@ -233,16 +237,16 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, HI, N, n_visible, head_scale
     n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     live = n < N
     row = key_ptr + b64 * s_kb + n.to(tl.int64)[:, None] * s_kn
-    keys = _fp4_rows(row, cols, live[:, None], DI, 32, False)
+    keys = _fp4_rows(row, cols, (live & (n < limit))[:, None], DI, 32, False)  # unseen keys: not read
     q_big, q_small = _tf32_split(q)
     kt = tl.trans(keys)
     s = tl.dot(q_big, kt, tl.dot(q_small, kt, input_precision="tf32"), input_precision="tf32")  # (BLOCK_HI, BLOCK_N)
     score = tl.sum(tl.maximum(s, 0.0) * head_scale * w[:, None], 0)
-    score = tl.where(n < n_visible, score, float("-inf"))
+    score = tl.where(n < limit, score, float("-inf"))
     tl.store(out_ptr + b64 * s_ob + n, score, mask=live)
 
 
-def indexer_scores(q, weights, keys, n_visible: int, head_scale: float) -> torch.Tensor:
+def indexer_scores(q, weights, keys, n_visible: int | torch.Tensor, head_scale: float) -> torch.Tensor:
     B, HI, DI = q.shape
     N = keys.shape[1]
     assert DI % 32 == 0 and DI & (DI - 1) == 0, f"index_head_dim {DI} must be a power of two"
@@ -251,10 +255,12 @@ def indexer_scores(q, weights, keys, n_visible: int, head_scale: float) -> torch
     if N == 0:
         return out
     q, weights, keys = q.contiguous(), weights.contiguous(), keys.contiguous()
+    on_device = isinstance(n_visible, torch.Tensor)
     _indexer_kernel[(B, triton.cdiv(N, INDEX_BLOCK_N))](
-        q, weights, keys, out, HI, N, int(n_visible), float(head_scale),
-        q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
-        DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_N=INDEX_BLOCK_N, num_warps=INDEX_WARPS)
+        q, weights, keys, out, n_visible if on_device else out, HI, N, 0 if on_device else int(n_visible),
+        float(head_scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
+        DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_N=INDEX_BLOCK_N, VIS_PTR=on_device,
+        num_warps=INDEX_WARPS)
     return out
 
 

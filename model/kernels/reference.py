@@ -60,10 +60,10 @@ def _selected_records(records: torch.Tensor, record_idx: torch.Tensor, dim: int)
     return unpack_main(rows, dim)
 
 
-def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int,
+def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int | torch.Tensor,
                        head_scale: float) -> torch.Tensor:
     """Scores [B, N] fp32: sum_h weights[b, h] * relu(q[b, h] . key[b, n]) * head_scale,
-    -inf at n >= n_visible.
+    -inf at n >= n_visible (an int or a one-element tensor).
 
     q [B, Hi, d] float (already FP4-fake-quantised, as ``KVFormat.index_query`` makes it);
     weights [B, Hi] float: ``weights_proj(x) * n_heads**-0.5``; keys uint8 [B, N, d/2 + d/32]

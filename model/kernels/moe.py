@@ -1,0 +1,205 @@
+"""Triton MoE for decode steps: the router and every chosen expert of a few tokens in four
+launches, where torch runs ~55 small kernels a layer (gate chain, sort by expert, gathers,
+grouped GEMMs, SwiGLU, scatter back, sum, shared expert).
+
+Owns ``moe_decode`` (what ``model.moe.MoE.forward`` computes for text tokens):
+- ``_gate_logits_kernel`` (the gate's logits over every expert, fp32 from the stored
+  weights, in partial sums over channel chunks: one program reading the whole weight took
+  53 us a layer on the H200) and ``_gate_kernel``, one program per token: the partial sums
+  added in chunk order, the score function, top-k on score + bias (ties to the lower expert id),
+  the chosen scores normalised and scaled;
+- ``_up_kernel``, one program per (token, slot) pair and block of intermediate channels,
+  the shared expert as one more slot of weight 1: ``w1`` and ``w3`` rows against the token,
+  rounded to the activation dtype as the GEMM's output is, the SwiGLU with the training
+  clamps, times the gate weight, rounded again as ``MoE`` rounds before ``w2``;
+- ``_down_kernel``, one program per token and block of output channels: each slot's ``w2``
+  product rounded to the activation dtype, summed in slot order in fp32, then the shared
+  expert's added (``MoE``'s order), so a step is deterministic.
+
+Not bit-exact with torch: dot products reduce in another order (and torch's top-k breaks
+exact ties its own way), so outputs agree to rounding and the choice of experts only differs
+on near-ties. Weight reads are the GEMVs' whole cost at decode sizes; each program streams
+its rows once. Does not own: when it runs (``model.moe.MoE``, ``model.kernels``).
+Imported only when Triton is importable.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from model.kernels.fused import _bf16_bits
+
+SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
+GATE_SPLITS = 32  # programs per token that share the gate's weight read
+
+
+@triton.jit
+def _round(x, BF16: tl.constexpr):
+    """x rounded to the activation dtype (bf16: nearest even, on the bits) and back to fp32."""
+    if BF16:
+        return (_bf16_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return x
+
+
+@triton.jit
+def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS,
+                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Partial gate logits of token t over channel chunk c: part[t, c, :E] (the gate's
+    weight is read by many programs at once rather than by one)."""
+    t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for d0 in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_ok[:, None] & (d < D)[None, :], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+    tl.store(part_ptr + (t * SPLITS + c) * E + e, acc, mask=e_ok)
+
+
+@triton.jit
+def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
+                 K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS_P2: tl.constexpr,
+                 SCORE: tl.constexpr, NORM: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    c = tl.arange(0, SPLITS_P2)
+    part = tl.load(part_ptr + (t * SPLITS + c[:, None]) * E + e[None, :], mask=(c < SPLITS)[:, None] & e_ok[None, :],
+                   other=0.0)
+    logit = tl.sum(part, 0) / temp
+    if SCORE == 0:  # sqrt(softplus), softplus with torch's threshold of 20
+        ex = tl.exp(logit)
+        log1p = tl.where(ex < 1e-3, ex * (1.0 - ex * (0.5 - ex / 3.0)), tl.log(1.0 + ex))
+        score = tl.sqrt(tl.where(logit > 20.0, logit, log1p))
+    elif SCORE == 1:
+        score = 1.0 / (1.0 + tl.exp(-logit))
+    else:
+        z = tl.exp(tl.where(e_ok, logit, float("-inf")) - tl.max(tl.where(e_ok, logit, float("-inf")), 0))
+        score = z / tl.sum(z, 0)
+    choice = tl.where(e_ok, score + tl.load(bias_ptr + e, mask=e_ok, other=0.0), float("-inf"))
+    ks = tl.arange(0, K_P2)
+    picked_w = tl.zeros([K_P2], dtype=tl.float32)
+    picked_i = tl.zeros([K_P2], dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(choice, 0)
+        sel = tl.min(tl.where(choice == best, e, BLOCK_E), 0)
+        picked_w = tl.where(ks == j, tl.sum(tl.where(e == sel, score, 0.0), 0), picked_w)
+        picked_i = tl.where(ks == j, sel.to(tl.int64), picked_i)
+        choice = tl.where(e == sel, float("-inf"), choice)
+    if NORM:
+        picked_w = picked_w / (tl.sum(picked_w, 0) + 1e-20)
+    tl.store(wout_ptr + t * K + ks, picked_w * scale, mask=ks < K)
+    tl.store(iout_ptr + t * K + ks, picked_i, mask=ks < K)
+
+
+@triton.jit
+def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, limit,
+               K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+               CLAMP: tl.constexpr):
+    p = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < I
+    if p < NK:  # a routed slot: expert isel[p] of token p // K
+        t = p // K
+        e = tl.load(isel_ptr + p)
+        gw = tl.load(wsel_ptr + p)
+        a_ptr = w1_ptr + e * I * D
+        b_ptr = w3_ptr + e * I * D
+    else:  # the shared expert of token p - NK
+        t = p - NK
+        gw = 1.0
+        a_ptr = s1_ptr
+        b_ptr = s3_ptr
+    acc1 = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        rows = i[:, None] * D + d[None, :]
+        m = i_ok[:, None] & d_ok[None, :]
+        acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
+        acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
+    g, u = _round(acc1, BF16), _round(acc3, BF16)  # the GEMMs' outputs, in the activation dtype
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    h = g / (1.0 + tl.exp(-g)) * u
+    if p < NK:
+        h = gw * h
+    if BF16:
+        tl.store(h_ptr + p * I + i, _bf16_bits(h), mask=i_ok)
+    else:
+        tl.store(h_ptr + p * I + i, h, mask=i_ok)
+
+
+@triton.jit
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
+                 K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    o_ok = o < D
+    total = tl.zeros([BLOCK_O], dtype=tl.float32)
+    for j in tl.static_range(K + 1):  # the K routed slots in order, then the shared expert
+        if j < K:
+            p = t * K + j
+            w_ptr = w2_ptr + tl.load(isel_ptr + p) * D * I
+        else:
+            p = NK + t
+            w_ptr = s2_ptr
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            i = i0 + tl.arange(0, BLOCK_I)
+            i_ok = i < I
+            if BF16:
+                h = (tl.load(h_ptr + p * I + i, mask=i_ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                h = tl.load(h_ptr + p * I + i, mask=i_ok, other=0.0)
+            w = tl.load(w_ptr + o[:, None] * I + i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
+        total += _round(acc, BF16)
+    tl.store(out_ptr + t * D + o, total, mask=o_ok)
+
+
+def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
+               w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
+               scoring: str, temp: float, norm: bool, scale: float, limit: float) -> torch.Tensor:
+    """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (fp32),
+    stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
+    [I, D] and s2 [D, I], all in x's dtype. -> [N, D] fp32 (routed sum + shared), before
+    ``MoE``'s cast back."""
+    N, D = x.shape
+    E, I = w1.shape[0], w1.shape[1]
+    assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and w2.shape == (E, D, I)
+    assert all(t.dtype == x.dtype for t in (w1, w3, w2, s1, s3, s2)) and s1.shape == (I, D) and s2.shape == (D, I)
+    x, gate_w, bias = x.contiguous(), gate_w.contiguous(), bias.float().contiguous()
+    w1, w3, w2, s1, s3, s2 = (t.contiguous() for t in (w1, w3, w2, s1, s3, s2))
+    bf16 = x.dtype == torch.bfloat16
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    chosen = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
+    block_e = triton.next_power_of_2(E)
+    block_d = max(16, min(128, 8192 // block_e))
+    chunk = triton.cdiv(triton.cdiv(D, min(GATE_SPLITS, triton.cdiv(D, block_d))), block_d) * block_d
+    splits = triton.cdiv(D, chunk)
+    part = torch.empty(N, splits, E, dtype=torch.float32, device=x.device)
+    _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, BLOCK_E=block_e, BLOCK_D=block_d,
+                                     num_warps=4)
+    _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
+                       K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+                       SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
+                       NORM=bool(norm and top_k > 1), num_warps=4)
+    nk = N * top_k
+    h = torch.empty(nk + N, I, dtype=x.dtype, device=x.device)
+    block_i = 16
+    _up_kernel[(nk + N, triton.cdiv(I, block_i))](
+        x, w1, w3, s1, s3, weights, chosen, h.view(torch.int16) if bf16 else h, nk, D, I, float(limit),
+        K=top_k, BLOCK_I=block_i, BLOCK_D=256, BF16=bf16, CLAMP=limit > 0, num_warps=4)
+    out = torch.empty(N, D, dtype=torch.float32, device=x.device)
+    block_o = 8
+    _down_kernel[(N, triton.cdiv(D, block_o))](
+        h.view(torch.int16) if bf16 else h, w2, s2, chosen, out, nk, D, I,
+        K=top_k, BLOCK_O=block_o, BLOCK_I=256, BF16=bf16, num_warps=4)
+    return out

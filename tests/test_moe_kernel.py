@@ -1,0 +1,111 @@
+"""The fused MoE decode kernels (``model.kernels.moe``) against the MoE's torch path, their twin.
+
+Runs on CUDA when present, else under ``TRITON_INTERPRET=1`` (Triton's CPU interpreter) with
+fewer cases, else skips; the torch path itself is what every other test runs on the CPU.
+Tolerances: the kernels reduce their dot products in another order than torch, so fp32
+agrees to ~1e-5; in bf16 a GEMM output rounded to bf16 can land one bf16 step away (2^-8
+relative), and that step carries through the SwiGLU and ``w2``.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+
+import model.kernels as kernels
+from model.args import ModelArgs
+from model.moe import MoE
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not kernels.triton_available(),
+                                reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
+
+
+def random_moe(scoring: str, dtype: torch.dtype, seed: int, **shape) -> MoE:
+    """A MoE of the tiny preset (or ``shape``) with random weights, its experts stacked."""
+    args = ModelArgs.preset("tiny").replace(scoring_func=scoring, **shape)
+    g = torch.Generator().manual_seed(seed)
+    moe = MoE(args)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            std = 0.01 if name.endswith("bias") else p.shape[-1] ** -0.5
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    moe = moe.to(DEVICE, dtype).eval().requires_grad_(False)
+    moe.stack_experts()  # as model.loading.build does
+    return moe
+
+
+def torch_path(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    before = os.environ.get("DSAGENT_FUSED_MOE")
+    os.environ["DSAGENT_FUSED_MOE"] = "0"
+    try:
+        with torch.no_grad():
+            return moe(x)
+    finally:
+        if before is None:
+            del os.environ["DSAGENT_FUSED_MOE"]
+        else:
+            os.environ["DSAGENT_FUSED_MOE"] = before
+
+
+CASES = (list(itertools.product([torch.float32, torch.bfloat16], ["sqrtsoftplus", "sigmoid", "softmax"], [1, 3, 16],
+                                [1.0, 20.0]))
+         if ON_CUDA else [(torch.float32, "sqrtsoftplus", 1, 1.0), (torch.bfloat16, "sqrtsoftplus", 3, 1.0),
+                          (torch.float32, "sigmoid", 2, 20.0), (torch.bfloat16, "softmax", 16, 1.0)])
+
+
+@pytest.mark.parametrize("dtype,scoring,n,spread", CASES)
+def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread):
+    """Tokens of unit RMS, and ``spread`` 20 for inputs whose SwiGLU hits the clamps."""
+    moe = random_moe(scoring, dtype, seed=n)
+    x = (torch.randn(n, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(1)) * spread).to(DEVICE, dtype)
+    with torch.no_grad():
+        assert moe.runs_fused(x)
+        out = moe(x)
+    ref = torch_path(moe, x)
+    assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol * ref.float().abs().max().item())
+
+
+def test_moe_kernel_splits_the_gate_over_channel_chunks():
+    """512 channels: the gate's logits are summed from 4 chunks of 128."""
+    moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=5, hidden_size=512)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        out = moe(x)
+    ref = torch_path(moe, x)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.float().abs().max().item())
+
+
+@pytest.mark.skipif(not ON_CUDA, reason="the small preset's widths, on the GPU")
+def test_moe_kernel_at_small_widths():
+    """64 experts, top-6, 2,048 channels, 768 intermediate: the shapes the decode bench runs."""
+    moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=7, hidden_size=2048, moe_intermediate_size=768,
+                     n_routed_experts=64, num_experts_per_tok=6)
+    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        out = moe(x)
+    ref = torch_path(moe, x)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.float().abs().max().item())
+
+
+def test_moe_kernel_runs_only_on_a_few_text_tokens_outside_autograd(monkeypatch):
+    calls = []
+    real = kernels.moe_decode
+    monkeypatch.setattr(kernels, "moe_decode", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    moe = random_moe("sqrtsoftplus", torch.float32, seed=0)
+    D = moe.gate.weight.shape[1]
+    with torch.no_grad():
+        moe(torch.randn(2, 1, D, device=DEVICE))
+        moe(torch.randn(1, kernels.MOE_TOKENS + 1, D, device=DEVICE))  # a prefill chunk: torch
+        moe(torch.randn(1, 2, D, device=DEVICE), image_mask=torch.ones(1, 2, dtype=torch.bool, device=DEVICE))
+        monkeypatch.setenv("DSAGENT_FUSED_MOE", "0")
+        moe(torch.randn(1, 1, D, device=DEVICE))
+    monkeypatch.delenv("DSAGENT_FUSED_MOE")
+    moe.requires_grad_(True)
+    moe(torch.randn(1, 1, D, device=DEVICE)).sum().backward()  # training: torch, with gradients
+    assert calls == [2] and moe.gate.weight.grad is not None
