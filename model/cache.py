@@ -138,6 +138,7 @@ class SourceKV:
         cap = self.hist_pos.shape[0]
         if cap == 0:
             return
+        self._pending_pair()  # after a decode step the ring holds the pending group: take it out first
         positions = torch.arange(start, start + kv.shape[1], device=kv.device)[-cap:]
         slots = positions % cap
         self.hist_kv[:, slots], self.hist_gate[:, slots] = kv[:, -cap:], gate[:, -cap:]

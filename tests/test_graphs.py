@@ -297,6 +297,11 @@ def test_fused_steps_keep_the_cache_the_reference_path_keeps(monkeypatch):
     torch.testing.assert_close(mine.sources[2].pending_kv, theirs.sources[2].pending_kv, rtol=1e-4, atol=1e-4)
     for a, b in zip(_decode(engine, reference, 2), _decode(engine, fused, 2)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    more = torch.randint(3, 1000, (2, 30), generator=torch.Generator().manual_seed(6))  # the next turn's prompt:
+    for state in (reference, fused):  # longer than the history ring, so the pending group is taken out first
+        engine.prefill(state, more)
+    torch.testing.assert_close(fused.last_logits, reference.last_logits, rtol=1e-4, atol=1e-4)
+    assert [s.done for s in fused.cache.sources.values()] == [s.done for s in reference.cache.sources.values()]
 
 
 def test_graphed_fused_steps_equal_eager_fused_ones(monkeypatch):
