@@ -131,6 +131,7 @@ class Step:
     dense: bool = False  # select every visible record (the indexer's dense warm-up)
     index_losses: list | None = None  # when a list, index layers append their KL to attention
     graphs: graphs.SegmentGraphs | None = None  # a CUDA decode step: cache-free segments replay as graphs
+    new: bool = False  # every KV source stops just before ``start``: a step that continues the cache
 
     @property
     def end(self) -> int:
@@ -276,9 +277,10 @@ class Indexer(nn.Module):
 
 
 def _fused_step(x: torch.Tensor, step: Step, kv: KVFormat) -> bool:
-    """A decode step (one position) on a packed cache, outside training, where the fused
-    kernels of ``model.kernels`` run (CUDA with Triton; ``DSAGENT_KERNELS=0`` turns them off)."""
-    return (x.shape[1] == 1 and kv.packed and step.floor is None and step.index_losses is None
+    """A decode step (one new position, not a replayed one) on a packed cache, outside
+    training, where the fused kernels of ``model.kernels`` run (CUDA with Triton;
+    ``DSAGENT_KERNELS=0`` turns them off)."""
+    return (x.shape[1] == 1 and step.new and kv.packed and step.floor is None and step.index_losses is None
             and not step.dense and kernels.enabled(x))
 
 
@@ -759,7 +761,8 @@ class Transformer(nn.Module):
         x = self.embed(ids)
         if image_mask is not None and image_embeds is not None:
             x = torch.where(image_mask.unsqueeze(-1), image_embeds.to(x.dtype), x)
-        step = Step(start=start, length=ids.shape[1], image_mask=image_mask)
+        step = Step(start=start, length=ids.shape[1], image_mask=image_mask,
+                    new=all(src.done == start for src in cache.sources.values()))
         if graphs.wanted(ids, image_mask, cache.kv.packed) and self.ffn_capturable(x):
             step.graphs = self._graphs
         step.hash_ids = self.engram_hash(ids, cache, start, image_mask)

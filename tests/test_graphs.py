@@ -66,8 +66,9 @@ def _fused_anywhere(monkeypatch):
     on the CPU)."""
     import model.model as mm
 
-    monkeypatch.setattr(mm, "_fused_step", lambda x, step, kv: (x.shape[1] == 1 and kv.packed and step.floor is None
-                                                               and step.index_losses is None and not step.dense))
+    monkeypatch.setattr(mm, "_fused_step", lambda x, step, kv: (x.shape[1] == 1 and step.new and kv.packed
+                                                               and step.floor is None and step.index_losses is None
+                                                               and not step.dense))
 
 
 def _tiny(device="cpu", dtype=torch.float32):
@@ -366,3 +367,22 @@ def test_a_compressor_step_makes_what_its_forward_makes(ratio):
                 assert torch.equal(got[0], want) and got[1].tolist() == [first], t
             assert (fixed.n, fixed.done) == (plain.n, plain.done)
             assert torch.equal(fixed.pending_kv, plain.pending_kv) and torch.equal(fixed.pending_gate, plain.pending_gate)
+
+
+def test_a_replayed_position_takes_the_reference_path(monkeypatch):
+    """A one-token CED prefill runs the decoder layers on a position whose records the
+    decoder's source already holds (made from the encoder's output): not a decode step, so
+    the decoder takes the reference path there (the fused one asserted on it). The encoder
+    layers did step a new position, fused: the logits follow the reference path's to rounding."""
+    _fused_anywhere(monkeypatch)
+    model = _tiny()
+    engine = Engine(model, mode="ced", chunk=40)
+    states = [engine.new_state(batch=1) for _ in range(2)]
+    ids = torch.randint(3, 1000, (1, 31), generator=torch.Generator().manual_seed(8))
+    for state in states:
+        engine.prefill(state, ids[:, :30])
+    engine.prefill(states[0], ids[:, 30:])  # one token, CED: the fused path must not take it
+    monkeypatch.undo()
+    engine.prefill(states[1], ids[:, 30:])
+    torch.testing.assert_close(states[0].last_logits, states[1].last_logits, rtol=1e-4, atol=1e-4)
+    assert [s.done for s in states[0].cache.sources.values()] == [31] * len(states[1].cache.sources)
