@@ -386,3 +386,24 @@ def test_a_replayed_position_takes_the_reference_path(monkeypatch):
     engine.prefill(states[1], ids[:, 30:])
     torch.testing.assert_close(states[0].last_logits, states[1].last_logits, rtol=1e-4, atol=1e-4)
     assert [s.done for s in states[0].cache.sources.values()] == [31] * len(states[1].cache.sources)
+
+
+def test_fused_steps_after_a_resume_from_the_global_kv(monkeypatch):
+    """Export the global KV (an odd length: a ratio-2 group pending), import it, replay the
+    log's tail, decode: the fused path (twins here) continues the rebuilt cache as the
+    reference path does."""
+    model = _tiny()
+    engine = Engine(model, mode="ced", chunk=40)
+    ids = torch.randint(3, 1000, (1, 57), generator=torch.Generator().manual_seed(9))
+    source = engine.new_state(batch=1)
+    engine.prefill(source, ids)
+    resumed = []
+    for fused in (False, True):
+        if fused:
+            _fused_anywhere(monkeypatch)
+        state = engine.import_global(*engine.export_global(source))
+        engine.replay(state, ids)
+        assert state.cache.sources[2].pending_n == 1
+        resumed.append(_decode(engine, state, 3))
+    for a, b in zip(*resumed):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
