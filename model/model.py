@@ -185,14 +185,16 @@ class Compressor(nn.Module):
         weights = gate[:, :usable].unflatten(1, (-1, self.ratio)).softmax(dim=2)
         return self.norm((kv * weights).sum(dim=2).to(x.dtype)), src.covered
 
-    def step(self, x: torch.Tensor, pos: torch.Tensor, src: SourceKV, emits: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def step(self, x: torch.Tensor, pos: torch.Tensor, src: SourceKV,
+             emits: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`forward` of one decode step at ``pos`` [1] (a tensor: graph-safe), on the
         source's fixed buffers: the token's projection goes to the history ring, and when
         ``emits`` (its group completes here) the group is pooled from there. -> (latent
         [B, 1, D], the group's first position [1]) or None."""
         if self.wgate is None:
             return self.norm(self.wkv(x)), pos
-        src.remember_at(F.linear(x.float(), self.wkv.weight.float()), F.linear(x.float(), self.wgate.weight.float()), pos)
+        h = x.float()
+        src.remember_at(F.linear(h, self.wkv.weight.float()), F.linear(h, self.wgate.weight.float()), pos)
         if not emits:
             return None
         first = pos - (self.ratio - 1)

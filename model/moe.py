@@ -5,7 +5,9 @@ top-k, normalised and scaled weights),
 :class:`Expert` (SwiGLU with the training clamps) and :class:`MoE`, whose routed experts
 run one by one (``MoE._loop``: the reference), all at once as grouped GEMMs from stacked
 weights (:class:`GroupedExperts`, no host sync, inference), or densely (``MoE._dense``:
-every expert on every token, gate-weighted; no host sync, training on CUDA with few experts).
+every expert on every token, gate-weighted; no host sync, training on CUDA with few experts);
+and a decode step's whole MoE — router, routed and shared experts — in the Triton kernels of
+``model.kernels.moe`` where they run (``MoE._fused``), with the torch paths as their twin.
 Parameter names are the official checkpoint names. Does not own: where the FFN sits in a
 layer (``model.model.Block``) or the router's balance updates (``model.training``).
 """
@@ -154,7 +156,7 @@ class MoE(nn.Module):
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if image_mask is None and self.runs_fused(flat):
-            y = self._fused(flat)  # a decode step on CUDA: three kernels (model.kernels.moe)
+            y = self._fused(flat)  # a decode step on CUDA: four kernels (model.kernels.moe)
             if y is not None:
                 return y.to(x.dtype).view(shape)
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))

@@ -334,7 +334,8 @@ def test_graphed_fused_steps_equal_eager_fused_ones(monkeypatch):
 
 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
-def test_a_compressor_step_makes_what_its_forward_makes(ratio):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compressor_step_makes_what_its_forward_makes(ratio, dtype):
     """Compressor.step (position a tensor, the group pooled from the history ring) gives the
     latents Compressor.forward gives one token at a time, bit for bit, at every phase of a
     group; the source's counts and pending group after it are the same."""
@@ -343,8 +344,8 @@ def test_a_compressor_step_makes_what_its_forward_makes(ratio):
 
     args = ModelArgs.preset("tiny")
     torch.manual_seed(ratio)
-    comp = Compressor(args, ratio)
-    x = torch.randn(2, 13, args.hidden_size)
+    comp = Compressor(args, ratio).to(dtype)
+    x = torch.randn(2, 13, args.hidden_size).to(dtype)
     plain, fixed = (SourceKV(2, ratio, args.head_dim, args.index_head_dim, "cpu") for _ in range(2))
 
     def forward(src, start, length):  # and the records Attention._update_source appends
@@ -364,9 +365,11 @@ def test_a_compressor_step_makes_what_its_forward_makes(ratio):
             fixed.stepped(t)
             assert (got is None) == (want is None), t
             if want is not None:
+                assert got[0].dtype == want.dtype == dtype
                 assert torch.equal(got[0], want) and got[1].tolist() == [first], t
             assert (fixed.n, fixed.done) == (plain.n, plain.done)
-            assert torch.equal(fixed.pending_kv, plain.pending_kv) and torch.equal(fixed.pending_gate, plain.pending_gate)
+            assert torch.equal(fixed.pending_kv, plain.pending_kv)
+            assert torch.equal(fixed.pending_gate, plain.pending_gate)
 
 
 def test_a_replayed_position_takes_the_reference_path(monkeypatch):

@@ -61,7 +61,8 @@ CASES = (list(itertools.product([torch.float32, torch.bfloat16], ["sqrtsoftplus"
 def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread):
     """Tokens of unit RMS, and ``spread`` 20 for inputs whose SwiGLU hits the clamps."""
     moe = random_moe(scoring, dtype, seed=n)
-    x = (torch.randn(n, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(1)) * spread).to(DEVICE, dtype)
+    x = torch.randn(n, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(1)) * spread
+    x = x.to(DEVICE, dtype)
     with torch.no_grad():
         assert moe.runs_fused(x)
         out = moe(x)

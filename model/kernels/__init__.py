@@ -48,8 +48,8 @@ from model.kernels.reference import (hc_collapse_ref, hc_expand_ref, hc_split_re
 
 __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "rope", "rms_norm",
            "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
-           "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref", "rope_ref", "rms_norm_ref",
-           "sparse_attention_ref", "indexer_scores_ref"]
+           "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
+           "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref"]
 
 
 def _interpreting() -> bool:
