@@ -279,11 +279,17 @@ class Indexer(nn.Module):
 
 
 def _fused_step(x: torch.Tensor, step: Step, kv: KVFormat) -> bool:
-    """A decode step (one new position, not a replayed one) on a packed cache, outside
-    training, where the fused kernels of ``model.kernels`` run (CUDA with Triton;
-    ``DSAGENT_KERNELS=0`` turns them off)."""
+    """A :func:`_decode_step` where the fused kernels of ``model.kernels`` run (CUDA with
+    Triton; ``DSAGENT_KERNELS=0`` turns them off)."""
+    return _decode_step(x, step, kv) and kernels.enabled(x)
+
+
+def _decode_step(x: torch.Tensor, step: Step, kv: KVFormat) -> bool:
+    """One new position (not a replayed one) on a packed cache, outside training: a step the
+    fused path can take (tests put it in place of :func:`_fused_step` to run that path on
+    the kernels' PyTorch twins)."""
     return (x.shape[1] == 1 and step.new and kv.packed and step.floor is None and step.index_losses is None
-            and not step.dense and kernels.enabled(x))
+            and not step.dense)
 
 
 def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
