@@ -408,3 +408,11 @@ def test_fused_steps_after_a_resume_from_the_global_kv(monkeypatch):
         resumed.append(_decode(engine, state, 3))
     for a, b in zip(*resumed):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_the_fused_twins_option_puts_the_fused_path_everywhere(pytestconfig):
+    """``--fused-twins`` (tests/conftest.py): with it every decode step's choice is the fused
+    path's condition alone; without it the kernels must be enabled too."""
+    import model.model as mm
+
+    assert (mm._fused_step is mm._decode_step) == pytestconfig.getoption("--fused-twins")
