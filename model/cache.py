@@ -104,9 +104,9 @@ class SourceKV:
         wanted = torch.arange(lo, hi, device=self.hist_pos.device)
         if wanted.numel() == 0:
             return self.hist_kv[:, :0], self.hist_gate[:, :0]
-        slots = wanted % self.hist_pos.shape[0]
-        assert bool((self.hist_pos[slots] == wanted).all()), "rollback deeper than the projection history"
-        return self.hist_kv[:, slots], self.hist_gate[:, slots]
+        assert bool((self.hist_pos[wanted % self.hist_pos.shape[0]] == wanted).all()), \
+            "rollback deeper than the projection history"
+        return self.recall(wanted)
 
     def _grow(self, need: int) -> None:
         """Room for ``need`` records: a quarter more than now at least. A decode step reads the
@@ -140,9 +140,7 @@ class SourceKV:
             return
         self._pending_pair()  # after a decode step the ring holds the pending group: take it out first
         positions = torch.arange(start, start + kv.shape[1], device=kv.device)[-cap:]
-        slots = positions % cap
-        self.hist_kv[:, slots], self.hist_gate[:, slots] = kv[:, -cap:], gate[:, -cap:]
-        self.hist_pos[slots] = positions
+        self.remember_at(kv[:, -cap:], gate[:, -cap:], positions)
 
     def truncate(self, length: int) -> None:
         """Forget tokens >= ``length``: drop their records and rebuild the pending group."""
@@ -160,11 +158,12 @@ class SourceKV:
         assert self.done == position, f"a decode step at {position} on a source that consumed {self.done}"
         self._grow((position + 1) // self.ratio)
 
-    def remember_at(self, kv: torch.Tensor, gate: torch.Tensor, pos: torch.Tensor) -> None:
-        """:meth:`remember` of one token at ``pos`` [1]."""
-        slot = pos % self.hist_pos.shape[0]
-        self.hist_kv[:, slot], self.hist_gate[:, slot] = kv, gate
-        self.hist_pos[slot] = pos
+    def remember_at(self, kv: torch.Tensor, gate: torch.Tensor, positions: torch.Tensor) -> None:
+        """Write the projections [B, len, D] of ``positions`` (a tensor, at most the ring's
+        length) into the history ring: :meth:`remember`'s write, and a decode step's."""
+        slots = positions % self.hist_pos.shape[0]
+        self.hist_kv[:, slots], self.hist_gate[:, slots] = kv, gate
+        self.hist_pos[slots] = positions
 
     def recall(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The remembered projections [B, len, D] of ``positions`` (a tensor; unchecked)."""

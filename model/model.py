@@ -181,9 +181,12 @@ class Compressor(nn.Module):
         src.set_pending(kv[:, usable:], gate[:, usable:])
         if usable == 0:
             return None, src.covered
-        kv = kv[:, :usable].unflatten(1, (-1, self.ratio))
-        weights = gate[:, :usable].unflatten(1, (-1, self.ratio)).softmax(dim=2)
-        return self.norm((kv * weights).sum(dim=2).to(x.dtype)), src.covered
+        groups = (t[:, :usable].unflatten(1, (-1, self.ratio)) for t in (kv, gate))
+        return self._pool(*groups, x.dtype), src.covered
+
+    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Latents [B, G, D] of groups [B, G, ratio, D]: the softmax-gated sum, normalised."""
+        return self.norm((kv * gate.softmax(dim=2)).sum(dim=2).to(dtype))
 
     def step(self, x: torch.Tensor, pos: torch.Tensor, src: SourceKV,
              emits: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -199,7 +202,7 @@ class Compressor(nn.Module):
             return None
         first = pos - (self.ratio - 1)
         kv, gate = (t.unsqueeze(1) for t in src.recall(first + torch.arange(self.ratio, device=pos.device)))
-        return self.norm((kv * gate.softmax(dim=2)).sum(dim=2).to(x.dtype)), first
+        return self._pool(kv, gate, x.dtype), first
 
 
 class Indexer(nn.Module):
@@ -245,14 +248,19 @@ class Indexer(nn.Module):
         q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
         lens = (pos + 1) // self.args.ratios[self.layer]
         s = kernels.indexer_scores(q[:, 0].float(), w[:, 0], src.index, lens, self.head_dim ** -0.5)[:, None]
+        indices, candidates = self.select(s, lens, candidates)
+        return F.pad(indices, (0, self.args.index_topk - indices.shape[-1]), value=-1), candidates
+
+    def select(self, s: torch.Tensor, lens: torch.Tensor, candidates: torch.Tensor | None):
+        """Top-k record indices [B, S, <= k] (-1 = none) of scores ``s`` [B, S, n] for queries
+        that see ``lens`` [S] records; the candidate pool is made here (the candidate source)
+        or honoured (the index layers after it). -> (indices, the pool or ``candidates``)."""
         if self.layer == self.args.candidate_source_layer_id:
             candidates = candidate_blocks(s, lens, self.args.candidate_topk_blocks, self.args.candidate_block_size)
         elif self.args.uses_candidates(self.layer) and candidates is not None:
             s = s.masked_fill(~candidates, float("-inf"))
-        k = self.args.index_topk
-        values, indices = stable_topk(s, k)
-        indices = indices.masked_fill(values == float("-inf"), -1)
-        return F.pad(indices, (0, k - indices.shape[-1]), value=-1), candidates
+        values, indices = stable_topk(s, self.args.index_topk)
+        return indices.masked_fill(values == float("-inf"), -1), candidates
 
     def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor | None:
         """Selected record indices [B, S, k] (-1 = none), or None when no record exists."""
@@ -268,14 +276,11 @@ class Indexer(nn.Module):
         if step.dense:
             visible = s > float("-inf")
             return torch.arange(s.shape[-1], device=s.device).expand_as(s).masked_fill(~visible, -1)
-        if self.layer == self.args.candidate_source_layer_id:
-            lens = (step.positions(x.device) + 1) // self.args.ratios[self.layer]
-            step.shared["candidates"] = candidate_blocks(s, lens, self.args.candidate_topk_blocks,
-                                                         self.args.candidate_block_size)
-        elif self.args.uses_candidates(self.layer) and "candidates" in step.shared:
-            s = s.masked_fill(~step.shared["candidates"], float("-inf"))
-        values, indices = stable_topk(s, self.args.index_topk)
-        return indices.masked_fill(values == float("-inf"), -1)
+        lens = (step.positions(x.device) + 1) // self.args.ratios[self.layer]
+        indices, pool = self.select(s, lens, step.shared.get("candidates"))
+        if pool is not None:
+            step.shared["candidates"] = pool
+        return indices
 
 
 def _fused_step(x: torch.Tensor, step: Step, kv: KVFormat) -> bool:

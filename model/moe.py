@@ -193,8 +193,8 @@ class MoE(nn.Module):
                 and os.environ.get("DSAGENT_DENSE_MOE", "1") != "0")
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor | None:
-        """``kernels.moe_decode`` on text tokens (routed sum + shared, fp32), or None where it
-        does not run."""
+        """``kernels.moe_decode`` on text tokens where :meth:`runs_fused` (routed sum + shared,
+        fp32), or None if its kernels cannot be built here."""
         g, a, shared = self.gate, self.gate.args, self.shared_experts
         return kernels.moe_decode(flat, g.weight, g.bias, self.grouped.w1.weight, self.grouped.w3.weight,
                                   self.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,

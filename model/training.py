@@ -301,21 +301,23 @@ def _image_embeds(model: Transformer, batch: Batch, ids: torch.Tensor):
     return image_inputs(ids, model.args.image_token_id, spans)
 
 
+def _repeat(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t.expand(n, *t.shape[1:]).clone()
+
+
 def repeat_rows(cache: Cache, n: int) -> Cache:
     """A batch-``n`` cache whose rows all continue the batch-1 ``cache`` (differentiably)."""
     out = Cache(cache.args, batch=n, device=cache.device, spare=cache.spare, kv=cache.kv)
     for mine, theirs in zip(out.windows, cache.windows):
-        mine.data, mine.pos = theirs.data.expand(n, -1, -1).clone(), theirs.pos.clone()
+        mine.data, mine.pos = _repeat(theirs.data, n), theirs.pos.clone()
     for s, src in out.sources.items():
         old = cache.sources[s]
         src.n = old.n
-        rows = {name: (t := getattr(old, name)).expand(n, *t.shape[1:]).clone()
-                for name in ("records", "index", "hist_kv", "hist_gate", "pending_kv", "pending_gate")}
-        src.set_pending(rows.pop("pending_kv"), rows.pop("pending_gate"))
-        for name, t in rows.items():
-            setattr(src, name, t)
+        for name in ("records", "index", "hist_kv", "hist_gate"):
+            setattr(src, name, _repeat(getattr(old, name), n))
+        src.set_pending(_repeat(old.pending_kv, n), _repeat(old.pending_gate, n))
         src.hist_pos = old.hist_pos.clone()
-    out.engram_ids, out.engram_pos = cache.engram_ids.expand(n, -1).clone(), cache.engram_pos.clone()
+    out.engram_ids, out.engram_pos = _repeat(cache.engram_ids, n), cache.engram_pos.clone()
     out.length = cache.length
     return out
 

@@ -21,8 +21,8 @@ and, for one decode step (one query per batch row):
   (what a CUDA graph can hold), and its tie order must stay the model's.
 
 - ``moe_decode(x, ...)`` -> [N, D] fp32 or None: ``model.moe.MoE`` on a few text tokens in
-  four launches (``model.kernels.moe``); None where it does not run, and the caller runs
-  the MoE in torch, which is its twin.
+  four launches (``model.kernels.moe``) where ``moe_decode_runs(x)``; None if it cannot be
+  built, and the caller runs the MoE in torch, which is its twin.
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
@@ -111,11 +111,9 @@ def moe_decode_runs(x: torch.Tensor) -> bool:
 
 def moe_decode(x: torch.Tensor, *weights: torch.Tensor, **config) -> torch.Tensor | None:
     """The MoE of tokens ``x`` [N, D] by the Triton kernels of ``model.kernels.moe`` (see
-    ``moe_decode`` there for the weights and ``config``) where :func:`moe_decode_runs`; else
-    None, and the caller runs the MoE in torch. A kernel that cannot be built warns once and
-    returns None for the rest of the process."""
-    if not moe_decode_runs(x):
-        return None
+    ``moe_decode`` there for the weights and ``config``), for a caller that asked
+    :func:`moe_decode_runs`. A kernel that cannot be built warns once and returns None, and
+    the caller runs the MoE in torch (as :func:`moe_decode_runs` says from then on)."""
     from model.kernels import moe
 
     return _guarded("MoE kernel", lambda *a: moe.moe_decode(*a, **config), lambda *a: None, x, *weights)
