@@ -372,6 +372,25 @@ def _not_called(timer: _LinearTimer) -> dict[str, list[int]]:
 
 # ----------------------------------------------------------------------------- decode profile
 
+def bench_host(model: Transformer, ctx: int, *, steps: int = 16, chunk: int = 512) -> dict:
+    """Is a batch-1 decode step bound by the host? The step's wall time (``steps`` in a row,
+    synchronised at the end) beside the host's time to issue one step's work (from a
+    synchronised device to the call's return, the device still running it). Where the two
+    are close, the device waits on Python, and faster kernels cannot shorten the step."""
+    step = _warm_decoder(model, ctx, 1, chunk)
+    _, secs = _timed(lambda: [step() for _ in range(steps)], model.device)
+    issue = []
+    for _ in range(steps):
+        _sync(model.device)
+        t = time.perf_counter()
+        step()
+        issue.append(time.perf_counter() - t)
+    _sync(model.device)
+    issue.sort()
+    return {"bench": "host", "ctx": ctx, "step_ms": secs / steps * 1e3, "host_issue_ms": issue[len(issue) // 2] * 1e3,
+            "host_over_step": issue[len(issue) // 2] / (secs / steps)}
+
+
 def bench_profile(model: Transformer, ctx: int, *, steps: int = 4, chunk: int = 512, top: int = 12) -> dict:
     """Where a batch-1 decode step's device time goes, by kernel (torch.profiler over
     ``steps`` steps after a CED prefill of ``ctx`` tokens): kernels launched per step, their
@@ -406,7 +425,17 @@ def profile_summary(prof, cuda: bool, steps: int, top: int = 12) -> dict:
         entry[1] += us
     busy = sum(t for _, t in total.values())
     ranked = sorted(total.items(), key=lambda kv: -kv[1][1])[:top]
+    gaps = {}
+    if cuda and events:  # the idle device time between one kernel's end and the next one's start
+        spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+        idle = [max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
+        widest = sorted(range(len(idle)), key=lambda i: -idle[i])[:6]
+        gaps = {"gap_ms_per_step": sum(idle) / 1e3 / steps,
+                "gaps_over_10us_ms_per_step": sum(g for g in idle if g > 10) / 1e3 / steps,
+                "median_gap_us": sorted(idle)[len(idle) // 2] if idle else 0.0,
+                "widest_gaps": [{"us": idle[i], "after": spans[i][2][:50], "before": spans[i + 1][2][:50]}
+                                for i in widest]}
     return {"steps": steps, "unit": "kernel" if cuda else "operator",
-            "launches_per_step": len(events) / steps, "busy_ms_per_step": busy / 1e3 / steps,
+            "launches_per_step": len(events) / steps, "busy_ms_per_step": busy / 1e3 / steps, **gaps,
             "top": [{"name": name[:90], "calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps,
                      "share": us / busy if busy else 0.0} for name, (n, us) in ranked]}

@@ -103,17 +103,29 @@ class NgramHasher:
         flat = self.primes.flatten(1)
         self.offsets = torch.cumsum(flat, 1) - flat  # [L, n_cols]
         self.multipliers = hash_multipliers(tuple(layer_ids), max_ngram, len(set(token_map)))
+        self._on: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+
+    def tables(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token_map, multipliers, primes, offsets) on ``device``, copied there once: a copy
+        from host memory in every decode step would wait for the device to finish the step
+        before (the host blocks on a pageable copy), so no two steps could overlap."""
+        device = torch.device(device)
+        if device not in self._on:
+            self._on[device] = tuple(t.to(device) for t in (self.token_map, self.multipliers, self.primes,
+                                                             self.offsets))
+        return self._on[device]
 
     @property
     def table_sizes(self) -> list[int]:
         return self.primes.flatten(1).sum(1).tolist()
 
     def compress(self, ids: torch.Tensor, dead: torch.Tensor | None) -> torch.Tensor:
-        c = self.token_map.to(ids.device)[ids]
+        c = self.tables(ids.device)[0][ids]
         return c if dead is None else c.masked_fill(dead, DEAD)
 
     def __call__(self, compressed: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """compressed: [B, S] (DEAD marks image tokens); history: [B, max_ngram-1], oldest first."""
+        _, multipliers, primes, offsets = self.tables(compressed.device)
         seq = torch.cat([history.to(compressed.device), compressed], dim=1)
         h, S = history.shape[1], compressed.shape[1]
         tokens, blocked = [], torch.zeros_like(compressed, dtype=torch.bool)
@@ -122,12 +134,12 @@ class NgramHasher:
             blocked = blocked | (source == DEAD)
             tokens.append(source.masked_fill(blocked, self.pad))
         tokens = torch.stack(tokens, dim=-1)  # [B, S, max_ngram], newest first
-        products = tokens.unsqueeze(2) * self.multipliers.to(seq.device)  # [B, S, L, max_ngram]
+        products = tokens.unsqueeze(2) * multipliers  # [B, S, L, max_ngram]
         rolling, hashes = products[..., 0], []
         for i in range(1, self.max_ngram):
             rolling = torch.bitwise_xor(rolling, products[..., i])
-            hashes.append(rolling.unsqueeze(-1) % self.primes[:, i - 1].to(seq.device))
-        ids = torch.cat(hashes, dim=-1) + self.offsets.to(seq.device)
+            hashes.append(rolling.unsqueeze(-1) % primes[:, i - 1])
+        ids = torch.cat(hashes, dim=-1) + offsets
         return ids, seq[:, -h:] if h else history
 
     @classmethod

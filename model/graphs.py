@@ -1,25 +1,27 @@
-"""CUDA graphs of a decode step's layers.
+"""CUDA graphs of a decode step.
 
 A decode step launches hundreds of small kernels per layer, and on a GPU its time was the
-time to launch them. :class:`SegmentGraphs` captures segments of each layer once per batch
-size and replays them, so a step launches a graph where it launched hundreds of kernels.
-With the fused kernels every layer replays whole, its cache work included: the window-ring
-write, the compressor's record, the index scores, top-k and candidate pool run on the
-cache's fixed buffers with the position as a tensor (``Attention.decode_step``), and the
-host keeps the counts around the replay. Those buffers stay put: the capture is keyed on
-their addresses and redone when one moves (a new cache, a grown buffer); a compressor that
-pools groups has two captures, for steps that complete a group and steps that do not.
-Without the fused kernels two segments a layer replay — the attention site (mixes, norm,
-projections, RoPE) and the FFN site (output projection, mixes, the whole MoE) — around the
-eager cache work. A segment reads another segment's output where that one wrote it (the
-selection one layer hands the next, too); other inputs are copied in.
+time to launch them. :class:`SegmentGraphs` captures segments of a step once per batch
+size and replays them, so a step launches graphs where it launched thousands of kernels.
+With the fused kernels the whole step over every layer is one segment, its cache work
+included: the window-ring writes, the compressors' records, the index scores, top-k and
+candidate pools run on the cache's fixed buffers with the position as a tensor
+(``Attention.decode_step``), and the host keeps the counts around the one replay
+(``Transformer.run_layers``). Those buffers stay put: the capture is keyed on their
+addresses and redone when one moves (a new cache, a grown buffer); a model whose
+compressors pool pairs has two captures, for steps that complete a pair and steps that do
+not. (One graph a layer, as until session 13, cost the host ~160 us a layer in Python and
+launches: the device waited on it.) Without the fused kernels two segments a layer
+replay — the attention site (mixes, norm, projections, RoPE) and the FFN site (output
+projection, mixes, the whole MoE) — around the eager cache work. A segment reads another
+segment's output where that one wrote it; other inputs are copied in.
 
 Replay runs the captured kernels on the same weights, so a graphed step computes what the
 eager one does, bit for bit (``tests/test_graphs.py``). Graphs hold the weights' addresses:
 ``Transformer.reset_graphs`` drops them when the weights move (``model.to``, a load).
 ``DSAGENT_GRAPHS=0`` turns them off; a segment that cannot be captured (an operation that
 reads the host) warns once and the model runs its steps eagerly from then on. Does not own:
-which steps may use them (``Transformer.begin``) nor the segments' maths (``model.model.Block``).
+which steps may use them (``Transformer.begin``) nor the segments' maths (``model.model``).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ Reads like the architecture (ARCHITECTURE.md §2): RMSNorm, the two RoPE tables,
 Compressor and Indexer of the CSA2 KV sources, the shared-latent Attention with its sink,
 the MoE (``model.moe``), Engram, the mHC Block with its lagged ``pre``, and the
 Transformer. Module and parameter names are the official checkpoint names, so loading is
-a name-for-name copy. A decode step on CUDA replays each layer as a CUDA graph
-(``model.graphs``), its cache work included where the fused kernels of ``model.kernels`` run.
+a name-for-name copy. A decode step on CUDA replays as CUDA graphs (``model.graphs``):
+where the fused kernels of ``model.kernels`` run, the whole step over every layer, cache
+work included, is one graph (``Transformer.run_layers``); else two segments a layer.
 
 Every forward goes through an explicit :class:`model.cache.Cache` (a fresh one when none
 is given): the window entries, records and index keys the attention reads are the packed
@@ -132,13 +133,17 @@ class Step:
     index_losses: list | None = None  # when a list, index layers append their KL to attention
     graphs: graphs.SegmentGraphs | None = None  # a CUDA decode step: cache-free segments replay as graphs
     new: bool = False  # every KV source stops just before ``start``: a step that continues the cache
+    _positions: torch.Tensor | None = field(default=None, repr=False)
 
     @property
     def end(self) -> int:
         return self.start + self.length
 
     def positions(self, device) -> torch.Tensor:
-        return torch.arange(self.start, self.end, device=device)
+        """[start, end) on ``device``, made once per step (every layer asks)."""
+        if self._positions is None or self._positions.device != device:
+            self._positions = torch.arange(self.start, self.end, device=device)
+        return self._positions
 
 
 class Ropes(nn.Module):
@@ -300,7 +305,10 @@ def _decode_step(x: torch.Tensor, step: Step, kv: KVFormat) -> bool:
 def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim with exact ties broken towards the lower index, so the
     choice never depends on how long the tensor is (chunked prefill vs one pass). FP4
-    index scores make exact ties common; the reference leaves them unspecified."""
+    index scores make exact ties common; the reference leaves them unspecified. (A top-k
+    over unique int64 keys — order-preserving score bits above, the index's complement
+    below — picks the same, but torch's one-row top-k of int64 took 57 us a call on the
+    H200, where the sort's main radix kernel takes ~8; session 14.)"""
     values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
     return values[..., :k], indices[..., :k]
 
@@ -363,12 +371,8 @@ class Attention(nn.Module):
         return self.wo_b(self._grouped_wo_a(out).flatten(2))
 
     def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
-        """The part that reads and writes the cache: window ring, KV source, indexer, attention."""
-        if _fused_step(x, step, cache.kv):
-            emits = self.before_step(step, cache)
-            out, written = self.decode_step(x, q_res, q, kv, pos, self.step_reads(step), cache, ropes, emits)
-            self.after_step(step, cache, written)
-            return out
+        """The part that reads and writes the cache: window ring, KV source, indexer, attention
+        (a decode step on the fused kernels: :meth:`decode_step`, from ``Transformer.run_layers``)."""
         keys, key_mask = self._window_keys(kv, step, cache)
         records = None
         if self.ratio:
@@ -383,15 +387,16 @@ class Attention(nn.Module):
 
     # -- one decode step on the fused kernels. Its cache work runs on the cache's fixed
     # buffers with the position as a tensor, so it can replay as a CUDA graph: the host
-    # keeps the counts around it (before_step / after_step) and hands the top-k and the
-    # candidate pool from layer to layer (step_reads / the step's ``written``).
+    # keeps the counts around it (before_step / after_step); the top-k and the candidate
+    # pool pass from layer to layer inside the step (step_reads / decode_step's ``written``).
 
-    def step_reads(self, step: Step) -> dict[str, torch.Tensor]:
-        """What this layer's decode step reads of the earlier layers' selection: a layer
-        without an indexer their top-k; one that honours the candidate pool that pool."""
+    def step_reads(self, shared: dict) -> dict[str, torch.Tensor]:
+        """What this layer's decode step reads of the earlier layers' selection (``shared``:
+        what they wrote): a layer without an indexer their top-k; one that honours the
+        candidate pool that pool."""
         names = (("topk",) if self.ratio and self.indexer is None else ()) \
             + (("candidates",) if self.indexer is not None and self.args.uses_candidates(self.layer) else ())
-        return {n: step.shared[n] for n in names if step.shared.get(n) is not None}
+        return {n: shared[n] for n in names if shared.get(n) is not None}
 
     def before_step(self, step: Step, cache: Cache) -> bool:
         """Room in the KV source for this step's record; whether its group completes here."""
@@ -400,11 +405,10 @@ class Attention(nn.Module):
         cache.sources[self.layer].reserve(step.start)
         return (step.start + 1) % self.ratio == 0
 
-    def after_step(self, step: Step, cache: Cache, written: tuple) -> None:
-        """The host's side of :meth:`decode_step`: the source's counts, the selection passed on."""
+    def after_step(self, step: Step, cache: Cache) -> None:
+        """The host's side of :meth:`decode_step`: the source's counts."""
         if self.compressor is not None:
             cache.sources[self.layer].stepped(step.start)
-        step.shared.update(zip(("topk", "candidates"), written))
 
     def step_memory(self, cache: Cache) -> tuple:
         """Addresses and shapes of the cache buffers :meth:`decode_step` reads or writes."""
@@ -517,8 +521,8 @@ class Attention(nn.Module):
             records = ring.data.new_zeros(B, 0, main_record_bytes(self.head_dim))
             idx = torch.zeros(B, 1, 0, dtype=torch.long, device=q.device)
         out = kernels.sparse_attention(q[:, 0], ring.data, valid.expand(B, -1), records, idx[:, 0],
-                                       self.attn_sink.float(), self.head_dim ** -0.5)
-        return out[:, None].to(q.dtype)
+                                       self.attn_sink, self.head_dim ** -0.5, out_dtype=q.dtype)
+        return out[:, None]
 
     def _index_loss(self, q: torch.Tensor, src: SourceKV, scores: torch.Tensor) -> torch.Tensor:
         """KL from this layer's dense attention over every visible record (averaged over heads,
@@ -584,7 +588,7 @@ class Engram(nn.Module):
 
 def hc_mixes(streams: torch.Tensor, fn, scale, base, args: ModelArgs):
     """(pre, post, comb) from one projection of the RMS-normalised flattened streams."""
-    mixes = F.linear(kernels.rms_norm(streams.flatten(2).float(), None, args.rms_norm_eps), fn.float())
+    mixes = F.linear(kernels.rms_norm(streams.flatten(2), None, args.rms_norm_eps, upcast=True), fn.float())
     return kernels.hc_split(mixes, scale, base, args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps)  # Sinkhorn: one kernel on CUDA
 
 
@@ -617,9 +621,7 @@ class Block(nn.Module):
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
 
     def forward(self, streams, pre, step: Step, cache: Cache, ropes: Ropes):
-        if self.engram is not None and step.hash_ids is not None:
-            live = None if step.image_mask is None else ~step.image_mask
-            streams = self.engram(streams, step.hash_ids[:, :, self.engram.slot], live)
+        streams = self.engram_site(streams, step.hash_ids, step.image_mask)
         taps = step.shared.get("taps")
         if isinstance(taps, dict) and self.layer in self.args.dspark_target_layer_ids:
             taps[self.layer] = streams.mean(dim=2)  # DSpark context: this layer's input, averaged over hc
@@ -628,11 +630,9 @@ class Block(nn.Module):
             with shared_rope_angles():  # not around graph segments: each opens its own
                 y = self.attn(x, step, cache, ropes)
             return self.ffn_site(y, streams, a_pre, a_post, a_comb, step.image_mask)
-        # a CUDA decode step: with the fused kernels the whole layer replays as one graph, its
-        # cache work included; without them two graphs replay around the eager cache work
+        # a CUDA decode step without the fused kernels: two graphs replay around the eager
+        # cache work (with them Transformer.run_layers runs the step, one graph for all layers)
         pos = step.positions(streams.device)
-        if _fused_step(streams, step, cache.kv):
-            return self._graphed_layer(streams, pre, pos, step, cache, ropes)
         a_pre, a_post, a_comb, x, q_res, q, kv, *index_query = step.graphs.run(
             (self.layer, "attn"), partial(self.attn_segment, ropes=ropes, fmt=cache.kv), streams, pre, pos)
         if index_query:
@@ -641,27 +641,23 @@ class Block(nn.Module):
         return step.graphs.run((self.layer, "ffn"), partial(self.projected_ffn_site, ropes=ropes),
                                out, pos, streams, a_pre, a_post, a_comb)
 
-    def _graphed_layer(self, streams, pre, pos, step: Step, cache: Cache, ropes: Ropes):
-        """The whole layer as one graph (fused kernels on). Its cache work (``Attention.
-        decode_step``) reads and writes the cache's buffers at addresses that stay put, so
-        the graph holds them; it is captured again when one moves (a new cache, a grown
-        buffer). A compressor layer has two captures: with its group completing, without."""
-        emits = self.attn.before_step(step, cache)
-        reads = self.attn.step_reads(step)
-        fn = partial(self.whole_layer, ropes=ropes, cache=cache, emits=emits, names=tuple(reads))
-        streams, pre, *written = step.graphs.run((self.layer, "layer", emits, tuple(reads)), fn, streams, pre, pos,
-                                                 *reads.values(), version=self.attn.step_memory(cache))
-        self.attn.after_step(step, cache, tuple(written))
-        return streams, pre
+    def engram_site(self, streams, hash_ids, image_mask=None):
+        """The Engram memory added to the streams, in a layer that has one (``hash_ids``:
+        the step's, every Engram layer's columns)."""
+        if self.engram is None or hash_ids is None:
+            return streams
+        return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask)
 
-    def whole_layer(self, streams, pre, pos, *read, ropes: Ropes, cache: Cache, emits: bool, names: tuple):
+    def whole_layer(self, streams, pre, pos, *read, ropes: Ropes, cache: Cache, emits: bool, names: tuple,
+                    image_mask=None):
         """One decode step of the layer, fused kernels on: (streams, pre, *what later layers read)."""
         with shared_rope_angles():
             a_pre, a_post, a_comb, x, q_res, q, kv, *qw = self.projected_attn_site(streams, pre, pos, ropes=ropes,
                                                                                   fmt=cache.kv)
             out, written = self.attn.decode_step(x, q_res, q, kv, pos, dict(zip(names, read)), cache, ropes, emits,
                                                  tuple(qw) or None)
-            return (*self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes), *written)
+            return (*self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes,
+                                             image_mask=image_mask), *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -681,9 +677,9 @@ class Block(nn.Module):
         with shared_rope_angles():
             return self.projected_attn_site(streams, pre, pos, ropes=ropes, fmt=fmt)
 
-    def projected_ffn_site(self, out, pos, streams, a_pre, a_post, a_comb, *, ropes: Ropes):
+    def projected_ffn_site(self, out, pos, streams, a_pre, a_post, a_comb, *, ropes: Ropes, image_mask=None):
         """The attention's output projection (``Attention.output``), then :meth:`ffn_site`."""
-        return self.ffn_site(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb)
+        return self.ffn_site(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask)
 
     def ffn_site(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
         """Attention output expanded into the streams, then the whole FFN site (reads no cache)."""
@@ -796,9 +792,52 @@ class Transformer(nn.Module):
         return hash_ids
 
     def run_layers(self, streams, pre, step: Step, cache: Cache, layers: range):
+        if _fused_step(streams, step, cache.kv):
+            return self._fused_layers(streams, pre, step, cache, layers)
         for i in layers:
             streams, pre = self.layers[i](streams, pre, step, cache, self.ropes)
         return streams, pre
+
+    def _fused_layers(self, streams, pre, step: Step, cache: Cache, layers: range):
+        """A decode step of ``layers`` on the fused kernels; on CUDA ONE graph, cache work
+        included, so the host runs only each layer's bookkeeping (``Attention.before_step`` /
+        ``after_step``) around one replay. The graph holds the cache's buffers, whose
+        addresses stay put; it is captured again when one moves (a new cache, a grown
+        buffer), and once per pattern of compressor groups completing (a ratio-2 source:
+        odd and even positions). DSpark's taps, when asked for, come out of the step."""
+        blocks = [self.layers[i] for i in layers]
+        emits = tuple(b.attn.before_step(step, cache) for b in blocks)
+        taps = step.shared.get("taps")
+        tapped = tuple(b.layer for b in blocks if b.layer in self.args.dspark_target_layer_ids) \
+            if isinstance(taps, dict) else ()
+        fn = partial(self._step_layers, blocks=blocks, cache=cache, emits=emits, tapped=tapped,
+                     image_mask=step.image_mask)
+        inputs = (streams, pre, step.positions(streams.device)) + (() if step.hash_ids is None else (step.hash_ids,))
+        if step.graphs is None:
+            streams, pre, *tap_values = fn(*inputs)
+        else:
+            streams, pre, *tap_values = step.graphs.run(
+                ("step", layers.start, layers.stop, emits, tapped), fn, *inputs,
+                version=tuple(b.attn.step_memory(cache) for b in blocks))
+        for b in blocks:
+            b.attn.after_step(step, cache)
+        if tapped:  # a graph's outputs are rewritten by its next replay: the drafter gets copies
+            taps.update(zip(tapped, (t.clone() if step.graphs is not None else t for t in tap_values)))
+        return streams, pre
+
+    def _step_layers(self, streams, pre, pos, *hash_ids, blocks, cache: Cache, emits: tuple, tapped: tuple,
+                     image_mask=None):
+        """The layers of :meth:`_fused_layers`: (streams, pre, *the tapped layers' inputs)."""
+        reads, taps = {}, []
+        for b, e in zip(blocks, emits):
+            streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask)
+            if b.layer in tapped:
+                taps.append(streams.mean(dim=2))
+            names = tuple(b.attn.step_reads(reads))
+            streams, pre, *written = b.whole_layer(streams, pre, pos, *(reads[n] for n in names), ropes=self.ropes,
+                                                   cache=cache, emits=e, names=names, image_mask=image_mask)
+            reads.update(zip(("topk", "candidates"), written))
+        return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return self.head(self.final_hidden(streams, pre)).float()

@@ -1,7 +1,7 @@
 """Run the engine benchmarks on a GPU (the device machine) and write JSON lines.
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
-       [--linears 8192] [--paths 4096] [--profile 16384]
+       [--linears 8192] [--paths 4096] [--host 4096] [--profile 16384]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 """
@@ -15,8 +15,8 @@ import time
 import torch
 
 from model import load
-from model.bench import (bench_batch, bench_decode, bench_linears, bench_paths, bench_prefill, bench_profile,
-                         bench_resume, copy_tb_per_s, matmul_tflops, switched)
+from model.bench import (bench_batch, bench_decode, bench_host, bench_linears, bench_paths, bench_prefill,
+                         bench_profile, bench_resume, copy_tb_per_s, matmul_tflops, switched)
 
 
 def device_ceilings() -> dict:
@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--batch", default="4096")
     p.add_argument("--linears", default="8192")
     p.add_argument("--paths", default="4096", help="contexts at which each fast path is turned off in turn")
+    p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -61,6 +62,8 @@ def main() -> None:
             emit(bench_linears(model, n))
         for n in map(int, filter(None, a.paths.split(","))):
             emit(bench_paths(model, n))
+        for n in map(int, filter(None, a.host.split(","))):
+            emit(bench_host(model, n))
         for n in map(int, filter(None, a.profile.split(","))):
             for graphs in (True, False):  # graphed kernels may be invisible to the profiler: both
                 with switched(graphs=graphs):

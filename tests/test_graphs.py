@@ -53,12 +53,12 @@ class ReplayedSegments(graphs.SegmentGraphs):
 
 def _segments_per_step(model, fused: bool | None = None) -> int:
     """Captures over a few steps: two segments a layer; where the fused kernels run
-    (``fused``; default: where they are enabled) one a layer, its cache work in the graph,
-    and two for a layer whose compressor pools groups (a step that completes one and a step
-    that does not)."""
+    (``fused``; default: where they are enabled) the whole step is one, its cache work in the
+    graph, captured twice where a compressor pools pairs (a step that completes one and a
+    step that does not)."""
     if not (kernels.enabled(model.embed.weight) if fused is None else fused):
         return 2 * len(model.layers)
-    return sum(2 if b.attn.compressor is not None and b.attn.ratio > 1 else 1 for b in model.layers)
+    return 2 if any(b.attn.compressor is not None and b.attn.ratio == 2 for b in model.layers) else 1
 
 
 def _fused_anywhere(monkeypatch):
@@ -94,7 +94,7 @@ def test_segmented_decode_steps_equal_whole_ones(monkeypatch):
     them) computes exactly what the plain layer does, over several steps of every layer kind."""
     model = _tiny()
     (state, plain), (other, segmented) = _plain_then_segmented(monkeypatch, model, double := DirectSegments(), 0, 5)
-    per_step = len(model.layers) if kernels.enabled(model.embed.weight) else 2 * len(model.layers)
+    per_step = 1 if kernels.enabled(model.embed.weight) else 2 * len(model.layers)
     assert len(double) == _segments_per_step(model) and len(double.keys) == 5 * per_step
     for a, b in zip(plain, segmented):
         assert torch.equal(a, b)
@@ -178,7 +178,7 @@ def test_fp32_decode_on_cuda_is_graphed_only_with_the_fused_moe(monkeypatch, fus
     engine.prefill(state, torch.randint(3, 1000, (1, 50), generator=torch.Generator().manual_seed(0)).cuda())
     engine.decode(state, state.last_logits.argmax(-1))
     assert model._graphs.failed is None
-    assert len(model._graphs) == (len(model.layers) if fused_moe == "1" and kernels.enabled(model.embed.weight) else 0)
+    assert len(model._graphs) == (1 if fused_moe == "1" and kernels.enabled(model.embed.weight) else 0)
 
 
 def test_replayed_segments_pass_outputs_on_without_copies(monkeypatch):
@@ -194,11 +194,11 @@ def test_replayed_segments_pass_outputs_on_without_copies(monkeypatch):
     assert shared > len(segments)  # streams and pre (and a split layer's attention mixes) mostly
 
 
-def test_whole_layer_segments_follow_the_cache_they_write(monkeypatch):
-    """With the fused kernels every layer replays as one segment that writes its window
-    ring, KV source and selection and reads the records in place; decoding two states in turn
-    captures again for each (their buffers differ) and stays equal to plain steps. The
-    fused path runs here on its PyTorch twins (no Triton on the CPU)."""
+def test_whole_step_segments_follow_the_cache_they_write(monkeypatch):
+    """With the fused kernels the whole step replays as one segment that writes every
+    layer's window ring, KV source and selection and reads the records in place; decoding
+    two states in turn captures again for each (their buffers differ) and stays equal to
+    plain steps. The fused path runs here on its PyTorch twins (no Triton on the CPU)."""
     _fused_anywhere(monkeypatch)
     model = _tiny()
     engine = Engine(model, mode="ced", chunk=40)
@@ -220,16 +220,15 @@ def test_whole_layer_segments_follow_the_cache_they_write(monkeypatch):
     monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
     model._graphs = segments = ReplayedSegments()
     replayed = steps(copies)
-    whole = [key for key in segments._graphs if key[0][1] == "layer"]
-    assert whole and len(segments) == _segments_per_step(model, fused=True)
+    assert [key[0][:3] for key in segments._graphs] == [("step", 0, len(model.layers))] * 2
+    assert len(segments) == _segments_per_step(model, fused=True)
     for a, b in zip(plain, replayed):
         assert torch.equal(a, b)
-    last = [key for key in whole if key[0][2] == (model.layers[key[0][0]].attn.compressor is not None)]
-    assert len(last) == len(model.layers)  # the last step completes the ratio-2 groups (position 89)
-    for key in last:  # each holds the memory of the state decoded last
-        ring = copies[1].cache.windows[key[0][0]]
-        assert segments._graphs[key][0][0][:2] == ((ring.data.data_ptr(), tuple(ring.data.shape)),
-                                                   (ring.pos.data_ptr(), tuple(ring.pos.shape)))
+    compressors = tuple(b.attn.compressor is not None for b in model.layers)
+    last = segments._graphs[(("step", 0, len(model.layers), compressors, ()), 1)]  # position 89 completes pairs
+    for memory, ring in zip(last[0][0], copies[1].cache.windows):  # it holds the memory of the state decoded last
+        assert memory[:2] == ((ring.data.data_ptr(), tuple(ring.data.shape)),
+                              (ring.pos.data_ptr(), tuple(ring.pos.shape)))
 
 
 

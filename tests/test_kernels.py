@@ -118,7 +118,8 @@ def test_model_decode_runs_the_kernels_and_matches_its_reference_path(monkeypatc
     monkeypatch.setenv("DSAGENT_FUSED_MOE", "0")
     monkeypatch.setenv("DSAGENT_GRAPHS", "0")
     real = kernels.hc_split, kernels.rms_norm
-    kernels.hc_split, kernels.rms_norm = kernels.hc_split_ref, kernels.rms_norm_ref
+    kernels.hc_split = kernels.hc_split_ref
+    kernels.rms_norm = lambda x, w, eps, upcast=False: kernels.rms_norm_ref(x.float() if upcast else x, w, eps)
     try:
         _decode_wiring(kernels)
     finally:
@@ -329,6 +330,12 @@ def test_sparse_attention_kernel_bf16_query(peak) -> None:
     inputs[0] = (inputs[0].float() * peak).bfloat16()
     ref = sparse_attention_ref(*inputs)
     assert_out_close(sparse_attention(*inputs), ref, rtol=2e-4)
+    # as the model calls it: its bf16 sink read in its own dtype, the output written in bf16
+    inputs[5] = inputs[5].bfloat16()
+    want = sparse_attention(*inputs[:5], inputs[5].float(), inputs[6])
+    assert torch.equal(sparse_attention(*inputs), want)
+    out = sparse_attention(*inputs, out_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
 
 
 def index_case(B: int, HI: int, N: int, *, d: int = 128, seed: int = 0, quantised: bool = True):

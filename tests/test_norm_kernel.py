@@ -81,3 +81,14 @@ def test_a_weightless_norm_is_the_norm_with_unit_weights() -> None:
 
         assert torch.equal(norm.rms_norm(x, None, 1e-20), norm.rms_norm(x, ones, 1e-20))
         assert torch.equal(rms_norm(x, None, 1e-20), norm.rms_norm(x, None, 1e-20))
+
+
+def test_an_upcast_norm_is_the_norm_of_the_float_copy(monkeypatch) -> None:
+    """``upcast=True`` (the mHC mixes' norm of the bf16 streams): the fp32 norm of
+    ``x.float()``, bit for bit with the same path run on that copy — the kernel reading the
+    bf16 rows itself where it runs, the twin elsewhere."""
+    x = (torch.randn(2, 3, 4 * 64, device=DEVICE) * 3).bfloat16()
+    got = rms_norm(x, None, 1e-20, upcast=True)
+    assert got.dtype == torch.float32 and torch.equal(got, rms_norm(x.float(), None, 1e-20))
+    monkeypatch.setenv("DSAGENT_KERNELS", "0")
+    assert torch.equal(rms_norm(x, None, 1e-20, upcast=True), rms_norm_ref(x.float(), None, 1e-20))

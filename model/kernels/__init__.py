@@ -78,15 +78,17 @@ def enabled(t: torch.Tensor) -> bool:
 
 def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor, records: torch.Tensor,
                      record_idx: torch.Tensor, sink: torch.Tensor, scale: float,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One decode step of window + selected-record attention with the sink; see
     :func:`model.kernels.reference.sparse_attention_ref` for shapes. ``splits`` fixes how
-    many programs share one row's keys on the kernel path (None: enough to fill the GPU)."""
-    if _use_triton(q):
+    many programs share one row's keys on the kernel path (None: enough to fill the GPU);
+    the output is computed in fp32 and returned in ``out_dtype`` (the kernel writes bf16
+    itself, rounded as ``.to`` rounds)."""
+    if _use_triton(q) and out_dtype in (torch.float32, torch.bfloat16):
         from model.kernels import fused
 
-        return fused.sparse_attention(q, window, window_valid, records, record_idx, sink, scale, splits)
-    return sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale)
+        return fused.sparse_attention(q, window, window_valid, records, record_idx, sink, scale, splits, out_dtype)
+    return sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale).to(out_dtype)
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int | torch.Tensor,
@@ -162,11 +164,20 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
                            function=backward.Rope)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, upcast: bool = False) -> torch.Tensor:
     """RMSNorm (see :func:`rms_norm_ref`; ``weight`` None: none): the kernel where
     :func:`enabled`, else the twin (with a gradient wanted, through
     :class:`backward.RMSNorm`). Agrees with the twin to a few fp32 ulps before the cast back
-    (another summation order)."""
+    (another summation order). ``upcast`` (no weight): the fp32 norm of ``x.float()``; the
+    kernel reads a bf16 x itself rather than after a copy."""
+    if upcast:
+        assert weight is None
+        if x.dtype == torch.bfloat16 and _kernel_runs("RMSNorm kernel", x, grads=(x,)):
+            from model.kernels import norm
+
+            return _guarded("RMSNorm kernel", lambda t: norm.rms_norm(t, None, eps, torch.float32),
+                            lambda t: rms_norm_ref(t.float(), None, eps), x)
+        x = x.float()
     if weight is not None and x.dtype != weight.dtype:
         return rms_norm_ref(x, weight, eps)
     grads = (x,) if weight is None else (x, weight)

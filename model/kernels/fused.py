@@ -14,14 +14,17 @@ How the numbers stay within ~2^-20 of fp32:
   most 5), so each dot runs on tf32 tensor cores as two: the fp32 side (queries,
   probabilities) split into a tf32-exact part and a remainder (``_tf32_split``). Only the
   remainder is rounded: about 2^-20 relative, far below the test tolerance.
-- Attention dots are batched over 64-channel chunks (one chunk per warp), because a
-  [16 heads, 512] fp32 operand per warp does not fit in registers.
+- Attention dots are batched over 32-channel chunks (two per warp), because a
+  [16 heads, 512] fp32 operand per warp does not fit in registers. A bf16 query is exact
+  in tf32 itself, so its dot is one, not two (``Q_SPLIT``).
 
 Sparse attention runs flash-decoding style: grid (B, head groups of 16, splits), the splits
-so that one decode row (B=1) fills the GPU rather than one SM. Each program walks its share
-of the window blocks, then of the record blocks, in one pass with an online softmax whose
-running max starts at the head's sink logit (finite, so never -inf - -inf); a second small
-kernel merges the splits and adds the sink to the denominator once.
+so that one decode row (B=1) fills the GPU rather than one SM — down to one block of 16
+keys a program (``kernel_sweep.py``: 26 us a call where 4 blocks a program took 55). Each
+program walks its share of the window blocks, then of the record blocks, in one pass with
+an online softmax whose running max starts at the head's sink logit (finite, so never
+-inf - -inf); a second small kernel merges the splits over 128-channel blocks, adds the
+sink to the denominator once and writes the query's dtype.
 
 Does not own: the choice of kernel or twin (``model.kernels``), top-k (torch), or
 anything about caches. Imported only when Triton is importable.
@@ -33,12 +36,13 @@ import triton
 import triton.language as tl
 
 BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
-CHUNK = 64  # channels per warp-level dot
-BLOCK_N = 16  # window entries / records per inner step (untuned; see model.kernels.bench)
+CHUNK = 32  # channels per warp-level dot (64: 28 us a call against 26, scripts/kernel_sweep.py)
+BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
 ATTN_WARPS = 8  # the [16, 512] fp32 accumulator and key tile need the registers of 8 warps
 INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 8
-MIN_BLOCKS_PER_SPLIT = 4  # fewer and the partial results cost more than the split saves
+MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
+MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
 
 
 # ----------------------------------------------------------------------------- byte decoding
@@ -99,13 +103,17 @@ def _tf32_split(x):
 
 
 @triton.jit
-def _online_step(q_big, q_small, kv, valid, m, l, acc, scale):
+def _online_step(q_big, q_small, kv, valid, m, l, acc, scale, Q_SPLIT: tl.constexpr):
     """Fold one block of keys (= values, exact in tf32) into the running max, denominator and
     sum. Channels are split into chunks on the leading axis, so each warp's dots reduce over
-    one chunk: q, kv, acc are (chunks, heads or keys, CH); valid, m, l are per key / head."""
+    one chunk: q, kv, acc are (chunks, heads or keys, CH); valid, m, l are per key / head.
+    Without ``Q_SPLIT`` the query is exact in tf32 itself (bf16) and q_small is not read."""
     kt = tl.permute(kv, (0, 2, 1))
-    s = tl.dot(q_small, kt, input_precision="tf32")
-    s = tl.sum(tl.dot(q_big, kt, s, input_precision="tf32"), 0) * scale  # (BLOCK_H, BLOCK_N)
+    if Q_SPLIT:
+        s = tl.dot(q_big, kt, tl.dot(q_small, kt, input_precision="tf32"), input_precision="tf32")
+    else:
+        s = tl.dot(q_big, kt, input_precision="tf32")
+    s = tl.sum(s, 0) * scale  # (BLOCK_H, BLOCK_N)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
@@ -122,7 +130,7 @@ def _sparse_attention_kernel(
     q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
     H, W, N, K, SPLITS, scale,
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-    D: tl.constexpr, CH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    D: tl.constexpr, CH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr,
 ):
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
@@ -147,7 +155,7 @@ def _sparse_attention_kernel(
         row = win_ptr + b64 * s_wb + n.to(tl.int64)[None, :, None] * s_wn
         data = tl.load(row + chan, mask=valid[None, :, None], other=0).to(tl.int32)
         sb = tl.load(row + D + chan // 32, mask=valid[None, :, None], other=0).to(tl.int32)
-        m, l, acc = _online_step(q_big, q_small, _e4m3(data) * _ue8m0(sb), valid, m, l, acc, scale)
+        m, l, acc = _online_step(q_big, q_small, _e4m3(data) * _ue8m0(sb), valid, m, l, acc, scale, Q_SPLIT)
 
     blk = split
     while blk * BLOCK_N < K:
@@ -157,7 +165,7 @@ def _sparse_attention_kernel(
         valid = (idx >= 0) & (idx < N)  # the bound only keeps a bad index from reading out of range
         row = rec_ptr + b64 * s_rb + tl.where(valid, idx, 0)[None, :, None] * s_rn
         kv = _fp4_rows(row, chan, valid[None, :, None], D, 16, True)
-        m, l, acc = _online_step(q_big, q_small, kv, valid, m, l, acc, scale)
+        m, l, acc = _online_step(q_big, q_small, kv, valid, m, l, acc, scale, Q_SPLIT)
 
     part = (b64 * SPLITS + split) * H + heads  # partials are [B, SPLITS, H(, D)]
     tl.store(m_ptr + part, m, mask=head_ok)
@@ -167,8 +175,11 @@ def _sparse_attention_kernel(
 
 @triton.jit(do_not_specialize=["SPLITS"])
 def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS,
-                         D: tl.constexpr, SPLITS_P2: tl.constexpr):
-    b, h = tl.program_id(0), tl.program_id(1)
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BF16: tl.constexpr):
+    """Channels [c * BLOCK_D, (c + 1) * BLOCK_D) of head h's output: the splits' partial sums
+    weighted by their maxima, over the denominator with the sink; stored in the query's dtype
+    (bf16 rounded to nearest even on the bits, as torch's cast)."""
+    b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = tl.arange(0, SPLITS_P2)
     part = (b.to(tl.int64) * SPLITS + s) * H + h
     m = tl.load(m_ptr + part, mask=s < SPLITS, other=float("-inf"))
@@ -177,10 +188,13 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS,
     top = tl.maximum(tl.max(m, 0), sink)
     w = tl.exp(m - top)
     denom = tl.sum(l * w, 0) + tl.exp(sink - top)
-    cols = tl.arange(0, D)
+    cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.load(acc_ptr + part[:, None] * D + cols[None, :], mask=(s < SPLITS)[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / denom
-    tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + cols, out)
+    if BF16:
+        tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + cols, _bf16_bits(out))
+    else:
+        tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + cols, out)
 
 
 def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
@@ -191,7 +205,7 @@ def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
 
 
 def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: float,
-                     splits: int | None = None) -> torch.Tensor:
+                     splits: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     B, H, D = q.shape
     W, N, K = window.shape[1], records.shape[1], record_idx.shape[1]
     assert D % CHUNK == 0 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= {CHUNK}"
@@ -205,15 +219,20 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     splits = splits or _auto_splits(q, groups, triton.cdiv(W, BLOCK_N) + triton.cdiv(K, BLOCK_N))
     m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
-    sink = sink.float().contiguous()
+    sink = sink.contiguous()  # read in its own dtype
     _sparse_attention_kernel[(B, groups, splits)](
         q, window, valid, records, record_idx, sink, m, l, acc,
         H, W, N, K, splits, float(scale),
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
-        D=D, CH=CHUNK, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, num_warps=ATTN_WARPS)
-    out = torch.empty(B, H, D, dtype=torch.float32, device=q.device)
-    _merge_splits_kernel[(B, H)](m, l, acc, sink, out, H, splits, D=D, SPLITS_P2=triton.next_power_of_2(splits))
+        D=D, CH=CHUNK, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_SPLIT=q.dtype != torch.bfloat16, num_warps=ATTN_WARPS)
+    assert out_dtype in (torch.float32, torch.bfloat16)
+    bf16 = out_dtype == torch.bfloat16
+    out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
+    block_d = min(D, MERGE_BLOCK_D)
+    _merge_splits_kernel[(B, H, D // block_d)](m, l, acc, sink, out.view(torch.int16) if bf16 else out, H, splits,
+                                               D=D, BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(splits),
+                                               BF16=bf16)
     return out
 
 

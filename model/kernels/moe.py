@@ -32,6 +32,12 @@ from model.kernels.fused import _bf16_bits
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
+# tile sizes of the expert kernels: rows of w1 / w3 per up program and channels per load;
+# output channels per down program and intermediate channels per load; warps of each.
+# Chosen by scripts/kernel_sweep.py on the H200 at `small`, batch 1: a whole moe_decode took
+# 60 us with (16, 256, 4) / (8, 256, 4), 44 us with these up tiles, 54 us with these down tiles
+UP_BLOCK_I, UP_BLOCK_D, UP_WARPS = 4, 256, 4
+DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 
 
 @triton.jit
@@ -79,7 +85,7 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
     else:
         z = tl.exp(tl.where(e_ok, logit, float("-inf")) - tl.max(tl.where(e_ok, logit, float("-inf")), 0))
         score = z / tl.sum(z, 0)
-    choice = tl.where(e_ok, score + tl.load(bias_ptr + e, mask=e_ok, other=0.0), float("-inf"))
+    choice = tl.where(e_ok, score + tl.load(bias_ptr + e, mask=e_ok, other=0.0).to(tl.float32), float("-inf"))
     ks = tl.arange(0, K_P2)
     picked_w = tl.zeros([K_P2], dtype=tl.float32)
     picked_i = tl.zeros([K_P2], dtype=tl.int64)
@@ -167,7 +173,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
                scoring: str, temp: float, norm: bool, scale: float, limit: float) -> torch.Tensor:
-    """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (fp32),
+    """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (any float dtype),
     stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
     [I, D] and s2 [D, I], all in x's dtype. -> [N, D] fp32 (routed sum + shared), before
     ``MoE``'s cast back."""
@@ -175,7 +181,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     E, I = w1.shape[0], w1.shape[1]
     assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and w2.shape == (E, D, I)
     assert all(t.dtype == x.dtype for t in (w1, w3, w2, s1, s3, s2)) and s1.shape == (I, D) and s2.shape == (D, I)
-    x, gate_w, bias = x.contiguous(), gate_w.contiguous(), bias.float().contiguous()
+    x, gate_w, bias = x.contiguous(), gate_w.contiguous(), bias.contiguous()  # the bias read in its own dtype
     w1, w3, w2, s1, s3, s2 = (t.contiguous() for t in (w1, w3, w2, s1, s3, s2))
     bf16 = x.dtype == torch.bfloat16
     weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
@@ -193,13 +199,11 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
                        NORM=bool(norm and top_k > 1), num_warps=4)
     nk = N * top_k
     h = torch.empty(nk + N, I, dtype=x.dtype, device=x.device)
-    block_i = 16
-    _up_kernel[(nk + N, triton.cdiv(I, block_i))](
+    _up_kernel[(nk + N, triton.cdiv(I, UP_BLOCK_I))](
         x, w1, w3, s1, s3, weights, chosen, h.view(torch.int16) if bf16 else h, nk, D, I, float(limit),
-        K=top_k, BLOCK_I=block_i, BLOCK_D=256, BF16=bf16, CLAMP=limit > 0, num_warps=4)
+        K=top_k, BLOCK_I=UP_BLOCK_I, BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=UP_WARPS)
     out = torch.empty(N, D, dtype=torch.float32, device=x.device)
-    block_o = 8
-    _down_kernel[(N, triton.cdiv(D, block_o))](
+    _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out, nk, D, I,
-        K=top_k, BLOCK_O=block_o, BLOCK_I=256, BF16=bf16, num_warps=4)
+        K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, num_warps=DOWN_WARPS)
     return out

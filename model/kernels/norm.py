@@ -36,14 +36,17 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, BF16:
         tl.store(out_ptr + row * D + c, w * h, mask=live)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """x [..., D] in fp32 or bf16; weight [D] of the same dtype, or None (no weight)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
+             out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [..., D] in fp32 or bf16; weight [D] of the same dtype, or None (no weight).
+    ``out_dtype`` fp32 for a bf16 x without weight: the norm of ``x.float()``, read from x."""
     D = x.shape[-1]
     assert weight is None or (weight.shape == (D,) and x.dtype == weight.dtype)
     assert x.dtype in (torch.float32, torch.bfloat16)
+    assert out_dtype in (None, x.dtype) or (out_dtype == torch.float32 and weight is None)
     x = x.contiguous()
-    out = torch.empty_like(x)
-    bf16 = x.dtype == torch.bfloat16
+    out = torch.empty(x.shape, dtype=out_dtype or x.dtype, device=x.device)
+    bf16 = out.dtype == torch.bfloat16
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(x.numel() // D,)](x, x if weight is None else weight.contiguous(),
                                         out.view(torch.int16) if bf16 else out, D, float(eps), BLOCK_D=block,

@@ -31,7 +31,7 @@ def sparse_attention_ref(q: torch.Tensor, window: torch.Tensor, window_valid: to
 
     q [B, H, D] float; window uint8 [B, W, D + D/32] (FP8 rows); window_valid bool [B, W];
     records uint8 [B, N, D/2 + D/16] (FP4 rows); record_idx int [B, K] into records, -1 =
-    none (every entry must be -1 or < N); sink fp32 [H]; scale: the softmax scale.
+    none (every entry must be -1 or < N); sink [H] float (any dtype); scale: the softmax scale.
     """
     B, H, D = q.shape
     qf = q.float()

@@ -1,0 +1,121 @@
+"""Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
+
+    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,moe]
+
+Each setting (the module constants of ``model.kernels.fused`` and ``model.kernels.moe``) is
+timed as a decode step runs it: 20 calls captured in one CUDA graph, replayed, the time per
+call — so launch gaps inside a graph count and Python does not. The output of every setting
+is compared with the default setting's (``max_abs_diff``), so a fast wrong tiling shows.
+A guide for choosing the constants, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from model.args import ModelArgs  # noqa: E402
+from model.kernels import bench as kbench  # noqa: E402
+from model.kernels import fused, moe  # noqa: E402
+
+CALLS = 20
+DEVICE = "cuda"
+
+
+def graphed_us(fn) -> float:
+    """µs per call of ``fn`` replayed from a CUDA graph of CALLS calls (best of 5 replays)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    best = float("inf")
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        torch.cuda.synchronize()
+        best = min(best, a.elapsed_time(b) * 1e3 / CALLS)
+    return best
+
+
+def sweep(module, settings: dict[str, list], fn, emit, label: str) -> None:
+    names = list(settings)
+    base = {n: getattr(module, n) for n in names}
+    reference = fn().clone()
+    for values in itertools.product(*settings.values()):
+        for n, v in zip(names, values):
+            setattr(module, n, v)
+        try:
+            diff = (fn() - reference).abs().max().item()
+            emit({"kernel": label, **dict(zip(names, values)), "us": round(graphed_us(fn), 2),
+                  "max_abs_diff": diff, "default": all(base[n] == v for n, v in zip(names, values))})
+        except Exception as e:  # a tiling that does not build (registers, shared memory)
+            emit({"kernel": label, **dict(zip(names, values)), "error": f"{type(e).__name__}: {str(e)[:120]}"})
+    for n, v in base.items():
+        setattr(module, n, v)
+
+
+def moe_inputs(args: ModelArgs, batch: int, device) -> tuple[list, dict]:
+    g = torch.Generator().manual_seed(0)
+    E, I, D = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
+    S = I * args.n_shared_experts
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(device, torch.bfloat16)
+
+    tensors = [torch.randn(batch, D, generator=g).to(device, torch.bfloat16),
+               (torch.randn(E, D, generator=g) * D ** -0.5).to(device), torch.zeros(E, device=device),
+               w(E, I, D), w(E, I, D), w(E, D, I), w(S, D), w(S, D), w(D, S)]
+    config = dict(top_k=args.num_experts_per_tok, scoring=args.scoring_func, temp=args.gate_temp,
+                  norm=args.norm_topk_prob, scale=args.routed_scaling_factor, limit=args.swiglu_limit)
+    return tensors, config
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--preset", default="small")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--only", default="attention,moe")
+    a = p.parse_args()
+    args = ModelArgs.preset(a.preset)
+    with open(a.out, "a") as out:
+        def emit(d):
+            d = {"preset": a.preset, "batch": a.batch, **d}
+            out.write(json.dumps(d) + "\n")
+            out.flush()
+            print(json.dumps(d), flush=True)
+
+        only = a.only.split(",")
+        if "attention" in only:
+            shapes = kbench.decode_shapes(args, a.batch)
+            shapes["N"] = max(shapes["N"], 4 * shapes["K"])  # a long context's records, K of them picked
+            attn, _ = kbench._inputs(shapes, DEVICE)
+            emit({"kernel": "attention-shapes", **shapes})
+            sweep(fused, {"BLOCK_N": [16, 32, 64], "ATTN_WARPS": [4, 8], "MIN_BLOCKS_PER_SPLIT": [1, 2, 4],
+                          "CHUNK": [32, 64]},
+                  lambda: fused.sparse_attention(*attn), emit, "sparse_attention")
+        if "moe" in only:
+            tensors, config = moe_inputs(args, a.batch, DEVICE)
+            emit({"kernel": "moe-shapes", "active_bytes": 2 * 3 * args.moe_intermediate_size * args.hidden_size
+                  * (args.num_experts_per_tok * a.batch + args.n_shared_experts)})
+            run = lambda: moe.moe_decode(*tensors, **config)  # noqa: E731
+            # the two expert kernels apart (each with the other at its default): 36 + 36, not 36 x 36
+            sweep(moe, {"UP_BLOCK_I": [4, 8, 16, 32], "UP_BLOCK_D": [128, 256, 512], "UP_WARPS": [2, 4, 8]},
+                  run, emit, "moe-up")
+            sweep(moe, {"DOWN_BLOCK_O": [4, 8, 16, 32], "DOWN_BLOCK_I": [128, 256, 512], "DOWN_WARPS": [2, 4, 8]},
+                  run, emit, "moe-down")
+
+
+if __name__ == "__main__":
+    main()
