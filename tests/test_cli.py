@@ -228,6 +228,16 @@ def test_python_m_dsagent_help():
     assert r.returncode == 0 and "chat" in r.stdout and "sessions" in r.stdout
 
 
+def test_bench_decode_host_sets_the_host_beside_the_step():
+    """On the CPU the host runs the step itself: its issue time is nearly all of the step."""
+    r = invoke("bench", "decode", "--host", "--preset", "tiny", "--ctx", "32", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["bench"] == "host" and out["step_ms"] > 0 and out["host_issue_ms"] > 0
+    assert out["host_over_step"] == pytest.approx(out["host_issue_ms"] / out["step_ms"])
+    assert out["host_over_step"] > 0.5
+
+
 def test_bench_decode_profile_counts_what_a_step_launches():
     r = invoke("bench", "decode", "--profile", "--preset", "tiny", "--ctx", "32", "--json")
     assert r.exit_code == 0, r.output

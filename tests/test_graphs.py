@@ -415,3 +415,38 @@ def test_the_fused_twins_option_puts_the_fused_path_everywhere(pytestconfig):
     import model.model as mm
 
     assert (mm._fused_step is mm._decode_step) == pytestconfig.getoption("--fused-twins")
+
+
+def test_a_graphed_step_hands_out_the_taps_an_eager_step_makes(monkeypatch):
+    """DSpark's taps (the target layers' inputs) asked of a one-token step come out of the
+    whole-step graph, equal to the eager fused step's, and as copies: the next replay does
+    not rewrite the taps a drafter already holds."""
+    _fused_anywhere(monkeypatch)
+    model = _tiny()
+    engine = Engine(model, mode="ced", chunk=40)
+    eager = engine.new_state(batch=1)
+    engine.prefill(eager, torch.randint(3, 1000, (1, 50), generator=torch.Generator().manual_seed(11)))
+    graphed = copy.deepcopy(eager)
+
+    def tapped_steps(state):
+        out = []
+        for _ in range(8):  # past a grown buffer's new captures: replays that rewrite the same outputs
+            ids = state.last_logits.argmax(-1)[:, None]
+            with torch.no_grad():
+                streams, pre, step = model.begin(ids, state.cache, start=state.cache.length)
+                step.shared["taps"] = taps = {}
+                streams, pre = model.run_layers(streams, pre, step, state.cache, range(len(model.layers)))
+                state.last_logits = model.logits(streams, pre)[:, -1]
+            state.cache.length = step.end
+            out.append((step.graphs is not None, taps))
+        return out
+
+    plain = tapped_steps(eager)
+    monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
+    model._graphs = segments = ReplayedSegments()
+    replayed = tapped_steps(graphed)
+    assert len(segments) == 2 and not segments.failed  # two captures: pairs completing or not
+    for (was_graphed, a), (is_graphed, b) in zip(plain, replayed):
+        assert not was_graphed and is_graphed
+        assert sorted(a) == sorted(b) == sorted(model.args.dspark_target_layer_ids)
+        assert all(torch.equal(a[k], b[k]) for k in a)

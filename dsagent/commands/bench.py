@@ -16,8 +16,8 @@ import typer
 from dsagent.errors import handled
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
-from model.bench import (bench_decode, bench_linears, bench_paths, bench_prefill, bench_profile, bench_resume,
-                         bench_speculative, prompt_ids)
+from model.bench import (bench_decode, bench_host, bench_linears, bench_paths, bench_prefill, bench_profile,
+                         bench_resume, bench_speculative, prompt_ids)
 from model.engine import Engine
 from sessions import DEFAULT_ZSTD_LEVEL, KVChunk
 from sessions.bench import store_throughput, zstd_levels
@@ -62,12 +62,16 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
            paths: bool = typer.Option(False, "--paths", help="Step time with each fast path (CUDA graphs, kernels, "
                                                             "grouped experts) turned off in turn."),
            profiled: bool = typer.Option(False, "--profile", help="Kernels per step and the ones that take "
-                                                                  "the step's device time.")) -> None:
+                                                                  "the step's device time."),
+           host: bool = typer.Option(False, "--host", help="The host's time to issue a step beside the step's "
+                                                           "time: near 1, the device waits on Python.")) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with handled():
         m = _runtime(model, preset, device).model
         if profiled:
             _emit(bench_profile(m, ctx), as_json)
+        elif host:
+            _emit(bench_host(m, ctx), as_json)
         elif paths:
             _emit(bench_paths(m, ctx), as_json)
         else:
