@@ -79,8 +79,9 @@ _ANGLES = threading.local()  # .memo: the angles of the layer call in progress, 
 @contextmanager
 def shared_rope_angles():
     """Within the block: every RoPE at the same positions tensor with the same frequency
-    table (a layer's queries, its window entry, its de-rotated output, its indexer query)
-    reuses one cos / sin — the same values, computed once (on a GPU, ~4 launches each).
+    table (a layer's queries, its window entry, its de-rotated output, its indexer query;
+    in a fused decode step every layer's) reuses one cos / sin — the same values, computed
+    once (on a GPU, ~4 launches each).
     Each scope starts empty, nested ones too: a CUDA graph segment opens its own, so its
     capture never reads angles an eager warm-up computed outside the graph's memory."""
     outer = getattr(_ANGLES, "memo", None)
@@ -430,7 +431,7 @@ class Attention(nn.Module):
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
         query when already computed."""
         ring = cache.windows[self.layer]
-        ring.write(kv, pos)
+        ring.write_step(kv, pos)
         if self.compressor is not None:
             src = cache.sources[self.layer]
             made = self.compressor.step(x, pos, src, emits)
@@ -516,12 +517,12 @@ class Attention(nn.Module):
         and the packed records at the indexer's ``idx`` [B, 1, k] (``records``: the source's
         whole buffer, every selected row lies below its count)."""
         B = q.shape[0]
-        valid = (ring.pos >= 0) & (ring.pos <= pos) & (ring.pos > pos - self.args.sliding_window)
         if idx is None:
-            records = ring.data.new_zeros(B, 0, main_record_bytes(self.head_dim))
-            idx = torch.zeros(B, 1, 0, dtype=torch.long, device=q.device)
-        out = kernels.sparse_attention(q[:, 0], ring.data, valid.expand(B, -1), records, idx[:, 0],
-                                       self.attn_sink, self.head_dim ** -0.5, out_dtype=q.dtype)
+            records = ring.data.new_empty(B, 0, main_record_bytes(self.head_dim))
+            idx = torch.empty(B, 1, 0, dtype=torch.long, device=q.device)
+        out = kernels.sparse_attention(q[:, 0], ring.data, None, records, idx[:, 0], self.attn_sink,
+                                       self.head_dim ** -0.5, out_dtype=q.dtype,
+                                       window_at=(ring.pos, pos, self.args.sliding_window))
         return out[:, None]
 
     def _index_loss(self, q: torch.Tensor, src: SourceKV, scores: torch.Tensor) -> torch.Tensor:
@@ -650,14 +651,14 @@ class Block(nn.Module):
 
     def whole_layer(self, streams, pre, pos, *read, ropes: Ropes, cache: Cache, emits: bool, names: tuple,
                     image_mask=None):
-        """One decode step of the layer, fused kernels on: (streams, pre, *what later layers read)."""
-        with shared_rope_angles():
-            a_pre, a_post, a_comb, x, q_res, q, kv, *qw = self.projected_attn_site(streams, pre, pos, ropes=ropes,
-                                                                                  fmt=cache.kv)
-            out, written = self.attn.decode_step(x, q_res, q, kv, pos, dict(zip(names, read)), cache, ropes, emits,
-                                                 tuple(qw) or None)
-            return (*self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes,
-                                             image_mask=image_mask), *written)
+        """One decode step of the layer, fused kernels on: (streams, pre, *what later layers read).
+        Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
+        a_pre, a_post, a_comb, x, q_res, q, kv, *qw = self.projected_attn_site(streams, pre, pos, ropes=ropes,
+                                                                              fmt=cache.kv)
+        out, written = self.attn.decode_step(x, q_res, q, kv, pos, dict(zip(names, read)), cache, ropes, emits,
+                                             tuple(qw) or None)
+        return (*self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes,
+                                         image_mask=image_mask), *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -827,16 +828,20 @@ class Transformer(nn.Module):
 
     def _step_layers(self, streams, pre, pos, *hash_ids, blocks, cache: Cache, emits: tuple, tapped: tuple,
                      image_mask=None):
-        """The layers of :meth:`_fused_layers`: (streams, pre, *the tapped layers' inputs)."""
+        """The layers of :meth:`_fused_layers`: (streams, pre, *the tapped layers' inputs).
+        One RoPE-angle scope for them all: every layer rotates at the same position, under
+        one of two frequency tables, so cos / sin are made twice a step, not in every layer."""
         reads, taps = {}, []
-        for b, e in zip(blocks, emits):
-            streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask)
-            if b.layer in tapped:
-                taps.append(streams.mean(dim=2))
-            names = tuple(b.attn.step_reads(reads))
-            streams, pre, *written = b.whole_layer(streams, pre, pos, *(reads[n] for n in names), ropes=self.ropes,
-                                                   cache=cache, emits=e, names=names, image_mask=image_mask)
-            reads.update(zip(("topk", "candidates"), written))
+        with shared_rope_angles():
+            for b, e in zip(blocks, emits):
+                streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask)
+                if b.layer in tapped:
+                    taps.append(streams.mean(dim=2))
+                names = tuple(b.attn.step_reads(reads))
+                streams, pre, *written = b.whole_layer(streams, pre, pos, *(reads[n] for n in names),
+                                                       ropes=self.ropes, cache=cache, emits=e, names=names,
+                                                       image_mask=image_mask)
+                reads.update(zip(("topk", "candidates"), written))
         return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -194,12 +194,13 @@ class MoE(nn.Module):
 
     def _fused(self, flat: torch.Tensor) -> torch.Tensor | None:
         """``kernels.moe_decode`` on text tokens where :meth:`runs_fused` (routed sum + shared,
-        fp32), or None if its kernels cannot be built here."""
+        in the tokens' dtype, rounded from fp32 by the kernel), or None if its kernels cannot
+        be built here."""
         g, a, shared = self.gate, self.gate.args, self.shared_experts
         return kernels.moe_decode(flat, g.weight, g.bias, self.grouped.w1.weight, self.grouped.w3.weight,
                                   self.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,
                                   top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
-                                  scale=a.routed_scaling_factor, limit=shared.limit)
+                                  scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype)
 
     def runs_fused(self, x: torch.Tensor) -> bool:
         """Whether text tokens ``x`` [N, D] run through ``kernels.moe_decode``: stacked,

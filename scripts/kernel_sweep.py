@@ -1,6 +1,6 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
-    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,moe]
+    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,moe,indexer,mhc]
 
 Each setting (the module constants of ``model.kernels.fused`` and ``model.kernels.moe``) is
 timed as a decode step runs it: 20 calls captured in one CUDA graph, replayed, the time per
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--only", default="attention,moe")
+    p.add_argument("--only", default="attention,moe,indexer,mhc")
     a = p.parse_args()
     args = ModelArgs.preset(a.preset)
     with open(a.out, "a") as out:
@@ -97,14 +97,26 @@ def main() -> None:
             print(json.dumps(d), flush=True)
 
         only = a.only.split(",")
+        shapes = kbench.decode_shapes(args, a.batch)
+        shapes["N"] = max(shapes["N"], 32 * shapes["K"])  # a long context's records (16K), K of them picked
+        attn, index = kbench._inputs(shapes, DEVICE)
         if "attention" in only:
-            shapes = kbench.decode_shapes(args, a.batch)
-            shapes["N"] = max(shapes["N"], 4 * shapes["K"])  # a long context's records, K of them picked
-            attn, _ = kbench._inputs(shapes, DEVICE)
             emit({"kernel": "attention-shapes", **shapes})
             sweep(fused, {"BLOCK_N": [16, 32, 64], "ATTN_WARPS": [4, 8], "MIN_BLOCKS_PER_SPLIT": [1, 2, 4],
                           "CHUNK": [32, 64]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention")
+        if "indexer" in only:
+            sweep(fused, {"INDEX_BLOCK_N": [32, 64, 128], "INDEX_WARPS": [2, 4, 8]},
+                  lambda: fused.indexer_scores(*index), emit, "indexer_scores")
+        if "mhc" in only:  # one site's mixes: the Sinkhorn split of (2 + hc) * hc numbers a token
+            hc = args.hc_mult
+            g = torch.Generator().manual_seed(0)
+            mixes = torch.randn(a.batch, 1, (2 + hc) * hc, generator=g).to(DEVICE)
+            scale, base = torch.rand(3, generator=g).to(DEVICE), torch.randn((2 + hc) * hc, generator=g).to(DEVICE)
+            sweep(fused, {"HC_BLOCK_R": [1, 16, 64], "HC_WARPS": [1, 2, 4]},
+                  lambda: torch.cat([t.flatten() for t in fused.hc_split(mixes, scale, base, hc,
+                                                                         args.hc_sinkhorn_iters, args.hc_eps)]),
+                  emit, "hc_split")
         if "moe" in only:
             tensors, config = moe_inputs(args, a.batch, DEVICE)
             emit({"kernel": "moe-shapes", "active_bytes": 2 * 3 * args.moe_intermediate_size * args.hidden_size

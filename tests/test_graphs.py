@@ -89,13 +89,22 @@ def _plain_then_segmented(monkeypatch, model, segments, seed: int, steps: int):
     return (state, plain), (other, [engine.decode(other, token).clone() for _ in range(steps)])
 
 
+def _segments_only(monkeypatch):
+    """Decode steps off the fused path (the two-segments-a-layer form), also where the
+    kernels are enabled or ``--fused-twins`` puts the fused path everywhere."""
+    import model.model as mm
+
+    monkeypatch.setattr(mm, "_fused_step", lambda x, step, kv: False)
+
+
 def test_segmented_decode_steps_equal_whole_ones(monkeypatch):
-    """The graphed form of a step (projections + mixes + FFN as segments, cache work between
-    them) computes exactly what the plain layer does, over several steps of every layer kind."""
+    """The graphed form of a step off the fused path (projections + mixes + FFN as segments,
+    cache work between them) computes exactly what the plain layer does, over several steps
+    of every layer kind."""
+    _segments_only(monkeypatch)
     model = _tiny()
     (state, plain), (other, segmented) = _plain_then_segmented(monkeypatch, model, double := DirectSegments(), 0, 5)
-    per_step = 1 if kernels.enabled(model.embed.weight) else 2 * len(model.layers)
-    assert len(double) == _segments_per_step(model) and len(double.keys) == 5 * per_step
+    assert len(double) == _segments_per_step(model, fused=False) and len(double.keys) == 5 * 2 * len(model.layers)
     for a, b in zip(plain, segmented):
         assert torch.equal(a, b)
     assert torch.equal(state.cache.global_state()[0]["layers.6.kv"], other.cache.global_state()[0]["layers.6.kv"])
@@ -183,10 +192,12 @@ def test_fp32_decode_on_cuda_is_graphed_only_with_the_fused_moe(monkeypatch, fus
 
 def test_replayed_segments_pass_outputs_on_without_copies(monkeypatch):
     """Segments that read other segments' outputs where those are written (no copy) give
-    the plain steps' logits, over steps where the static buffers are rewritten each time."""
+    the plain steps' logits, over steps where the static buffers are rewritten each time
+    (two segments a layer: the fused path's one graph a step has no segment to hand on to)."""
+    _segments_only(monkeypatch)
     model = _tiny()
     (_, plain), (_, replayed) = _plain_then_segmented(monkeypatch, model, segments := ReplayedSegments(), 2, 4)
-    assert len(segments) == _segments_per_step(model) and not segments.failed
+    assert len(segments) == _segments_per_step(model, fused=False) and not segments.failed
     for a, b in zip(plain, replayed):
         assert torch.equal(a, b)
     shared = sum(any(graphs._same_memory(x, o) for o in segments._outputs)
@@ -259,6 +270,14 @@ def test_rope_angles_are_shared_within_a_scope_and_never_into_a_nested_one():
     assert rope_angles(pos, inv) is not outer  # no scope: nothing kept
 
 
+def _prefilled_twice(model, n: int, seed: int):
+    """(engine, state, a copy of it) after a CED prefill of ``n`` random tokens, one row."""
+    engine = Engine(model, mode="ced", chunk=40)
+    state = engine.new_state(batch=1)
+    engine.prefill(state, torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(seed)))
+    return engine, state, copy.deepcopy(state)
+
+
 def _decode(engine, state, steps: int) -> list[torch.Tensor]:
     out = []
     for _ in range(steps):
@@ -308,10 +327,7 @@ def test_graphed_fused_steps_equal_eager_fused_ones(monkeypatch):
     that grows (a new capture) and a rollback."""
     _fused_anywhere(monkeypatch)
     model = _tiny()
-    engine = Engine(model, mode="ced", chunk=40)
-    eager = engine.new_state(batch=1)
-    engine.prefill(eager, torch.randint(3, 1000, (1, 29), generator=torch.Generator().manual_seed(6)))
-    graphed = copy.deepcopy(eager)
+    engine, eager, graphed = _prefilled_twice(model, 29, seed=6)
     room = eager.cache.sources[6].records.shape[1]
     assert room == 29  # full: the first step grows the ratio-1 source's buffers
     plain = _decode(engine, eager, 6)
@@ -423,10 +439,7 @@ def test_a_graphed_step_hands_out_the_taps_an_eager_step_makes(monkeypatch):
     not rewrite the taps a drafter already holds."""
     _fused_anywhere(monkeypatch)
     model = _tiny()
-    engine = Engine(model, mode="ced", chunk=40)
-    eager = engine.new_state(batch=1)
-    engine.prefill(eager, torch.randint(3, 1000, (1, 50), generator=torch.Generator().manual_seed(11)))
-    graphed = copy.deepcopy(eager)
+    engine, eager, graphed = _prefilled_twice(model, 50, seed=11)
 
     def tapped_steps(state):
         out = []

@@ -338,6 +338,27 @@ def test_sparse_attention_kernel_bf16_query(peak) -> None:
     assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
 
 
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 3])
+def test_sparse_attention_kernel_tests_window_slots_itself(B) -> None:
+    """``window_at`` (ring positions, the query's position, the span: how a decode step
+    calls it) gives what the same slots passed as ``window_valid`` give, bit for bit, on
+    the kernel and the twin path; empty (-1), future and too-old slots are all left out."""
+    inputs = attention_case(B, 16, 300, 64, seed=5, q_dtype=torch.bfloat16)
+    W = inputs[1].shape[1]
+    g = torch.Generator().manual_seed(5)
+    at = torch.randint(-1, 260, (W,), generator=g).to(inputs[0].device)
+    cur, span = torch.tensor([250], device=at.device), 128
+    valid = ((at >= 0) & (at <= cur) & (at > cur - span)).expand(B, -1)
+    assert 0 < valid[0].sum() < W - 10  # each kind of slot is there
+    want = sparse_attention(inputs[0], inputs[1], valid, *inputs[3:], out_dtype=torch.bfloat16)
+    got = sparse_attention(inputs[0], inputs[1], None, *inputs[3:], out_dtype=torch.bfloat16,
+                           window_at=(at, cur, span))
+    assert torch.equal(got, want)
+    ref = sparse_attention_ref(inputs[0], inputs[1], valid, *inputs[3:])
+    assert_out_close(got.float(), ref, rtol=1e-2)  # bf16 output
+
+
 def index_case(B: int, HI: int, N: int, *, d: int = 128, seed: int = 0, quantised: bool = True):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HI, d, generator=g)
@@ -518,6 +539,24 @@ def test_pack_kernels_write_the_same_bytes(which, dtype) -> None:
         got, want = getattr(pack, which)(x), getattr(quant, which)(x)
         assert got.dtype == torch.uint8 and got.shape == want.shape
         assert torch.equal(got, want), f"{which} {shape}: {(got != want).sum().item()} bytes differ"
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_packs_its_window_entries_into_the_ring(dtype) -> None:
+    """``pack_window_at`` (one launch: pack, slot, position) leaves a ring as
+    ``WindowRing.write`` does, byte for byte, over steps that wrap the ring."""
+    from model.cache import WindowRing
+    from model.kernels import pack
+
+    rings = [WindowRing(3, 5, 512, DEVICE) for _ in range(2)]
+    for p in range(7):
+        kv = _kv_rows((3, 1, 512), dtype, seed=p).to(DEVICE)
+        pos = torch.tensor([p], device=DEVICE)
+        rings[0].write(kv, pos)
+        pack.pack_window_at(kv, rings[1].data, rings[1].pos, pos)
+        assert torch.equal(rings[1].data, rings[0].data) and torch.equal(rings[1].pos, rings[0].pos), p
+    assert rings[1].pos.tolist() == [5, 6, 2, 3, 4]
 
 
 @needs_kernel

@@ -110,3 +110,21 @@ def test_moe_kernel_runs_only_on_a_few_text_tokens_outside_autograd(monkeypatch)
     moe.requires_grad_(True)
     moe(torch.randn(1, 1, D, device=DEVICE)).sum().backward()  # training: torch, with gradients
     assert calls == [2] and moe.gate.weight.grad is not None
+
+
+def test_moe_kernel_writes_bf16_as_the_cast_rounds_it():
+    """``out_dtype`` bf16 (what MoE asks for a bf16 model): the kernel's fp32 sum rounded to
+    nearest even, bit for bit what ``.to(torch.bfloat16)`` of its fp32 output gives."""
+    moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=9)
+    x = torch.randn(3, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
+    g, shared = moe.gate, moe.shared_experts
+    weights = (x, g.weight, g.bias, moe.grouped.w1.weight, moe.grouped.w3.weight, moe.grouped.w2.weight,
+               shared.w1.weight, shared.w3.weight, shared.w2.weight)
+    config = dict(top_k=g.top_k, scoring=g.args.scoring_func, temp=g.args.gate_temp, norm=g.args.norm_topk_prob,
+                  scale=g.args.routed_scaling_factor, limit=shared.limit)
+    with torch.no_grad():
+        wide = kernels.moe_decode(*weights, **config)
+        narrow = kernels.moe_decode(*weights, **config, out_dtype=torch.bfloat16)
+        assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
+        assert torch.equal(narrow, wide.to(torch.bfloat16))
+        assert torch.equal(moe(x), narrow)  # the MoE's own call

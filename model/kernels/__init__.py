@@ -13,7 +13,9 @@ twins of the same names + ``_ref``) — these five on any number of tokens; the 
 also in training, through the closed-form backward passes of ``model.kernels.backward``;
 and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
-  fp32: ``Attention._attend`` for S=1 on FP8 window rows and selected FP4 records.
+  fp32 (or ``out_dtype``): ``Attention._attend`` for S=1 on FP8 window rows and selected FP4
+  records; ``window_at`` = (ring positions, query position, span) in place of the mask.
+- ``pack_window_at(kv, data, ring_pos, pos)``: a step's window entry packed into its ring slot.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale)`` -> [B, N] fp32:
   ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, or a one-element
   device tensor that a CUDA graph can hold). Top-k stays in torch
@@ -76,18 +78,25 @@ def enabled(t: torch.Tensor) -> bool:
     return _use_triton(t) and os.environ.get("DSAGENT_KERNELS", "1") != "0"
 
 
-def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor, records: torch.Tensor,
-                     record_idx: torch.Tensor, sink: torch.Tensor, scale: float,
-                     splits: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor | None,
+                     records: torch.Tensor, record_idx: torch.Tensor, sink: torch.Tensor, scale: float,
+                     splits: int | None = None, out_dtype: torch.dtype = torch.float32,
+                     window_at: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
     """One decode step of window + selected-record attention with the sink; see
     :func:`model.kernels.reference.sparse_attention_ref` for shapes. ``splits`` fixes how
     many programs share one row's keys on the kernel path (None: enough to fill the GPU);
     the output is computed in fp32 and returned in ``out_dtype`` (the kernel writes bf16
-    itself, rounded as ``.to`` rounds)."""
+    itself, rounded as ``.to`` rounds). ``window_at`` = (ring positions [W], the query's
+    position [1], window span) stands for ``window_valid`` = positions in (query - span,
+    query], every row alike: the kernel tests the slots itself (six launches fewer)."""
     if _use_triton(q) and out_dtype in (torch.float32, torch.bfloat16):
         from model.kernels import fused
 
-        return fused.sparse_attention(q, window, window_valid, records, record_idx, sink, scale, splits, out_dtype)
+        return fused.sparse_attention(q, window, window_valid, records, record_idx, sink, scale, splits, out_dtype,
+                                      window_at)
+    if window_at is not None:
+        at, cur, span = window_at
+        window_valid = ((at >= 0) & (at <= cur) & (at > cur - span)).expand(q.shape[0], -1)
     return sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale).to(out_dtype)
 
 
@@ -260,6 +269,25 @@ def pack_main(x: torch.Tensor) -> torch.Tensor:
 def pack_index(x: torch.Tensor) -> torch.Tensor:
     """FP4 index keys [..., d/2 + d/32] bytes: the kernel where :func:`enabled`, else ``model.quant``."""
     return _pack("pack_index", x)
+
+
+def pack_window_at(kv: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
+    """One decode step's window write: ``data[:, p % cap] = pack_window(kv[:, 0])`` and
+    ``ring_pos[p % cap] = p`` for ``pos`` = [p], a device tensor. One launch where
+    :func:`enabled` and the rows suit the pack kernel (four in torch: the remainder, the
+    pack, two scatters); the same bytes either way."""
+    if pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK) and _kernel_runs("pack_window", kv):
+        from model.kernels import pack
+
+        return _guarded("pack_window", lambda t: pack.pack_window_at(t, data, ring_pos, pos),
+                        lambda t: _pack_window_at_ref(t, data, ring_pos, pos), kv)
+    return _pack_window_at_ref(kv, data, ring_pos, pos)
+
+
+def _pack_window_at_ref(kv: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
+    slots = pos % ring_pos.shape[0]
+    data[:, slots] = pack_window(kv)
+    ring_pos[slots] = pos
 
 
 def pow2_blocks(dim: int, block: int) -> bool:

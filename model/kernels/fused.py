@@ -125,13 +125,18 @@ def _online_step(q_big, q_small, kv, valid, m, l, acc, scale, Q_SPLIT: tl.conste
     return m_new, l, acc
 
 
-@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib"])  # decode-varying sizes: one compile
+@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span"])  # decode-varying sizes: one compile
 def _sparse_attention_kernel(
-    q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr,
-    H, W, N, K, SPLITS, scale,
+    q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
+    H, W, N, K, SPLITS, scale, span,
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, CH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr,
+    FROM_POS: tl.constexpr,
 ):
+    """Partial softmax sums of one (row, head group, split). The window's valid slots come
+    from ``valid_ptr`` (uint8 [B, W]), or with ``FROM_POS`` from the ring's positions
+    (``valid_ptr``: int64 [W], shared by the rows) against the query's (``cur_ptr``, one
+    element) and the window ``span``: -1 < slot position <= query, within the last span."""
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -147,11 +152,17 @@ def _sparse_attention_kernel(
 
     # split s takes blocks s, s + SPLITS, ...; a while loop, because a for loop over runtime
     # bounds stops Triton 3.6's interpreter under numpy >= 2.4 (its scalars are 1-element arrays)
+    if FROM_POS:
+        cur = tl.load(cur_ptr)
     blk = split
     while blk * BLOCK_N < W:
         n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         blk += SPLITS
-        valid = tl.load(valid_ptr + b64 * s_vb + n, mask=n < W, other=0) != 0
+        if FROM_POS:
+            at = tl.load(valid_ptr + n, mask=n < W, other=-1)
+            valid = (at >= 0) & (at <= cur) & (at > cur - span)
+        else:
+            valid = tl.load(valid_ptr + b64 * s_vb + n, mask=n < W, other=0) != 0
         row = win_ptr + b64 * s_wb + n.to(tl.int64)[None, :, None] * s_wn
         data = tl.load(row + chan, mask=valid[None, :, None], other=0).to(tl.int32)
         sb = tl.load(row + D + chan // 32, mask=valid[None, :, None], other=0).to(tl.int32)
@@ -205,27 +216,37 @@ def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
 
 
 def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: float,
-                     splits: int | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                     splits: int | None = None, out_dtype: torch.dtype = torch.float32,
+                     window_at: tuple | None = None) -> torch.Tensor:
+    """See ``model.kernels.sparse_attention``; ``window_at`` (ring positions [W] int64, the
+    query's position [1], the window span) in place of ``window_valid`` (None then): the
+    kernel tests each slot itself."""
     B, H, D = q.shape
     W, N, K = window.shape[1], records.shape[1], record_idx.shape[1]
     assert D % CHUNK == 0 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= {CHUNK}"
     assert window.dtype == records.dtype == torch.uint8 and window.shape[2] == D + D // 32
-    assert records.shape[2] == D // 2 + D // 16 and window_valid.shape == (B, W) and sink.shape == (H,)
+    assert records.shape[2] == D // 2 + D // 16 and sink.shape == (H,)
     q, window, records, record_idx = (t.contiguous() for t in (q, window, records, record_idx))
-    valid = window_valid.contiguous().view(torch.uint8)
+    if window_at is None:
+        assert window_valid.shape == (B, W)
+        valid, cur, span = window_valid.contiguous().view(torch.uint8), q, 0
+    else:
+        valid, cur, span = window_at
+        assert valid.shape == (W,) and valid.dtype == torch.int64 and cur.numel() == 1
     if N == 0 or K == 0:  # nothing to select: skip the loop, hand the kernel real (unused) memory
-        K, records, record_idx = 0, records.new_zeros(B, 1, records.shape[2]), record_idx.new_full((B, 1), -1)
+        K, records, record_idx = 0, records.new_empty(B, 1, records.shape[2]), record_idx.new_empty(B, 1)  # never read
     groups = triton.cdiv(H, BLOCK_H)
     splits = splits or _auto_splits(q, groups, triton.cdiv(W, BLOCK_N) + triton.cdiv(K, BLOCK_N))
     m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
     sink = sink.contiguous()  # read in its own dtype
     _sparse_attention_kernel[(B, groups, splits)](
-        q, window, valid, records, record_idx, sink, m, l, acc,
-        H, W, N, K, splits, float(scale),
+        q, window, valid, records, record_idx, sink, m, l, acc, cur,
+        H, W, N, K, splits, float(scale), int(span),
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
-        D=D, CH=CHUNK, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_SPLIT=q.dtype != torch.bfloat16, num_warps=ATTN_WARPS)
+        D=D, CH=CHUNK, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_SPLIT=q.dtype != torch.bfloat16,
+        FROM_POS=window_at is not None, num_warps=ATTN_WARPS)
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
     out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
@@ -286,6 +307,7 @@ def indexer_scores(q, weights, keys, n_visible: int | torch.Tensor, head_scale: 
 # ----------------------------------------------------------------------------- mHC mixes
 
 HC_BLOCK_R = 64  # tokens per program
+HC_WARPS = 4  # untuned at decode sizes (scripts/kernel_sweep.py --only mhc sweeps it)
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -329,5 +351,5 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     if R:
         _hc_split_kernel[(triton.cdiv(R, HC_BLOCK_R),)](
             flat, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, R, flat.stride(0),
-            float(eps), HC=hc, ITERS=iters, BLOCK_R=HC_BLOCK_R)
+            float(eps), HC=hc, ITERS=iters, BLOCK_R=HC_BLOCK_R, num_warps=HC_WARPS)
     return pre, post, comb

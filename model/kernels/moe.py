@@ -144,7 +144,8 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
 
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
-                 K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr):
+                 K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr,
+                 OUT_BF16: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
@@ -167,16 +168,20 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
             w = tl.load(w_ptr + o[:, None] * I + i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
         total += _round(acc, BF16)
-    tl.store(out_ptr + t * D + o, total, mask=o_ok)
+    if OUT_BF16:  # the fp32 sum rounded as MoE's cast back rounds it
+        tl.store(out_ptr + t * D + o, _bf16_bits(total), mask=o_ok)
+    else:
+        tl.store(out_ptr + t * D + o, total, mask=o_ok)
 
 
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
-               scoring: str, temp: float, norm: bool, scale: float, limit: float) -> torch.Tensor:
+               scoring: str, temp: float, norm: bool, scale: float, limit: float,
+               out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (any float dtype),
     stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
-    [I, D] and s2 [D, I], all in x's dtype. -> [N, D] fp32 (routed sum + shared), before
-    ``MoE``'s cast back."""
+    [I, D] and s2 [D, I], all in x's dtype. -> [N, D] (routed sum + shared) in fp32, or in
+    bf16 rounded from it (``out_dtype``: ``MoE``'s cast back, done by the kernel)."""
     N, D = x.shape
     E, I = w1.shape[0], w1.shape[1]
     assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and w2.shape == (E, D, I)
@@ -202,8 +207,10 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     _up_kernel[(nk + N, triton.cdiv(I, UP_BLOCK_I))](
         x, w1, w3, s1, s3, weights, chosen, h.view(torch.int16) if bf16 else h, nk, D, I, float(limit),
         K=top_k, BLOCK_I=UP_BLOCK_I, BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=UP_WARPS)
-    out = torch.empty(N, D, dtype=torch.float32, device=x.device)
+    assert out_dtype in (torch.float32, torch.bfloat16)
+    out = torch.empty(N, D, dtype=out_dtype, device=x.device)
+    out_bf16 = out_dtype == torch.bfloat16
     _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
-        h.view(torch.int16) if bf16 else h, w2, s2, chosen, out, nk, D, I,
-        K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, num_warps=DOWN_WARPS)
+        h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, nk, D, I,
+        K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS)
     return out

@@ -82,6 +82,15 @@ def _signed(magnitude, negative):
 
 
 @triton.jit
+def _fp8_blocks(x, FMAX: tl.constexpr):
+    """Blocks [NB, BLOCK] of a row -> (scaled and clamped values, power-of-two scales, their
+    exponent bytes): what the e4m3 codes and ue8m0 bytes are made from."""
+    scale, k = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / FMAX))
+    inv = ((254 - k) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
+    return tl.minimum(tl.maximum(x * inv[:, None], -FMAX), FMAX), scale, k
+
+
+@triton.jit
 def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
                         VALUES: tl.constexpr = False):
     """One row to its bytes, or (VALUES) to the values those bytes decode to, in out's dtype."""
@@ -89,9 +98,7 @@ def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.con
     NB: tl.constexpr = D // BLOCK
     offs = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     x = tl.load(x_ptr + row * s_x + offs).to(tl.float32)
-    scale, k = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / FMAX))
-    inv = ((254 - k) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-    y = tl.minimum(tl.maximum(x * inv[:, None], -FMAX), FMAX)
+    y, scale, k = _fp8_blocks(x, FMAX)
     if VALUES:
         code = _e4m3_encode(y)
         value = _signed(_e4m3(code & 0x7F) * scale[:, None], (code & 0x80) != 0)  # exact: power-of-two scale
@@ -161,6 +168,36 @@ def pack_window(x: torch.Tensor) -> torch.Tensor:
 def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_BLOCK) -> torch.Tensor:
     """What ``pack_window``'s bytes decode to, in x's dtype (``model.quant.fake_quant_fp8``)."""
     return _pack_fp8(x, block, values=True)
+
+
+@triton.jit(do_not_specialize=["cap"])
+def _pack_window_at_kernel(x_ptr, data_ptr, rpos_ptr, pos_ptr, cap, s_x, s_db, s_dn,
+                           D: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr):
+    """Row b of one decode step's window entries packed straight into its ring slot
+    (position % cap); program 0 also records the slot's position."""
+    b = tl.program_id(0).to(tl.int64)
+    NB: tl.constexpr = D // BLOCK
+    p = tl.load(pos_ptr)
+    slot = p % cap
+    offs = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    y, _, k = _fp8_blocks(tl.load(x_ptr + b * s_x + offs).to(tl.float32), FMAX)
+    row = data_ptr + b * s_db + slot * s_dn
+    tl.store(row + offs, _e4m3_encode(y).to(tl.uint8))
+    tl.store(row + D + tl.arange(0, NB), k.to(tl.uint8))
+    if b == 0:
+        tl.store(rpos_ptr + slot, p)
+
+
+def pack_window_at(x: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
+    """x [B, 1, D] packed into ring rows ``data`` [B, cap, D + D/32] at slot pos % cap, and
+    ``ring_pos`` [cap] told (``pos``: [1] int64, on the device)."""
+    B, S, D = x.shape
+    assert S == 1 and pos.numel() == 1 and pos.dtype == ring_pos.dtype == torch.int64
+    assert data.dtype == torch.uint8 and data.shape == (B, ring_pos.shape[0], D + D // WINDOW_BLOCK)
+    assert data.stride(2) == 1 and ring_pos.is_contiguous()
+    flat = _rows(x, WINDOW_BLOCK)
+    _pack_window_at_kernel[(B,)](flat, data, ring_pos, pos, ring_pos.shape[0], flat.stride(0), data.stride(0),
+                                 data.stride(1), D=D, BLOCK=WINDOW_BLOCK, FMAX=FP8_MAX)
 
 
 def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = False) -> torch.Tensor:
