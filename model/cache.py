@@ -52,11 +52,10 @@ class WindowRing:
     def write_step(self, kv: torch.Tensor, position: torch.Tensor) -> None:
         """:meth:`write` of one decode step's entries [B, 1, D] at ``position`` ([1], a device
         tensor): on a packed ring one kernel packs them into their slot where the kernels run."""
-        if not self.kv.packed:
-            return self.write(kv, position)
         from model import kernels  # late: model.kernels builds on model.quant, as this module does
 
-        kernels.pack_window_at(kv, self.data, self.pos, position)
+        if not (self.kv.packed and kernels.pack_window_at(kv, self.data, self.pos, position)):
+            self.write(kv, position)
 
     def truncate(self, length: int) -> None:
         self.pos[self.pos >= length] = -1

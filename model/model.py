@@ -649,14 +649,15 @@ class Block(nn.Module):
             return streams
         return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask)
 
-    def whole_layer(self, streams, pre, pos, *read, ropes: Ropes, cache: Cache, emits: bool, names: tuple,
+    def whole_layer(self, streams, pre, pos, shared: dict, *, ropes: Ropes, cache: Cache, emits: bool,
                     image_mask=None):
-        """One decode step of the layer, fused kernels on: (streams, pre, *what later layers read).
-        Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
+        """One decode step of the layer, fused kernels on: (streams, pre, *what later layers read);
+        ``shared``: what earlier layers wrote. Inside the step's :func:`shared_rope_angles`
+        scope (``Transformer._step_layers``)."""
         a_pre, a_post, a_comb, x, q_res, q, kv, *qw = self.projected_attn_site(streams, pre, pos, ropes=ropes,
                                                                               fmt=cache.kv)
-        out, written = self.attn.decode_step(x, q_res, q, kv, pos, dict(zip(names, read)), cache, ropes, emits,
-                                             tuple(qw) or None)
+        out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
+                                             emits, tuple(qw) or None)
         return (*self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes,
                                          image_mask=image_mask), *written)
 
@@ -831,17 +832,15 @@ class Transformer(nn.Module):
         """The layers of :meth:`_fused_layers`: (streams, pre, *the tapped layers' inputs).
         One RoPE-angle scope for them all: every layer rotates at the same position, under
         one of two frequency tables, so cos / sin are made twice a step, not in every layer."""
-        reads, taps = {}, []
+        shared, taps = {}, []  # what each layer writes for the later ones: the top-k, the candidate pool
         with shared_rope_angles():
             for b, e in zip(blocks, emits):
                 streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask)
                 if b.layer in tapped:
                     taps.append(streams.mean(dim=2))
-                names = tuple(b.attn.step_reads(reads))
-                streams, pre, *written = b.whole_layer(streams, pre, pos, *(reads[n] for n in names),
-                                                       ropes=self.ropes, cache=cache, emits=e, names=names,
-                                                       image_mask=image_mask)
-                reads.update(zip(("topk", "candidates"), written))
+                streams, pre, *written = b.whole_layer(streams, pre, pos, shared, ropes=self.ropes, cache=cache,
+                                                       emits=e, image_mask=image_mask)
+                shared.update(zip(("topk", "candidates"), written))
         return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

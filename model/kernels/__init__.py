@@ -271,23 +271,17 @@ def pack_index(x: torch.Tensor) -> torch.Tensor:
     return _pack("pack_index", x)
 
 
-def pack_window_at(kv: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
-    """One decode step's window write: ``data[:, p % cap] = pack_window(kv[:, 0])`` and
-    ``ring_pos[p % cap] = p`` for ``pos`` = [p], a device tensor. One launch where
-    :func:`enabled` and the rows suit the pack kernel (four in torch: the remainder, the
-    pack, two scatters); the same bytes either way."""
-    if pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK) and _kernel_runs("pack_window", kv):
-        from model.kernels import pack
+def pack_window_at(kv: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> bool:
+    """One decode step's window write in one launch: ``data[:, p % cap] = pack_window(kv[:, 0])``
+    and ``ring_pos[p % cap] = p`` for ``pos`` = [p], a device tensor. True where the kernel
+    ran (:func:`enabled`, rows the pack kernel takes); False, and nothing written, where it
+    does not or cannot be built: the caller writes in torch (``WindowRing.write``, its
+    twin: the remainder, the pack, two scatters), the same bytes."""
+    if not (pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK) and _kernel_runs("pack_window", kv)):
+        return False
+    from model.kernels import pack
 
-        return _guarded("pack_window", lambda t: pack.pack_window_at(t, data, ring_pos, pos),
-                        lambda t: _pack_window_at_ref(t, data, ring_pos, pos), kv)
-    return _pack_window_at_ref(kv, data, ring_pos, pos)
-
-
-def _pack_window_at_ref(kv: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
-    slots = pos % ring_pos.shape[0]
-    data[:, slots] = pack_window(kv)
-    ring_pos[slots] = pos
+    return _guarded("pack_window", lambda t: pack.pack_window_at(t, data, ring_pos, pos) or True, lambda t: False, kv)
 
 
 def pow2_blocks(dim: int, block: int) -> bool:
