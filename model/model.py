@@ -587,12 +587,6 @@ class Engram(nn.Module):
 
 # ----------------------------------------------------------------------------- mHC block
 
-def hc_mixes(streams: torch.Tensor, fn, scale, base, args: ModelArgs):
-    """(pre, post, comb) from one projection of the RMS-normalised flattened streams."""
-    mixes = F.linear(kernels.rms_norm(streams.flatten(2), None, args.rms_norm_eps, upcast=True), fn.float())
-    return kernels.hc_split(mixes, scale, base, args.hc_mult, args.hc_sinkhorn_iters, args.hc_eps)  # Sinkhorn: one kernel on CUDA
-
-
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_k pre_k * stream_k (``kernels.hc_collapse_ref``; one kernel on CUDA)."""
     return kernels.hc_collapse(streams, pre)
@@ -663,8 +657,8 @@ class Block(nn.Module):
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
-        a_pre, a_post, a_comb = hc_mixes(streams, self.hc_attn_fn, self.hc_attn_scale, self.hc_attn_base, self.args)
-        return a_pre, a_post, a_comb, self.attn_norm(hc_collapse(streams, pre))
+        _, a_pre, a_post, a_comb, x = self.site("attn", streams, pre)
+        return a_pre, a_post, a_comb, x
 
     def projected_attn_site(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
         """:meth:`attn_site`, the attention's projections (``Attention.project``) and, in a
@@ -685,10 +679,17 @@ class Block(nn.Module):
 
     def ffn_site(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
         """Attention output expanded into the streams, then the whole FFN site (reads no cache)."""
-        streams = hc_expand(y, streams, a_post, a_comb)
-        f_pre, f_post, f_comb = hc_mixes(streams, self.hc_ffn_fn, self.hc_ffn_scale, self.hc_ffn_base, self.args)
-        y = self.ffn(self.ffn_norm(hc_collapse(streams, a_pre)), image_mask)
-        return hc_expand(y, streams, f_post, f_comb), f_pre
+        streams, f_pre, f_post, f_comb, x = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb))
+        return hc_expand(self.ffn(x, image_mask), streams, f_post, f_comb), f_pre
+
+    def site(self, name: str, streams, pre, expand=None):
+        """``kernels.hc_site`` of the attention or FFN site: (streams, pre, post, comb, the
+        site's normalised input); ``expand``: the site before's output to add to the streams first."""
+        norm = self.attn_norm if name == "attn" else self.ffn_norm
+        return kernels.hc_site(streams, pre, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),
+                               getattr(self, f"hc_{name}_base"), norm.weight, eps=self.args.rms_norm_eps,
+                               norm_eps=norm.eps, iters=self.args.hc_sinkhorn_iters, hc_eps=self.args.hc_eps,
+                               expand=expand)
 
 
 # ----------------------------------------------------------------------------- model

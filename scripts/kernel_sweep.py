@@ -1,8 +1,8 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
-    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,moe,indexer,mhc]
+    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,moe,indexer,mhc,site]
 
-Each setting (the module constants of ``model.kernels.fused`` and ``model.kernels.moe``) is
+Each setting (the module constants of ``model.kernels.fused``, ``.moe`` and ``.streams``) is
 timed as a decode step runs it: 20 calls captured in one CUDA graph, replayed, the time per
 call — so launch gaps inside a graph count and Python does not. The output of every setting
 is compared with the default setting's (``max_abs_diff``), so a fast wrong tiling shows.
@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.args import ModelArgs  # noqa: E402
 from model.kernels import bench as kbench  # noqa: E402
-from model.kernels import fused, moe  # noqa: E402
+from model import kernels  # noqa: E402
+from model.kernels import fused, moe, streams  # noqa: E402
 
 CALLS = 20
 DEVICE = "cuda"
@@ -117,6 +118,25 @@ def main() -> None:
                   lambda: torch.cat([t.flatten() for t in fused.hc_split(mixes, scale, base, hc,
                                                                          args.hc_sinkhorn_iters, args.hc_eps)]),
                   emit, "hc_split")
+        if "site" in only:  # one mHC site, expanded first (the FFN site's form), in bf16
+            hc, D = args.hc_mult, args.hidden_size
+            g = torch.Generator().manual_seed(0)
+            s, y = torch.randn(a.batch, 1, hc, D, generator=g), torch.randn(a.batch, 1, D, generator=g)
+            pre, post = torch.rand(a.batch, 1, hc, generator=g), torch.rand(a.batch, 1, hc, generator=g)
+            comb = torch.rand(a.batch, 1, hc, hc, generator=g)
+            fn = torch.randn((2 + hc) * hc, hc * D, generator=g) / (hc * D) ** 0.5
+            scale, base = torch.rand(3, generator=g), torch.randn((2 + hc) * hc, generator=g)
+            w = torch.ones(D)
+            s, y, w = (t.to(DEVICE, torch.bfloat16) for t in (s, y, w))
+            pre, post, comb, fn, scale, base = (t.to(DEVICE) for t in (pre, post, comb, fn, scale, base))
+            site = (s, pre, fn, scale, base, w, args.rms_norm_eps, args.rms_norm_eps, args.hc_sinkhorn_iters,
+                    args.hc_eps, (y, post, comb))
+            flat = lambda out: torch.cat([t.float().flatten() for t in out])  # noqa: E731
+            emit({"kernel": "site: parts vs kernel (alone)", "parts_us": round(graphed_us(
+                lambda: kernels.hc_site_parts(*site)), 2), "kernel_us": round(graphed_us(lambda: streams.hc_site(*site)), 2),
+                "max_abs_diff": (flat(kernels.hc_site_parts(*site)) - flat(streams.hc_site(*site))).abs().max().item()})
+            sweep(streams, {"SITE_BLOCK_C": [16, 32, 64, 128], "SITE_WARPS": [1, 2, 4, 8]},
+                  lambda: flat(streams.hc_site(*site)), emit, "hc_site")
         if "moe" in only:
             tensors, config = moe_inputs(args, a.batch, DEVICE)
             emit({"kernel": "moe-shapes", "active_bytes": 2 * 3 * args.moe_intermediate_size * args.hidden_size

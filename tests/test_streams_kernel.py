@@ -1,14 +1,16 @@
 """The mHC stream kernels (``model.kernels.streams``) against their twins ``hc_collapse_ref`` /
 ``hc_expand_ref``, which are ``model.model.hc_collapse`` / ``hc_expand``'s own code: the
-same fp32 products and sums in the same order, so bit for bit. Kernel tests run on CUDA,
-or under ``TRITON_INTERPRET=1``, else skip; the twin tests always run.
+same fp32 products and sums in the same order, so bit for bit; and the one-site kernel
+``hc_site`` against its parts' twins (the streams bit for bit, the mixes to fp32 rounding).
+Kernel tests run on CUDA, or under ``TRITON_INTERPRET=1``, else skip; the twin tests always run.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from model.kernels import hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref, triton_available
+from model.kernels import (hc_collapse, hc_collapse_ref, hc_expand, hc_expand_ref, hc_site, hc_site_parts, hc_split_ref,
+                           rms_norm_ref, triton_available)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not triton_available(),
@@ -72,3 +74,88 @@ def test_the_dispatcher_runs_the_kernels_in_training_too(monkeypatch) -> None:
     assert calls == ["hc_collapse", "hc_expand"]
     hc_expand(y.requires_grad_(), streams, post, comb).sum().backward()
     assert calls == ["hc_collapse", "hc_expand", "hc_expand"] and y.grad is not None
+
+
+def _site_inputs(lead, hc, D, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed + 1)  # not _inputs' numbers again
+    streams, y, pre, post, comb = _inputs(lead, hc, D, dtype, seed)
+    M = (2 + hc) * hc
+    fn = (torch.randn(M, hc * D, generator=g) / (hc * D) ** 0.5).to(DEVICE)
+    scale, base = (1 + torch.rand(3, generator=g)).to(DEVICE), (0.5 * torch.randn(M, generator=g)).to(DEVICE)
+    weight = (1 + 0.1 * torch.randn(D, generator=g)).to(dtype).to(DEVICE)
+    return streams, pre, fn, scale, base, weight, (y, post, comb)
+
+
+def _site_twins(streams, pre, fn, scale, base, weight, eps, iters, hc_eps, expand):
+    """:func:`hc_site_parts` spelled out on the twins alone."""
+    if expand is not None:
+        streams = hc_expand_ref(expand[0], streams, expand[1], expand[2])
+    mixes = torch.nn.functional.linear(rms_norm_ref(streams.flatten(-2).float(), None, eps), fn)
+    split = hc_split_ref(mixes, scale, base, streams.shape[-2], iters, hc_eps)
+    return (streams, *split, rms_norm_ref(hc_collapse_ref(streams, pre), weight, eps))
+
+
+SITE = dict(eps=1e-6, norm_eps=1e-6, iters=20, hc_eps=1e-6)
+
+
+def test_site_parts_are_the_mhc_site() -> None:
+    """The parts (every CPU path and training) against the twins spelled out, and the maths'
+    own properties: comb doubly stochastic, pre in (0, 1], post in (0, 2), x of unit RMS
+    before the weight."""
+    streams, pre, fn, scale, base, weight, expand = _site_inputs((2, 3), 4, 48, torch.float32)
+    weight = torch.ones_like(weight)
+    for exp in (None, expand):
+        got = hc_site_parts(streams, pre, fn, scale, base, weight, 1e-6, 1e-6, 20, 1e-6, exp)
+        for g, w in zip(got, _site_twins(streams, pre, fn, scale, base, weight, 1e-6, 20, 1e-6, exp)):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5)  # equal off the interpreter
+        s, p, q, c, x = got
+        assert p.min() > 0 and p.max() <= 1 + 1e-5 and q.min() > 0 and q.max() < 2
+        torch.testing.assert_close(c.sum(-2), torch.ones_like(p), atol=1e-4, rtol=0)
+        torch.testing.assert_close(c.sum(-1), torch.ones_like(p), atol=1e-2, rtol=0)  # rows: 20 steps near
+        torch.testing.assert_close(x.square().mean(-1), torch.ones(2, 3), atol=1e-4, rtol=0)
+    assert not torch.equal(got[0], streams)  # the expand took effect
+
+
+@needs_kernel
+@pytest.mark.parametrize("lead,hc,D", [((1, 1), 4, 2048), ((3, 1), 4, 100), ((2, 1), 2, 128), ((1, 1), 4, 4096)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("expanded", [False, True])
+def test_site_kernel_matches_its_parts(lead, hc, D, dtype, expanded) -> None:
+    """Expanded streams bit for bit (``_expand_kernel``'s sums); mixes to fp32 rounding (the
+    dots summed in another order); x as the norm kernel's (a few fp32 ulps, then the cast)."""
+    from model.kernels import streams as kernel
+
+    streams, pre, fn, scale, base, weight, expand = _site_inputs(lead, hc, D, dtype, seed=D + expanded)
+    expand = expand if expanded else None
+    got = kernel.hc_site(streams, pre, fn, scale, base, weight, 1e-6, 1e-6, 20, 1e-6, expand)
+    want = _site_twins(streams, pre, fn, scale, base, weight, 1e-6, 20, 1e-6, expand)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+    assert torch.equal(_bits(got[0]), _bits(want[0]))
+    for g, w in zip(got[1:4], want[1:4]):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got[4], want[4], atol=1e-5, rtol=1e-5)
+    else:  # a few fp32 ulps can round a bf16 the other way: one bf16 ulp, rarely
+        torch.testing.assert_close(got[4].float(), want[4].float(), atol=0, rtol=2 ** -7)
+        assert (got[4] != want[4]).float().mean() < 0.01
+
+
+@needs_kernel
+def test_site_dispatcher_takes_the_kernel_for_decode_steps_only(monkeypatch) -> None:
+    """A few tokens without a gradient: the kernel; a prefill chunk's rows, or a gradient
+    wanted (training): the parts."""
+    from model.kernels import streams as kernel
+
+    calls = []
+    real = kernel.hc_site
+    monkeypatch.setattr(kernel, "hc_site", lambda *a: calls.append(a[0].shape) or real(*a))
+    streams, pre, fn, scale, base, weight, expand = _site_inputs((4, 1), 4, 64, torch.float32)
+    got = hc_site(streams, pre, fn, scale, base, weight, expand=expand, **SITE)
+    assert calls == [streams.shape]
+    want = hc_site_parts(streams, pre, fn, scale, base, weight, *SITE.values(), expand)
+    torch.testing.assert_close(got[4], want[4], atol=1e-5, rtol=1e-5)
+    long, lpre, *_ = _site_inputs((1, 17), 4, 64, torch.float32)
+    hc_site(long, lpre, fn, scale, base, weight, **SITE)
+    hc_site(streams, pre, fn.clone().requires_grad_(), scale, base, weight, **SITE)
+    assert calls == [streams.shape]

@@ -48,8 +48,8 @@ from model.kernels import backward
 from model.kernels.reference import (hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref, rms_norm_ref,
                                     rope_ref, sparse_attention_ref)
 
-__all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "rope", "rms_norm",
-           "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
+__all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "hc_site", "hc_site_parts", "rope",
+           "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref"]
 
@@ -208,6 +208,43 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     :class:`backward.HcExpand`); bit-exact either way."""
     return _kernel_or_twin("mHC expand kernel", "streams.hc_expand", hc_expand_ref, y, residual, post, comb,
                            grads=(y, residual, post, comb), function=backward.HcExpand)
+
+
+SITE_TOKENS = 16  # the most tokens hc_site's kernel takes: decode steps (its dots split each token's channels)
+
+
+def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_weight: torch.Tensor, *, eps: float, norm_eps: float, iters: int, hc_eps: float,
+            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """One mHC site: (streams, pre', post', comb', x). ``expand`` = (y, post, comb) of the
+    site before: the streams are first ``hc_expand(y, streams, post, comb)``. The mixes
+    (pre', post', comb') are ``hc_split`` of ``fn`` [(2 + hc) * hc, hc * D] times the
+    RMS-normalised flattened streams; x, the site's input, is ``rms_norm(hc_collapse(streams,
+    pre), norm_weight)`` (``pre``: the site before's, V4.1's lagged mHC). On a decode step's
+    few tokens (at most ``SITE_TOKENS``) where :func:`enabled`, outside autograd: two
+    launches (``model.kernels.streams.hc_site``: split dots, then the split, collapse and
+    norm) where the parts take five or six; the dots are summed in another order, so the
+    mixes agree with :func:`hc_site_parts` to a few fp32 ulps. Else :func:`hc_site_parts`."""
+    args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
+    rows = streams.numel() // max(1, streams.shape[-2] * streams.shape[-1])
+    if (0 < rows <= SITE_TOKENS and norm_weight.dtype == streams.dtype and fn.dtype == torch.float32
+            and streams.dtype in (torch.float32, torch.bfloat16)
+            and _kernel_runs("mHC site kernel", streams, grads=(streams, pre, fn, scale, base, norm_weight,
+                                                                 *(expand or ())))):
+        from model.kernels import streams as kernel
+
+        return _guarded("mHC site kernel", kernel.hc_site, hc_site_parts, *args)
+    return hc_site_parts(*args)
+
+
+def hc_site_parts(streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand=None):
+    """:func:`hc_site` as its parts: ``hc_expand``, ``rms_norm`` and a linear layer, ``hc_split``,
+    ``hc_collapse``, ``rms_norm`` — each its own kernel or twin (the model's maths)."""
+    if expand is not None:
+        streams = hc_expand(expand[0], streams, expand[1], expand[2])
+    mixes = torch.nn.functional.linear(rms_norm(streams.flatten(-2), None, eps, upcast=True), fn.float())
+    site_pre, post, comb = hc_split(mixes, scale, base, streams.shape[-2], iters, hc_eps)
+    return streams, site_pre, post, comb, rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps)
 
 
 _FAILED: dict[str, str] = {}  # fast path -> the error it failed with in this process

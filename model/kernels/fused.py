@@ -40,7 +40,7 @@ CHUNK = 32  # channels per warp-level dot (64: 28 us a call against 26, scripts/
 BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
 ATTN_WARPS = 8  # the [16, 512] fp32 accumulator and key tile need the registers of 8 warps
 INDEX_BLOCK_N = 64  # index keys per program
-INDEX_WARPS = 8
+INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
 MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
 
@@ -306,8 +306,38 @@ def indexer_scores(q, weights, keys, n_visible: int | torch.Tensor, head_scale: 
 
 # ----------------------------------------------------------------------------- mHC mixes
 
-HC_BLOCK_R = 64  # tokens per program
-HC_WARPS = 4  # untuned at decode sizes (scripts/kernel_sweep.py --only mhc sweeps it)
+HC_BLOCK_R = 16  # tokens per program
+HC_WARPS = 1  # one site at batch 1: 4.7 us a call against 8.3 with 64 rows and 4 warps (kernel_sweep.py --only mhc)
+
+
+@triton.jit
+def _hc_split_tiles(pre, post, comb, scale_ptr, base_ptr, eps, HC: tl.constexpr, ITERS: tl.constexpr):
+    """Raw mixes pre / post [R, HC] and comb [R, HC, HC] -> their values: the scale and base,
+    the sigmoids, comb's softmax and its ``ITERS`` Sinkhorn normalisations (``hc_split_ref``)."""
+    k = tl.arange(0, HC)
+    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    pre = pre * s0 + tl.load(base_ptr + k)[None, :]
+    post = post * s1 + tl.load(base_ptr + HC + k)[None, :]
+    pre = 1.0 / (1.0 + tl.exp(-pre)) + eps
+    post = 2.0 / (1.0 + tl.exp(-post))
+    comb = comb * s2 + tl.load(base_ptr + 2 * HC + k[:, None] * HC + k[None, :])[None, :, :]
+    comb = tl.exp(comb - tl.max(comb, 2)[:, :, None])
+    comb = comb / tl.sum(comb, 2)[:, :, None] + eps
+    comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
+    for _ in tl.static_range(ITERS - 1):
+        comb = comb / (tl.sum(comb, 2)[:, :, None] + eps)
+        comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
+    return pre, post, comb
+
+
+@triton.jit
+def _hc_store_split(pre_ptr, post_ptr, comb_ptr, r64, live, pre, post, comb, HC: tl.constexpr):
+    k = tl.arange(0, HC)
+    out = r64[:, None] * HC + k[None, :]
+    tl.store(pre_ptr + out, pre, mask=live[:, None])
+    tl.store(post_ptr + out, post, mask=live[:, None])
+    tl.store(comb_ptr + r64[:, None, None] * (HC * HC) + (k[:, None] * HC + k[None, :])[None, :, :], comb,
+             mask=live[:, None, None])
 
 
 @triton.jit(do_not_specialize=["R"])
@@ -318,25 +348,12 @@ def _hc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, 
     r64 = r.to(tl.int64)
     k = tl.arange(0, HC)
     row = mix_ptr + r64[:, None] * s_mr
-    s0, s1, s2 = tl.load(scale_ptr), tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
-    pre = tl.load(row + k[None, :], mask=live[:, None], other=0.0) * s0 + tl.load(base_ptr + k)[None, :]
-    post = tl.load(row + HC + k[None, :], mask=live[:, None], other=0.0) * s1 + tl.load(base_ptr + HC + k)[None, :]
-    pre = 1.0 / (1.0 + tl.exp(-pre)) + eps
-    post = 2.0 / (1.0 + tl.exp(-post))
+    pre = tl.load(row + k[None, :], mask=live[:, None], other=0.0)
+    post = tl.load(row + HC + k[None, :], mask=live[:, None], other=0.0)
     ij = 2 * HC + k[:, None] * HC + k[None, :]  # (HC, HC) offsets of comb[i, j]
     comb = tl.load(mix_ptr + r64[:, None, None] * s_mr + ij[None, :, :], mask=live[:, None, None], other=0.0)
-    comb = comb * s2 + tl.load(base_ptr + ij)[None, :, :]
-    comb = tl.exp(comb - tl.max(comb, 2)[:, :, None])
-    comb = comb / tl.sum(comb, 2)[:, :, None] + eps
-    comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
-    for _ in tl.static_range(ITERS - 1):
-        comb = comb / (tl.sum(comb, 2)[:, :, None] + eps)
-        comb = comb / (tl.sum(comb, 1)[:, None, :] + eps)
-    out = r64[:, None] * HC + k[None, :]
-    tl.store(pre_ptr + out, pre, mask=live[:, None])
-    tl.store(post_ptr + out, post, mask=live[:, None])
-    tl.store(comb_ptr + r64[:, None, None] * (HC * HC) + (k[:, None] * HC + k[None, :])[None, :, :], comb,
-             mask=live[:, None, None])
+    pre, post, comb = _hc_split_tiles(pre, post, comb, scale_ptr, base_ptr, eps, HC, ITERS)
+    _hc_store_split(pre_ptr, post_ptr, comb_ptr, r64, live, pre, post, comb, HC)
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):

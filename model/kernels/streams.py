@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits
+from model.kernels.fused import _bf16_bits, _hc_split_tiles, _hc_store_split
 
 
 @triton.jit
@@ -89,3 +89,127 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
         _launch(_expand_kernel, y.numel() // D, D, y, residual, post, comb, out.view(torch.int16) if bf16 else out,
                 D, hc, bf16=bf16)
     return out
+
+
+# ----------------------------------------------------------------------------- one mHC site
+
+SITE_BLOCK_C = 64  # channels per program of the mixes' dots (kernel_sweep.py --only site)
+SITE_WARPS = 4
+
+
+@triton.jit
+def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, S,
+                      HC: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
+                      EXPAND: tl.constexpr, BF16: tl.constexpr):
+    """One token's streams over BLOCK_C channels (expanded first when EXPAND, as
+    ``_expand_kernel`` does, and written out): their sum of squares and their dots with the
+    mixes' projection ``fn`` [M, HC * D], a partial sum of S per token."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    c = split * BLOCK_C + tl.arange(0, BLOCK_C)
+    live = c < D
+    m = tl.arange(0, M_PAD)
+    acc = tl.zeros([M_PAD, BLOCK_C], tl.float32)
+    sq = tl.zeros([BLOCK_C], tl.float32)
+    if EXPAND:
+        y = tl.load(y_ptr + row * D + c, mask=live, other=0.0).to(tl.float32)
+    for k in tl.static_range(HC):
+        if EXPAND:
+            h = tl.load(post_ptr + row * HC + k) * y
+            for j in tl.static_range(HC):  # comb[j, k] weighs stream j into stream k
+                r = tl.load(s_ptr + (row * HC + j) * D + c, mask=live, other=0.0).to(tl.float32)
+                h = h + tl.load(comb_ptr + (row * HC + j) * HC + k) * r
+            if BF16:  # the streams are stored in bf16: the mixes read the rounded values
+                bits = _bf16_bits(h)
+                tl.store(out_ptr + (row * HC + k) * D + c, bits, mask=live)
+                h = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            else:
+                tl.store(out_ptr + (row * HC + k) * D + c, h, mask=live)
+        else:
+            h = tl.load(s_ptr + (row * HC + k) * D + c, mask=live, other=0.0).to(tl.float32)
+        sq += h * h
+        w = tl.load(fn_ptr + m[:, None] * (HC * D) + k * D + c[None, :], mask=(m[:, None] < M) & live[None, :],
+                    other=0.0)
+        acc += w * h[None, :]
+    tl.store(dots_ptr + (row * S + split) * M_PAD + m, tl.sum(acc, 1))
+    tl.store(sq_ptr + row * S + split, tl.sum(sq, 0))
+
+
+@triton.jit
+def _site_finish_kernel(dots_ptr, sq_ptr, scale_ptr, base_ptr, s_ptr, pre_in_ptr, w_ptr, pre_ptr, post_ptr,
+                        comb_ptr, x_ptr, D, S, eps, hc_eps, norm_eps, HC: tl.constexpr, ITERS: tl.constexpr,
+                        M_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+    """One token: the partial dots summed and scaled by the streams' rstd (the mixes of the
+    normalised streams), split into pre / post / comb (``fused._hc_split_tiles``); then the
+    streams collapsed with the incoming ``pre`` and RMS-normalised by ``w`` (``_collapse_kernel``,
+    ``norm._rms_norm_kernel``)."""
+    row = tl.program_id(0).to(tl.int64)
+    s = tl.arange(0, S_PAD)
+    sl = s < S
+    k = tl.arange(0, HC)
+    part = dots_ptr + (row * S + s) * M_PAD
+    rstd = tl.math.rsqrt(tl.sum(tl.load(sq_ptr + row * S + s, mask=sl, other=0.0), 0) / (HC * D) + eps)
+    pre = tl.sum(tl.load(part[:, None] + k[None, :], mask=sl[:, None], other=0.0), 0) * rstd
+    post = tl.sum(tl.load(part[:, None] + HC + k[None, :], mask=sl[:, None], other=0.0), 0) * rstd
+    ij = 2 * HC + k[:, None] * HC + k[None, :]
+    comb = tl.sum(tl.load(part[:, None, None] + ij[None, :, :], mask=sl[:, None, None], other=0.0), 0) * rstd
+    pre, post, comb = _hc_split_tiles(pre[None, :], post[None, :], comb[None, :, :], scale_ptr, base_ptr, hc_eps,
+                                      HC, ITERS)
+    rows = row + tl.arange(0, 1)
+    _hc_store_split(pre_ptr, post_ptr, comb_ptr, rows, rows >= 0, pre, post, comb, HC)
+
+    c = tl.arange(0, BLOCK_D)
+    live = c < D
+    h = tl.load(pre_in_ptr + row * HC) * tl.load(s_ptr + row * HC * D + c, mask=live, other=0.0).to(tl.float32)
+    for kk in tl.static_range(1, HC):
+        h = h + tl.load(pre_in_ptr + row * HC + kk) * tl.load(s_ptr + (row * HC + kk) * D + c, mask=live,
+                                                              other=0.0).to(tl.float32)
+    if BF16:  # the collapse is stored in bf16 before the norm reads it
+        h = (_bf16_bits(h).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + norm_eps)
+    w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
+    if BF16:
+        h = (_bf16_bits(h).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        tl.store(x_ptr + row * D + c, _bf16_bits(w * h), mask=live)
+    else:
+        tl.store(x_ptr + row * D + c, w * h, mask=live)
+
+
+def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
+            norm_weight: torch.Tensor, eps: float, norm_eps: float, iters: int, hc_eps: float,
+            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+    """One mHC site of a few tokens in two launches; see ``model.kernels.hc_site``."""
+    hc, D = streams.shape[-2:]
+    M = (2 + hc) * hc
+    lead = streams.shape[:-2]
+    assert fn.shape == (M, hc * D) and fn.dtype == torch.float32 and hc & (hc - 1) == 0
+    assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
+    bf16 = streams.dtype == torch.bfloat16
+    streams, pre, fn = streams.contiguous(), pre.contiguous(), fn.contiguous()
+    R = streams.numel() // (hc * D)
+    S = triton.cdiv(D, SITE_BLOCK_C)
+    M_PAD = triton.next_power_of_2(M)
+    dots = torch.empty(R, S, M_PAD, dtype=torch.float32, device=streams.device)
+    sq = torch.empty(R, S, dtype=torch.float32, device=streams.device)
+    options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+    if expand is None:
+        _site_dots_kernel[(R, S)](streams, fn, dots, sq, streams, pre, pre, streams, D, S, HC=hc, M=M, M_PAD=M_PAD,
+                                  BLOCK_C=SITE_BLOCK_C, EXPAND=False, BF16=bf16, num_warps=SITE_WARPS, **options)
+    else:
+        y, post_in, comb_in = (t.contiguous() for t in expand)
+        assert y.shape == lead + (D,) and post_in.dtype == comb_in.dtype == torch.float32
+        residual, streams = streams, torch.empty_like(streams)
+        _site_dots_kernel[(R, S)](residual, fn, dots, sq, y, post_in, comb_in,
+                                  streams.view(torch.int16) if bf16 else streams, D, S, HC=hc, M=M, M_PAD=M_PAD,
+                                  BLOCK_C=SITE_BLOCK_C, EXPAND=True, BF16=bf16, num_warps=SITE_WARPS, **options)
+    pre_out = torch.empty(*lead, hc, dtype=torch.float32, device=streams.device)
+    post_out, comb_out = torch.empty_like(pre_out), torch.empty(*lead, hc, hc, dtype=torch.float32,
+                                                                device=streams.device)
+    x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
+    block = triton.next_power_of_2(D)
+    _site_finish_kernel[(R,)](dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre,
+                              norm_weight.contiguous(), pre_out, post_out, comb_out,
+                              x.view(torch.int16) if bf16 else x, D, S, float(eps), float(hc_eps), float(norm_eps),
+                              HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block,
+                              BF16=bf16, num_warps=4 if block <= 1024 else 8, **options)
+    return streams, pre_out, post_out, comb_out, x
