@@ -428,18 +428,25 @@ def test_hc_split_keeps_the_twin_when_a_gradient_is_wanted() -> None:
 
 @needs_kernel
 def test_model_mixes_run_the_mhc_kernel_outside_autograd(monkeypatch) -> None:
-    from model.kernels import fused
+    """A decode step's few tokens: the one-site kernel; more (a prefill chunk): the split
+    kernel after torch's projection; with a gradient wanted (training): the twins."""
+    from model.kernels import fused, streams
 
     calls = []
-    real = fused.hc_split
-    monkeypatch.setattr(fused, "hc_split", lambda *a: calls.append(1) or real(*a))
+    for module, name in ((fused, "hc_split"), (streams, "hc_site")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     net = tiny_net().to(DEVICE)
-    ids = torch.randint(3, net.args.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    g = torch.Generator().manual_seed(1)
+    sites = 2 * net.args.num_hidden_layers  # both sites of every layer
     with torch.no_grad():
-        net(ids)
-    assert len(calls) == 2 * net.args.num_hidden_layers  # both sites of every layer
+        net(torch.randint(3, net.args.vocab_size, (1, 9), generator=g).to(DEVICE))
+        assert calls == ["hc_site"] * sites
+        calls.clear()
+        net(torch.randint(3, net.args.vocab_size, (1, 17), generator=g).to(DEVICE))
+        assert calls == ["hc_split"] * sites
     calls.clear()
-    net(ids).sum().backward()  # training: the differentiable twin
+    net(torch.randint(3, net.args.vocab_size, (1, 9), generator=g).to(DEVICE)).sum().backward()
     assert calls == [] and net.layers[0].hc_attn_scale.grad is not None
 
 

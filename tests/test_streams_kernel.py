@@ -112,7 +112,7 @@ def test_site_parts_are_the_mhc_site() -> None:
         assert p.min() > 0 and p.max() <= 1 + 1e-5 and q.min() > 0 and q.max() < 2
         torch.testing.assert_close(c.sum(-2), torch.ones_like(p), atol=1e-4, rtol=0)
         torch.testing.assert_close(c.sum(-1), torch.ones_like(p), atol=1e-2, rtol=0)  # rows: 20 steps near
-        torch.testing.assert_close(x.square().mean(-1), torch.ones(2, 3), atol=1e-4, rtol=0)
+        torch.testing.assert_close(x.square().mean(-1), torch.ones_like(x[..., 0]), atol=1e-4, rtol=0)
     assert not torch.equal(got[0], streams)  # the expand took effect
 
 

@@ -139,11 +139,22 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
 def _site_finish_kernel(dots_ptr, sq_ptr, scale_ptr, base_ptr, s_ptr, pre_in_ptr, w_ptr, pre_ptr, post_ptr,
                         comb_ptr, x_ptr, D, S, eps, hc_eps, norm_eps, HC: tl.constexpr, ITERS: tl.constexpr,
                         M_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
-    """One token: the partial dots summed and scaled by the streams' rstd (the mixes of the
-    normalised streams), split into pre / post / comb (``fused._hc_split_tiles``); then the
-    streams collapsed with the incoming ``pre`` and RMS-normalised by ``w`` (``_collapse_kernel``,
-    ``norm._rms_norm_kernel``)."""
+    """One token, two programs side by side: (row, 0) sums the partial dots, scales them by
+    the streams' rstd (the mixes of the normalised streams) and splits them into pre / post /
+    comb (``fused._hc_split_tiles``: its Sinkhorn is a chain of ~40 small reductions);
+    (row, 1) collapses the streams with the incoming ``pre`` and RMS-normalises them by ``w``
+    (``_collapse_kernel``, ``norm._rms_norm_kernel``)."""
     row = tl.program_id(0).to(tl.int64)
+    if tl.program_id(1) == 1:
+        _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC, BLOCK_D, BF16)
+    else:
+        _site_split(dots_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, row, D, S, eps, hc_eps,
+                    HC, ITERS, M_PAD, S_PAD)
+
+
+@triton.jit
+def _site_split(dots_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, row, D, S, eps, hc_eps,
+                HC: tl.constexpr, ITERS: tl.constexpr, M_PAD: tl.constexpr, S_PAD: tl.constexpr):
     s = tl.arange(0, S_PAD)
     sl = s < S
     k = tl.arange(0, HC)
@@ -158,6 +169,10 @@ def _site_finish_kernel(dots_ptr, sq_ptr, scale_ptr, base_ptr, s_ptr, pre_in_ptr
     rows = row + tl.arange(0, 1)
     _hc_store_split(pre_ptr, post_ptr, comb_ptr, rows, rows >= 0, pre, post, comb, HC)
 
+
+@triton.jit
+def _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
+                BF16: tl.constexpr):
     c = tl.arange(0, BLOCK_D)
     live = c < D
     h = tl.load(pre_in_ptr + row * HC) * tl.load(s_ptr + row * HC * D + c, mask=live, other=0.0).to(tl.float32)
@@ -207,7 +222,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
                                                                 device=streams.device)
     x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
     block = triton.next_power_of_2(D)
-    _site_finish_kernel[(R,)](dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre,
+    _site_finish_kernel[(R, 2)](dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre,
                               norm_weight.contiguous(), pre_out, post_out, comb_out,
                               x.view(torch.int16) if bf16 else x, D, S, float(eps), float(hc_eps), float(norm_eps),
                               HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block,
