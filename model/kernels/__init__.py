@@ -11,6 +11,8 @@ bit-exact with its twin ``rope_ref``) and ``rms_norm(x, weight, eps)`` (kernel i
 ``hc_expand(y, residual, post, comb)`` (kernels in ``model.kernels.streams``, bit-exact with
 twins of the same names + ``_ref``) — these five on any number of tokens; the last four
 also in training, through the closed-form backward passes of ``model.kernels.backward``;
+``hc_site(...)``: a whole mHC site, two launches on a decode step's few tokens, else its
+parts (``hc_site_parts``: the functions above);
 and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
   fp32 (or ``out_dtype``): ``Attention._attend`` for S=1 on FP8 window rows and selected FP4

@@ -8,8 +8,13 @@ layout copies and matmul, sums, the cast back). Bit-exact with the twins: the sa
 products and sums in the same order, each rounded on its own (``enable_fp_fusion=False``),
 and the cast back rounded to nearest even (on the bits for bf16).
 
-Does not own: the mixes ``pre`` / ``post`` / ``comb`` (``model.kernels.hc_split``), or
-choosing kernel or twin (``model.kernels``). Imported only when Triton is importable.
+Also owns ``hc_site``: one whole mHC site of a decode step's few tokens in two launches
+(``model.kernels.hc_site`` says what it computes) — the mixes' dots split over channel
+blocks with the expand folded in, then the mixes' split (``model.kernels.fused``'s Sinkhorn
+tiles) beside the collapse and the site's norm.
+
+Does not own: the mixes ``pre`` / ``post`` / ``comb`` of a prefill chunk (``model.kernels.hc_split``),
+or choosing kernel or twin (``model.kernels``). Imported only when Triton is importable.
 """
 from __future__ import annotations
 
