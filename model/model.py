@@ -644,16 +644,19 @@ class Block(nn.Module):
         return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask)
 
     def whole_layer(self, streams, pre, pos, shared: dict, *, ropes: Ropes, cache: Cache, emits: bool,
-                    image_mask=None):
-        """One decode step of the layer, fused kernels on: (streams, pre, *what later layers read);
-        ``shared``: what earlier layers wrote. Inside the step's :func:`shared_rope_angles`
-        scope (``Transformer._step_layers``)."""
-        a_pre, a_post, a_comb, x, q_res, q, kv, *qw = self.projected_attn_site(streams, pre, pos, ropes=ropes,
-                                                                              fmt=cache.kv)
+                    image_mask=None, expand=None):
+        """One decode step of the layer, fused kernels on: (streams, pre, (y, post, comb), *what
+        later layers read). The FFN's output y is NOT yet in the streams: the next layer's
+        attention site adds it (its ``expand``), or the caller (``hc_expand(y, streams, post,
+        comb)``); ``expand``: the layer before's, likewise. ``shared``: what earlier layers
+        wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
+        streams, a_pre, a_post, a_comb, x = self.site("attn", streams, pre, expand=expand)
+        q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
-        return (*self.projected_ffn_site(out, pos, streams, a_pre, a_post, a_comb, ropes=ropes,
-                                         image_mask=image_mask), *written)
+        y = self.attn.output(out, pos, ropes)
+        streams, f_pre, f_post, f_comb, x = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb))
+        return (streams, f_pre, (self.ffn(x, image_mask), f_post, f_comb), *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -661,12 +664,16 @@ class Block(nn.Module):
         return a_pre, a_post, a_comb, x
 
     def projected_attn_site(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
-        """:meth:`attn_site`, the attention's projections (``Attention.project``) and, in a
-        layer with an indexer, its query and head weights (``Indexer.query``)."""
+        """:meth:`attn_site` and :meth:`projections`."""
         a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
+        return (a_pre, a_post, a_comb, x, *self.projections(x, pos, ropes=ropes, fmt=fmt))
+
+    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat):
+        """The attention's projections of the site's input (``Attention.project``) and, in a
+        layer with an indexer, its query and head weights (``Indexer.query``)."""
         q_res, q, kv = self.attn.project(x, pos, ropes, fmt)
         index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
-        return (a_pre, a_post, a_comb, x, q_res, q, kv, *index)
+        return (q_res, q, kv, *index)
 
     def attn_segment(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
         """:meth:`projected_attn_site` as a graph segment: with its own RoPE-angle scope."""
@@ -832,16 +839,25 @@ class Transformer(nn.Module):
                      image_mask=None):
         """The layers of :meth:`_fused_layers`: (streams, pre, *the tapped layers' inputs).
         One RoPE-angle scope for them all: every layer rotates at the same position, under
-        one of two frequency tables, so cos / sin are made twice a step, not in every layer."""
+        one of two frequency tables, so cos / sin are made twice a step, not in every layer.
+        A layer's FFN output is added to the streams by the next layer's attention-site kernel
+        (``Block.whole_layer``'s ``expand``), one launch fewer a layer; on its own before a layer
+        that reads the streams first (Engram, a DSpark tap) and after the last."""
         shared, taps = {}, []  # what each layer writes for the later ones: the top-k, the candidate pool
+        pending = None  # the layer before's FFN output, added by the next attention site's kernel
         with shared_rope_angles():
             for b, e in zip(blocks, emits):
+                if pending is not None and ((b.engram is not None and hash_ids) or b.layer in tapped):
+                    streams, pending = hc_expand(pending[0], streams, pending[1], pending[2]), None
                 streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask)
                 if b.layer in tapped:
                     taps.append(streams.mean(dim=2))
-                streams, pre, *written = b.whole_layer(streams, pre, pos, shared, ropes=self.ropes, cache=cache,
-                                                       emits=e, image_mask=image_mask)
+                streams, pre, pending, *written = b.whole_layer(streams, pre, pos, shared, ropes=self.ropes,
+                                                                cache=cache, emits=e, image_mask=image_mask,
+                                                                expand=pending)
                 shared.update(zip(("topk", "candidates"), written))
+        if pending is not None:
+            streams = hc_expand(pending[0], streams, pending[1], pending[2])
         return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
