@@ -67,7 +67,7 @@ def main() -> None:
         for n in map(int, filter(None, a.profile.split(","))):
             for graphs in (True, False):  # graphed kernels may be invisible to the profiler: both
                 with switched(graphs=graphs):
-                    emit({"graphs": graphs, **bench_profile(model, n)})
+                    emit({"graphs": graphs, **bench_profile(model, n, top=60)})  # every kind of kernel
 
 
 if __name__ == "__main__":
