@@ -200,36 +200,39 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
             expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """One mHC site of a few tokens in two launches; see ``model.kernels.hc_site``."""
     hc, D = streams.shape[-2:]
-    M = (2 + hc) * hc
     lead = streams.shape[:-2]
-    assert fn.shape == (M, hc * D) and fn.dtype == torch.float32 and hc & (hc - 1) == 0
+    assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc & (hc - 1) == 0
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
-    bf16 = streams.dtype == torch.bfloat16
-    streams, pre, fn = streams.contiguous(), pre.contiguous(), fn.contiguous()
-    R = streams.numel() // (hc * D)
-    S = triton.cdiv(D, SITE_BLOCK_C)
-    M_PAD = triton.next_power_of_2(M)
-    dots = torch.empty(R, S, M_PAD, dtype=torch.float32, device=streams.device)
-    sq = torch.empty(R, S, dtype=torch.float32, device=streams.device)
     options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
-    if expand is None:
-        _site_dots_kernel[(R, S)](streams, fn, dots, sq, streams, pre, pre, streams, D, S, HC=hc, M=M, M_PAD=M_PAD,
-                                  BLOCK_C=SITE_BLOCK_C, EXPAND=False, BF16=bf16, num_warps=SITE_WARPS, **options)
-    else:
-        y, post_in, comb_in = (t.contiguous() for t in expand)
-        assert y.shape == lead + (D,) and post_in.dtype == comb_in.dtype == torch.float32
-        residual, streams = streams, torch.empty_like(streams)
-        _site_dots_kernel[(R, S)](residual, fn, dots, sq, y, post_in, comb_in,
-                                  streams.view(torch.int16) if bf16 else streams, D, S, HC=hc, M=M, M_PAD=M_PAD,
-                                  BLOCK_C=SITE_BLOCK_C, EXPAND=True, BF16=bf16, num_warps=SITE_WARPS, **options)
+    streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options)
+    R, S, M_PAD = dots.shape
     pre_out = torch.empty(*lead, hc, dtype=torch.float32, device=streams.device)
     post_out, comb_out = torch.empty_like(pre_out), torch.empty(*lead, hc, hc, dtype=torch.float32,
                                                                 device=streams.device)
     x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
-    block = triton.next_power_of_2(D)
-    _site_finish_kernel[(R, 2)](dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre,
-                              norm_weight.contiguous(), pre_out, post_out, comb_out,
-                              x.view(torch.int16) if bf16 else x, D, S, float(eps), float(hc_eps), float(norm_eps),
-                              HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block,
-                              BF16=bf16, num_warps=4 if block <= 1024 else 8, **options)
+    bf16, block = streams.dtype == torch.bfloat16, triton.next_power_of_2(D)
+    _site_finish_kernel[(R, 2)](dots, sq, scale.float().contiguous(), base.float().contiguous(), streams,
+                                pre.contiguous(), norm_weight.contiguous(), pre_out, post_out, comb_out,
+                                x.view(torch.int16) if bf16 else x, D, S, float(eps), float(hc_eps), float(norm_eps),
+                                HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block,
+                                BF16=bf16, num_warps=4 if block <= 1024 else 8, **options)
     return streams, pre_out, post_out, comb_out, x
+
+
+def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict):
+    """The first launch: (the site's streams — new ones when ``expand`` —, the partial dots
+    [R, S, M_PAD] and sums of squares [R, S] of S channel blocks a token)."""
+    hc, D = streams.shape[-2:]
+    R, S, M = streams.numel() // (hc * D), triton.cdiv(D, SITE_BLOCK_C), fn.shape[0]
+    dots = torch.empty(R, S, triton.next_power_of_2(M), dtype=torch.float32, device=streams.device)
+    sq = torch.empty(R, S, dtype=torch.float32, device=streams.device)
+    out, y, post, comb = streams, streams, streams, streams  # unread without EXPAND
+    if expand is not None:
+        y, post, comb = (t.contiguous() for t in expand)
+        assert y.shape == streams.shape[:-2] + (D,) and post.dtype == comb.dtype == torch.float32
+        out = torch.empty_like(streams)
+    bf16 = streams.dtype == torch.bfloat16
+    _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, out.view(torch.int16) if bf16 else out, D, S,
+                              HC=hc, M=M, M_PAD=dots.shape[-1], BLOCK_C=SITE_BLOCK_C, EXPAND=expand is not None,
+                              BF16=bf16, num_warps=SITE_WARPS, **options)
+    return out, dots, sq
