@@ -572,17 +572,10 @@ class Engram(nn.Module):
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
 
     def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-        D, hc, eps = self.args.hidden_size, self.args.hc_mult, self.args.rms_norm_eps
+        D, hc = self.args.hidden_size, self.args.hc_mult
         kv = self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
         key, value = kv.split([hc * D, D], dim=-1)
-        key = key.float().unflatten(-1, (hc, D))
-        h = streams.float()
-        rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
-        dot = (h * (self.q_weight.float() * self.k_weight.float()) * key).sum(-1) * rstd * D ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
-        if live is not None:
-            gate = gate.masked_fill(~live.unsqueeze(-1), 0.0)
-        return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
+        return kernels.engram_gate(streams, key, value, self.q_weight, self.k_weight, live, self.args.rms_norm_eps)
 
 
 # ----------------------------------------------------------------------------- mHC block

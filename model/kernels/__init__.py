@@ -11,6 +11,8 @@ bit-exact with its twin ``rope_ref``) and ``rms_norm(x, weight, eps)`` (kernel i
 ``hc_expand(y, residual, post, comb)`` (kernels in ``model.kernels.streams``, bit-exact with
 twins of the same names + ``_ref``) — these five on any number of tokens; the last four
 also in training, through the closed-form backward passes of ``model.kernels.backward``;
+``engram_gate(...)`` (the Engram value gated into the streams, kernel in
+``model.kernels.engram``, twin ``engram_gate_ref``; any number of tokens, not in training);
 ``hc_site(...)``: a whole mHC site, two launches on a decode step's few tokens, else its
 parts (``hc_site_parts``: the functions above);
 and, for one decode step (one query per batch row):
@@ -47,13 +49,14 @@ import torch
 
 from model import quant
 from model.kernels import backward
-from model.kernels.reference import (hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref, rms_norm_ref,
-                                    rope_ref, sparse_attention_ref)
+from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
+                                    rms_norm_ref, rope_ref, sparse_attention_ref)
 
 __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "hc_site", "hc_site_parts", "rope",
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
-           "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref"]
+           "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
+           "engram_gate_ref"]
 
 
 def _interpreting() -> bool:
@@ -210,6 +213,15 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     :class:`backward.HcExpand`); bit-exact either way."""
     return _kernel_or_twin("mHC expand kernel", "streams.hc_expand", hc_expand_ref, y, residual, post, comb,
                            grads=(y, residual, post, comb), function=backward.HcExpand)
+
+
+def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
+                k_weight: torch.Tensor, live: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """The Engram value gated into the streams (see :func:`engram_gate_ref`): one kernel
+    (``model.kernels.engram``) where :func:`enabled`, outside autograd; else the twin (training
+    differentiates through it). Agrees with the twin to a few fp32 ulps before the cast back."""
+    return _kernel_or_twin("Engram kernel", "engram.engram_gate", engram_gate_ref, streams, key, value, q_weight,
+                           k_weight, live, eps, grads=(streams, key, value, q_weight, k_weight))
 
 
 SITE_TOKENS = 16  # the most tokens hc_site's kernel takes: decode steps (its dots split each token's channels)

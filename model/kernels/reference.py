@@ -1,10 +1,11 @@
 """Pure-PyTorch twins of the fused decode kernels: the semantics the kernels must match.
 
 Owns ``rope_ref`` (the model's RoPE rotation, given cos / sin), ``rms_norm_ref`` (its
-RMSNorm), ``hc_split_ref`` (the mHC mixes of ``model.model.hc_mixes`` after their
-projection: sigmoid pre / post and the Sinkhorn-normalised comb), ``hc_collapse_ref`` /
-``hc_expand_ref`` (the streams into a site's input and its output back into the streams)
-— the model computes with these five, so they are its own code, not copies — and two functions on *packed* cache
+RMSNorm), ``hc_split_ref`` (the mHC mixes after their projection: sigmoid pre / post and
+the Sinkhorn-normalised comb), ``hc_collapse_ref`` / ``hc_expand_ref`` (the streams into a
+site's input and its output back into the streams), ``engram_gate_ref`` (the Engram value
+gated into the streams) — the model computes with these six, so they are its own code, not
+copies — and two functions on *packed* cache
 bytes, one decode step (one query per row):
 ``sparse_attention_ref`` (``Attention._attend`` for S=1: one softmax over the valid window
 entries, the selected FP4 records and the per-head sink, shared K=V latent) and
@@ -107,6 +108,24 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     even, odd = x[..., -rd::2].float(), x[..., -rd + 1::2].float()
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+
+
+def engram_gate_ref(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
+                    k_weight: torch.Tensor, live: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Streams [..., hc, D] plus the Engram value [..., D] gated per stream: the gate is the
+    sigmoid of the signed square root of the RMS-normalised dot of each stream with its key
+    (``key`` [..., hc * D]) under the weights ``q_weight * k_weight`` [hc, D], scaled by
+    D^-1/2; 0 where ``live`` [...] is False (image tokens). In fp32, cast back
+    (``model.model.Engram``)."""
+    D = streams.shape[-1]
+    key = key.float().unflatten(-1, (streams.shape[-2], D))
+    h = streams.float()
+    rstd = torch.rsqrt(h.square().mean(-1) + eps) * torch.rsqrt(key.square().mean(-1) + eps)
+    dot = (h * (q_weight.float() * k_weight.float()) * key).sum(-1) * rstd * D ** -0.5
+    gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+    if live is not None:
+        gate = gate.masked_fill(~live.unsqueeze(-1), 0.0)
+    return (h + gate.unsqueeze(-1) * value.float().unsqueeze(-2)).to(streams.dtype)
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
