@@ -229,14 +229,14 @@ def switched(**paths: bool):
                 os.environ[env] = value
 
 
-def bench_paths(model: Transformer, ctx: int, *, steps: int = 8, chunk: int = 512) -> dict:
-    """Decode step time with every fast path on, then with each one off (its ``DSAGENT_*``
-    switch set to 0), side by side in one process: what each path is worth here."""
+def bench_paths(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 8, chunk: int = 512) -> dict:
+    """Decode step time of ``batch`` rows with every fast path on, then with each one off (its
+    ``DSAGENT_*`` switch set to 0), side by side in one process: what each path is worth here."""
     times = {}
     for off in (None, *PATH_SWITCHES):
         with switched(**{name: name != off for name in PATH_SWITCHES}):
-            times[off or "all_on"] = _step_seconds(model, ctx, 1, steps, chunk)
-    return {"bench": "paths", "ctx": ctx, "step_ms": {k: 1e3 * v for k, v in times.items()},
+            times[off or "all_on"] = _step_seconds(model, ctx, batch, steps, chunk)
+    return {"bench": "paths", "ctx": ctx, "batch": batch, "step_ms": {k: 1e3 * v for k, v in times.items()},
             "slowdown_without": {k: v / times["all_on"] for k, v in times.items() if k != "all_on"}}
 
 

@@ -1,7 +1,7 @@
 """Run the engine benchmarks on a GPU (the device machine) and write JSON lines.
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
-       [--linears 8192] [--paths 4096] [--host 4096] [--profile 16384]
+       [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--profile 16384]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 """
@@ -34,6 +34,7 @@ def main() -> None:
     p.add_argument("--batch", default="4096")
     p.add_argument("--linears", default="8192")
     p.add_argument("--paths", default="4096", help="contexts at which each fast path is turned off in turn")
+    p.add_argument("--paths-batch", default="1", help="batch sizes of --paths (e.g. 1,16: the MoE paths at batch 16)")
     p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     a = p.parse_args()
@@ -61,7 +62,8 @@ def main() -> None:
         for n in map(int, filter(None, a.linears.split(","))):
             emit(bench_linears(model, n))
         for n in map(int, filter(None, a.paths.split(","))):
-            emit(bench_paths(model, n))
+            for b in map(int, a.paths_batch.split(",")):
+                emit(bench_paths(model, n, batch=b))
         for n in map(int, filter(None, a.host.split(","))):
             emit(bench_host(model, n))
         for n in map(int, filter(None, a.profile.split(","))):

@@ -204,9 +204,10 @@ def test_bench_commands(which):
 def test_bench_decode_paths_turns_each_switch_off_in_turn(monkeypatch):
     monkeypatch.setenv("DSAGENT_GRAPHS", "1")
     monkeypatch.delenv("DSAGENT_KERNELS", raising=False)
-    r = invoke("bench", "decode", "--paths", "--preset", "tiny", "--ctx", "32", "--json")
+    r = invoke("bench", "decode", "--paths", "--batch", "2", "--preset", "tiny", "--ctx", "32", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
+    assert out["batch"] == 2
     assert set(out["step_ms"]) == {"all_on", "graphs", "kernels", "fused_moe", "grouped_moe"}
     assert set(out["slowdown_without"]) == {"graphs", "kernels", "fused_moe", "grouped_moe"}
     assert all(v > 0 for v in out["step_ms"].values())

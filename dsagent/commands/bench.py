@@ -64,7 +64,9 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
            profiled: bool = typer.Option(False, "--profile", help="Kernels per step and the ones that take "
                                                                   "the step's device time."),
            host: bool = typer.Option(False, "--host", help="The host's time to issue a step beside the step's "
-                                                           "time: near 1, the device waits on Python.")) -> None:
+                                                           "time: near 1, the device waits on Python."),
+           batch: int = typer.Option(1, "--batch", min=1, help="Rows of each --paths step (the MoE paths differ "
+                                                                "most at batch 16).")) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with handled():
         m = _runtime(model, preset, device).model
@@ -73,7 +75,7 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
         elif host:
             _emit(bench_host(m, ctx), as_json)
         elif paths:
-            _emit(bench_paths(m, ctx), as_json)
+            _emit(bench_paths(m, ctx, batch=batch), as_json)
         else:
             _emit(bench_speculative(m, ctx) if speculative else bench_decode(m, ctx, steps=8), as_json)
 
