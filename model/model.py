@@ -255,7 +255,8 @@ class Indexer(nn.Module):
         lens = (pos + 1) // self.args.ratios[self.layer]
         s = kernels.indexer_scores(q[:, 0].float(), w[:, 0], src.index, lens, self.head_dim ** -0.5)[:, None]
         indices, candidates = self.select(s, lens, candidates)
-        return F.pad(indices, (0, self.args.index_topk - indices.shape[-1]), value=-1), candidates
+        short = self.args.index_topk - indices.shape[-1]  # a buffer of fewer records than top-k
+        return (F.pad(indices, (0, short), value=-1) if short else indices), candidates
 
     def select(self, s: torch.Tensor, lens: torch.Tensor, candidates: torch.Tensor | None):
         """Top-k record indices [B, S, <= k] (-1 = none) of scores ``s`` [B, S, n] for queries
