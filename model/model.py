@@ -648,9 +648,8 @@ class Block(nn.Module):
         q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
-        y = self.attn.output(out, pos, ropes)
-        streams, f_pre, f_post, f_comb, x = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb))
-        return (streams, f_pre, (self.ffn(x, image_mask), f_post, f_comb), *written)
+        return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask),
+                *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -680,8 +679,14 @@ class Block(nn.Module):
 
     def ffn_site(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
         """Attention output expanded into the streams, then the whole FFN site (reads no cache)."""
+        streams, f_pre, (out, f_post, f_comb) = self.ffn_output(y, streams, a_pre, a_post, a_comb, image_mask)
+        return hc_expand(out, streams, f_post, f_comb), f_pre
+
+    def ffn_output(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
+        """:meth:`ffn_site` short of its last expand: (streams, pre, (the FFN's output, post,
+        comb)), what ``hc_expand`` or the next site's ``expand`` adds to the streams."""
         streams, f_pre, f_post, f_comb, x = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb))
-        return hc_expand(self.ffn(x, image_mask), streams, f_post, f_comb), f_pre
+        return streams, f_pre, (self.ffn(x, image_mask), f_post, f_comb)
 
     def site(self, name: str, streams, pre, expand=None):
         """``kernels.hc_site`` of the attention or FFN site: (streams, pre, post, comb, the

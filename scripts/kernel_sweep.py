@@ -21,9 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.args import ModelArgs  # noqa: E402
-from model.kernels import bench as kbench  # noqa: E402
 from model import kernels  # noqa: E402
-from model.kernels import fused, moe, streams  # noqa: E402
+from model.kernels import bench as kbench, fused, moe, streams  # noqa: E402
 
 CALLS = 20
 DEVICE = "cuda"
@@ -87,7 +86,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--only", default="attention,moe,indexer,mhc")
+    p.add_argument("--only", default="attention,moe,indexer,mhc,site")
     a = p.parse_args()
     args = ModelArgs.preset(a.preset)
     with open(a.out, "a") as out:

@@ -240,7 +240,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     norm) where the parts take five or six; the dots are summed in another order, so the
     mixes agree with :func:`hc_site_parts` to a few fp32 ulps. Else :func:`hc_site_parts`."""
     args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
-    rows = streams.numel() // max(1, streams.shape[-2] * streams.shape[-1])
+    rows = streams.numel() // (streams.shape[-2] * streams.shape[-1])
     if (0 < rows <= SITE_TOKENS and norm_weight.dtype == streams.dtype and fn.dtype == torch.float32
             and streams.dtype in (torch.float32, torch.bfloat16)
             and _kernel_runs("mHC site kernel", streams, grads=(streams, pre, fn, scale, base, norm_weight,
