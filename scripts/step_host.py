@@ -37,7 +37,8 @@ def main() -> None:
     def record(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename and "warnings" not in f.filename]
         where = " <- ".join(f"{Path(f.filename).name}:{f.lineno}({f.name})" for f in reversed(frames[-6:]))
-        sites[f"{str(message)[:60]} @ {where}"] = sites.get(f"{str(message)[:60]} @ {where}", 0) + 1
+        key = f"{str(message)[:60]} @ {where}"
+        sites[key] = sites.get(key, 0) + 1
 
     shown = warnings.showwarning
     warnings.showwarning = record
