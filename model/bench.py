@@ -391,14 +391,15 @@ def bench_host(model: Transformer, ctx: int, *, steps: int = 16, chunk: int = 51
             "host_over_step": issue[len(issue) // 2] / (secs / steps)}
 
 
-def bench_profile(model: Transformer, ctx: int, *, steps: int = 4, chunk: int = 512, top: int = 12) -> dict:
-    """Where a batch-1 decode step's device time goes, by kernel (torch.profiler over
-    ``steps`` steps after a CED prefill of ``ctx`` tokens): kernels launched per step, their
+def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 4, chunk: int = 512,
+                  top: int = 12) -> dict:
+    """Where a decode step's device time goes, by kernel (torch.profiler over ``steps`` steps
+    of ``batch`` rows after a CED prefill of ``ctx`` tokens): kernels launched per step, their
     summed device time per step, and the ``top`` kernels by time. A guide for fusing, not
     a target; on the CPU it counts operators instead of kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = _warm_decoder(model, ctx, 1, chunk)
+    step = _warm_decoder(model, ctx, batch, chunk)
     cuda = model.device.type == "cuda"
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     _sync(model.device)
@@ -406,7 +407,7 @@ def bench_profile(model: Transformer, ctx: int, *, steps: int = 4, chunk: int = 
         for _ in range(steps):
             step()
         _sync(model.device)
-    return {"bench": "profile", "ctx": ctx, **profile_summary(prof, cuda, steps, top)}
+    return {"bench": "profile", "ctx": ctx, "batch": batch, **profile_summary(prof, cuda, steps, top)}
 
 
 def profile_summary(prof, cuda: bool, steps: int, top: int = 12) -> dict:

@@ -37,6 +37,7 @@ def main() -> None:
     p.add_argument("--paths-batch", default="1", help="batch sizes of --paths (e.g. 1,16: the MoE paths at batch 16)")
     p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
+    p.add_argument("--profile-batch", default="1", help="batch sizes of --profile")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     with open(a.out, "w") as out:
@@ -67,9 +68,10 @@ def main() -> None:
         for n in map(int, filter(None, a.host.split(","))):
             emit(bench_host(model, n))
         for n in map(int, filter(None, a.profile.split(","))):
-            for graphs in (True, False):  # graphed kernels may be invisible to the profiler: both
-                with switched(graphs=graphs):
-                    emit({"graphs": graphs, **bench_profile(model, n, top=60)})  # every kind of kernel
+            for b in map(int, a.profile_batch.split(",")):
+                for graphs in (True, False):  # graphed kernels may be invisible to the profiler: both
+                    with switched(graphs=graphs):
+                        emit({"graphs": graphs, **bench_profile(model, n, batch=b, top=60)})  # every kind of kernel
 
 
 if __name__ == "__main__":

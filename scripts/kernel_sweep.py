@@ -1,6 +1,6 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
-    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,moe,indexer,mhc,site]
+    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,moe,indexer,mhc,site,grouped,compare]
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe`` and ``.streams``) is
 timed as a decode step runs it: 20 calls captured in one CUDA graph, replayed, the time per
@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--only", default="attention,moe,indexer,mhc,site")
+    p.add_argument("--only", default="attention,moe,indexer,mhc,site,grouped")
     a = p.parse_args()
     args = ModelArgs.preset(a.preset)
     with open(a.out, "a") as out:
@@ -136,16 +136,27 @@ def main() -> None:
                 "max_abs_diff": (flat(kernels.hc_site_parts(*site)) - flat(streams.hc_site(*site))).abs().max().item()})
             sweep(streams, {"SITE_BLOCK_C": [16, 32, 64, 128], "SITE_WARPS": [1, 2, 4, 8]},
                   lambda: flat(streams.hc_site(*site)), emit, "hc_site")
-        if "moe" in only:
+        if {"moe", "grouped", "compare"} & set(only):  # compare: the two MoE forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE)
-            emit({"kernel": "moe-shapes", "active_bytes": 2 * 3 * args.moe_intermediate_size * args.hidden_size
-                  * (args.num_experts_per_tok * a.batch + args.n_shared_experts)})
-            run = lambda: moe.moe_decode(*tensors, **config)  # noqa: E731
-            # the two expert kernels apart (each with the other at its default): 36 + 36, not 36 x 36
+            by_pair = lambda: moe.moe_decode(*tensors, **config, grouped=False)  # noqa: E731
+            grouped = lambda: moe.moe_decode(*tensors, **config, grouped=True)  # noqa: E731
+            # the experts picked: the bias is zero and every score function is monotonic in the logit
+            chosen = (tensors[0].float() @ tensors[1].float().T).topk(args.num_experts_per_tok).indices
+            emit({"kernel": "moe: by pair vs grouped", "distinct_experts": int(chosen.unique().numel()),
+                  "active_bytes": 2 * 3 * args.moe_intermediate_size * args.hidden_size
+                  * (args.num_experts_per_tok * a.batch + args.n_shared_experts),
+                  "by_pair_us": round(graphed_us(by_pair), 2), "grouped_us": round(graphed_us(grouped), 2),
+                  "max_abs_diff": (by_pair() - grouped()).abs().max().item()})
+        if "moe" in only:  # the two expert kernels apart (each with the other at its default): 36 + 36, not 36 x 36
             sweep(moe, {"UP_BLOCK_I": [4, 8, 16, 32], "UP_BLOCK_D": [128, 256, 512], "UP_WARPS": [2, 4, 8]},
-                  run, emit, "moe-up")
+                  by_pair, emit, "moe-up")
             sweep(moe, {"DOWN_BLOCK_O": [4, 8, 16, 32], "DOWN_BLOCK_I": [128, 256, 512], "DOWN_WARPS": [2, 4, 8]},
-                  run, emit, "moe-down")
+                  by_pair, emit, "moe-down")
+        if "grouped" in only:
+            sweep(moe, {"G_UP_BLOCK_I": [16, 32, 64], "G_UP_BLOCK_D": [64, 128, 256], "G_UP_WARPS": [2, 4, 8]},
+                  grouped, emit, "moe-grouped-up")
+            sweep(moe, {"G_DOWN_BLOCK_O": [16, 32, 64], "G_DOWN_BLOCK_I": [64, 128, 256], "G_DOWN_WARPS": [2, 4, 8]},
+                  grouped, emit, "moe-grouped-down")
 
 
 if __name__ == "__main__":

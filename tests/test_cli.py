@@ -246,4 +246,7 @@ def test_bench_decode_profile_counts_what_a_step_launches():
     assert out["bench"] == "profile" and out["unit"] == "operator"  # no CUDA here
     assert out["launches_per_step"] > 100 and out["busy_ms_per_step"] > 0
     assert out["top"] and sum(t["share"] for t in out["top"]) <= 1.0 + 1e-9
-    assert out["top"][0]["ms_per_step"] >= out["top"][-1]["ms_per_step"]
+    assert out["top"][0]["ms_per_step"] >= out["top"][-1]["ms_per_step"] and out["batch"] == 1
+    r = invoke("bench", "decode", "--profile", "--batch", "2", "--preset", "tiny", "--ctx", "32", "--json")
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["batch"] == 2

@@ -57,9 +57,25 @@ CASES = (list(itertools.product([torch.float32, torch.bfloat16], ["sqrtsoftplus"
                           (torch.float32, "sigmoid", 2, 20.0), (torch.bfloat16, "softmax", 16, 1.0)])
 
 
+def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
+    """``kernels.moe_decode`` on ``moe``'s own weights, as ``MoE._fused`` calls it."""
+    g, shared = moe.gate, moe.shared_experts
+    weights = (x, g.weight, g.bias, moe.grouped.w1.weight, moe.grouped.w3.weight, moe.grouped.w2.weight,
+               shared.w1.weight, shared.w3.weight, shared.w2.weight)
+    config = dict(top_k=g.top_k, scoring=g.args.scoring_func, temp=g.args.gate_temp, norm=g.args.norm_topk_prob,
+                  scale=g.args.routed_scaling_factor, limit=shared.limit)
+    with torch.no_grad():
+        return kernels.moe_decode(*weights, **config, **kw)
+
+
+@pytest.mark.parametrize("grouped", [False, True], ids=["by-pair", "by-expert"])
 @pytest.mark.parametrize("dtype,scoring,n,spread", CASES)
-def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread):
-    """Tokens of unit RMS, and ``spread`` 20 for inputs whose SwiGLU hits the clamps."""
+def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread, grouped, monkeypatch):
+    """Tokens of unit RMS, and ``spread`` 20 for inputs whose SwiGLU hits the clamps; the
+    experts' kernels by (token, slot) pair and grouped by expert, whatever the token count."""
+    from model.kernels import moe as kmoe
+
+    monkeypatch.setattr(kmoe, "GROUPED_TOKENS", 1 if grouped else kernels.MOE_TOKENS + 1)
     moe = random_moe(scoring, dtype, seed=n)
     x = torch.randn(n, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(1)) * spread
     x = x.to(DEVICE, dtype)
@@ -70,6 +86,24 @@ def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread):
     assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol * ref.float().abs().max().item())
+
+
+def test_grouped_experts_serve_every_token_that_shares_them():
+    """16 tokens over 8 experts, top-2: every expert serves several tokens, in different
+    slots. The grouped form agrees with the form by pair to fp32 rounding, token by token
+    (a row written to another token's place, or a slot left out, would be off by a whole
+    expert's output), and picks itself at this token count."""
+    from model.kernels import moe as kmoe
+
+    moe = random_moe("sigmoid", torch.float32, seed=11)
+    x = torch.randn(16, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    with torch.no_grad():
+        _, chosen = moe.gate(x, None)
+    counts = torch.bincount(chosen.flatten().cpu(), minlength=8)
+    assert (counts >= 2).all() and len({tuple(r) for r in chosen.cpu().sort(1).values.tolist()}) > 1
+    by_pair, by_expert = decode_call(moe, x, grouped=False), decode_call(moe, x, grouped=True)
+    assert 16 >= kmoe.GROUPED_TOKENS and torch.equal(decode_call(moe, x), by_expert)
+    torch.testing.assert_close(by_expert, by_pair, rtol=1e-5, atol=1e-5 * by_pair.abs().max().item())
 
 
 def test_moe_kernel_splits_the_gate_over_channel_chunks():
@@ -83,11 +117,13 @@ def test_moe_kernel_splits_the_gate_over_channel_chunks():
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the small preset's widths, on the GPU")
-def test_moe_kernel_at_small_widths():
-    """64 experts, top-6, 2,048 channels, 768 intermediate: the shapes the decode bench runs."""
+@pytest.mark.parametrize("n", [1, 4, 16])
+def test_moe_kernel_at_small_widths(n):
+    """64 experts, top-6, 2,048 channels, 768 intermediate: the shapes the decode bench runs
+    (one token by pair; 4 and 16 grouped by expert)."""
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=7, hidden_size=2048, moe_intermediate_size=768,
                      n_routed_experts=64, num_experts_per_tok=6)
-    x = torch.randn(4, 2048, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
+    x = torch.randn(n, 2048, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         out = moe(x)
     ref = torch_path(moe, x)
@@ -117,14 +153,10 @@ def test_moe_kernel_writes_bf16_as_the_cast_rounds_it():
     nearest even, bit for bit what ``.to(torch.bfloat16)`` of its fp32 output gives."""
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=9)
     x = torch.randn(3, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
-    g, shared = moe.gate, moe.shared_experts
-    weights = (x, g.weight, g.bias, moe.grouped.w1.weight, moe.grouped.w3.weight, moe.grouped.w2.weight,
-               shared.w1.weight, shared.w3.weight, shared.w2.weight)
-    config = dict(top_k=g.top_k, scoring=g.args.scoring_func, temp=g.args.gate_temp, norm=g.args.norm_topk_prob,
-                  scale=g.args.routed_scaling_factor, limit=shared.limit)
-    with torch.no_grad():
-        wide = kernels.moe_decode(*weights, **config)
-        narrow = kernels.moe_decode(*weights, **config, out_dtype=torch.bfloat16)
+    for grouped in (False, True):
+        wide = decode_call(moe, x, grouped=grouped)
+        narrow = decode_call(moe, x, grouped=grouped, out_dtype=torch.bfloat16)
         assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
         assert torch.equal(narrow, wide.to(torch.bfloat16))
-        assert torch.equal(moe(x), narrow)  # the MoE's own call
+    with torch.no_grad():
+        assert torch.equal(moe(x), decode_call(moe, x, out_dtype=torch.bfloat16))  # the MoE's own call

@@ -65,13 +65,13 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
                                                                   "the step's device time."),
            host: bool = typer.Option(False, "--host", help="The host's time to issue a step beside the step's "
                                                            "time: near 1, the device waits on Python."),
-           batch: int = typer.Option(1, "--batch", min=1, help="Rows of each --paths step (the MoE paths differ "
-                                                                "most at batch 16).")) -> None:
+           batch: int = typer.Option(1, "--batch", min=1, help="Rows of each --paths or --profile step (the MoE "
+                                                                "paths differ most at batch 16).")) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with handled():
         m = _runtime(model, preset, device).model
         if profiled:
-            _emit(bench_profile(m, ctx), as_json)
+            _emit(bench_profile(m, ctx, batch=batch), as_json)
         elif host:
             _emit(bench_host(m, ctx), as_json)
         elif paths:
