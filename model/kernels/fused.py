@@ -43,6 +43,8 @@ INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
 MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
+SPLIT_WAVES = 3  # programs per SM the splits aim for; matters from batch ~8 (kernel_sweep --only splits,
+# small, batch 16, 8 warps: 77.6 us a call with 1, 60.6 with 2, 59.1 with 3, 61.0 with 4; batch 4: 22.0-22.5 us for all)
 
 
 # ----------------------------------------------------------------------------- byte decoding
@@ -209,9 +211,10 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS,
 
 
 def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
-    """Enough programs to cover the SMs once, but never splits of fewer than a few blocks."""
+    """Enough programs to cover the SMs ``SPLIT_WAVES`` times, but never splits of fewer than
+    ``MIN_BLOCKS_PER_SPLIT`` blocks."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    want = -(-sms // (q.shape[0] * groups))
+    want = -(-(SPLIT_WAVES * sms) // (q.shape[0] * groups))
     return max(1, min(want, blocks // MIN_BLOCKS_PER_SPLIT))
 
 
