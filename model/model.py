@@ -50,6 +50,12 @@ class RMSNorm(nn.Module):
         return kernels.rms_norm(x, self.weight, self.eps)  # kernels.rms_norm_ref off the fast path
 
 
+def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``layer(x)``; on a decode step's few rows, by the GEMV kernel (``kernels.gemv_runs``)."""
+    w = layer.weight
+    return kernels.gemv(x, w)[0] if kernels.gemv_runs(x, w) else layer(x)
+
+
 def rope_inv_freq(dim: int, theta: float, yarn: dict | None = None) -> torch.Tensor:
     """Inverse frequencies of one RoPE table; ``yarn`` blends in the interpolated ones."""
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
@@ -231,9 +237,9 @@ class Indexer(nn.Module):
     def query(self, x, q_res, pos: torch.Tensor, inv_freq, kv: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
         """FP4 queries [B, S, h, d] and head weights [B, S, h] (reads no cache)."""
         B, S, _ = x.shape
-        q = self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim)
+        q = linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim)
         q = kv.index_query(apply_rope(q, pos, inv_freq))
-        return q, self.weights_proj(x).float() * self.n_heads ** -0.5
+        return q, linear(self.weights_proj, x).float() * self.n_heads ** -0.5
 
     def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq, kv: KVFormat, qw=None) -> torch.Tensor:
         """[B, S, n] index scores; -inf where a record is not yet visible to the query.
@@ -363,14 +369,18 @@ class Attention(nn.Module):
         """(q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads no cache."""
         B, S, _ = x.shape
         inv = ropes.compress if self.ratio else ropes.main
-        q_res = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
-        return q_res, q, fmt.window(apply_rope(self.kv_norm(self.wkv(x)), pos, inv))
+        if kernels.gemv_runs(x, self.wq_a.weight):  # a decode step: both projections of x in one launch
+            q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
+        else:
+            q_lat, kv_lat = self.wq_a(x), self.wkv(x)
+        q_res = self.q_norm(q_lat)
+        q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
+        return q_res, q, fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
 
     def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
         """De-rotated attention output through the grouped low-rank output projection."""
         out = apply_rope(out, pos, ropes.compress if self.ratio else ropes.main, inverse=True)
-        return self.wo_b(self._grouped_wo_a(out).flatten(2))
+        return linear(self.wo_b, self._grouped_wo_a(out).flatten(2))
 
     def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
         """The part that reads and writes the cache: window ring, KV source, indexer, attention
@@ -543,6 +553,8 @@ class Attention(nn.Module):
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         B, S = out.shape[:2]
         g = self.args.o_groups
+        if kernels.gemv_runs(out.flatten(2), self.wo_a.weight):
+            return kernels.gemv(out.flatten(2), self.wo_a.weight, groups=g)[0].view(B, S, g, -1)
         grouped = out.reshape(B, S, g, -1)
         w = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)
         return torch.einsum("bsgi,goi->bsgo", grouped, w)

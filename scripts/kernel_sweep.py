@@ -1,8 +1,10 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
-    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,moe,indexer,mhc,site,grouped,compare]
+    python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare]  (gemv, compare: the fast path against torch only)
 
-Each setting (the module constants of ``model.kernels.fused``, ``.moe`` and ``.streams``) is
+Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
+``.matvec``) is
 timed as a decode step runs it: 20 calls captured in one CUDA graph, replayed, the time per
 call — so launch gaps inside a graph count and Python does not. The output of every setting
 is compared with the default setting's (``max_abs_diff``), so a fast wrong tiling shows.
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.args import ModelArgs  # noqa: E402
 from model import kernels  # noqa: E402
-from model.kernels import bench as kbench, fused, moe, streams  # noqa: E402
+from model.kernels import bench as kbench, fused, matvec, moe, streams  # noqa: E402
 
 CALLS = 20
 DEVICE = "cuda"
@@ -86,7 +88,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--only", default="attention,moe,indexer,mhc,site,grouped")
+    p.add_argument("--only", default="attention,moe,indexer,mhc,site,grouped,gemv-sweep")
     a = p.parse_args()
     args = ModelArgs.preset(a.preset)
     with open(a.out, "a") as out:
@@ -105,6 +107,9 @@ def main() -> None:
             sweep(fused, {"BLOCK_N": [16, 32, 64], "ATTN_WARPS": [4, 8], "MIN_BLOCKS_PER_SPLIT": [1, 2, 4],
                           "CHUNK": [32, 64]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention")
+        if "splits" in only:  # how many programs the splits aim for, by itself (it matters at batch > 1)
+            sweep(fused, {"SPLIT_WAVES": [1, 2, 3, 4, 8], "ATTN_WARPS": [4, 8]},
+                  lambda: fused.sparse_attention(*attn), emit, "sparse_attention-splits")
         if "indexer" in only:
             sweep(fused, {"INDEX_BLOCK_N": [32, 64, 128], "INDEX_WARPS": [2, 4, 8]},
                   lambda: fused.indexer_scores(*index), emit, "indexer_scores")
@@ -136,6 +141,30 @@ def main() -> None:
                 "max_abs_diff": (flat(kernels.hc_site_parts(*site)) - flat(streams.hc_site(*site))).abs().max().item()})
             sweep(streams, {"SITE_BLOCK_C": [16, 32, 64, 128], "SITE_WARPS": [1, 2, 4, 8]},
                   lambda: flat(streams.hc_site(*site)), emit, "hc_site")
+        if {"gemv", "gemv-sweep"} & set(only):  # a layer's decode projections: cuBLAS (the twin) vs the GEMV
+            g = torch.Generator().manual_seed(0)
+            D, H, hd, r, og = args.hidden_size, args.num_attention_heads, args.head_dim, args.q_lora_rank, args.o_groups
+
+            def bf(*shape):
+                return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(DEVICE, torch.bfloat16)
+
+            x, q_res, heads = bf(a.batch, D), bf(a.batch, r), bf(a.batch, H * hd)
+            layers = {"wq_a+wkv": (x, (bf(r, D), bf(hd, D)), 1), "wq_b": (q_res, (bf(H * hd, r),), 1),
+                      "wo_a": (heads, (bf(og * args.o_lora_rank, H * hd // og),), og),
+                      "wo_b": (bf(a.batch, og * args.o_lora_rank), (bf(D, og * args.o_lora_rank),), 1),
+                      "index wq_b": (q_res, (bf(args.index_n_heads * args.index_head_dim, r),), 1),
+                      "weights_proj": (x, (bf(args.index_n_heads, D),), 1)}
+            for name, (xs, ws, groups) in layers.items():
+                twin = lambda: kernels.gemv_ref(xs, *ws, groups=groups)  # noqa: E731
+                mine = lambda: matvec.gemv(xs, *ws, groups=groups)  # noqa: E731
+                emit({"kernel": f"gemv: {name}", "weight_bytes": sum(w.numel() * 2 for w in ws),
+                      "cublas_us": round(graphed_us(twin), 2), "gemv_us": round(graphed_us(mine), 2),
+                      "max_abs_diff": max((p - q).float().abs().max().item() for p, q in zip(twin(), mine()))})
+            every = lambda: torch.cat([o.flatten() for xs, ws, gr in layers.values()  # noqa: E731
+                                       for o in matvec.gemv(xs, *ws, groups=gr)])
+            if "gemv-sweep" in only:
+                sweep(matvec, {"GEMV_BLOCK_D": [128, 256, 512], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
+                      every, emit, "gemv (a layer's six calls)")
         if {"moe", "grouped", "compare"} & set(only):  # compare: the two MoE forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE)
             by_pair = lambda: moe.moe_decode(*tensors, **config, grouped=False)  # noqa: E731

@@ -27,8 +27,11 @@ and, for one decode step (one query per batch row):
   (what a CUDA graph can hold), and its tie order must stay the model's.
 
 - ``moe_decode(x, ...)`` -> [N, D] fp32 or None: ``model.moe.MoE`` on a few text tokens in
-  four launches (``model.kernels.moe``) where ``moe_decode_runs(x)``; None if it cannot be
-  built, and the caller runs the MoE in torch, which is its twin.
+  four or five launches (``model.kernels.moe``) where ``moe_decode_runs(x)``; None if it cannot
+  be built, and the caller runs the MoE in torch, which is its twin.
+- ``gemv(x, *weights, groups=1)``: a decode step's linear layers on its few rows
+  (``model.kernels.matvec``) where ``gemv_runs(x, weight)`` (opt-in: ``DSAGENT_GEMV=1``);
+  twin ``gemv_ref``.
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
@@ -56,7 +59,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
-           "engram_gate_ref"]
+           "engram_gate_ref", "gemv", "gemv_runs", "gemv_ref"]
 
 
 def _interpreting() -> bool:
@@ -133,6 +136,39 @@ def moe_decode(x: torch.Tensor, *weights: torch.Tensor, **config) -> torch.Tenso
     from model.kernels import moe
 
     return _guarded("MoE kernel", lambda *a: moe.moe_decode(*a, **config), lambda *a: None, x, *weights)
+
+
+GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLAS's GEMMs from there)
+
+
+def gemv_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gemv` runs on rows ``x`` [..., D] against ``weight``: only with
+    ``DSAGENT_GEMV=1`` (off by default: in a `small` decode step on the H200 it measured
+    slower than cuBLAS, 6.39 against 6.17 ms at 4K with untuned tiles), where :func:`enabled`,
+    outside autograd, at most ``GEMV_TOKENS`` rows, weight and rows of one float dtype."""
+    return (os.environ.get("DSAGENT_GEMV", "0") == "1" and x.numel() <= GEMV_TOKENS * x.shape[-1]
+            and weight.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16)
+            and not torch.is_grad_enabled() and _kernel_runs("GEMV kernel", x))
+
+
+def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, ...]:
+    """``F.linear(x, w)`` for each of one or two weights, in one launch (``model.kernels.matvec``),
+    for a caller that asked :func:`gemv_runs`; ``groups`` > 1: ``Attention``'s grouped output
+    projection. Agrees with cuBLAS to rounding (another summation order). A kernel that
+    cannot be built warns once and the twin (:func:`gemv_ref`) runs from then on."""
+    from model.kernels import matvec as kernel
+
+    return _guarded("GEMV kernel", functools.partial(kernel.gemv, groups=groups),
+                    functools.partial(gemv_ref, groups=groups), x, *weights)
+
+
+def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, ...]:
+    """:func:`gemv`'s twin: ``F.linear``, or the grouped einsum of ``Attention._grouped_wo_a``."""
+    if groups == 1:
+        return tuple(torch.nn.functional.linear(x, w) for w in weights)
+    (w,) = weights
+    grouped = x.reshape(*x.shape[:-1], groups, -1)
+    return (torch.einsum("...gi,goi->...go", grouped, w.view(groups, w.shape[0] // groups, -1)).flatten(-2),)
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):

@@ -1,0 +1,157 @@
+"""The decode GEMV kernel (``model.kernels.matvec``) against its twin ``gemv_ref`` (``F.linear``,
+and the grouped output projection's einsum), and the model's linear layers on it.
+
+Runs on CUDA when present, else under ``TRITON_INTERPRET=1``, else skips. Tolerances: the
+kernel sums its products in another order than the GEMM, so fp32 agrees to ~1e-6 relative
+and bf16 to one bf16 step (2^-8) of an output.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import model.kernels as kernels
+from model.args import ModelArgs
+from model.model import Attention, linear
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(not kernels.triton_available(),
+                                reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
+
+
+def rand(*shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * shape[-1] ** -0.5).to(DEVICE, dtype)
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.dtype == ref.dtype and out.shape == ref.shape
+    rtol = 1e-5 if out.dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol * ref.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,out_dim,in_dim", [(1, 512, 2048), (3, 16, 2048), (2, 37, 300), (4, 2048, 512)])
+def test_gemv_matches_linear(dtype, rows, out_dim, in_dim):
+    """Widths from `small`'s projections, plus an odd output and input width (masked tails)."""
+    x, w = rand(rows, 1, in_dim, seed=1, dtype=dtype), rand(out_dim, in_dim, seed=2, dtype=dtype)
+    (out,) = kernels.gemv(x, w)
+    close(out, torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_of_two_weights_in_one_launch(dtype):
+    """The query's and the K=V latent's projections of one x: each output as its own linear."""
+    x = rand(2, 1, 256, seed=3, dtype=dtype)
+    wa, wb = rand(64, 256, seed=4, dtype=dtype), rand(96, 256, seed=5, dtype=dtype)
+    a, b = kernels.gemv(x, wa, wb)
+    close(a, torch.nn.functional.linear(x, wa))
+    close(b, torch.nn.functional.linear(x, wb))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemv_reads_only_its_groups_channels(dtype):
+    """4 groups: output group j is weight rows of group j against x's channels of group j —
+    as the grouped einsum; a block that read another group's channels would be off by a
+    whole product."""
+    x, w = rand(2, 1, 4 * 128, seed=6, dtype=dtype), rand(4 * 64, 128, seed=7, dtype=dtype)
+    (out,) = kernels.gemv(x, w, groups=4)
+    (ref,) = kernels.gemv_ref(x, w, groups=4)
+    close(out, ref)
+    explicit = torch.cat([torch.nn.functional.linear(x[..., j * 128:(j + 1) * 128], w[j * 64:(j + 1) * 64])
+                          for j in range(4)], -1)
+    close(out, explicit)
+
+
+def test_gemv_runs_only_when_asked_on_a_few_rows_outside_autograd(monkeypatch):
+    w = rand(32, 64, seed=8)
+    monkeypatch.delenv("DSAGENT_GEMV", raising=False)
+    with torch.no_grad():
+        assert not kernels.gemv_runs(rand(1, 64, seed=9), w)  # off by default: cuBLAS measured faster in a step
+        monkeypatch.setenv("DSAGENT_GEMV", "1")
+        assert kernels.gemv_runs(rand(kernels.GEMV_TOKENS, 64, seed=9), w)
+        assert not kernels.gemv_runs(rand(kernels.GEMV_TOKENS + 1, 64, seed=9), w)  # a prefill chunk: cuBLAS
+        assert not kernels.gemv_runs(rand(1, 64, seed=9, dtype=torch.bfloat16), w)  # dtypes differ
+        monkeypatch.setenv("DSAGENT_GEMV", "0")
+        assert not kernels.gemv_runs(rand(1, 64, seed=9), w)
+    monkeypatch.setenv("DSAGENT_GEMV", "1")
+    assert not kernels.gemv_runs(rand(1, 64, seed=9), w)  # gradients on: torch
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_projections_on_the_gemv(dtype, monkeypatch):
+    """A decode step's query / K=V projections and the grouped output projection of the
+    tiny preset's attention, through the GEMV (``DSAGENT_GEMV=1``: four launches), against
+    the same layer with ``DSAGENT_GEMV=0``. The two weights of the first launch have blocks
+    of different heights here (1 and 2 rows), the case that once failed to compile on the GPU."""
+    from model.model import Ropes
+    from model.quant import KVFormat
+
+    args = ModelArgs.preset("tiny")
+    g = torch.Generator().manual_seed(0)
+    attn = Attention(args, layer=0)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 if p.dim() > 1 else 1 + 0.1 * torch.randn(
+                p.shape, generator=g))
+    attn = attn.to(DEVICE, dtype).eval()
+    ropes = Ropes(args).to(DEVICE)
+    x = rand(2, 1, args.hidden_size, seed=10, dtype=dtype)
+    out = rand(2, 1, args.num_attention_heads, args.head_dim, seed=11, dtype=dtype)
+    pos = torch.tensor([5], device=DEVICE)
+    fmt = KVFormat.FLOAT  # the window entries as floats: the projections alone are compared
+    monkeypatch.setenv("DSAGENT_GEMV", "1")
+    calls = []
+    real = kernels.gemv
+    monkeypatch.setattr(kernels, "gemv", lambda *a, **k: calls.append(len(a) - 1) or real(*a, **k))
+    with torch.no_grad():
+        fast = (*attn.project(x, pos, ropes, fmt), attn.output(out, pos, ropes))
+        monkeypatch.setenv("DSAGENT_GEMV", "0")
+        slow = (*attn.project(x, pos, ropes, fmt), attn.output(out, pos, ropes))
+    assert sorted(calls) == [1, 1, 1, 2]  # wq_a + wkv, wq_b, wo_a (grouped), wo_b
+    for a, b in zip(fast, slow):
+        close(a, b)
+
+
+def test_linear_is_the_layer_off_the_fast_path():
+    layer = torch.nn.Linear(8, 4, bias=False)
+    x = torch.randn(1, 8)
+    assert torch.equal(linear(layer, x), layer(x))  # gradients on: the layer itself
+
+
+COMPILE = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from model.kernels import matvec
+
+block_o, block_o2, two, bf16 = (int(a) for a in sys.argv[1:])
+f, o = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
+signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o}
+signature.update(dict.fromkeys(("O", "O2", "D", "DG", "OG", "P1"), "i32"))
+signature.update(dict.fromkeys(("BLOCK_O", "BLOCK_O2", "BLOCK_D", "TWO", "BF16"), "constexpr"))
+constants = {"BLOCK_O": block_o, "BLOCK_O2": block_o2, "BLOCK_D": matvec.GEMV_BLOCK_D, "TWO": bool(two),
+             "BF16": bool(bf16)}
+triton.compile(ASTSource(fn=matvec._gemv_kernel, signature=signature, constexprs=constants),
+               target=GPUTarget("cuda", 90, 32))
+"""
+
+
+@pytest.mark.skipif(ON_CUDA, reason="on a GPU the kernel itself compiles in the tests above")
+@pytest.mark.parametrize("block_o,block_o2,two,bf16", [(1, 2, 1, 0), (2, 1, 1, 1), (32, 1, 0, 1)])
+def test_gemv_kernel_compiles_for_hopper(block_o, block_o2, two, bf16):
+    """Triton's GPU compiler on the CPU, for sm_90 (in a process without the interpreter): it
+    types both branches of an ``if``, which the interpreter never does (a first version named
+    tensors of two shapes alike in them, and failed on the GPU only)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, "-c", COMPILE, *map(str, (block_o, block_o2, two, bf16))], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
