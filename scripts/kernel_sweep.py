@@ -4,11 +4,12 @@
         gemv-sweep,moe,indexer,mhc,site,grouped,compare]  (gemv, compare: the fast path against torch only)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
-``.matvec``) is
-timed as a decode step runs it: 20 calls captured in one CUDA graph, replayed, the time per
-call — so launch gaps inside a graph count and Python does not. The output of every setting
-is compared with the default setting's (``max_abs_diff``), so a fast wrong tiling shows.
-A guide for choosing the constants, not a test.
+``.matvec``) is timed as a decode step runs it: 20 calls captured in one CUDA graph,
+replayed, the time per call — so launch gaps inside a graph count and Python does not. The
+output of every setting is compared with the default setting's (``max_abs_diff``), so a
+fast wrong tiling shows. A guide for choosing the constants, not a test. The 20 calls read
+the same inputs, which the 50 MB L2 holds when they are smaller (one layer's attention or
+MoE at batch 1): those µs are L2-warm; the GEMV's calls read 20 copies of the weights.
 """
 from __future__ import annotations
 
@@ -50,15 +51,18 @@ def graphed_us(fn) -> float:
     return best
 
 
-def sweep(module, settings: dict[str, list], fn, emit, label: str) -> None:
+def sweep(module, settings: dict[str, list], fn, emit, label: str, check=None) -> None:
+    """Each setting of ``module``'s constants: ``fn`` timed, and ``check`` (``fn`` if None: a
+    function of the same inputs every call) against its output at the default setting."""
     names = list(settings)
     base = {n: getattr(module, n) for n in names}
-    reference = fn().clone()
+    check = check or fn
+    reference = check().clone()
     for values in itertools.product(*settings.values()):
         for n, v in zip(names, values):
             setattr(module, n, v)
         try:
-            diff = (fn() - reference).abs().max().item()
+            diff = (check() - reference).abs().max().item()
             emit({"kernel": label, **dict(zip(names, values)), "us": round(graphed_us(fn), 2),
                   "max_abs_diff": diff, "default": all(base[n] == v for n, v in zip(names, values))})
         except Exception as e:  # a tiling that does not build (registers, shared memory)
@@ -149,22 +153,40 @@ def main() -> None:
                 return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(DEVICE, torch.bfloat16)
 
             x, q_res, heads = bf(a.batch, D), bf(a.batch, r), bf(a.batch, H * hd)
-            layers = {"wq_a+wkv": (x, (bf(r, D), bf(hd, D)), 1), "wq_b": (q_res, (bf(H * hd, r),), 1),
-                      "wo_a": (heads, (bf(og * args.o_lora_rank, H * hd // og),), og),
-                      "wo_b": (bf(a.batch, og * args.o_lora_rank), (bf(D, og * args.o_lora_rank),), 1),
-                      "index wq_b": (q_res, (bf(args.index_n_heads * args.index_head_dim, r),), 1),
-                      "weights_proj": (x, (bf(args.index_n_heads, D),), 1)}
-            for name, (xs, ws, groups) in layers.items():
-                twin = lambda: kernels.gemv_ref(xs, *ws, groups=groups)  # noqa: E731
-                mine = lambda: matvec.gemv(xs, *ws, groups=groups)  # noqa: E731
+            o_lat = bf(a.batch, og * args.o_lora_rank)
+
+            def one_set() -> dict:
+                return {"wq_a+wkv": (x, (bf(r, D), bf(hd, D)), 1), "wq_b": (q_res, (bf(H * hd, r),), 1),
+                        "wo_a": (heads, (bf(og * args.o_lora_rank, H * hd // og),), og),
+                        "wo_b": (o_lat, (bf(D, og * args.o_lora_rank),), 1),
+                        "index wq_b": (q_res, (bf(args.index_n_heads * args.index_head_dim, r),), 1),
+                        "weights_proj": (x, (bf(args.index_n_heads, D),), 1)}
+
+            # a graph's CALLS calls each read their own copy of the weights (~30 MB a set at small,
+            # 600 MB in all): one weight replayed would sit in the 50 MB L2, which a step, streaming
+            # every layer's, never sees
+            sets, turn = [one_set() for _ in range(CALLS)], itertools.count()
+
+            def cycled(fn, name=None):
+                def call():
+                    layers = sets[next(turn) % CALLS]
+                    chosen = [layers[name]] if name else layers.values()
+                    return torch.cat([o.flatten() for xs, ws, gr in chosen for o in fn(xs, *ws, groups=gr)])
+                return call
+
+            for name, (xs, ws, groups) in sets[0].items():
                 emit({"kernel": f"gemv: {name}", "weight_bytes": sum(w.numel() * 2 for w in ws),
-                      "cublas_us": round(graphed_us(twin), 2), "gemv_us": round(graphed_us(mine), 2),
-                      "max_abs_diff": max((p - q).float().abs().max().item() for p, q in zip(twin(), mine()))})
-            every = lambda: torch.cat([o.flatten() for xs, ws, gr in layers.values()  # noqa: E731
-                                       for o in matvec.gemv(xs, *ws, groups=gr)])
+                      "cublas_us": round(graphed_us(cycled(kernels.gemv_ref, name)), 2),
+                      "gemv_us": round(graphed_us(cycled(matvec.gemv, name)), 2),
+                      "max_abs_diff": max((p - q).float().abs().max().item() for p, q in zip(
+                          kernels.gemv_ref(xs, *ws, groups=groups), matvec.gemv(xs, *ws, groups=groups)))})
+            emit({"kernel": "gemv: a layer's six calls", "cublas_us": round(graphed_us(cycled(kernels.gemv_ref)), 2),
+                  "gemv_us": round(graphed_us(cycled(matvec.gemv)), 2)})
             if "gemv-sweep" in only:
+                first = lambda: torch.cat([o.flatten() for xs, ws, gr in sets[0].values()  # noqa: E731
+                                           for o in matvec.gemv(xs, *ws, groups=gr)])
                 sweep(matvec, {"GEMV_BLOCK_D": [128, 256, 512], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
-                      every, emit, "gemv (a layer's six calls)")
+                      cycled(matvec.gemv), emit, "gemv (a layer's six calls)", check=first)
         if {"moe", "grouped", "compare"} & set(only):  # compare: the two MoE forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE)
             by_pair = lambda: moe.moe_decode(*tensors, **config, grouped=False)  # noqa: E731

@@ -12,8 +12,9 @@ rounds (bf16: nearest even, on the bits).
 Off by default (``DSAGENT_GEMV=1`` turns it on): on the H200, with the tiles below, a
 `small` decode step at 4K took 6.39 ms with it and 6.17 ms without (``--paths``, one run).
 ``kernel_sweep.py --only gemv`` timed a layer's six calls at 31.8 µs against cuBLAS's 32.4,
-and 25.2 µs with 512 channels and 8 warps; but it replays 20 calls of one weight, which the
-50 MB L2 then holds, so it flatters both sides against a step that streams every layer's.
+and 25.2 µs with 512 channels and 8 warps; but it replayed 20 calls of one weight, which the
+50 MB L2 then holds, so it flattered both sides against a step that streams every layer's
+(it now gives each call its own copy of the weights).
 
 Does not own: when it runs (``model.kernels.gemv_runs``), or which layers use it
 (``model.model``). Imported only when Triton is importable.
