@@ -52,8 +52,7 @@ class RMSNorm(nn.Module):
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """``layer(x)``; on a decode step's few rows, by the GEMV kernel (``kernels.gemv_runs``)."""
-    w = layer.weight
-    return kernels.gemv(x, w)[0] if kernels.gemv_runs(x, w) else layer(x)
+    return kernels.gemv(x, layer.weight)[0] if kernels.gemv_runs(x, layer) else layer(x)
 
 
 def rope_inv_freq(dim: int, theta: float, yarn: dict | None = None) -> torch.Tensor:
@@ -369,7 +368,7 @@ class Attention(nn.Module):
         """(q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads no cache."""
         B, S, _ = x.shape
         inv = ropes.compress if self.ratio else ropes.main
-        if kernels.gemv_runs(x, self.wq_a.weight):  # a decode step: both projections of x in one launch
+        if kernels.gemv_runs(x, self.wq_a, self.wkv):  # a decode step: both projections of x in one launch
             q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
         else:
             q_lat, kv_lat = self.wq_a(x), self.wkv(x)
@@ -553,7 +552,7 @@ class Attention(nn.Module):
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         B, S = out.shape[:2]
         g = self.args.o_groups
-        if kernels.gemv_runs(out.flatten(2), self.wo_a.weight):
+        if kernels.gemv_runs(out.flatten(2), self.wo_a):
             return kernels.gemv(out.flatten(2), self.wo_a.weight, groups=g)[0].view(B, S, g, -1)
         grouped = out.reshape(B, S, g, -1)
         w = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)

@@ -30,7 +30,7 @@ and, for one decode step (one query per batch row):
   four or five launches (``model.kernels.moe``) where ``moe_decode_runs(x)``; None if it cannot
   be built, and the caller runs the MoE in torch, which is its twin.
 - ``gemv(x, *weights, groups=1)``: a decode step's linear layers on its few rows
-  (``model.kernels.matvec``) where ``gemv_runs(x, weight)`` (opt-in: ``DSAGENT_GEMV=1``);
+  (``model.kernels.matvec``) where ``gemv_runs(x, *layers)`` (opt-in: ``DSAGENT_GEMV=1``);
   twin ``gemv_ref``.
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
@@ -141,14 +141,15 @@ def moe_decode(x: torch.Tensor, *weights: torch.Tensor, **config) -> torch.Tenso
 GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLAS's GEMMs from there)
 
 
-def gemv_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether :func:`gemv` runs on rows ``x`` [..., D] against ``weight``: only with
-    ``DSAGENT_GEMV=1`` (off by default: in a `small` decode step on the H200 it measured
+def gemv_runs(x: torch.Tensor, *layers: torch.nn.Module) -> bool:
+    """Whether :func:`gemv` runs on rows ``x`` [..., D] against the ``layers``' weights: only
+    with ``DSAGENT_GEMV=1`` (off by default: in a `small` decode step on the H200 it measured
     slower than cuBLAS, 6.39 against 6.17 ms at 4K with untuned tiles), where :func:`enabled`,
-    outside autograd, at most ``GEMV_TOKENS`` rows, weight and rows of one float dtype."""
+    outside autograd, at most ``GEMV_TOKENS`` rows, weights and rows of one float dtype. The
+    weights are read last: a QAT layer's is computed on each read."""
     return (os.environ.get("DSAGENT_GEMV", "0") == "1" and x.numel() <= GEMV_TOKENS * x.shape[-1]
-            and weight.dtype == x.dtype and x.dtype in (torch.float32, torch.bfloat16)
-            and not torch.is_grad_enabled() and _kernel_runs("GEMV kernel", x))
+            and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
+            and _kernel_runs("GEMV kernel", x) and all(layer.weight.dtype == x.dtype for layer in layers))
 
 
 def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, ...]:
