@@ -1,0 +1,120 @@
+"""Compile, on the CPU, every Triton kernel launch the tests make, for the H200's sm_90.
+
+    TRITON_INTERPRET=1 PYTHONPATH=<triton>:. python3 scripts/gpu_compile_check.py [pytest args]
+    (default pytest args: the kernel test files, -q -x)
+
+Triton's interpreter runs a kernel as Python, so a kernel it accepts can still be refused by
+the GPU compiler, which types the whole body (both branches of an ``if`` alike, for one) —
+and device time is the scarce thing. First, pytest runs under the interpreter with
+``InterpretedFunction.run`` wrapped to record each launch's specialization: argument types,
+constexpr values and launch options. Then a process without the interpreter compiles each
+distinct one through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (front end, LLVM
+and ptxas: no GPU needed) and prints every failure. Exit status 1 if any kernel fails to
+build or the tests fail. A check before a device call, not a test: CI has no Triton.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ["tests/test_kernels.py", "tests/test_moe_kernel.py", "tests/test_streams_kernel.py",
+         "tests/test_engram_kernel.py", "tests/test_gemv_kernel.py", "tests/test_norm_kernel.py",
+         "tests/test_rope_kernel.py", "tests/test_kernel_backward.py"]
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
+
+
+def _type_of(value) -> str | None:
+    """Triton's signature type of an argument, or None for a constexpr-like one (None)."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64",
+                      torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64",
+                      torch.uint8: "u8", torch.bool: "i1"}[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -2 ** 31 <= value < 2 ** 31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    return None
+
+
+def record(out: list) -> None:
+    """Wrap the interpreter's launch to append each launch's specialization to ``out``."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    real = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        params = inspect.signature(self.fn).parameters
+        bound = dict(zip(self.arg_names, args))
+        bound.update({k: v for k, v in kwargs.items() if k in params})
+        signature, constants = {}, {}
+        for name, p in params.items():
+            value = bound.get(name, p.default)
+            kind = None if "constexpr" in str(p.annotation) else _type_of(value)
+            if kind is None:
+                signature[name], constants[name] = "constexpr", value
+            else:
+                signature[name] = kind
+        out.append({"module": self.fn.__module__, "name": self.fn.__name__, "signature": signature,
+                    "constants": constants, "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}})
+        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+
+    InterpretedFunction.run = run
+
+
+def compile_all(path: str) -> int:
+    """Compile each distinct recorded launch for sm_90; print the failures; their count."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launches = json.loads(Path(path).read_text())
+    seen, failed = set(), 0
+    for launch in launches:
+        key = json.dumps(launch, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        fn = getattr(importlib.import_module(launch["module"]), launch["name"])
+        try:
+            triton.compile(ASTSource(fn=fn, signature=launch["signature"], constexprs=launch["constants"]),
+                           target=GPUTarget("cuda", 90, 32), options=launch["options"])
+        except Exception as e:  # the compiler's own error, to print
+            failed += 1
+            print(f"FAIL {launch['module']}.{launch['name']} {launch['constants']} {launch['options']}:\n"
+                  f"  {type(e).__name__}: {str(e)[:1500]}", flush=True)
+    print(f"{len(seen)} distinct launches compiled for sm_90, {failed} failed", flush=True)
+    return failed
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--compile"]:
+        sys.exit(1 if compile_all(sys.argv[2]) else 0)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run under TRITON_INTERPRET=1: the tests' launches are recorded in the interpreter")
+    import pytest
+
+    launches: list = []
+    record(launches)
+    code = pytest.main(sys.argv[1:] or [*TESTS, "-q", "-x"])
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(launches, f, default=str)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    built = subprocess.run([sys.executable, __file__, "--compile", f.name], env=env).returncode
+    os.unlink(f.name)
+    sys.exit(1 if code or built else 0)
+
+
+if __name__ == "__main__":
+    main()

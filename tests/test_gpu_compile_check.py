@@ -1,0 +1,58 @@
+"""``scripts/gpu_compile_check.py``: a kernel the interpreter runs but the GPU compiler refuses
+is reported, and one it builds is not. Needs Triton installed (not CI's); no GPU."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton installed")
+
+KERNEL = '''
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _branches(x_ptr, A: tl.constexpr, B: tl.constexpr):
+    if tl.program_id(0) >= 0:  # a runtime condition: the compiler types both branches
+        o = tl.arange(0, A)
+    else:
+        o = tl.arange(0, B)
+    tl.store(x_ptr + tl.arange(0, 4), tl.zeros([4], dtype=tl.float32))
+
+
+def test_launch():
+    x = torch.ones(4)
+    _branches[(1,)](x, A={a}, B={b})
+    assert x.sum().item() == 0
+'''
+
+
+def check(tmp_path: Path, a: int, b: int) -> subprocess.CompletedProcess:
+    name = f"test_branches_{a}_{b}.py"
+    (tmp_path / name).write_text(KERNEL.format(a=a, b=b))
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), str(tmp_path / name),
+                           "-q", "-p", "no:cacheprovider"], env=env, capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)
+
+
+def test_a_kernel_the_gpu_compiler_refuses_is_reported(tmp_path):
+    """``o`` of 2 and of 4 elements in the two branches: the interpreter runs the test, the
+    compiler for sm_90 refuses the kernel."""
+    r = check(tmp_path, 2, 4)
+    assert "1 passed" in r.stdout and "FAIL test_branches_2_4._branches" in r.stdout, r.stdout + r.stderr
+    assert "1 distinct launches compiled for sm_90, 1 failed" in r.stdout and r.returncode == 1
+
+
+def test_a_kernel_that_builds_passes(tmp_path):
+    r = check(tmp_path, 4, 4)
+    assert "1 distinct launches compiled for sm_90, 0 failed" in r.stdout and r.returncode == 0, r.stdout + r.stderr
