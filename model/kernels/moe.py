@@ -188,10 +188,13 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 
 
 @triton.jit
-def _expert_rows(isel_ptr, wsel_ptr, e, E, N, NK, K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Which of the N tokens expert e serves (E: the shared expert, every token), the row of
-    each in the pair buffers (token t's slot j: t * K + j; the shared: NK + t) and its gate
-    weight. A token picks an expert at most once, so each token has at most one such row."""
+def _expert_rows(isel_ptr, wsel_ptr, N, NK, K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The program's expert e (axis 0; E = the last, the shared expert), which of the N tokens
+    it serves (the shared expert: every token), the row of each in the pair buffers (token
+    t's slot j: t * K + j; the shared: NK + t), its gate weight, and whether it serves any.
+    A token picks an expert at most once, so each token has at most one such row."""
+    e = tl.program_id(0)
+    E = tl.num_programs(0) - 1
     t = tl.arange(0, BLOCK_N)
     t_ok = t < N
     j = tl.arange(0, K_P2)
@@ -202,7 +205,7 @@ def _expert_rows(isel_ptr, wsel_ptr, e, E, N, NK, K: tl.constexpr, K_P2: tl.cons
     slot = tl.sum(tl.where(match, j[None, :], 0), 1)
     has = tl.where(e < E, tl.max(match.to(tl.int32), 1) > 0, t_ok)
     row = tl.where(e < E, t * K + slot, NK + t).to(tl.int64)
-    return has, row, tl.where(e < E, gw, 1.0)
+    return e, E, has, row, tl.where(e < E, gw, 1.0), tl.max(has.to(tl.int32), 0) > 0
 
 
 @triton.jit
@@ -214,10 +217,8 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
     an expert no token picked reads nothing. The product is fp32 at ``DOT`` precision: TF32
     holds bf16 values exactly, so with bf16 weights and tokens it is exact products summed in
     fp32, as the bf16 GEMM's; fp32 takes "ieee"."""
-    e = tl.program_id(0)
-    E = tl.num_programs(0) - 1
-    has, row, gw = _expert_rows(isel_ptr, wsel_ptr, e, E, N, NK, K, K_P2, BLOCK_N)
-    if tl.max(has.to(tl.int32), 0) > 0:
+    e, E, has, row, gw, live = _expert_rows(isel_ptr, wsel_ptr, N, NK, K, K_P2, BLOCK_N)
+    if live:
         if e < E:
             a_ptr = w1_ptr + e.to(tl.int64) * I * D
             b_ptr = w3_ptr + e.to(tl.int64) * I * D
@@ -259,10 +260,8 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
     """Program (e, o-block): expert e's w2 rows read once against the h rows of every token
     that picked it; each pair's product, rounded to the activation dtype, to its own row of
     ``part`` (the slots are summed in order by ``_sum_slots_kernel``)."""
-    e = tl.program_id(0)
-    E = tl.num_programs(0) - 1
-    has, row, gw = _expert_rows(isel_ptr, wsel_ptr, e, E, N, NK, K, K_P2, BLOCK_N)
-    if tl.max(has.to(tl.int32), 0) > 0:
+    e, E, has, row, gw, live = _expert_rows(isel_ptr, wsel_ptr, N, NK, K, K_P2, BLOCK_N)
+    if live:
         if e < E:
             w_ptr = w2_ptr + e.to(tl.int64) * D * I
         else:
