@@ -602,6 +602,12 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     return kernels.hc_expand(y, residual, post, comb)
 
 
+def expand_output(streams: torch.Tensor, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A site's ``output`` = (y, post, comb) added to ``streams`` (:func:`hc_expand`)."""
+    y, post, comb = output
+    return hc_expand(y, streams, post, comb)
+
+
 class Block(nn.Module):
     """One layer: [Engram] -> attention site -> FFN site, each collapsing with the *previous*
     site's ``pre`` (V4.1's lagged mHC) and expanding with its own ``post`` / ``comb``."""
@@ -652,8 +658,8 @@ class Block(nn.Module):
                     image_mask=None, expand=None):
         """One decode step of the layer, fused kernels on: (streams, pre, (y, post, comb), *what
         later layers read). The FFN's output y is NOT yet in the streams: the next layer's
-        attention site adds it (its ``expand``), or the caller (``hc_expand(y, streams, post,
-        comb)``); ``expand``: the layer before's, likewise. ``shared``: what earlier layers
+        attention site adds it (its ``expand``), or the caller (:func:`expand_output`);
+        ``expand``: the layer before's, likewise. ``shared``: what earlier layers
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
         streams, a_pre, a_post, a_comb, x = self.site("attn", streams, pre, expand=expand)
         q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv)
@@ -690,8 +696,8 @@ class Block(nn.Module):
 
     def ffn_site(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
         """Attention output expanded into the streams, then the whole FFN site (reads no cache)."""
-        streams, f_pre, (out, f_post, f_comb) = self.ffn_output(y, streams, a_pre, a_post, a_comb, image_mask)
-        return hc_expand(out, streams, f_post, f_comb), f_pre
+        streams, f_pre, output = self.ffn_output(y, streams, a_pre, a_post, a_comb, image_mask)
+        return expand_output(streams, output), f_pre
 
     def ffn_output(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
         """:meth:`ffn_site` short of its last expand: (streams, pre, (the FFN's output, post,
@@ -858,7 +864,7 @@ class Transformer(nn.Module):
         with shared_rope_angles():
             for b, e in zip(blocks, emits):
                 if pending is not None and ((b.engram is not None and hash_ids) or b.layer in tapped):
-                    streams, pending = hc_expand(pending[0], streams, pending[1], pending[2]), None
+                    streams, pending = expand_output(streams, pending), None
                 streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask)
                 if b.layer in tapped:
                     taps.append(streams.mean(dim=2))
@@ -867,7 +873,7 @@ class Transformer(nn.Module):
                                                                 expand=pending)
                 shared.update(zip(("topk", "candidates"), written))
         if pending is not None:
-            streams = hc_expand(pending[0], streams, pending[1], pending[2])
+            streams = expand_output(streams, pending)
         return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

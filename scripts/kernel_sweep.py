@@ -14,6 +14,7 @@ MoE at batch 1): those µs are L2-warm; the GEMV's calls read 20 copies of the w
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import sys
@@ -71,13 +72,16 @@ def sweep(module, settings: dict[str, list], fn, emit, label: str, check=None) -
         setattr(module, n, v)
 
 
+def scaled_bf16(g: torch.Generator, device, *shape) -> torch.Tensor:
+    """A random bf16 weight (or rows) of unit-variance products: entries ~ N(0, 1 / shape[-1])."""
+    return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(device, torch.bfloat16)
+
+
 def moe_inputs(args: ModelArgs, batch: int, device) -> tuple[list, dict]:
     g = torch.Generator().manual_seed(0)
     E, I, D = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
     S = I * args.n_shared_experts
-
-    def w(*shape):
-        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(device, torch.bfloat16)
+    w = functools.partial(scaled_bf16, g, device)
 
     tensors = [torch.randn(batch, D, generator=g).to(device, torch.bfloat16),
                (torch.randn(E, D, generator=g) * D ** -0.5).to(device), torch.zeros(E, device=device),
@@ -146,11 +150,8 @@ def main() -> None:
             sweep(streams, {"SITE_BLOCK_C": [16, 32, 64, 128], "SITE_WARPS": [1, 2, 4, 8]},
                   lambda: flat(streams.hc_site(*site)), emit, "hc_site")
         if {"gemv", "gemv-sweep"} & set(only):  # a layer's decode projections: cuBLAS (the twin) vs the GEMV
-            g = torch.Generator().manual_seed(0)
             D, H, hd, r, og = args.hidden_size, args.num_attention_heads, args.head_dim, args.q_lora_rank, args.o_groups
-
-            def bf(*shape):
-                return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(DEVICE, torch.bfloat16)
+            bf = functools.partial(scaled_bf16, torch.Generator().manual_seed(0), DEVICE)
 
             x, q_res, heads = bf(a.batch, D), bf(a.batch, r), bf(a.batch, H * hd)
             o_lat = bf(a.batch, og * args.o_lora_rank)

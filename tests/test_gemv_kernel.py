@@ -8,6 +8,7 @@ and bf16 to one bf16 step (2^-8) of an output.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -152,35 +153,28 @@ def test_linear_is_the_layer_off_the_fast_path(monkeypatch):
         assert torch.equal(linear(layer, x), want) and layer.reads == 2
 
 
-COMPILE = """
-import sys
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from model.kernels import matvec
-
-block_o, block_o2, two, bf16 = (int(a) for a in sys.argv[1:])
-f, o = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
-signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o}
-signature.update(dict.fromkeys(("O", "O2", "D", "DG", "OG", "P1"), "i32"))
-signature.update(dict.fromkeys(("BLOCK_O", "BLOCK_O2", "BLOCK_D", "TWO", "BF16"), "constexpr"))
-constants = {"BLOCK_O": block_o, "BLOCK_O2": block_o2, "BLOCK_D": matvec.GEMV_BLOCK_D, "TWO": bool(two),
-             "BF16": bool(bf16)}
-triton.compile(ASTSource(fn=matvec._gemv_kernel, signature=signature, constexprs=constants),
-               target=GPUTarget("cuda", 90, 32))
-"""
-
-
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
 @pytest.mark.parametrize("block_o,block_o2,two,bf16", [(1, 2, 1, 0), (2, 1, 1, 1), (32, 1, 0, 1)])
-def test_gemv_kernel_compiles_for_hopper(block_o, block_o2, two, bf16):
-    """Triton's GPU compiler on the CPU, for sm_90 (in a process without the interpreter): it
-    types both branches of an ``if``, which the interpreter never does (a first version named
-    tensors of two shapes alike in them, and failed on the GPU only)."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+def test_gemv_kernel_compiles_for_hopper(block_o, block_o2, two, bf16, tmp_path):
+    """Triton's GPU compiler on the CPU, for sm_90 (``scripts/gpu_compile_check.py --compile``,
+    a process without the interpreter): it types both branches of an ``if``, which the
+    interpreter never does (a first version named tensors of two shapes alike in them, and
+    failed on the GPU only)."""
+    from model.kernels.matvec import GEMV_BLOCK_D
+
+    f, o = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
+    signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o,
+                 **dict.fromkeys(("O", "O2", "D", "DG", "OG", "P1"), "i32"),
+                 **dict.fromkeys(("BLOCK_O", "BLOCK_O2", "BLOCK_D", "TWO", "BF16"), "constexpr")}
+    constants = {"BLOCK_O": block_o, "BLOCK_O2": block_o2, "BLOCK_D": GEMV_BLOCK_D, "TWO": bool(two),
+                 "BF16": bool(bf16)}
+    launches = tmp_path / "launches.json"
+    launches.write_text(json.dumps([{"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
+                                     "constants": constants, "options": {}}]))
     root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, "-c", COMPILE, *map(str, (block_o, block_o2, two, bf16))], env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    r = subprocess.run([sys.executable, str(root / "scripts" / "gpu_compile_check.py"), "--compile", str(launches)],
+                       env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -12,13 +12,12 @@ kernel or twin (``model.kernels``). Imported only when Triton is importable.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits
+from model.kernels.fused import _store, unfused
 
 
 @triton.jit
@@ -40,10 +39,7 @@ def _engram_gate_kernel(s_ptr, key_ptr, value_ptr, qw_ptr, kw_ptr, live_ptr, out
     if LIVE:
         gate = tl.where(tl.load(live_ptr + row) != 0, gate, 0.0)
     out = h + gate * tl.load(value_ptr + row * s_value + c, mask=m, other=0.0).to(tl.float32)
-    if BF16:
-        tl.store(out_ptr + (row * HC + k) * D + c, _bf16_bits(out), mask=m)
-    else:
-        tl.store(out_ptr + (row * HC + k) * D + c, out, mask=m)
+    _store(out_ptr + (row * HC + k) * D + c, out, m, BF16)
 
 
 def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
@@ -64,10 +60,9 @@ def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
         return out
     bf16 = streams.dtype == torch.bfloat16
     block = triton.next_power_of_2(D)
-    options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
     _engram_gate_kernel[(R, hc)](streams, key, value, q_weight.contiguous(), k_weight.contiguous(),
                                  streams if live is None else live.contiguous(),
                                  out.view(torch.int16) if bf16 else out, D, key.stride(0), value.stride(0), float(eps),
                                  HC=hc, BLOCK_D=block, LIVE=live is not None, BF16=bf16,
-                                 num_warps=4 if block <= 1024 else 8, **options)
+                                 num_warps=4 if block <= 1024 else 8, **unfused())
     return out

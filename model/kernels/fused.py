@@ -31,6 +31,8 @@ anything about caches. Imported only when Triton is importable.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -81,6 +83,22 @@ def _bf16_bits(y):
     own cast truncates), to store through an int16 view of a bf16 tensor."""
     bits = y.to(tl.int32, bitcast=True)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).to(tl.int16)
+
+
+@triton.jit
+def _store(ptr, y, mask, BF16: tl.constexpr):
+    """fp32 ``y`` stored in the destination's dtype: with ``BF16``, as bf16 bits (nearest even)
+    through an int16 view; else cast to the pointer's element type."""
+    if BF16:
+        tl.store(ptr, _bf16_bits(y), mask=mask)
+    else:
+        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+
+
+def unfused() -> dict:
+    """Launch options that keep the compiler from fusing a product and a sum into one FMA, so
+    a kernel rounds each as torch does; none under the interpreter, which has no such option."""
+    return {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
 
 
 @triton.jit

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits
+from model.kernels.fused import _store
 
 # channels per load and warps of a program; a program's output rows are the most (up to
 # BLOCK_O_MAX) that still leave MIN_PROGRAMS programs a weight. Untuned guesses, swept by
@@ -47,10 +47,7 @@ def _rows_times_x(x_row, w_ptr, out_row, o0, O, DG, BLOCK_O: tl.constexpr, BLOCK
         x = tl.load(x_row + d, mask=d_ok, other=0.0).to(tl.float32)
         w = tl.load(w_ptr + o[:, None].to(tl.int64) * DG + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-    if BF16:
-        tl.store(out_row + o, _bf16_bits(acc), mask=o_ok)
-    else:
-        tl.store(out_row + o, acc, mask=o_ok)
+    _store(out_row + o, acc, o_ok, BF16)
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits
+from model.kernels.fused import _bf16_bits, _store
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -54,11 +54,28 @@ SUM_BLOCK = 512
 
 
 @triton.jit
+def _from_bits(bits):
+    """int16 bf16 bits -> their value in fp32 (exact)."""
+    return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _round(x, BF16: tl.constexpr):
     """x rounded to the activation dtype (bf16: nearest even, on the bits) and back to fp32."""
     if BF16:
-        return (_bf16_bits(x).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        return _from_bits(_bf16_bits(x))
     return x
+
+
+@triton.jit
+def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
+    """The SwiGLU of the w1 / w3 products, each first rounded to the activation dtype as the
+    GEMMs' outputs are, with the training clamps."""
+    g, u = _round(acc1, BF16), _round(acc3, BF16)
+    if CLAMP:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
@@ -142,17 +159,10 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
         m = i_ok[:, None] & d_ok[None, :]
         acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
         acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
-    g, u = _round(acc1, BF16), _round(acc3, BF16)  # the GEMMs' outputs, in the activation dtype
-    if CLAMP:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
-    h = g / (1.0 + tl.exp(-g)) * u
+    h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
-    if BF16:
-        tl.store(h_ptr + p * I + i, _bf16_bits(h), mask=i_ok)
-    else:
-        tl.store(h_ptr + p * I + i, h, mask=i_ok)
+    _store(h_ptr + p * I + i, h, i_ok, BF16)
 
 
 @triton.jit
@@ -175,16 +185,13 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
             i = i0 + tl.arange(0, BLOCK_I)
             i_ok = i < I
             if BF16:
-                h = (tl.load(h_ptr + p * I + i, mask=i_ok, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+                h = _from_bits(tl.load(h_ptr + p * I + i, mask=i_ok, other=0))
             else:
                 h = tl.load(h_ptr + p * I + i, mask=i_ok, other=0.0)
             w = tl.load(w_ptr + o[:, None] * I + i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
         total += _round(acc, BF16)
-    if OUT_BF16:  # the fp32 sum rounded as MoE's cast back rounds it
-        tl.store(out_ptr + t * D + o, _bf16_bits(total), mask=o_ok)
-    else:
-        tl.store(out_ptr + t * D + o, total, mask=o_ok)
+    _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)  # bf16: rounded as MoE's cast back rounds it
 
 
 @triton.jit
@@ -240,17 +247,8 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
             b = tl.load(b_ptr + cols, mask=m, other=0.0)
             acc1 += tl.dot(xs.to(tl.float32), a.to(tl.float32), input_precision=DOT)
             acc3 += tl.dot(xs.to(tl.float32), b.to(tl.float32), input_precision=DOT)
-        g, u = _round(acc1, BF16), _round(acc3, BF16)
-        if CLAMP:
-            g = tl.minimum(g, limit)
-            u = tl.minimum(tl.maximum(u, -limit), limit)
-        h = gw[:, None] * (g / (1.0 + tl.exp(-g)) * u)
-        out = h_ptr + row[:, None] * I + i[None, :]
-        m = has[:, None] & i_ok[None, :]
-        if BF16:
-            tl.store(out, _bf16_bits(h), mask=m)
-        else:
-            tl.store(out, h, mask=m)
+        h = gw[:, None] * _swiglu(acc1, acc3, limit, BF16, CLAMP)
+        _store(h_ptr + row[:, None] * I + i[None, :], h, has[:, None] & i_ok[None, :], BF16)
 
 
 @triton.jit
@@ -276,8 +274,7 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
             cols = o[None, :] * I + i[:, None]  # [BLOCK_I, BLOCK_O]
             w = tl.load(w_ptr + cols, mask=i_ok[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
             if BF16:  # h's bits, exactly a bf16 value
-                bits = tl.load(h_ptr + row[:, None] * I + i[None, :], mask=hm, other=0).to(tl.int32) << 16
-                h = bits.to(tl.float32, bitcast=True)
+                h = _from_bits(tl.load(h_ptr + row[:, None] * I + i[None, :], mask=hm, other=0))
             else:
                 h = tl.load(h_ptr + row[:, None] * I + i[None, :], mask=hm, other=0.0)
             acc += tl.dot(h, w, input_precision=DOT)
@@ -295,10 +292,7 @@ def _sum_slots_kernel(part_ptr, out_ptr, NK, D, K: tl.constexpr, BLOCK: tl.const
     for j in tl.static_range(K):
         total += tl.load(part_ptr + (t * K + j) * D + o, mask=o_ok, other=0.0)
     total += tl.load(part_ptr + (NK + t) * D + o, mask=o_ok, other=0.0)
-    if OUT_BF16:
-        tl.store(out_ptr + t * D + o, _bf16_bits(total), mask=o_ok)
-    else:
-        tl.store(out_ptr + t * D + o, total, mask=o_ok)
+    _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
 
 
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,

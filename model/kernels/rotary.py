@@ -13,13 +13,12 @@ or choosing kernel or twin (``model.kernels``). Imported only when Triton is imp
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits
+from model.kernels.fused import _bf16_bits, unfused
 
 
 @triton.jit
@@ -53,7 +52,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     out = torch.empty_like(x)
     bf16 = x.dtype == torch.bfloat16
-    options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
     _rope_kernel[(x.numel() // D,)](x, cos, sin, out.view(torch.int16) if bf16 else out, S, H, D, D - 2 * half, half,
-                                    BLOCK_D=triton.next_power_of_2(D), BF16=bf16, **options)
+                                    BLOCK_D=triton.next_power_of_2(D), BF16=bf16, **unfused())
     return out

@@ -18,21 +18,12 @@ or choosing kernel or twin (``model.kernels``). Imported only when Triton is imp
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits, _hc_split_tiles, _hc_store_split
-
-
-@triton.jit
-def _store(ptr, y, mask, BF16: tl.constexpr):
-    if BF16:
-        tl.store(ptr, _bf16_bits(y), mask=mask)
-    else:
-        tl.store(ptr, y.to(ptr.dtype.element_ty), mask=mask)
+from model.kernels.fused import _bf16_bits, _hc_split_tiles, _hc_store_split, _store, unfused
 
 
 @triton.jit
@@ -64,8 +55,7 @@ def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexp
 
 def _launch(kernel, rows: int, D: int, *args, bf16: bool):
     block = min(1024, triton.next_power_of_2(D))
-    options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
-    kernel[(rows, triton.cdiv(D, block))](*args, BLOCK_D=block, BF16=bf16, **options)
+    kernel[(rows, triton.cdiv(D, block))](*args, BLOCK_D=block, BF16=bf16, **unfused())
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -203,7 +193,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     lead = streams.shape[:-2]
     assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc & (hc - 1) == 0
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
-    options = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+    options = unfused()
     streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options)
     R, S, M_PAD = dots.shape
     pre_out = torch.empty(*lead, hc, dtype=torch.float32, device=streams.device)
