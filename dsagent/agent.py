@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from dsagent.prompt import DEFAULT_SYSTEM
 from dsagent.runtime import Runtime
 from model.cache import Cache, CacheFormatError
 from model.chat import encode_messages
@@ -33,8 +34,6 @@ from model.vision import expand_spans
 from sessions import ImageSpan, KVChunk, LocalStatePool, Store
 from tools import ToolRunner, Workspace, builtin_toolbox
 
-DEFAULT_SYSTEM = ("You are dsagent, a local assistant running a DeepSeek-V4.1-style model. "
-                  "Answer briefly. Use a tool when it helps, then answer from its result.")
 
 Event = dict
 

@@ -37,7 +37,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
-from dsagent.agent import DEFAULT_SYSTEM
+from dsagent.prompt import DEFAULT_SYSTEM
 from model.args import ModelArgs
 from model.chat import Conversation
 from model.tokenizer import Tokenizer

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import subprocess
 import sys
 from collections import deque
 from pathlib import Path
@@ -247,3 +248,16 @@ def test_focus_example_trains_whole_words_of_the_last_reply_alone():
     assert corpus_gen.value_example(record, tok, args).trained == ex.trained
     with pytest.raises(ValueError, match="spells none"):
         corpus_gen.focus_example(record, tok, args, [value[1:]])  # inside the value: not a whole word
+
+
+def test_corpus_and_training_scripts_import_without_the_session_store():
+    """The GPU machine has no zstandard or sqlite-utils: the corpus generator and the
+    training / probe scripts must not pull in the session store (they did, through the agent's
+    system prompt, and a training run there stopped at its imports)."""
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; sys.modules['zstandard'] = None; sys.modules['sqlite_utils'] = None; "
+            f"sys.path.insert(0, {str(root / 'scripts')!r}); "
+            "import dsagent.corpus, train_default, recall_probe, retrieval_drill, image_drill; "
+            "assert 'sessions' not in sys.modules, 'the session store was imported'")
+    run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
