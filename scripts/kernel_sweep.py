@@ -1,7 +1,8 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
-        gemv-sweep,moe,indexer,mhc,site,grouped,compare]  (gemv, compare: the fast path against torch only)
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down]  (gemv, compare: the fast path against torch
+        only; down: the MoE's down sum slot by slot against every slot at once, then the latter's tiles)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
 ``.matvec``) is timed as a decode step runs it: 20 calls captured in one CUDA graph,
@@ -50,6 +51,22 @@ def graphed_us(fn) -> float:
         torch.cuda.synchronize()
         best = min(best, a.elapsed_time(b) * 1e3 / CALLS)
     return best
+
+
+def with_settings(module, settings: dict, fn):
+    """``fn()`` with ``module``'s constants set to ``settings``, then put back."""
+    before = {n: getattr(module, n) for n in settings}
+    try:
+        for n, v in settings.items():
+            setattr(module, n, v)
+        return fn()
+    finally:
+        for n, v in before.items():
+            setattr(module, n, v)
+
+
+def graphed_us_with(module, settings: dict, fn) -> float:
+    return with_settings(module, settings, lambda: graphed_us(fn))
 
 
 def sweep(module, settings: dict[str, list], fn, emit, label: str, check=None) -> None:
@@ -188,7 +205,7 @@ def main() -> None:
                                            for o in matvec.gemv(xs, *ws, groups=gr)])
                 sweep(matvec, {"GEMV_BLOCK_D": [128, 256, 512], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
                       cycled(matvec.gemv), emit, "gemv (a layer's six calls)", check=first)
-        if {"moe", "grouped", "compare"} & set(only):  # compare: the two MoE forms' times alone
+        if {"moe", "grouped", "compare", "down"} & set(only):  # compare: the two MoE forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE)
             by_pair = lambda: moe.moe_decode(*tensors, **config, grouped=False)  # noqa: E731
             grouped = lambda: moe.moe_decode(*tensors, **config, grouped=True)  # noqa: E731
@@ -199,6 +216,14 @@ def main() -> None:
                   * (args.num_experts_per_tok * a.batch + args.n_shared_experts),
                   "by_pair_us": round(graphed_us(by_pair), 2), "grouped_us": round(graphed_us(grouped), 2),
                   "max_abs_diff": (by_pair() - grouped()).abs().max().item()})
+        if "down" in only:  # the down sum slot by slot against every slot's rows at once (DOWN_SLOTS)
+            emit({"kernel": "moe: down slot by slot vs every slot at once",
+                  "slot_by_slot_us": round(graphed_us(by_pair), 2),
+                  "at_once_us": round(graphed_us_with(moe, {"DOWN_SLOTS": True}, by_pair), 2),
+                  "max_abs_diff": (by_pair() - with_settings(moe, {"DOWN_SLOTS": True}, by_pair)).abs().max().item()})
+            with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
+                moe, {"SLOTS_BLOCK_O": [2, 4, 8, 16], "SLOTS_BLOCK_I": [128, 256, 512], "SLOTS_WARPS": [4, 8]},
+                by_pair, emit, "moe-down-slots"))
         if "moe" in only:  # the two expert kernels apart (each with the other at its default): 36 + 36, not 36 x 36
             sweep(moe, {"UP_BLOCK_I": [4, 8, 16, 32], "UP_BLOCK_D": [128, 256, 512], "UP_WARPS": [2, 4, 8]},
                   by_pair, emit, "moe-up")

@@ -68,14 +68,24 @@ def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
         return kernels.moe_decode(*weights, **config, **kw)
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["by-pair", "by-expert"])
-@pytest.mark.parametrize("dtype,scoring,n,spread", CASES)
-def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread, grouped, monkeypatch):
-    """Tokens of unit RMS, and ``spread`` 20 for inputs whose SwiGLU hits the clamps; the
-    experts' kernels by (token, slot) pair and grouped by expert, whatever the token count."""
+FORMS = ["by-pair", "by-pair-slots", "by-expert"]
+
+
+def use_form(form: str, monkeypatch) -> None:
+    """The experts' kernels by (token, slot) pair (the down sum slot by slot, or every slot's
+    rows at once: ``DOWN_SLOTS``) or grouped by expert, whatever the token count."""
     from model.kernels import moe as kmoe
 
-    monkeypatch.setattr(kmoe, "GROUPED_TOKENS", 1 if grouped else kernels.MOE_TOKENS + 1)
+    monkeypatch.setattr(kmoe, "GROUPED_TOKENS", 1 if form == "by-expert" else kernels.MOE_TOKENS + 1)
+    monkeypatch.setattr(kmoe, "DOWN_SLOTS", form == "by-pair-slots")
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype,scoring,n,spread", CASES)
+def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread, form, monkeypatch):
+    """Tokens of unit RMS, and ``spread`` 20 for inputs whose SwiGLU hits the clamps; each
+    form of the experts' kernels."""
+    use_form(form, monkeypatch)
     moe = random_moe(scoring, dtype, seed=n)
     x = torch.randn(n, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(1)) * spread
     x = x.to(DEVICE, dtype)
@@ -106,6 +116,27 @@ def test_grouped_experts_serve_every_token_that_shares_them():
     torch.testing.assert_close(by_expert, by_pair, rtol=1e-5, atol=1e-5 * by_pair.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_down_sum_with_every_slot_at_once_matches_the_slot_by_slot_sum(dtype, monkeypatch):
+    """``DOWN_SLOTS``: the same slots rounded and added in the same order, so the two down
+    kernels differ only by their dots' order (fp32: rounding; bf16: a slot's product may
+    round one bf16 step apart); top-3 of 8 and the shared expert (4 slots in a tile of 4),
+    then top-4 (5 slots in a tile of 8, three masked)."""
+    from model.kernels import moe as kmoe
+
+    for top_k in (3, 4):
+        moe = random_moe("sigmoid", dtype, seed=13 + top_k, num_experts_per_tok=top_k)
+        x = torch.randn(3, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(8)).to(DEVICE, dtype)
+        slot_by_slot = decode_call(moe, x, grouped=False)
+        monkeypatch.setattr(kmoe, "DOWN_SLOTS", True)
+        at_once = decode_call(moe, x, grouped=False)
+        monkeypatch.setattr(kmoe, "DOWN_SLOTS", False)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        torch.testing.assert_close(at_once, slot_by_slot, rtol=tol, atol=tol * slot_by_slot.abs().max().item())
+        # a slot left out or counted twice would be off by a whole expert's output
+        assert (at_once - slot_by_slot).abs().max() < 0.05 * slot_by_slot.abs().max()
+
+
 def test_moe_kernel_splits_the_gate_over_channel_chunks():
     """512 channels: the gate's logits are summed from 4 chunks of 128."""
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=5, hidden_size=512)
@@ -117,10 +148,14 @@ def test_moe_kernel_splits_the_gate_over_channel_chunks():
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the small preset's widths, on the GPU")
-@pytest.mark.parametrize("n", [1, 4, 16])
-def test_moe_kernel_at_small_widths(n):
+@pytest.mark.parametrize("n,slots", [(1, False), (1, True), (4, False), (16, False)])
+def test_moe_kernel_at_small_widths(n, slots, monkeypatch):
     """64 experts, top-6, 2,048 channels, 768 intermediate: the shapes the decode bench runs
-    (one token by pair; 4 and 16 grouped by expert)."""
+    (one token by pair, the down sum slot by slot or every slot at once; 4 and 16 grouped by
+    expert)."""
+    from model.kernels import moe as kmoe
+
+    monkeypatch.setattr(kmoe, "DOWN_SLOTS", slots)
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=7, hidden_size=2048, moe_intermediate_size=768,
                      n_routed_experts=64, num_experts_per_tok=6)
     x = torch.randn(n, 2048, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
@@ -148,15 +183,17 @@ def test_moe_kernel_runs_only_on_a_few_text_tokens_outside_autograd(monkeypatch)
     assert calls == [2] and moe.gate.weight.grad is not None
 
 
-def test_moe_kernel_writes_bf16_as_the_cast_rounds_it():
+def test_moe_kernel_writes_bf16_as_the_cast_rounds_it(monkeypatch):
     """``out_dtype`` bf16 (what MoE asks for a bf16 model): the kernel's fp32 sum rounded to
     nearest even, bit for bit what ``.to(torch.bfloat16)`` of its fp32 output gives."""
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=9)
     x = torch.randn(3, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(4)).to(DEVICE, torch.bfloat16)
-    for grouped in (False, True):
-        wide = decode_call(moe, x, grouped=grouped)
-        narrow = decode_call(moe, x, grouped=grouped, out_dtype=torch.bfloat16)
+    for form in FORMS:
+        use_form(form, monkeypatch)
+        wide = decode_call(moe, x, grouped=form == "by-expert")
+        narrow = decode_call(moe, x, grouped=form == "by-expert", out_dtype=torch.bfloat16)
         assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
         assert torch.equal(narrow, wide.to(torch.bfloat16))
+    monkeypatch.undo()
     with torch.no_grad():
         assert torch.equal(moe(x), decode_call(moe, x, out_dtype=torch.bfloat16))  # the MoE's own call

@@ -45,6 +45,11 @@ GATE_SPLITS = 32  # programs per token that share the gate's weight read
 # 60 us with (16, 256, 4) / (8, 256, 4), 44 us with these up tiles, 54 us with these down tiles
 UP_BLOCK_I, UP_BLOCK_D, UP_WARPS = 4, 256, 4
 DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
+# the down sum with every slot's rows loaded together (``_down_slots_kernel``): off until timed on
+# the GPU (at `small`, batch 1, the down kernel read its 22 MB at ~1.4 TB/s, the up kernel its 44
+# MB at ~3.2 TB/s: likely one slot's load in flight at a time); its tiles are guesses
+DOWN_SLOTS = False
+SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
 # per expert and block of rows, the tokens' block through tensor cores; untuned guesses
 GROUPED_TOKENS = 4
@@ -195,6 +200,43 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 
 
 @triton.jit
+def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
+                       K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+                       BF16: tl.constexpr, OUT_BF16: tl.constexpr):
+    """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
+    loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
+    + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
+    time. Each slot's product is rounded as there and the slots are added in the same order
+    (a column holding one slot's value plus zeros is that value exactly)."""
+    t = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    o_ok = o < D
+    j = tl.arange(0, S_P2)
+    routed, live = j < K, j < K + 1
+    pair = tl.where(routed, t * K + j, NK + t)  # the slot's row of h: the shared expert's last
+    e = tl.load(isel_ptr + t * K + j, mask=routed, other=0)
+    rows = tl.where(routed, e * D, 0)[:, None] + o[None, :]  # [S, BLOCK_O]: w2[e] or s2 rows
+    acc = tl.zeros([S_P2, BLOCK_O], dtype=tl.float32)
+    for i0 in range(0, I, BLOCK_I):
+        i = i0 + tl.arange(0, BLOCK_I)
+        i_ok = i < I
+        hm = live[:, None] & i_ok[None, :]
+        if BF16:
+            h = _from_bits(tl.load(h_ptr + pair[:, None] * I + i[None, :], mask=hm, other=0))
+        else:
+            h = tl.load(h_ptr + pair[:, None] * I + i[None, :], mask=hm, other=0.0)
+        cols = rows[:, :, None] * I + i[None, None, :]  # [S, BLOCK_O, BLOCK_I]
+        w_ptr = tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols)
+        w = tl.load(w_ptr, mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+        acc += tl.sum(w.to(tl.float32) * h[:, None, :], 2)
+    acc = _round(acc, BF16)
+    total = tl.zeros([BLOCK_O], dtype=tl.float32)
+    for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
+        total += tl.sum(tl.where((j == s)[:, None], acc, 0.0), 0)
+    _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
+
+
+@triton.jit
 def _expert_rows(isel_ptr, wsel_ptr, N, NK, K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr):
     """The program's expert e (axis 0; E = the last, the shared expert), which of the N tokens
     it serves (the shared expert: every token), the row of each in the pair buffers (token
@@ -339,6 +381,11 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         _up_kernel[(nk + N, triton.cdiv(I, UP_BLOCK_I))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, float(limit),
             K=top_k, BLOCK_I=UP_BLOCK_I, BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=UP_WARPS)
+        if DOWN_SLOTS:
+            _down_slots_kernel[(N, triton.cdiv(D, SLOTS_BLOCK_O))](
+                h_arg, w2, s2, chosen, out_arg, nk, D, I, K=top_k, S_P2=triton.next_power_of_2(top_k + 1),
+                BLOCK_O=SLOTS_BLOCK_O, BLOCK_I=SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=SLOTS_WARPS)
+            return out
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I,
             K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS)
