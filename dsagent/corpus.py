@@ -26,6 +26,8 @@ as the agent's token log.
 from __future__ import annotations
 
 import base64
+import copy
+import functools
 import io
 import json
 import random
@@ -61,6 +63,13 @@ RECALL_TOKENS = (2000, 6000)
 
 # -- one conversation -------------------------------------------------------------------
 
+@functools.cache
+def _schemas() -> list[dict[str, Any]]:
+    """The built-in tools' schemas, built once a process (a toolbox from the functions' signatures
+    took ~9% of a record's generation)."""
+    return builtin_toolbox().schemas()
+
+
 @dataclass
 class Builder:
     """A conversation under construction; tool calls run for real in `workspace`."""
@@ -73,8 +82,7 @@ class Builder:
     calls: int = 0
 
     def __post_init__(self) -> None:
-        self.messages.append({"role": "system", "content": DEFAULT_SYSTEM,
-                              "tools": builtin_toolbox().schemas()})
+        self.messages.append({"role": "system", "content": DEFAULT_SYSTEM, "tools": copy.deepcopy(_schemas())})
 
     def user(self, text: str, image: bytes | None = None) -> None:
         if image is None:
@@ -161,13 +169,15 @@ def training_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelAr
     return Example(ids, trained, list(zip(starts, images)))
 
 
-def focus_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs, words: list[str]) -> Example:
+def focus_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs, words: list[str],
+                  laid_out: Example | None = None) -> Example:
     """``record`` as ``training_example`` lays it out, trained only on the tokens of its last
     reply that spell one of ``words`` (whole words; a token may also hold the space before
     one: " A" of " ABC-1234"): the one skill's own signal, not diluted by the reply's words
     around it — a fresh model learns the recall lookup from the value's tokens alone, and not
-    in as many steps from the whole reply (README, *The embedded default*, session 7)."""
-    ex = training_example(record, tokenizer, args)
+    in as many steps from the whole reply (README, *The embedded default*, session 7).
+    ``laid_out``: the record's ``training_example`` where the caller has it (not encoded again)."""
+    ex = laid_out or training_example(record, tokenizer, args)
     ids, trained = list(ex.ids), list(ex.trained)
     last = max(i for i, t in enumerate(trained) if t)
     first = last
@@ -183,9 +193,10 @@ def focus_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
     return Example(ids, [i in scored for i in range(len(ids))], ex.images)
 
 
-def value_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:
+def value_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
+                  laid_out: Example | None = None) -> Example:
     """A recall record trained on its reply's planted value alone (see ``focus_example``)."""
-    return focus_example(record, tokenizer, args, [record["truth"]["value"]])
+    return focus_example(record, tokenizer, args, [record["truth"]["value"]], laid_out)
 
 
 def form_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:

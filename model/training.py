@@ -28,6 +28,7 @@ import random
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -152,10 +153,10 @@ class Example:
     prompts: list[int] = field(default_factory=list)  # where each prompt after a reply starts
 
     def __post_init__(self) -> None:
-        if not self.replies:
-            self.replies = [i for i, t in enumerate(self.trained) if t and (i == 0 or not self.trained[i - 1])]
-        if not self.prompts:
-            self.prompts = [i for i, t in enumerate(self.trained) if not t and i > 0 and self.trained[i - 1]]
+        if not self.replies or not self.prompts:  # the mask's rising and falling edges
+            steps = np.diff(np.asarray(self.trained, dtype=np.int8), prepend=0)
+            self.replies = self.replies or np.flatnonzero(steps == 1).tolist()
+            self.prompts = self.prompts or np.flatnonzero(steps == -1).tolist()
 
 
 @dataclass

@@ -155,11 +155,12 @@ def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None, E
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD))
+    whole = training_example(record, _TOK, _ARGS)
     bare = valued = None
     if kind == "d":
         bare = _compact((value_example if _VALUE_ONLY else training_example)(bare_record(record), _TOK, _ARGS))
-        valued = _compact(value_example(record, _TOK, _ARGS)) if _VALUE_ONLY else None
-    return i, kind, _compact(training_example(record, _TOK, _ARGS)), bare, valued
+        valued = _compact(value_example(record, _TOK, _ARGS, laid_out=whole)) if _VALUE_ONLY else None
+    return i, kind, _compact(whole), bare, valued
 
 
 def _compact(ex: Example) -> Example:
