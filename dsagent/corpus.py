@@ -59,6 +59,10 @@ SHAPES = ("circle", "square", "triangle")
 NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six"]
 IMAGE_SIDE, GRID = 126, 3  # 3x3 cells of 42 px: shapes never touch
 RECALL_TOKENS = (2000, 6000)
+# how a recall log states a key: "colon" is this corpus version's; "is" says it in the answer's
+# words (`badge id of lumen is UBE-2192`), an experiment's (README, session 17): a record in
+# another form than "colon" says so in its truth
+RECALL_FORMS = {"colon": "{key}: {value}", "is": "{key} is {value}"}
 
 
 # -- one conversation -------------------------------------------------------------------
@@ -124,7 +128,7 @@ class Builder:
 
 
 def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
-                recall_tokens: tuple[int, int] = RECALL_TOKENS) -> dict[str, Any]:
+                recall_tokens: tuple[int, int] = RECALL_TOKENS, recall_form: str = "colon") -> dict[str, Any]:
     """Record `index` of the corpus for `seed`, of kind a-e; a recall record's log is drawn
     from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default)."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
@@ -132,7 +136,7 @@ def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
     with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
         b = Builder(rng, Path(tmp))
         if kind == "d":
-            recall_conversation(b, tokenizer, recall_tokens)
+            recall_conversation(b, tokenizer, recall_tokens, recall_form)
         else:
             {"a": chat_conversation, "b": tool_conversation, "c": image_conversation,
              "e": multi_turn_conversation}[kind](b)
@@ -485,28 +489,33 @@ def secret(rng: random.Random) -> str:
 
 
 def recall_document(rng: random.Random, tokenizer: Tokenizer, key: str, value: str,
-                    recall_tokens: tuple[int, int] = RECALL_TOKENS) -> list[str]:
+                    recall_tokens: tuple[int, int] = RECALL_TOKENS, form: str = "colon") -> list[str]:
     """Filler lines up to the drawn length, the key planted in the first fifth, decoys after."""
     target = rng.randint(*recall_tokens)
     lines, tokens = [], 0
     while tokens < target:
         lines.append(filler_line(rng))
         tokens += len(tokenizer.encode_content(lines[-1] + "\n"))
-    lines.insert(rng.randrange(1, max(2, len(lines) // 5)), f"{key}: {value}")
+    lines.insert(rng.randrange(1, max(2, len(lines) // 5)), RECALL_FORMS[form].format(key=key, value=value))
     return lines
 
 
-def plant_decoys(rng: random.Random, lines: list[str], key_kind: str, owner: str) -> None:
+def plant_decoys(rng: random.Random, lines: list[str], key_kind: str, owner: str, form: str = "colon") -> None:
     for other in rng.sample([n for n in WORDS if n != owner], rng.randint(2, 4)):
-        lines.insert(rng.randrange(len(lines) // 5, len(lines)), f"{key_kind} of {other}: {secret(rng)}")
+        lines.insert(rng.randrange(len(lines) // 5, len(lines)),
+                     RECALL_FORMS[form].format(key=f"{key_kind} of {other}", value=secret(rng)))
 
 
-def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[int, int] = RECALL_TOKENS) -> None:
+def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[int, int] = RECALL_TOKENS,
+                        form: str = "colon") -> None:
+    """A log with a key planted early and decoys of the same kind after, and the question
+    for the key. ``form``: how the log states a key (``RECALL_FORMS``; "colon", the corpus's,
+    unless a trainer asks for another)."""
     rng = b.rng
     key_kind, owner, value = rng.choice(KEY_KINDS), rng.choice(WORDS), secret(rng)
     key = f"{key_kind} of {owner}"
-    lines = recall_document(rng, tokenizer, key, value, recall_tokens)
-    plant_decoys(rng, lines, key_kind, owner)
+    lines = recall_document(rng, tokenizer, key, value, recall_tokens, form)
+    plant_decoys(rng, lines, key_kind, owner, form)
     document, question = "\n".join(lines), f"What is the {key}?"
     if rng.random() < 0.5:
         b.user(f"Here is a log.\n\n{document}\n\n{question}")
@@ -515,7 +524,7 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
         b.say("I have read the log. What would you like to know?")
         b.user(question)
     b.say(f"The {key} is {value}.")
-    b.truth = {"key": key, "value": value, "question": question}
+    b.truth = {"key": key, "value": value, "question": question} | ({} if form == "colon" else {"form": form})
 
 
 # -- (e) multi-turn ------------------------------------------------------------------------

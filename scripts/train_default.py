@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, RECALL_TOKENS, bare_record, make_record, training_example,  # noqa: E402
-                            value_example)
+from dsagent.corpus import (CORPUS_VERSION, RECALL_FORMS, RECALL_TOKENS, bare_record, make_record,  # noqa: E402
+                            training_example, value_example)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -73,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the first STEPS steps train on --long-batch recall records alone, without the ~2.3K-token "
                         "system prompt, the shortest SHARE of them: a fresh model finds the lookup on short "
                         "logs first, and a long identical prefix spreads its first, even attention ~10x thinner")
+    p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
+                   help="how a recall log states its keys: colon (the corpus's: `badge id of lumen: UBE-2192`) or "
+                        "is (in the answer's words: `badge id of lumen is UBE-2192`), an experiment's")
     p.add_argument("--recall-value-only", action="store_true",
                    help="bare recall records (the --recall-first phase's, and --recall-pool bare's) train the "
                         "reply's value tokens alone, not the words around them that copy the question: with "
@@ -129,13 +132,15 @@ _ARGS = None
 _RECALL = RECALL_TOKENS
 _SPREAD = "uniform"
 _VALUE_ONLY = False
+_FORM = "colon"
 
 
-def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer=None) -> None:
-    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY
+def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer=None,
+                 form="colon") -> None:
+    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _FORM
     torch.set_num_threads(1)
     _TOK = tokenizer or Tokenizer.bundled()
-    _ARGS, _RECALL, _SPREAD, _VALUE_ONLY = args, tuple(recall_tokens), spread, value_only
+    _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _FORM = args, tuple(recall_tokens), spread, value_only, form
 
 
 def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int, int]:
@@ -154,7 +159,7 @@ def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None, E
     trained on the value alone, itself so trained (see ``--recall-rows``)."""
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
-    record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD))
+    record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _FORM)
     whole = training_example(record, _TOK, _ARGS)
     bare = valued = None
     if kind == "d":
@@ -173,7 +178,8 @@ def _compact(ex: Example) -> Example:
 def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, world: int = 1,
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False,
-                  tokenizer: Tokenizer | None = None, recall_records: int = 0) -> dict[str, list[Example]]:
+                  tokenizer: Tokenizer | None = None, recall_records: int = 0,
+                  recall_form: str = "colon") -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, or, in a data-parallel run,
     this process's share: whole rounds of SCHEDULE, so every process holds every kind.
     Pools: "long" the recall records, sorted by length (see next_batch), "bare" the same
@@ -193,10 +199,11 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
         mine += [r * len(SCHEDULE) + j for r in range(first, first + rounds) if r % world == rank for j in recall_at]
     jobs = [(seed, i) for i in mine if SCHEDULE[i % len(SCHEDULE)] in kinds]
     if workers <= 1:
-        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer)
+        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_form)
         results = map(_example, jobs)
     else:
-        pool = mp.get_context("fork").Pool(workers, _init_worker, (model_args, recall_tokens, spread, value_only, tokenizer))
+        pool = mp.get_context("fork").Pool(workers, _init_worker,
+                                           (model_args, recall_tokens, spread, value_only, tokenizer, recall_form))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare, valued in results:
         pools["long" if kind == "d" else "short"].append(ex)
@@ -434,7 +441,8 @@ def train(a) -> dict:
     t0 = time.time()
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
-                          a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records)
+                          a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
+                          a.recall_form)
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -569,6 +577,7 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
             "recall_records": a.recall_records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
+            "recall_form": a.recall_form,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,

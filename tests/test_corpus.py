@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 import subprocess
 import sys
 from collections import deque
@@ -222,6 +223,23 @@ def test_recall_plants_the_value_once_in_a_long_context(records, tokenizer):
         assert before.index(truth["value"]) < len(before) // 4, r["id"]
         assert users[-1]["content"].endswith(truth["question"])
         assert r["messages"][-1]["content"] == f"The {truth['key']} is {truth['value']}."
+
+
+def test_recall_form_is_states_every_key_in_the_answers_words(tokenizer):
+    """``recall_form="is"`` (the trainer's --recall-form experiment): the same record as the
+    corpus's form — key, value, decoys, question and reply — with each key line saying
+    ``<key> is <value>`` instead of ``<key>: <value>``, and the form named in its truth."""
+    for i in (3, 13):
+        colon = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300))
+        said = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), "is")
+        truth = said["truth"]
+        assert truth == colon["truth"] | {"form": "is"} and "form" not in colon["truth"]
+        assert said["messages"][-1] == colon["messages"][-1]
+        log_colon, log_is = (_text(r["messages"][1]["content"]).splitlines() for r in (colon, said))
+        keyed = [k for k, line in enumerate(log_colon) if re.fullmatch(r"[a-z ]+ of [a-z]+: [A-Z]{3}-\d{4}", line)]
+        assert len(keyed) >= 3 and f"{truth['key']}: {truth['value']}" in log_colon
+        assert [line.replace(": ", " is ", 1) if k in keyed else line for k, line in enumerate(log_colon)] == log_is
+        assert f"{truth['key']} is {truth['value']}" in log_is
 
 
 def test_multi_turn_final_answers_depend_on_earlier_turns(records):
