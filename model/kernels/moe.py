@@ -14,7 +14,8 @@ Owns ``moe_decode`` (what ``model.moe.MoE.forward`` computes for text tokens):
   clamps, times the gate weight, rounded again as ``MoE`` rounds before ``w2``;
 - ``_down_kernel``, one program per token and block of output channels: each slot's ``w2``
   product rounded to the activation dtype, summed in slot order in fp32, then the shared
-  expert's added (``MoE``'s order), so a step is deterministic.
+  expert's added (``MoE``'s order), so a step is deterministic; ``_down_slots_kernel`` (with
+  ``DOWN_SLOTS``, off until timed) the same sum with every slot's rows loaded in one tile.
 
 From ``GROUPED_TOKENS`` tokens (a batched decode step) the experts run grouped instead: at
 batch 16 and top-6 of 64, the 96 pairs share ~51 experts, and a kernel by pair reads each
