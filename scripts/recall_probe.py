@@ -52,11 +52,14 @@ def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, ba
     return out
 
 
-def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float]:
+def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float | list[float]]:
     """Teacher-forced accuracy of the trained tokens of ``rows`` (examples whose trained tokens
     are a value, ``ABC-1234.``), by kind: letter tokens, digit tokens, and whole values (every
-    trained token right). Runs the serving forward pass one row at a time."""
+    trained token right); and by position in the value (``positions``: the first letter
+    needs the key, the rest can follow the value's own first tokens). Runs the serving
+    forward pass one row at a time."""
     hits = {"letters": [0, 0], "digits": [0, 0], "values": [0, 0]}
+    at: list[list[int]] = []
     training = model.training
     model.eval()
     with torch.no_grad(), quantised_weights(model):
@@ -64,7 +67,9 @@ def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float]:
             predicted = model(torch.tensor(ex.ids, device=model.device)[None])[0].argmax(-1)
             trained = [t for t in range(1, len(ex.ids)) if ex.trained[t]]
             right = [bool(predicted[t - 1] == ex.ids[t]) for t in trained]
-            for t, ok in zip(trained, right):
+            for k, (t, ok) in enumerate(zip(trained, right)):
+                at += [[0, 0]] * (k + 1 - len(at))
+                at[k] = [at[k][0] + ok, at[k][1] + 1]
                 text = tokenizer.token_text(ex.ids[t]).strip()
                 kind = "digits" if text.isdigit() else "letters" if text.isalpha() else None
                 if kind:
@@ -73,7 +78,8 @@ def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float]:
             hits["values"][0] += all(right)
             hits["values"][1] += 1
     model.train(training)
-    return {k: round(c / max(1, m), 3) for k, (c, m) in hits.items()}
+    return ({k: round(c / max(1, m), 3) for k, (c, m) in hits.items()}
+            | {"positions": [round(c / m, 3) for c, m in at]})
 
 
 def main() -> None:
