@@ -403,8 +403,10 @@ def test_retrieval_drill_held_out_split_scores_letters_digits_and_values(tiny):
     from model.tokenizer import Tokenizer
 
     scores = held_out(tiny, Tokenizer.bundled(), 40, 60, 2)
+    positions = scores.pop("positions")  # by position in the value: ABC-1234. a token each
     assert set(scores) == {"letters", "digits", "values"}
     assert all(0.0 <= v <= 1.0 for v in scores.values()) and scores["values"] == 0.0
+    assert len(positions) == 9 and all(0.0 <= v <= 1.0 for v in positions)
 
 
 def test_recall_probe_scores_the_value_tokens_alone(tiny):
