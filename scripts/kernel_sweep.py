@@ -166,6 +166,8 @@ def main() -> None:
                 "max_abs_diff": (flat(kernels.hc_site_parts(*site)) - flat(streams.hc_site(*site))).abs().max().item()})
             sweep(streams, {"SITE_BLOCK_C": [16, 32, 64, 128], "SITE_WARPS": [1, 2, 4, 8]},
                   lambda: flat(streams.hc_site(*site)), emit, "hc_site")
+            sweep(streams, {"FINISH_WARPS": [None, 1, 2, 4, 8]}, lambda: flat(streams.hc_site(*site)), emit,
+                  "hc_site-finish")
         if {"gemv", "gemv-sweep"} & set(only):  # a layer's decode projections: cuBLAS (the twin) vs the GEMV
             D, H, hd, r, og = args.hidden_size, args.num_attention_heads, args.head_dim, args.q_lora_rank, args.o_groups
             bf = functools.partial(scaled_bf16, torch.Generator().manual_seed(0), DEVICE)

@@ -142,6 +142,25 @@ def test_site_kernel_matches_its_parts(lead, hc, D, dtype, expanded) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("warps", [1, 2])
+def test_site_kernel_with_fewer_finish_warps_matches_its_parts(warps, monkeypatch) -> None:
+    """``FINISH_WARPS`` (a sweep's knob): the second launch on 1 or 2 warps, 2,048 channels in
+    bf16, against the parts as above (on the GPU a reduction over other warps may sum in another
+    order: fp32 rounding)."""
+    from model.kernels import streams as kernel
+
+    monkeypatch.setattr(kernel, "FINISH_WARPS", warps)
+    streams, pre, fn, scale, base, weight, expand = _site_inputs((2, 1), 4, 2048, torch.bfloat16, seed=warps)
+    got = kernel.hc_site(streams, pre, fn, scale, base, weight, 1e-6, 1e-6, 20, 1e-6, expand)
+    want = _site_twins(streams, pre, fn, scale, base, weight, 1e-6, 20, 1e-6, expand)
+    assert torch.equal(_bits(got[0]), _bits(want[0]))
+    for g, w in zip(got[1:4], want[1:4]):
+        torch.testing.assert_close(g, w, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(got[4].float(), want[4].float(), atol=0, rtol=2 ** -7)
+    assert (got[4] != want[4]).float().mean() < 0.01
+
+
+@needs_kernel
 def test_site_dispatcher_takes_the_kernel_for_decode_steps_only(monkeypatch) -> None:
     """A few tokens without a gradient: the kernel; a prefill chunk's rows, or a gradient
     wanted (training): the parts."""

@@ -90,6 +90,10 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
 
 SITE_BLOCK_C = 64  # channels per program of the mixes' dots (kernel_sweep.py --only site)
 SITE_WARPS = 4
+# warps of the second launch (the split's Sinkhorn, a chain of ~40 reductions of a 4 x 4 tile,
+# beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
+# 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
+FINISH_WARPS = None
 
 
 @triton.jit
@@ -205,7 +209,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
                                 pre.contiguous(), norm_weight.contiguous(), pre_out, post_out, comb_out,
                                 x.view(torch.int16) if bf16 else x, D, S, float(eps), float(hc_eps), float(norm_eps),
                                 HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block,
-                                BF16=bf16, num_warps=4 if block <= 1024 else 8, **options)
+                                BF16=bf16, num_warps=FINISH_WARPS or (4 if block <= 1024 else 8), **options)
     return streams, pre_out, post_out, comb_out, x
 
 
