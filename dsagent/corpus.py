@@ -130,7 +130,8 @@ class Builder:
 def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
                 recall_tokens: tuple[int, int] = RECALL_TOKENS, recall_form: str = "colon") -> dict[str, Any]:
     """Record `index` of the corpus for `seed`, of kind a-e; a recall record's log is drawn
-    from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default)."""
+    from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default) and
+    states its keys in ``recall_form`` (``RECALL_FORMS``)."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
     rid = f"{seed}-{index:07d}-{kind}"
     with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
