@@ -551,12 +551,9 @@ class Attention(nn.Module):
 
     def _grouped_wo_a(self, out: torch.Tensor) -> torch.Tensor:
         B, S = out.shape[:2]
-        g = self.args.o_groups
-        if kernels.gemv_runs(out.flatten(2), self.wo_a):
-            return kernels.gemv(out.flatten(2), self.wo_a.weight, groups=g)[0].view(B, S, g, -1)
-        grouped = out.reshape(B, S, g, -1)
-        w = self.wo_a.weight.view(g, self.args.o_lora_rank, -1)
-        return torch.einsum("bsgi,goi->bsgo", grouped, w)
+        g, rows = self.args.o_groups, out.flatten(2)
+        gemv = kernels.gemv if kernels.gemv_runs(rows, self.wo_a) else kernels.gemv_ref
+        return gemv(rows, self.wo_a.weight, groups=g)[0].view(B, S, g, -1)
 
 
 # ----------------------------------------------------------------------------- Engram

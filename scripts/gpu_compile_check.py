@@ -14,6 +14,7 @@ build or the tests fail. A check before a device call, not a test: CI has no Tri
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -47,8 +48,9 @@ def _type_of(value) -> str | None:
     return None
 
 
-def record(out: list) -> None:
-    """Wrap the interpreter's launch to append each launch's specialization to ``out``."""
+def record(out: list, around=contextlib.nullcontext):
+    """Wrap the interpreter's launch to append each launch's specialization to ``out``, the
+    launch itself run inside ``around()``; returns the function that unwraps it."""
     from triton.runtime.interpreter import InterpretedFunction
 
     real = InterpretedFunction.run
@@ -67,9 +69,11 @@ def record(out: list) -> None:
                 signature[name] = kind
         out.append({"module": self.fn.__module__, "name": self.fn.__name__, "signature": signature,
                     "constants": constants, "options": {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}})
-        return real(self, *args, grid=grid, warmup=warmup, **kwargs)
+        with around():
+            return real(self, *args, grid=grid, warmup=warmup, **kwargs)
 
     InterpretedFunction.run = run
+    return lambda: setattr(InterpretedFunction, "run", real)
 
 
 def compile_all(path: str) -> int:

@@ -65,8 +65,10 @@ def with_settings(module, settings: dict, fn):
             setattr(module, n, v)
 
 
-def graphed_us_with(module, settings: dict, fn) -> float:
-    return with_settings(module, settings, lambda: graphed_us(fn))
+def cycling(items: list):
+    """A function of no arguments returning ``items`` in turn: each call of a graph gets its own."""
+    turn = itertools.count()
+    return lambda: items[next(turn) % len(items)]
 
 
 def sweep(module, settings: dict[str, list], fn, emit, label: str, check=None) -> None:
@@ -77,16 +79,14 @@ def sweep(module, settings: dict[str, list], fn, emit, label: str, check=None) -
     check = check or fn
     reference = check().clone()
     for values in itertools.product(*settings.values()):
-        for n, v in zip(names, values):
-            setattr(module, n, v)
+        setting = dict(zip(names, values))
         try:
-            diff = (check() - reference).abs().max().item()
-            emit({"kernel": label, **dict(zip(names, values)), "us": round(graphed_us(fn), 2),
-                  "max_abs_diff": diff, "default": all(base[n] == v for n, v in zip(names, values))})
+            diff, us = with_settings(module, setting, lambda: ((check() - reference).abs().max().item(),
+                                                               graphed_us(fn)))
+            emit({"kernel": label, **setting, "us": round(us, 2), "max_abs_diff": diff,
+                  "default": all(base[n] == v for n, v in setting.items())})
         except Exception as e:  # a tiling that does not build (registers, shared memory)
-            emit({"kernel": label, **dict(zip(names, values)), "error": f"{type(e).__name__}: {str(e)[:120]}"})
-    for n, v in base.items():
-        setattr(module, n, v)
+            emit({"kernel": label, **setting, "error": f"{type(e).__name__}: {str(e)[:120]}"})
 
 
 def scaled_bf16(g: torch.Generator, device, *shape) -> torch.Tensor:
@@ -185,11 +185,12 @@ def main() -> None:
             # a graph's CALLS calls each read their own copy of the weights (~30 MB a set at small,
             # 600 MB in all): one weight replayed would sit in the 50 MB L2, which a step, streaming
             # every layer's, never sees
-            sets, turn = [one_set() for _ in range(CALLS)], itertools.count()
+            sets = [one_set() for _ in range(CALLS)]
+            next_set = cycling(sets)
 
             def cycled(fn, name=None):
                 def call():
-                    layers = sets[next(turn) % CALLS]
+                    layers = next_set()
                     chosen = [layers[name]] if name else layers.values()
                     return torch.cat([o.flatten() for xs, ws, gr in chosen for o in fn(xs, *ws, groups=gr)])
                 return call
@@ -223,12 +224,12 @@ def main() -> None:
             # read them from HBM, as a step's layers do (one call's 66 MB replayed would sit
             # partly in the 50 MB L2)
             g = torch.Generator().manual_seed(1)
-            xs = [torch.randn(tensors[0].shape, generator=g).to(DEVICE, tensors[0].dtype) for _ in range(CALLS)]
-            turn = itertools.count()
-            cycled = lambda: moe.moe_decode(xs[next(turn) % CALLS], *tensors[1:], **config, grouped=False)  # noqa: E731
+            next_x = cycling([torch.randn(tensors[0].shape, generator=g).to(DEVICE, tensors[0].dtype)
+                              for _ in range(CALLS)])
+            cycled = lambda: moe.moe_decode(next_x(), *tensors[1:], **config, grouped=False)  # noqa: E731
             emit({"kernel": "moe: down slot by slot vs every slot at once (whole MoE, experts cycled)",
                   "slot_by_slot_us": round(graphed_us(cycled), 2),
-                  "at_once_us": round(graphed_us_with(moe, {"DOWN_SLOTS": True}, cycled), 2),
+                  "at_once_us": round(with_settings(moe, {"DOWN_SLOTS": True}, lambda: graphed_us(cycled)), 2),
                   "max_abs_diff": (by_pair() - with_settings(moe, {"DOWN_SLOTS": True}, by_pair)).abs().max().item()})
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
                 moe, {"SLOTS_BLOCK_O": [2, 4, 8, 16], "SLOTS_BLOCK_I": [128, 256, 512], "SLOTS_WARPS": [4, 8]},

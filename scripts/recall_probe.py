@@ -59,7 +59,7 @@ def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float |
     needs the key, the rest can follow the value's own first tokens). Runs the serving
     forward pass one row at a time."""
     hits = {"letters": [0, 0], "digits": [0, 0], "values": [0, 0]}
-    at: list[list[int]] = []
+    at: dict[int, list[int]] = {}  # position in the value -> [right, seen]
     training = model.training
     model.eval()
     with torch.no_grad(), quantised_weights(model):
@@ -68,8 +68,8 @@ def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float |
             trained = [t for t in range(1, len(ex.ids)) if ex.trained[t]]
             right = [bool(predicted[t - 1] == ex.ids[t]) for t in trained]
             for k, (t, ok) in enumerate(zip(trained, right)):
-                at += [[0, 0]] * (k + 1 - len(at))
-                at[k] = [at[k][0] + ok, at[k][1] + 1]
+                seen = at.setdefault(k, [0, 0])
+                seen[0], seen[1] = seen[0] + ok, seen[1] + 1
                 text = tokenizer.token_text(ex.ids[t]).strip()
                 kind = "digits" if text.isdigit() else "letters" if text.isalpha() else None
                 if kind:
@@ -79,7 +79,7 @@ def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float |
             hits["values"][1] += 1
     model.train(training)
     return ({k: round(c / max(1, m), 3) for k, (c, m) in hits.items()}
-            | {"positions": [round(c / m, 3) for c, m in at]})
+            | {"positions": [round(at[k][0] / at[k][1], 3) for k in sorted(at)]})
 
 
 def main() -> None:

@@ -14,6 +14,7 @@ kernels; ``dsagent bench decode --profile`` does that on a GPU.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -26,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_compile_check import record  # noqa: E402  (a script beside this one)
 from model import load  # noqa: E402
 from model.bench import _warm_decoder  # noqa: E402
 
@@ -52,6 +54,15 @@ class Census(TorchDispatchMode):
         self.ops, self.lines = Counter(), Counter()
         self.paused = 0
 
+    @contextlib.contextmanager
+    def pause(self):
+        """Around a kernel launch: the interpreter's own torch calls are not the step's."""
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
         if not self.paused and name not in NO_KERNEL:
@@ -70,28 +81,16 @@ def main() -> None:
     a = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         p.error("set TRITON_INTERPRET=1: the kernels run in Triton's interpreter on the CPU")
-    from triton.runtime.interpreter import InterpretedFunction
-
     model = load(a.preset, device="cpu", dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32, seed=0)
     step = _warm_decoder(model, a.ctx, a.batch, 512)
-    census, kernels = Census(), Counter()
-    run = InterpretedFunction.run
-
-    def counted(self, *args, **kwargs):  # a kernel launch: counted, its interpretation not
-        if not kwargs.get("warmup"):
-            kernels[self.fn.__name__] += 1
-        census.paused += 1
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            census.paused -= 1
-
-    InterpretedFunction.run = counted
+    census, launches = Census(), []
+    unwrap = record(launches, around=census.pause)
     try:
         with census:
             step()
     finally:
-        InterpretedFunction.run = run
+        unwrap()
+    kernels = Counter(launch["name"] for launch in launches)
     layers = model.args.num_hidden_layers
     print(json.dumps({"preset": a.preset, "ctx": a.ctx, "batch": a.batch, "dtype": a.dtype, "layers": layers,
                       "kernels_per_step": sum(kernels.values()) + sum(census.ops.values()),

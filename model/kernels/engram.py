@@ -12,7 +12,6 @@ kernel or twin (``model.kernels``). Imported only when Triton is importable.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl

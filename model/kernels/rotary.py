@@ -13,7 +13,6 @@ or choosing kernel or twin (``model.kernels``). Imported only when Triton is imp
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
