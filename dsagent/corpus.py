@@ -60,9 +60,31 @@ NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six"]
 IMAGE_SIDE, GRID = 126, 3  # 3x3 cells of 42 px: shapes never touch
 RECALL_TOKENS = (2000, 6000)
 # how a recall log states a key: "colon" is this corpus version's; "is" says it in the answer's
-# words (`badge id of lumen is UBE-2192`), an experiment's (README, session 17): a record in
-# another form than "colon" says so in its truth
+# words (`badge id of lumen is UBE-2192`), an experiment's (README, session 17)
 RECALL_FORMS = {"colon": "{key}: {value}", "is": "{key} is {value}"}
+# what a planted value looks like: "mixed" (`UBE-2192`) is this corpus version's; "digits"
+# (`4417-2192`), an experiment's (README, session 18): no filler line holds a digit, while
+# capitals start every filler line's names and days
+RECALL_VALUES = ("mixed", "digits")
+
+
+@dataclass(frozen=True)
+class RecallStyle:
+    """How a recall record is written. The default is this corpus version's; the others are
+    trainers' experiments, and a record written otherwise names what differs in its truth
+    (``style``)."""
+
+    form: str = "colon"  # a key of RECALL_FORMS
+    value: str = "mixed"  # one of RECALL_VALUES
+    decoys: bool = True  # keys of the same kind for other owners, after the planted one
+
+    def __post_init__(self) -> None:
+        if self.form not in RECALL_FORMS or self.value not in RECALL_VALUES:
+            raise ValueError(f"unknown recall style {self}")
+
+    def differences(self) -> dict[str, Any]:
+        """The fields where this style is not the corpus's own."""
+        return {f: v for f, v in vars(self).items() if v != getattr(RecallStyle(), f)}
 
 
 # -- one conversation -------------------------------------------------------------------
@@ -128,16 +150,16 @@ class Builder:
 
 
 def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
-                recall_tokens: tuple[int, int] = RECALL_TOKENS, recall_form: str = "colon") -> dict[str, Any]:
+                recall_tokens: tuple[int, int] = RECALL_TOKENS, recall: RecallStyle = RecallStyle()) -> dict[str, Any]:
     """Record `index` of the corpus for `seed`, of kind a-e; a recall record's log is drawn
     from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default) and
-    states its keys in ``recall_form`` (``RECALL_FORMS``)."""
+    written in the ``recall`` style."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
     rid = f"{seed}-{index:07d}-{kind}"
     with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
         b = Builder(rng, Path(tmp))
         if kind == "d":
-            recall_conversation(b, tokenizer, recall_tokens, recall_form)
+            recall_conversation(b, tokenizer, recall_tokens, recall)
         else:
             {"a": chat_conversation, "b": tool_conversation, "c": image_conversation,
              "e": multi_turn_conversation}[kind](b)
@@ -483,8 +505,11 @@ def filler_line(rng: random.Random) -> str:
             f"checked by {rng.choice(NAMES)}.")
 
 
-def secret(rng: random.Random) -> str:
-    """A value that no filler line can contain (letters, a dash, digits)."""
+def secret(rng: random.Random, value: str = "mixed") -> str:
+    """A value that no filler line can contain: letters, a dash, digits ("mixed"), or digits,
+    a dash, digits ("digits"; see RECALL_VALUES)."""
+    if value == "digits":
+        return f"{rng.randint(1000, 9999)}-{rng.randint(1000, 9999)}"
     letters = "".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(3))
     return f"{letters}-{rng.randint(1000, 9999)}"
 
@@ -501,22 +526,24 @@ def recall_document(rng: random.Random, tokenizer: Tokenizer, key: str, value: s
     return lines
 
 
-def plant_decoys(rng: random.Random, lines: list[str], key_kind: str, owner: str, form: str = "colon") -> None:
+def plant_decoys(rng: random.Random, lines: list[str], key_kind: str, owner: str,
+                 style: RecallStyle = RecallStyle()) -> None:
     for other in rng.sample([n for n in WORDS if n != owner], rng.randint(2, 4)):
         lines.insert(rng.randrange(len(lines) // 5, len(lines)),
-                     RECALL_FORMS[form].format(key=f"{key_kind} of {other}", value=secret(rng)))
+                     RECALL_FORMS[style.form].format(key=f"{key_kind} of {other}", value=secret(rng, style.value)))
 
 
 def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[int, int] = RECALL_TOKENS,
-                        form: str = "colon") -> None:
-    """A log with a key planted early and decoys of the same kind after, and the question
-    for the key. ``form``: how the log states a key (``RECALL_FORMS``; "colon", the corpus's,
-    unless a trainer asks for another)."""
+                        style: RecallStyle = RecallStyle()) -> None:
+    """A log with a key planted early and (in the corpus's style) decoys of the same kind
+    after, and the question for the key, written in ``style`` (the corpus's own unless a
+    trainer asks for another)."""
     rng = b.rng
-    key_kind, owner, value = rng.choice(KEY_KINDS), rng.choice(WORDS), secret(rng)
+    key_kind, owner, value = rng.choice(KEY_KINDS), rng.choice(WORDS), secret(rng, style.value)
     key = f"{key_kind} of {owner}"
-    lines = recall_document(rng, tokenizer, key, value, recall_tokens, form)
-    plant_decoys(rng, lines, key_kind, owner, form)
+    lines = recall_document(rng, tokenizer, key, value, recall_tokens, style.form)
+    if style.decoys:
+        plant_decoys(rng, lines, key_kind, owner, style)
     document, question = "\n".join(lines), f"What is the {key}?"
     if rng.random() < 0.5:
         b.user(f"Here is a log.\n\n{document}\n\n{question}")
@@ -525,7 +552,7 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
         b.say("I have read the log. What would you like to know?")
         b.user(question)
     b.say(f"The {key} is {value}.")
-    b.truth = {"key": key, "value": value, "question": question} | ({} if form == "colon" else {"form": form})
+    b.truth = {"key": key, "value": value, "question": question} | ({"style": diff} if (diff := style.differences()) else {})
 
 
 # -- (e) multi-turn ------------------------------------------------------------------------

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import RECALL_FORMS, bare_record, make_record, value_example  # noqa: E402
+from dsagent.corpus import RECALL_FORMS, RECALL_VALUES, RecallStyle, bare_record, make_record, value_example  # noqa: E402
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import batch_for, batch_loss, quantised_weights  # noqa: E402
@@ -30,20 +30,21 @@ HELD_OUT_SEED = 7919
 
 
 def recall_records(tokenizer: Tokenizer, lo: int, hi: int, n: int, seed: int = HELD_OUT_SEED,
-                   indices: tuple[int, int] = (200, 1), form: str = "colon") -> list[dict]:
+                   indices: tuple[int, int] = (200, 1), style: RecallStyle = RecallStyle()) -> list[dict]:
     """``n`` recall records of corpus ``seed`` at indices START, START+STEP, ... with logs of
     LO-HI tokens. A record's key and value do not depend on its log's length, so a training
-    run's own records (seed and indices of its recall pool) test what it learnt by heart."""
+    run's own records (seed and indices of its recall pool) test what it learnt by heart; they
+    are written in ``style``, as the trainer's were."""
     start, step = indices
-    return [make_record(seed, start + step * i, "d", tokenizer, (lo, hi), form) for i in range(n)]
+    return [make_record(seed, start + step * i, "d", tokenizer, (lo, hi), style) for i in range(n)]
 
 
 def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, bare: bool,
           dense: bool = False, seed: int = HELD_OUT_SEED, indices: tuple[int, int] = (200, 1),
-          form: str = "colon") -> dict[str, float]:
+          style: RecallStyle = RecallStyle()) -> dict[str, float]:
     a, out = model.args, {}
     for lo, hi in ranges:
-        records = recall_records(tokenizer, lo, hi, n, seed, indices, form)
+        records = recall_records(tokenizer, lo, hi, n, seed, indices, style)
         rows = [value_example(bare_record(r) if bare else r, tokenizer, a) for r in records]
         batch = batch_for(a, rows, ["exact"] * n, random.Random(0))
         with torch.no_grad():
@@ -98,8 +99,13 @@ def main() -> None:
                    help="the records' indices (a run's recall pool: 7,10 — SCHEDULE's recall slot)")
     p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
                    help="how the logs state their keys (the trainer's --recall-form)")
+    p.add_argument("--recall-value", choices=RECALL_VALUES, default="mixed",
+                   help="what the planted values look like (the trainer's --recall-value)")
+    p.add_argument("--no-recall-decoys", dest="recall_decoys", action="store_false",
+                   help="logs without the other owners' keys (the trainer's --no-recall-decoys)")
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
+    style = RecallStyle(a.recall_form, a.recall_value, a.recall_decoys)
     if a.split and a.dense:
         p.error("--split scores the served forward pass (the indexer's top-k); --dense goes without it")
     ranges = [tuple(int(x) for x in r.split(",")) for r in a.ranges.split(":")]
@@ -111,13 +117,13 @@ def main() -> None:
         if a.split:
             for lo, hi in ranges:
                 rows = [value_example(bare_record(r) if a.bare else r, tokenizer, model.args)
-                        for r in recall_records(tokenizer, lo, hi, a.n, a.seed, indices, a.recall_form)]
+                        for r in recall_records(tokenizer, lo, hi, a.n, a.seed, indices, style)]
                 print(json.dumps({"model": path, "bare": a.bare, "range": f"{lo}-{hi}", "seed": a.seed,
-                                  "indices": a.indices, "form": a.recall_form,
+                                  "indices": a.indices, **style.differences(),
                                   **split_accuracy(model, tokenizer, rows)}), flush=True)
             continue
-        print(json.dumps({"model": path, "bare": a.bare, "dense": a.dense, "form": a.recall_form,
-                          **probe(model, tokenizer, ranges, a.n, a.bare, a.dense, a.seed, indices, a.recall_form)}),
+        print(json.dumps({"model": path, "bare": a.bare, "dense": a.dense, **style.differences(),
+                          **probe(model, tokenizer, ranges, a.n, a.bare, a.dense, a.seed, indices, style)}),
               flush=True)
 
 

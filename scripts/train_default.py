@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, RECALL_FORMS, RECALL_TOKENS, bare_record, make_record,  # noqa: E402
+from dsagent.corpus import (CORPUS_VERSION, RECALL_FORMS, RECALL_TOKENS, RECALL_VALUES, RecallStyle, bare_record, make_record,  # noqa: E402
                             training_example, value_example)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
@@ -76,6 +76,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
                    help="how a recall log states its keys: colon (the corpus's: `badge id of lumen: UBE-2192`) or "
                         "is (in the answer's words: `badge id of lumen is UBE-2192`), an experiment's")
+    p.add_argument("--recall-value", choices=RECALL_VALUES, default="mixed",
+                   help="what a planted value looks like: mixed (the corpus's: `UBE-2192`) or digits "
+                        "(`4417-2192`: no filler line holds a digit, while capitals start its names), an experiment's")
+    p.add_argument("--no-recall-decoys", dest="recall_decoys", action="store_false",
+                   help="recall logs without the other owners' keys of the same kind (the lookup then needs "
+                        "no key, as in a pass-key test), an experiment's")
     p.add_argument("--recall-value-only", action="store_true",
                    help="bare recall records (the --recall-first phase's, and --recall-pool bare's) train the "
                         "reply's value tokens alone, not the words around them that copy the question: with "
@@ -132,15 +138,15 @@ _ARGS = None
 _RECALL = RECALL_TOKENS
 _SPREAD = "uniform"
 _VALUE_ONLY = False
-_FORM = "colon"
+_STYLE = RecallStyle()
 
 
 def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer=None,
-                 form="colon") -> None:
-    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _FORM
+                 style=RecallStyle()) -> None:
+    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE
     torch.set_num_threads(1)
     _TOK = tokenizer or Tokenizer.bundled()
-    _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _FORM = args, tuple(recall_tokens), spread, value_only, form
+    _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE = args, tuple(recall_tokens), spread, value_only, style
 
 
 def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int, int]:
@@ -159,7 +165,7 @@ def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None, E
     trained on the value alone, itself so trained (see ``--recall-rows``)."""
     seed, i = job
     kind = SCHEDULE[i % len(SCHEDULE)]
-    record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _FORM)
+    record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _STYLE)
     whole = training_example(record, _TOK, _ARGS)
     bare = valued = None
     if kind == "d":
@@ -179,7 +185,7 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False,
                   tokenizer: Tokenizer | None = None, recall_records: int = 0,
-                  recall_form: str = "colon") -> dict[str, list[Example]]:
+                  recall_style: RecallStyle = RecallStyle()) -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, or, in a data-parallel run,
     this process's share: whole rounds of SCHEDULE, so every process holds every kind.
     Pools: "long" the recall records, sorted by length (see next_batch), "bare" the same
@@ -199,11 +205,11 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
         mine += [r * len(SCHEDULE) + j for r in range(first, first + rounds) if r % world == rank for j in recall_at]
     jobs = [(seed, i) for i in mine if SCHEDULE[i % len(SCHEDULE)] in kinds]
     if workers <= 1:
-        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_form)
+        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_style)
         results = map(_example, jobs)
     else:
         pool = mp.get_context("fork").Pool(workers, _init_worker,
-                                           (model_args, recall_tokens, spread, value_only, tokenizer, recall_form))
+                                           (model_args, recall_tokens, spread, value_only, tokenizer, recall_style))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare, valued in results:
         pools["long" if kind == "d" else "short"].append(ex)
@@ -442,7 +448,7 @@ def train(a) -> dict:
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
-                          a.recall_form)
+                          RecallStyle(a.recall_form, a.recall_value, a.recall_decoys))
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -577,7 +583,7 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
             "recall_records": a.recall_records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
-            "recall_form": a.recall_form,
+            "recall_form": a.recall_form, "recall_value": a.recall_value, "recall_decoys": a.recall_decoys,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": SCHEDULE,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,

@@ -226,20 +226,39 @@ def test_recall_plants_the_value_once_in_a_long_context(records, tokenizer):
 
 
 def test_recall_form_is_states_every_key_in_the_answers_words(tokenizer):
-    """``recall_form="is"`` (the trainer's --recall-form experiment): the same record as the
+    """``RecallStyle(form="is")`` (the trainer's --recall-form experiment): the same record as the
     corpus's form — key, value, decoys, question and reply — with each key line saying
-    ``<key> is <value>`` instead of ``<key>: <value>``, and the form named in its truth."""
+    ``<key> is <value>`` instead of ``<key>: <value>``, and the form named in its truth's style."""
     for i in (3, 13):
         colon = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300))
-        said = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), "is")
+        said = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), corpus_gen.RecallStyle(form="is"))
         truth = said["truth"]
-        assert truth == colon["truth"] | {"form": "is"} and "form" not in colon["truth"]
+        assert truth == colon["truth"] | {"style": {"form": "is"}} and "style" not in colon["truth"]
         assert said["messages"][-1] == colon["messages"][-1]
         log_colon, log_is = (_text(r["messages"][1]["content"]).splitlines() for r in (colon, said))
         keyed = [k for k, line in enumerate(log_colon) if re.fullmatch(r"[a-z ]+ of [a-z]+: [A-Z]{3}-\d{4}", line)]
         assert len(keyed) >= 3 and f"{truth['key']}: {truth['value']}" in log_colon
         assert [line.replace(": ", " is ", 1) if k in keyed else line for k, line in enumerate(log_colon)] == log_is
         assert f"{truth['key']} is {truth['value']}" in log_is
+
+
+def test_recall_style_digits_without_decoys_plants_the_only_digits_of_the_log(tokenizer):
+    """``RecallStyle(value="digits", decoys=False)`` (the trainer's --recall-value digits
+    --no-recall-decoys): the value is ``1234-5678``, the log's one line with a digit is the
+    planted key, the reply states it, and the truth names both differences; a style the
+    corpus does not know is refused."""
+    style = corpus_gen.RecallStyle(value="digits", decoys=False)
+    for i in (3, 13, 23):
+        r = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), style)
+        truth, log = r["truth"], _text(r["messages"][1]["content"]).splitlines()
+        assert re.fullmatch(r"\d{4}-\d{4}", truth["value"]) and truth["style"] == {"value": "digits", "decoys": False}
+        assert [line for line in log if re.search(r"\d", line)] == [f"{truth['key']}: {truth['value']}"]
+        assert r["messages"][-1]["content"] == f"The {truth['key']} is {truth['value']}."
+        decoyed = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), corpus_gen.RecallStyle(value="digits"))
+        assert len([line for line in _text(decoyed["messages"][1]["content"]).splitlines()
+                    if re.fullmatch(r"[a-z ]+ of [a-z]+: \d{4}-\d{4}", line)]) >= 3
+    with pytest.raises(ValueError):
+        corpus_gen.RecallStyle(value="words")
 
 
 def test_multi_turn_final_answers_depend_on_earlier_turns(records):
