@@ -47,7 +47,7 @@ from model.training import Example
 from model.vision import decode_image, expand_spans, image_sha256, plan_image, span_length
 from tools import ToolResult, ToolRunner, Workspace, builtin_toolbox
 
-CORPUS_VERSION = 2  # 2: echo requests in (a), more calculator in (b)
+CORPUS_VERSION = 3  # 2: echo requests in (a), more calculator in (b); 3: recall values all digits
 THINKING_MODE = "chat"  # the agent's default; every completion follows `</think>`
 KINDS = {"a": "chat", "b": "tools", "c": "images", "d": "recall", "e": "multi_turn"}
 TRAIN_ROLES = ["assistant"]
@@ -62,10 +62,11 @@ RECALL_TOKENS = (2000, 6000)
 # how a recall log states a key: "colon" is this corpus version's; "is" says it in the answer's
 # words (`badge id of lumen is UBE-2192`), an experiment's (README, session 17)
 RECALL_FORMS = {"colon": "{key}: {value}", "is": "{key} is {value}"}
-# what a planted value looks like: "mixed" (`UBE-2192`) is this corpus version's; "digits"
-# (`4417-2192`), an experiment's (README, session 18): no filler line holds a digit, while
-# capitals start every filler line's names and days
-RECALL_VALUES = ("mixed", "digits")
+# what a planted value looks like: "digits" (`4417-2192`) is this corpus version's, "mixed"
+# (`UBE-2192`) version 2's. A model learns to look the digits up and not the capitals: no filler
+# line holds a digit, while a capital starts every filler line's names and days, so a capital
+# does not point at the value (README, session 18)
+RECALL_VALUES = ("digits", "mixed")
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class RecallStyle:
     (``style``)."""
 
     form: str = "colon"  # a key of RECALL_FORMS
-    value: str = "mixed"  # one of RECALL_VALUES
+    value: str = "digits"  # one of RECALL_VALUES
     decoys: bool = True  # keys of the same kind for other owners, after the planted one
 
     def __post_init__(self) -> None:
@@ -200,7 +201,7 @@ def focus_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
                   laid_out: Example | None = None) -> Example:
     """``record`` as ``training_example`` lays it out, trained only on the tokens of its last
     reply that spell one of ``words`` (whole words; a token may also hold the space before
-    one: " A" of " ABC-1234"): the one skill's own signal, not diluted by the reply's words
+    one: " 4" of " 4417-2192"): the one skill's own signal, not diluted by the reply's words
     around it — a fresh model learns the recall lookup from the value's tokens alone, and not
     in as many steps from the whole reply (README, *The embedded default*, session 7).
     ``laid_out``: the record's ``training_example`` where the caller has it (not encoded again)."""

@@ -5,7 +5,7 @@
 For each range of log lengths, ``--n`` held-out recall records (corpus seed 7919, records
 200 on; ``--bare``: without the system prompt, as the trainer's ``--recall-first`` phase
 sees them) run through the training forward pass in exact mode, and the share of the
-value's tokens (``ABC-1234``) predicted right is printed, one JSON line per model. The
+value's tokens (``4417-2192``) predicted right is printed, one JSON line per model. The
 value's '-' alone is ~0.2 of its tokens, so a lookup shows as a rise well above that,
 long before whole answers come out right (what ``dsagent eval --recall-tokens`` scores).
 """
@@ -55,8 +55,8 @@ def probe(model, tokenizer: Tokenizer, ranges: list[tuple[int, int]], n: int, ba
 
 def split_accuracy(model, tokenizer: Tokenizer, rows: list) -> dict[str, float | list[float]]:
     """Teacher-forced accuracy of the trained tokens of ``rows`` (examples whose trained tokens
-    are a value, ``ABC-1234.``), by kind: letter tokens, digit tokens, and whole values (every
-    trained token right); and by position in the value (``positions``: the first letter
+    are a value, ``4417-2192.``), by kind: letter tokens, digit tokens, and whole values (every
+    trained token right); and by position in the value (``positions``: the first token
     needs the key, the rest can follow the value's own first tokens). Runs the serving
     forward pass one row at a time."""
     hits = {"letters": [0, 0], "digits": [0, 0], "values": [0, 0]}
@@ -99,7 +99,7 @@ def main() -> None:
                    help="the records' indices (a run's recall pool: 7,10 — SCHEDULE's recall slot)")
     p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
                    help="how the logs state their keys (the trainer's --recall-form)")
-    p.add_argument("--recall-value", choices=RECALL_VALUES, default="mixed",
+    p.add_argument("--recall-value", choices=RECALL_VALUES, default=RecallStyle().value,
                    help="what the planted values look like (the trainer's --recall-value)")
     p.add_argument("--no-recall-decoys", dest="recall_decoys", action="store_false",
                    help="logs without the other owners' keys (the trainer's --no-recall-decoys)")

@@ -76,9 +76,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
                    help="how a recall log states its keys: colon (the corpus's: `badge id of lumen: UBE-2192`) or "
                         "is (in the answer's words: `badge id of lumen is UBE-2192`), an experiment's")
-    p.add_argument("--recall-value", choices=RECALL_VALUES, default="mixed",
-                   help="what a planted value looks like: mixed (the corpus's: `UBE-2192`) or digits "
-                        "(`4417-2192`: no filler line holds a digit, while capitals start its names), an experiment's")
+    p.add_argument("--recall-value", choices=RECALL_VALUES, default=RecallStyle().value,
+                   help="what a planted value looks like: digits (the corpus's: `4417-2192`) or mixed "
+                        "(`UBE-2192`, corpus version 2's: capitals also start the filler's names), an experiment's")
     p.add_argument("--no-recall-decoys", dest="recall_decoys", action="store_false",
                    help="recall logs without the other owners' keys of the same kind (the lookup then needs "
                         "no key, as in a pass-key test), an experiment's")

@@ -236,27 +236,32 @@ def test_recall_form_is_states_every_key_in_the_answers_words(tokenizer):
         assert truth == colon["truth"] | {"style": {"form": "is"}} and "style" not in colon["truth"]
         assert said["messages"][-1] == colon["messages"][-1]
         log_colon, log_is = (_text(r["messages"][1]["content"]).splitlines() for r in (colon, said))
-        keyed = [k for k, line in enumerate(log_colon) if re.fullmatch(r"[a-z ]+ of [a-z]+: [A-Z]{3}-\d{4}", line)]
+        keyed = [k for k, line in enumerate(log_colon) if re.fullmatch(r"[a-z ]+ of [a-z]+: \d{4}-\d{4}", line)]
         assert len(keyed) >= 3 and f"{truth['key']}: {truth['value']}" in log_colon
         assert [line.replace(": ", " is ", 1) if k in keyed else line for k, line in enumerate(log_colon)] == log_is
         assert f"{truth['key']} is {truth['value']}" in log_is
 
 
-def test_recall_style_digits_without_decoys_plants_the_only_digits_of_the_log(tokenizer):
-    """``RecallStyle(value="digits", decoys=False)`` (the trainer's --recall-value digits
-    --no-recall-decoys): the value is ``1234-5678``, the log's one line with a digit is the
-    planted key, the reply states it, and the truth names both differences; a style the
-    corpus does not know is refused."""
-    style = corpus_gen.RecallStyle(value="digits", decoys=False)
+def test_recall_values_are_the_only_digits_of_the_log_and_styles_name_what_differs(tokenizer):
+    """Recall values are ``1234-5678`` (corpus version 3) and the log's only digits are the
+    planted key's and its decoys'; ``RecallStyle(decoys=False)`` (the trainer's
+    --no-recall-decoys) leaves the planted line alone, ``value="mixed"`` writes version 2's
+    ``ABC-1234``, and a record's truth names what its style changed; an unknown style is
+    refused."""
     for i in (3, 13, 23):
-        r = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), style)
+        r = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300))
         truth, log = r["truth"], _text(r["messages"][1]["content"]).splitlines()
-        assert re.fullmatch(r"\d{4}-\d{4}", truth["value"]) and truth["style"] == {"value": "digits", "decoys": False}
-        assert [line for line in log if re.search(r"\d", line)] == [f"{truth['key']}: {truth['value']}"]
+        assert re.fullmatch(r"\d{4}-\d{4}", truth["value"]) and "style" not in truth
+        keyed = [line for line in log if re.search(r"\d", line)]
+        assert len(keyed) >= 3 and all(re.fullmatch(r"[a-z ]+ of [a-z]+: \d{4}-\d{4}", line) for line in keyed)
+        assert f"{truth['key']}: {truth['value']}" in keyed
         assert r["messages"][-1]["content"] == f"The {truth['key']} is {truth['value']}."
-        decoyed = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), corpus_gen.RecallStyle(value="digits"))
-        assert len([line for line in _text(decoyed["messages"][1]["content"]).splitlines()
-                    if re.fullmatch(r"[a-z ]+ of [a-z]+: \d{4}-\d{4}", line)]) >= 3
+        alone = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), corpus_gen.RecallStyle(decoys=False))
+        assert alone["truth"]["style"] == {"decoys": False}
+        assert ([line for line in _text(alone["messages"][1]["content"]).splitlines() if re.search(r"\d", line)]
+                == [f"{alone['truth']['key']}: {alone['truth']['value']}"])
+        mixed = corpus_gen.make_record(5, i, "d", tokenizer, (150, 300), corpus_gen.RecallStyle(value="mixed"))
+        assert re.fullmatch(r"[A-Z]{3}-\d{4}", mixed["truth"]["value"]) and mixed["truth"]["style"] == {"value": "mixed"}
     with pytest.raises(ValueError):
         corpus_gen.RecallStyle(value="words")
 

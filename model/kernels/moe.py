@@ -15,7 +15,7 @@ Owns ``moe_decode`` (what ``model.moe.MoE.forward`` computes for text tokens):
 - ``_down_kernel``, one program per token and block of output channels: each slot's ``w2``
   product rounded to the activation dtype, summed in slot order in fp32, then the shared
   expert's added (``MoE``'s order), so a step is deterministic; ``_down_slots_kernel`` (with
-  ``DOWN_SLOTS``, off until timed) the same sum with every slot's rows loaded in one tile.
+  ``DOWN_SLOTS``, the default since timed) the same sum with every slot's rows loaded in one tile.
 
 From ``GROUPED_TOKENS`` tokens (a batched decode step) the experts run grouped instead: at
 batch 16 and top-6 of 64, the 96 pairs share ~51 experts, and a kernel by pair reads each
@@ -46,10 +46,13 @@ GATE_SPLITS = 32  # programs per token that share the gate's weight read
 # 60 us with (16, 256, 4) / (8, 256, 4), 44 us with these up tiles, 54 us with these down tiles
 UP_BLOCK_I, UP_BLOCK_D, UP_WARPS = 4, 256, 4
 DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
-# the down sum with every slot's rows loaded together (``_down_slots_kernel``): off until timed on
-# the GPU (at `small`, batch 1, the down kernel read its 22 MB at ~1.4 TB/s, the up kernel its 44
-# MB at ~3.2 TB/s: likely one slot's load in flight at a time); its tiles are guesses
-DOWN_SLOTS = False
+# the down sum with every slot's rows loaded together (``_down_slots_kernel``) rather than slot by
+# slot (``_down_kernel``, which read its 22 MB at ~1.4 TB/s at `small`, batch 1, where the up kernel
+# read its 44 MB at ~3.2 TB/s). Timed on the H200 (session 18, `small`, bf16, batch 1, experts
+# cycled from HBM): a whole moe_decode 37.1 -> 32.8 us (kernel_sweep.py --only down), a decode step
+# at 4K context 5.93 -> 5.76 ms (three alternated pairs, 5.98/5.91/5.91 against 5.80/5.75/5.74);
+# tiles within ~1.5 us of the sweep's best (8, 256, 8), inside its noise
+DOWN_SLOTS = True
 SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
 # per expert and block of rows, the tokens' block through tensor cores; untuned guesses
