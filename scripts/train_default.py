@@ -48,6 +48,7 @@ from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, 
 SCHEDULE = "aabbbccdee"  # record i has kind SCHEDULE[i % 10]: tools, images and sessions weigh most
 SCHEDULE_KINDS = "abcde"
 REPLAY_WEIGHTS = (0.4, 0.4, 0.2)  # exact, ced, resume
+OOM_STREAK = 10  # steps out of memory in a row that end a run (checkpoint written, exit status 1)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,18 +65,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--short-batch", type=int, default=80, help="rows per batch of the ~2.3K-token kinds")
     p.add_argument("--long-batch", type=int, default=4, help="rows per batch of recall records (2-6K more)")
     p.add_argument("--long-tokens", type=int, default=0,
-                   help="instead of --long-batch rows: as many recall records of like length as fit this many tokens")
+                   help="instead of --long-batch rows: as many recall records of like length as fit this many "
+                        "tokens (in the --recall-first phase too)")
     p.add_argument("--recall-tokens", default=f"{RECALL_TOKENS[0]},{RECALL_TOKENS[1]}",
                    help="LO,HI: length of a recall record's log (shorter makes retrieval easier to find first)")
     p.add_argument("--recall-spread", choices=("uniform", "log"), default="uniform",
                    help="how a log's length is drawn from LO,HI: log gives each doubling of length the same share")
     p.add_argument("--recall-first", default="0,1", metavar="STEPS,SHARE",
-                   help="the first STEPS steps train on --long-batch recall records alone, without the ~2.3K-token "
+                   help="the first STEPS steps train on --long-batch (or --long-tokens) recall records alone, without the ~2.3K-token "
                         "system prompt, the shortest SHARE of them: a fresh model finds the lookup on short "
                         "logs first, and a long identical prefix spreads its first, even attention ~10x thinner")
     p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
-                   help="how a recall log states its keys: colon (the corpus's: `badge id of lumen: UBE-2192`) or "
-                        "is (in the answer's words: `badge id of lumen is UBE-2192`), an experiment's")
+                   help="how a recall log states its keys: colon (the corpus's: `badge id of lumen: 4417-2192`) or "
+                        "is (in the answer's words: `badge id of lumen is 4417-2192`), an experiment's")
     p.add_argument("--recall-value", choices=RECALL_VALUES, default=RecallStyle().value,
                    help="what a planted value looks like: digits (the corpus's: `4417-2192`) or mixed "
                         "(`UBE-2192`, corpus version 2's: capitals also start the filler's names), an experiment's")
@@ -338,11 +340,11 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
                             "short": a.short_batch}[kind]
     steps, share = recall_first(a)
     first = long and step < steps
-    if first:  # the first phase: --long-batch rows of the shortest `share` of the bare records (sorted)
+    if first:  # the first phase: --long-batch rows (or --long-tokens' worth) of the shortest `share` of the bare records (sorted)
         pool = pools["bare"][:max(1, round(len(pools["bare"]) * share))]
     elif long and bare_recall_step(a, step):
         pool = pools["bare"]
-    if long and a.long_tokens and not first:
+    if long and a.long_tokens:
         # records of like length (the pool is sorted), none longer than the drawn one: a
         # batch pads to its longest row, so mixed lengths would waste the budget on padding
         top = rng.randrange(len(pool))
@@ -459,6 +461,7 @@ def train(a) -> dict:
     profile_at, prof = tuple(int(x) for x in a.profile.split(",")) if a.profile else (-1, 0), None
     # lm, index, tokens, correct, steps; then tokens and correct of the recall, bare recall, image steps
     window = torch.zeros(11, dtype=torch.float64)
+    oom_streak, stopped = 0, None
     while True:
         step = counters["step"]
         # elapsed time averaged over the processes, so that all of them stop at the same step
@@ -492,7 +495,14 @@ def train(a) -> dict:
             counters["step"] += 1
             counters["skipped"] = counters.get("skipped", 0) + 1
             log(group, json.dumps({"step": step, "skipped": "out of memory", "shape": list(batch.ids.shape)}))
+            oom_streak += 1
+            if oom_streak >= OOM_STREAK:  # the batches do not fit: stop rather than spend the budget skipping
+                stopped = (f"{OOM_STREAK} steps in a row ran out of memory (the last {list(batch.ids.shape)}): "
+                           f"fewer rows (--long-batch, --short-batch) or a token budget (--long-tokens)")
+                log(group, f"stopping at step {counters['step']}: {stopped}")
+                break
             continue
+        oom_streak = 0
         group.mean_grads(params)
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -537,7 +547,7 @@ def train(a) -> dict:
     info = None
     if group.main:
         save_state(state_dir, model, opt, counters)
-        info = finish(a, model, counters, group.world)
+        info = finish(a, model, counters, group.world, stopped)
     group.close()
     return info
 
@@ -572,7 +582,7 @@ def command_line() -> str:
     return "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
 
 
-def finish(a, model, counters: dict, world: int = 1) -> dict:
+def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None) -> dict:
     out = a.out / "model"
     if out.exists():
         for f in sorted(out.rglob("*"), reverse=True):
@@ -593,7 +603,9 @@ def finish(a, model, counters: dict, world: int = 1) -> dict:
             "rows": counters["rows"], "tokens": counters["tokens"], "seconds": round(counters["seconds"], 1),
             "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
             "processes": world,
-            "torch": torch.__version__, "last": counters["history"][-1:] or None}
+            "torch": torch.__version__, "last": counters["history"][-1:] or None,
+            **({"skipped_steps": counters["skipped"]} if counters.get("skipped") else {}),
+            **({"stopped": stopped} if stopped else {})}
     (out / "TRAINING.json").write_text(json.dumps(info, indent=1) + "\n")
     return info
 
@@ -605,6 +617,8 @@ def main(argv=None) -> None:
     info = train(a)
     if info is not None:
         print(json.dumps(info), flush=True)
+        if info.get("stopped"):
+            raise SystemExit(f"train_default: {info['stopped']}")
 
 
 if __name__ == "__main__":

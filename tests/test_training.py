@@ -637,6 +637,50 @@ def test_trainer_logs_bare_recall_steps_apart(tmp_path, capsys):
     assert second["step"] == 2 and "bare_recall_acc" not in second and "recall_acc" in second  # prompted
 
 
+def test_trainer_ends_a_run_whose_steps_keep_running_out_of_memory(tmp_path, capsys, monkeypatch):
+    """A step out of memory is skipped; OOM_STREAK of them in a row end the run (checkpoint
+    and TRAINING.json written, the reason in it, exit status 1) rather than spend the budget
+    skipping, as a 32-row bare phase at ~3K tokens beside two other trainers did (session 18).
+    A step that fits resets the count. The CPU raises the CUDA error through a stand-in loss."""
+    import train_default
+
+    real, calls = train_default.batch_loss, []
+
+    def fails_after_one(*args, **kwargs):  # the first step fits, every later one runs out of memory
+        calls.append(1)
+        if len(calls) > 1:
+            raise torch.cuda.OutOfMemoryError("stand-in: out of memory")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_default, "batch_loss", fails_after_one)
+    with pytest.raises(SystemExit, match=f"{train_default.OOM_STREAK} steps in a row ran out of memory"):
+        train_default.main(["--out", str(tmp_path / "run"), "--device", "cpu", "--records", "4", "--workers", "1",
+                            "--kinds", "a", "--short-batch", "1", "--log-every", "1", "--long-prob", "0",
+                            "--max-steps", "100"])
+    info = json.loads((tmp_path / "run" / "model" / "TRAINING.json").read_text())
+    assert info["steps"] == 1 + train_default.OOM_STREAK and info["skipped_steps"] == train_default.OOM_STREAK
+    assert "out of memory" in info["stopped"] and len(calls) == 1 + train_default.OOM_STREAK
+    assert f"stopping at step {1 + train_default.OOM_STREAK}" in capsys.readouterr().out
+
+
+def test_next_batch_long_tokens_bounds_the_recall_first_phase_too(tiny):
+    """With --long-tokens the --recall-first phase draws as many bare records of like length
+    as fit the budget (from the shortest SHARE), not --long-batch rows whatever their length."""
+    import argparse
+
+    import train_default
+
+    pools = train_default.make_examples(60, 0, tiny.args, workers=1, recall_tokens=(20, 2000), spread="log")
+    bare = [len(ex.ids) for ex in pools["bare"]]
+    a = argparse.Namespace(seed=0, long_prob=1.0, short_batch=3, long_batch=8, long_tokens=2 * bare[-1],
+                           recall_first="12,1")
+    batches = [train_default.next_batch(a, pools, step, tiny.args) for step in range(12)]
+    assert all(b.ids.shape[0] * b.ids.shape[1] <= a.long_tokens for b in batches)
+    assert {b.ids.shape[0] for b in batches} != {8} and max(b.ids.shape[0] for b in batches) >= 3
+    a.long_tokens = 0
+    assert all(train_default.next_batch(a, pools, step, tiny.args).ids.shape[0] == 8 for step in range(4))
+
+
 def test_trainer_stops_a_run_and_a_rerun_finishes_the_budget(tmp_path, capsys):
     """`--stop-minutes` ends one invocation with its state and checkpoint written (the device
     lends machines for 10-minute calls); a rerun with the same --out resumes at that step and
