@@ -553,7 +553,9 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
         b.say("I have read the log. What would you like to know?")
         b.user(question)
     b.say(f"The {key} is {value}.")
-    b.truth = {"key": key, "value": value, "question": question} | ({"style": diff} if (diff := style.differences()) else {})
+    b.truth = {"key": key, "value": value, "question": question}
+    if style.differences():
+        b.truth["style"] = style.differences()
 
 
 # -- (e) multi-turn ------------------------------------------------------------------------

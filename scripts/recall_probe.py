@@ -6,7 +6,7 @@ For each range of log lengths, ``--n`` held-out recall records (corpus seed 7919
 200 on; ``--bare``: without the system prompt, as the trainer's ``--recall-first`` phase
 sees them) run through the training forward pass in exact mode, and the share of the
 value's tokens (``4417-2192``) predicted right is printed, one JSON line per model. The
-value's '-' alone is ~0.2 of its tokens, so a lookup shows as a rise well above that,
+value's '-' alone is ~0.1 of its tokens (~0.2 of version 2's `UBE-2192`), so a lookup shows as a rise well above that,
 long before whole answers come out right (what ``dsagent eval --recall-tokens`` scores).
 """
 from __future__ import annotations
@@ -21,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import RECALL_FORMS, RECALL_VALUES, RecallStyle, bare_record, make_record, value_example  # noqa: E402
+from dsagent.corpus import (RECALL_FORMS, RECALL_VALUES, RecallStyle, bare_record, make_record,  # noqa: E402
+                            value_example)
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import batch_for, batch_loss, quantised_weights  # noqa: E402

@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, RECALL_FORMS, RECALL_TOKENS, RECALL_VALUES, RecallStyle, bare_record, make_record,  # noqa: E402
-                            training_example, value_example)
+from dsagent.corpus import (CORPUS_VERSION, RECALL_FORMS, RECALL_TOKENS, RECALL_VALUES, RecallStyle,  # noqa: E402
+                            bare_record, make_record, training_example, value_example)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -72,9 +72,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recall-spread", choices=("uniform", "log"), default="uniform",
                    help="how a log's length is drawn from LO,HI: log gives each doubling of length the same share")
     p.add_argument("--recall-first", default="0,1", metavar="STEPS,SHARE",
-                   help="the first STEPS steps train on --long-batch (or --long-tokens) recall records alone, without the ~2.3K-token "
-                        "system prompt, the shortest SHARE of them: a fresh model finds the lookup on short "
-                        "logs first, and a long identical prefix spreads its first, even attention ~10x thinner")
+                   help="the first STEPS steps train on --long-batch (or --long-tokens) recall records alone, "
+                        "without the ~2.3K-token system prompt, the shortest SHARE of them: a fresh model finds "
+                        "the lookup on short logs first, and a long identical prefix spreads its first, even "
+                        "attention ~10x thinner")
     p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
                    help="how a recall log states its keys: colon (the corpus's: `badge id of lumen: 4417-2192`) or "
                         "is (in the answer's words: `badge id of lumen is 4417-2192`), an experiment's")
@@ -340,7 +341,8 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
                             "short": a.short_batch}[kind]
     steps, share = recall_first(a)
     first = long and step < steps
-    if first:  # the first phase: --long-batch rows (or --long-tokens' worth) of the shortest `share` of the bare records (sorted)
+    if first:  # the first phase: --long-batch rows (or --long-tokens' worth) of the shortest `share` of the
+        # bare records (sorted)
         pool = pools["bare"][:max(1, round(len(pools["bare"]) * share))]
     elif long and bare_recall_step(a, step):
         pool = pools["bare"]
