@@ -90,7 +90,7 @@ class NgramHasher:
     ``__call__(ids, history)`` takes the compressed ids of the ``max_ngram - 1`` tokens
     before the chunk (``DEAD`` where the look-back is blocked: before position 0, or an
     image-span token) and returns ``[B, S, n_layers, n_cols]`` row ids (per-layer bucket
-    offsets included) plus the new history.
+    offsets included): ``model.kernels.ngram_hash``, whose twin ``ngram_hash_ref`` is the maths.
     """
 
     def __init__(self, token_map: list[int], layer_ids: tuple, vocab_size: int, n_heads: int,
@@ -123,24 +123,14 @@ class NgramHasher:
         c = self.tables(ids.device)[0][ids]
         return c if dead is None else c.masked_fill(dead, DEAD)
 
-    def __call__(self, compressed: torch.Tensor, history: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """compressed: [B, S] (DEAD marks image tokens); history: [B, max_ngram-1], oldest first."""
+    def __call__(self, compressed: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+        """compressed: [B, S] (DEAD marks image tokens); history: [B, max_ngram-1], oldest first
+        (the cache keeps it: ``Cache.engram_history``) -> row ids [B, S, n_layers, n_cols]."""
+        from model import kernels
+
         _, multipliers, primes, offsets = self.tables(compressed.device)
-        seq = torch.cat([history.to(compressed.device), compressed], dim=1)
-        h, S = history.shape[1], compressed.shape[1]
-        tokens, blocked = [], torch.zeros_like(compressed, dtype=torch.bool)
-        for shift in range(self.max_ngram):
-            source = seq[:, h - shift: h - shift + S]
-            blocked = blocked | (source == DEAD)
-            tokens.append(source.masked_fill(blocked, self.pad))
-        tokens = torch.stack(tokens, dim=-1)  # [B, S, max_ngram], newest first
-        products = tokens.unsqueeze(2) * multipliers  # [B, S, L, max_ngram]
-        rolling, hashes = products[..., 0], []
-        for i in range(1, self.max_ngram):
-            rolling = torch.bitwise_xor(rolling, products[..., i])
-            hashes.append(rolling.unsqueeze(-1) % primes[:, i - 1])
-        ids = torch.cat(hashes, dim=-1) + offsets
-        return ids, seq[:, -h:] if h else history
+        return kernels.ngram_hash(compressed, history.to(compressed.device), multipliers, primes, offsets,
+                                  self.pad, DEAD)
 
     @classmethod
     def from_map(cls, args, token_map: list[int], size: int | None = None) -> "NgramHasher":

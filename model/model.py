@@ -810,7 +810,7 @@ class Transformer(nn.Module):
             raise RuntimeError("this model has Engram layers: call bind_token_map() with the tokenizer's map")
         compressed = self.hasher.compress(ids, image_mask)
         history = cache.engram_history(start, self.args.engram_max_ngram_size - 1)
-        hash_ids, _ = self.hasher(compressed, history)
+        hash_ids = self.hasher(compressed, history)
         cache.record_engram(compressed, start)
         return hash_ids
 

@@ -68,3 +68,57 @@ def test_dispatcher_takes_the_kernel_outside_autograd_only(monkeypatch) -> None:
     assert calls == [1]
     out = engram_gate(streams, key, value, qw.clone().requires_grad_(), kw, None, 1e-6)
     assert calls == [1] and out.requires_grad
+
+
+def _hash_inputs(B, S, heads, seed=0):
+    """An Engram hasher's tables (``small``'s 2 layers of 2- to 4-grams, ``heads`` primes
+    each) and compressed ids with image tokens (DEAD) in the chunk and the history."""
+    from model.engram import DEAD, NgramHasher
+
+    hasher = NgramHasher(list(range(700)), (1, 14), 1000, heads, 4, pad_id=3)
+    g = torch.Generator().manual_seed(seed)
+    compressed = torch.randint(0, 660, (B, S), generator=g)
+    compressed[torch.rand(B, S, generator=g) < 0.15] = DEAD
+    history = torch.randint(0, 660, (B, 3), generator=g)
+    history[torch.rand(B, 3, generator=g) < 0.3] = DEAD
+    _, multipliers, primes, offsets = hasher.tables(DEVICE)
+    return [t.to(DEVICE) for t in (compressed, history)] + [multipliers, primes, offsets, hasher.pad, DEAD]
+
+
+def test_hash_twin_is_the_xor_of_the_lookback_modulo_each_prime() -> None:
+    """ngram_hash_ref against the definition written out with Python integers: for each
+    token, layer, n-gram length and head, the XOR of (token back t, or the pad at and past a
+    DEAD one) times the layer's multiplier t, modulo the head's prime, plus its offset."""
+    from model.kernels import ngram_hash_ref
+
+    compressed, history, mult, primes, offsets, pad, dead = _hash_inputs(2, 9, 3, seed=1)
+    got = ngram_hash_ref(compressed, history, mult, primes, offsets, pad, dead)
+    seq = torch.cat([history, compressed], 1).tolist()
+    L, n = mult.shape
+    for b in range(2):
+        for s in range(9):
+            back, blocked = [], False
+            for t in range(n):
+                tok = seq[b][3 + s - t]
+                blocked = blocked or tok == dead
+                back.append(pad if blocked else tok)
+            for layer in range(L):
+                rolling = 0
+                for t in range(n):
+                    rolling ^= back[t] * int(mult[layer, t])
+                    if t:
+                        for j in range(3):
+                            col = (t - 1) * 3 + j
+                            want = rolling % int(primes[layer, t - 1, j]) + int(offsets[layer, col])
+                            assert int(got[b, s, layer, col]) == want, (b, s, layer, t, j)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,S,heads", [(1, 1, 8), (4, 1, 8), (2, 37, 2), (1, 5, 3)])
+def test_hash_kernel_equals_the_twin(B, S, heads) -> None:
+    from model.kernels import engram as kernel
+    from model.kernels import ngram_hash_ref
+
+    inputs = _hash_inputs(B, S, heads, seed=B * 100 + S)
+    got, want = kernel.ngram_hash(*inputs), ngram_hash_ref(*inputs)
+    assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)

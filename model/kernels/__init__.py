@@ -13,6 +13,8 @@ twins of the same names + ``_ref``) — these five on any number of tokens; the 
 also in training, through the closed-form backward passes of ``model.kernels.backward``;
 ``engram_gate(...)`` (the Engram value gated into the streams, kernel in
 ``model.kernels.engram``, twin ``engram_gate_ref``; any number of tokens, not in training);
+``ngram_hash(...)`` (the Engram rows of each token's n-grams, kernel in
+``model.kernels.engram``, twin ``ngram_hash_ref``, bit-exact: integers; any number of tokens);
 ``hc_site(...)``: a whole mHC site, two launches on a decode step's few tokens, else its
 parts (``hc_site_parts``: the functions above);
 and, for one decode step (one query per batch row):
@@ -53,13 +55,13 @@ import torch
 from model import quant
 from model.kernels import backward
 from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
-                                    rms_norm_ref, rope_ref, sparse_attention_ref)
+                                    ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref)
 
 __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "hc_site", "hc_site_parts", "rope",
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
-           "engram_gate_ref", "gemv", "gemv_runs", "gemv_ref"]
+           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref"]
 
 
 def _interpreting() -> bool:
@@ -309,6 +311,15 @@ def _kernel_runs(path: str, x: torch.Tensor, grads: tuple[torch.Tensor, ...] = (
     """Whether ``path``'s kernel runs on ``x``: :func:`enabled` there, not failed in this
     process, and no gradient wanted through ``grads`` (the kernels have no backward)."""
     return enabled(x) and path not in _FAILED and not _wants_grad(*grads)
+
+
+def ngram_hash(compressed: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+               offsets: torch.Tensor, pad: int, dead: int) -> torch.Tensor:
+    """The Engram rows of the n-grams ending at each token (see :func:`ngram_hash_ref`): one
+    kernel (``model.kernels.engram``) where :func:`enabled`, in place of ~20 small torch
+    launches a decode step; else the twin. Integers: equal either way."""
+    return _kernel_or_twin("Engram hash kernel", "engram.ngram_hash", ngram_hash_ref, compressed, history,
+                           multipliers, primes, offsets, pad, dead, grads=())
 
 
 def _kernel_or_twin(path: str, kernel: str, twin, x: torch.Tensor, *args, grads: tuple[torch.Tensor, ...],

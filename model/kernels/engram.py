@@ -1,11 +1,15 @@
-"""Triton Engram gate: the Engram value gated into the residual streams, one launch where
-torch runs about 25 small kernels (casts, the two RMS factors, the weighted dot, the signed
-square root, the sigmoid, the mask, the sum and the cast back) in each Engram layer.
+"""Triton Engram kernels.
 
-Owns ``engram_gate`` (what ``model.kernels.reference.engram_gate_ref`` computes). Not
-bit-exact: the sums over a stream's channels run in another order than torch's, so the gate
-agrees to a few fp32 ulps; the product and the cast back are rounded as torch rounds them
-(bf16: nearest even, on the bits).
+Owns ``engram_gate`` (what ``model.kernels.reference.engram_gate_ref`` computes): the Engram
+value gated into the residual streams, one launch where torch runs about 25 small kernels
+(casts, the two RMS factors, the weighted dot, the signed square root, the sigmoid, the mask,
+the sum and the cast back) in each Engram layer. Not bit-exact: the sums over a stream's
+channels run in another order than torch's, so the gate agrees to a few fp32 ulps; the
+product and the cast back are rounded as torch rounds them (bf16: nearest even, on the bits).
+
+Owns ``ngram_hash`` (what ``ngram_hash_ref`` computes): every Engram layer's row ids of the
+n-grams ending at each token, one launch where torch runs ~20 (the look-back's slices and
+masks, the products, XORs and remainders) once a step. Integers, so equal to the twin.
 
 Does not own: the hashed rows and their projection (``model.model.Engram``), or choosing
 kernel or twin (``model.kernels``). Imported only when Triton is importable.
@@ -64,4 +68,48 @@ def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
                                  out.view(torch.int16) if bf16 else out, D, key.stride(0), value.stride(0), float(eps),
                                  HC=hc, BLOCK_D=block, LIVE=live is not None, BF16=bf16,
                                  num_warps=4 if block <= 1024 else 8, **unfused())
+    return out
+
+
+@triton.jit
+def _ngram_hash_kernel(c_ptr, hist_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, S, H, pad, dead,
+                       NGRAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)  # one token (row b, position s) and one Engram layer l
+    layer = tl.program_id(1)
+    L = tl.num_programs(1)
+    b, s = t // S, t % S
+    j = tl.arange(0, BLOCK_H)
+    mj = j < HEADS
+    cols: tl.constexpr = (NGRAM - 1) * HEADS
+    blocked = False
+    rolling = tl.zeros((), dtype=tl.int64)
+    for shift in tl.static_range(NGRAM):  # newest token first
+        at = s - shift
+        in_chunk = at >= 0
+        tok = tl.where(in_chunk, tl.load(c_ptr + b * S + at, mask=in_chunk, other=0),
+                       tl.load(hist_ptr + b * H + H + at, mask=(at < 0) & (H + at >= 0), other=dead))
+        blocked = blocked | (tok == dead)
+        product = tl.where(blocked, pad, tok).to(tl.int64) * tl.load(mult_ptr + layer * NGRAM + shift)
+        rolling = rolling ^ product
+        if shift > 0:
+            prime = tl.load(primes_ptr + (layer * (NGRAM - 1) + shift - 1) * HEADS + j, mask=mj, other=1)
+            offset = tl.load(offsets_ptr + layer * cols + (shift - 1) * HEADS + j, mask=mj, other=0)
+            tl.store(out_ptr + (t * L + layer) * cols + (shift - 1) * HEADS + j, rolling % prime + offset, mask=mj)
+
+
+def ngram_hash(compressed: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+               offsets: torch.Tensor, pad: int, dead: int) -> torch.Tensor:
+    """compressed [B, S] and history [B, n-1] int64, multipliers [L, n], primes [L, n-1,
+    heads], offsets [L, (n-1) * heads] int64 -> row ids [B, S, L, (n-1) * heads] int64."""
+    B, S = compressed.shape
+    L, n = multipliers.shape
+    heads = primes.shape[-1]
+    assert history.shape == (B, n - 1) and primes.shape == (L, n - 1, heads) and offsets.shape == (L, (n - 1) * heads)
+    assert all(t.dtype == torch.int64 for t in (compressed, history, multipliers, primes, offsets))
+    out = torch.empty(B, S, L, (n - 1) * heads, dtype=torch.int64, device=compressed.device)
+    if B * S == 0:
+        return out
+    _ngram_hash_kernel[(B * S, L)](compressed.contiguous(), history.contiguous(), multipliers.contiguous(),
+                                   primes.contiguous(), offsets.contiguous(), out, S, n - 1, pad, dead,
+                                   NGRAM=n, HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), num_warps=1)
     return out

@@ -4,8 +4,9 @@ Owns ``rope_ref`` (the model's RoPE rotation, given cos / sin), ``rms_norm_ref``
 RMSNorm), ``hc_split_ref`` (the mHC mixes after their projection: sigmoid pre / post and
 the Sinkhorn-normalised comb), ``hc_collapse_ref`` / ``hc_expand_ref`` (the streams into a
 site's input and its output back into the streams), ``engram_gate_ref`` (the Engram value
-gated into the streams) — the model computes with these six, so they are its own code, not
-copies — and two functions on *packed* cache
+gated into the streams), ``ngram_hash_ref`` (the Engram rows of the n-grams ending at each
+token) — the model computes with these seven, so they are its own code, not copies — and
+two functions on *packed* cache
 bytes, one decode step (one query per row):
 ``sparse_attention_ref`` (``Attention._attend`` for S=1: one softmax over the valid window
 entries, the selected FP4 records and the per-head sink, shared K=V latent) and
@@ -108,6 +109,30 @@ def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     even, odd = x[..., -rd::2].float(), x[..., -rd + 1::2].float()
     rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
     return torch.cat([x[..., :-rd], rotated.to(x.dtype)], dim=-1)
+
+
+def ngram_hash_ref(compressed: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor,
+                   primes: torch.Tensor, offsets: torch.Tensor, pad: int, dead: int) -> torch.Tensor:
+    """Engram row ids [B, S, L, (n-1) * heads] of the 2- to n-grams ending at each token of
+    ``compressed`` [B, S] (compressed ids, ``dead`` at image tokens), the ``history`` [B, n-1]
+    of compressed ids before it (oldest first; ``dead`` where the look-back is blocked). A
+    token at or before a dead one in the look-back reads as ``pad``. Per layer l and n-gram
+    length i + 1: the XOR of token t back times ``multipliers[l, t]`` over t <= i, modulo
+    each head's prime ``primes[l, i - 1]``, plus that column's table offset ``offsets[l]``
+    (int64; the products stay below 2**63, so the XOR and the remainder are non-negative)."""
+    seq = torch.cat([history.to(compressed.device), compressed], dim=1)
+    h, S = history.shape[1], compressed.shape[1]
+    tokens, blocked = [], torch.zeros_like(compressed, dtype=torch.bool)
+    for shift in range(multipliers.shape[1]):
+        source = seq[:, h - shift: h - shift + S]
+        blocked = blocked | (source == dead)
+        tokens.append(source.masked_fill(blocked, pad))
+    products = torch.stack(tokens, dim=-1).unsqueeze(2) * multipliers  # [B, S, L, n], newest first
+    rolling, hashes = products[..., 0], []
+    for i in range(1, multipliers.shape[1]):
+        rolling = torch.bitwise_xor(rolling, products[..., i])
+        hashes.append(rolling.unsqueeze(-1) % primes[:, i - 1])
+    return torch.cat(hashes, dim=-1) + offsets
 
 
 def engram_gate_ref(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q_weight: torch.Tensor,
