@@ -12,6 +12,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from model import kernels
+
 DEAD = -1  # history marker: image-span token or unknown position; blocks look-back
 
 
@@ -126,8 +128,6 @@ class NgramHasher:
     def __call__(self, compressed: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
         """compressed: [B, S] (DEAD marks image tokens); history: [B, max_ngram-1], oldest first
         (the cache keeps it: ``Cache.engram_history``) -> row ids [B, S, n_layers, n_cols]."""
-        from model import kernels
-
         _, multipliers, primes, offsets = self.tables(compressed.device)
         return kernels.ngram_hash(compressed, history.to(compressed.device), multipliers, primes, offsets,
                                   self.pad, DEAD)
