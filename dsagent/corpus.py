@@ -87,6 +87,26 @@ class RecallStyle:
         """The fields where this style is not the corpus's own."""
         return {f: v for f, v in vars(self).items() if v != getattr(RecallStyle(), f)}
 
+    @classmethod
+    def of(cls, a) -> RecallStyle:
+        """The style that :func:`add_recall_style_arguments`' flags ask for."""
+        return cls(a.recall_form, a.recall_value, a.recall_decoys)
+
+
+def add_recall_style_arguments(p) -> None:
+    """The flags of a script that writes recall records in another style (the trainer, the
+    probe): ``--recall-form``, ``--recall-value``, ``--no-recall-decoys``; read with
+    ``RecallStyle.of``."""
+    p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default=RecallStyle().form,
+                   help="how a recall log states its keys: colon (the corpus's: `badge id of lumen: 4417-2192`) or "
+                        "is (in the answer's words: `badge id of lumen is 4417-2192`), an experiment's")
+    p.add_argument("--recall-value", choices=RECALL_VALUES, default=RecallStyle().value,
+                   help="what a planted value looks like: digits (the corpus's: `4417-2192`) or mixed "
+                        "(`UBE-2192`, corpus version 2's: capitals also start the filler's names), an experiment's")
+    p.add_argument("--no-recall-decoys", dest="recall_decoys", action="store_false",
+                   help="recall logs without the other owners' keys of the same kind (the lookup then needs "
+                        "no key, as in a pass-key test), an experiment's")
+
 
 # -- one conversation -------------------------------------------------------------------
 
@@ -554,8 +574,8 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
         b.user(question)
     b.say(f"The {key} is {value}.")
     b.truth = {"key": key, "value": value, "question": question}
-    if style.differences():
-        b.truth["style"] = style.differences()
+    if differences := style.differences():
+        b.truth["style"] = differences
 
 
 # -- (e) multi-turn ------------------------------------------------------------------------

@@ -97,7 +97,6 @@ class NgramHasher:
 
     def __init__(self, token_map: list[int], layer_ids: tuple, vocab_size: int, n_heads: int,
                  max_ngram: int, pad_id: int):
-        self.max_ngram = max_ngram
         self.token_map = torch.tensor(token_map, dtype=torch.long)
         self.pad = int(self.token_map[pad_id])
         primes = engram_primes(vocab_size, n_heads, max_ngram, len(layer_ids))

@@ -6,8 +6,9 @@ For each range of log lengths, ``--n`` held-out recall records (corpus seed 7919
 200 on; ``--bare``: without the system prompt, as the trainer's ``--recall-first`` phase
 sees them) run through the training forward pass in exact mode, and the share of the
 value's tokens (``4417-2192``) predicted right is printed, one JSON line per model. The
-value's '-' alone is ~0.1 of its tokens (~0.2 of version 2's `UBE-2192`), so a lookup shows as a rise well above that,
-long before whole answers come out right (what ``dsagent eval --recall-tokens`` scores).
+value's '-' alone is ~0.1 of its tokens (~0.2 of version 2's `UBE-2192`), so a lookup shows
+as a rise well above that, long before whole answers come out right (what ``dsagent eval
+--recall-tokens`` scores).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (RECALL_FORMS, RECALL_VALUES, RecallStyle, bare_record, make_record,  # noqa: E402
+from dsagent.corpus import (RecallStyle, add_recall_style_arguments, bare_record, make_record,  # noqa: E402
                             value_example)
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -98,15 +99,10 @@ def main() -> None:
                    help="the corpus seed of the records (a training seed tests memory)")
     p.add_argument("--indices", default="200,1", metavar="START,STEP",
                    help="the records' indices (a run's recall pool: 7,10 — SCHEDULE's recall slot)")
-    p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
-                   help="how the logs state their keys (the trainer's --recall-form)")
-    p.add_argument("--recall-value", choices=RECALL_VALUES, default=RecallStyle().value,
-                   help="what the planted values look like (the trainer's --recall-value)")
-    p.add_argument("--no-recall-decoys", dest="recall_decoys", action="store_false",
-                   help="logs without the other owners' keys (the trainer's --no-recall-decoys)")
+    add_recall_style_arguments(p)  # as the trainer wrote its records
     p.add_argument("--device", default="cpu")
     a = p.parse_args()
-    style = RecallStyle(a.recall_form, a.recall_value, a.recall_decoys)
+    style = RecallStyle.of(a)
     if a.split and a.dense:
         p.error("--split scores the served forward pass (the indexer's top-k); --dense goes without it")
     ranges = [tuple(int(x) for x in r.split(",")) for r in a.ranges.split(":")]

@@ -36,7 +36,7 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, RECALL_FORMS, RECALL_TOKENS, RECALL_VALUES, RecallStyle,  # noqa: E402
+from dsagent.corpus import (CORPUS_VERSION, RECALL_TOKENS, RecallStyle, add_recall_style_arguments,  # noqa: E402
                             bare_record, make_record, training_example, value_example)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
@@ -76,15 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "without the ~2.3K-token system prompt, the shortest SHARE of them: a fresh model finds "
                         "the lookup on short logs first, and a long identical prefix spreads its first, even "
                         "attention ~10x thinner")
-    p.add_argument("--recall-form", choices=sorted(RECALL_FORMS), default="colon",
-                   help="how a recall log states its keys: colon (the corpus's: `badge id of lumen: 4417-2192`) or "
-                        "is (in the answer's words: `badge id of lumen is 4417-2192`), an experiment's")
-    p.add_argument("--recall-value", choices=RECALL_VALUES, default=RecallStyle().value,
-                   help="what a planted value looks like: digits (the corpus's: `4417-2192`) or mixed "
-                        "(`UBE-2192`, corpus version 2's: capitals also start the filler's names), an experiment's")
-    p.add_argument("--no-recall-decoys", dest="recall_decoys", action="store_false",
-                   help="recall logs without the other owners' keys of the same kind (the lookup then needs "
-                        "no key, as in a pass-key test), an experiment's")
+    add_recall_style_arguments(p)
     p.add_argument("--recall-value-only", action="store_true",
                    help="bare recall records (the --recall-first phase's, and --recall-pool bare's) train the "
                         "reply's value tokens alone, not the words around them that copy the question: with "
@@ -452,7 +444,7 @@ def train(a) -> dict:
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
-                          RecallStyle(a.recall_form, a.recall_value, a.recall_decoys))
+                          RecallStyle.of(a))
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)

@@ -120,7 +120,7 @@ def ngram_hash_ref(compressed: torch.Tensor, history: torch.Tensor, multipliers:
     length i + 1: the XOR of token t back times ``multipliers[l, t]`` over t <= i, modulo
     each head's prime ``primes[l, i - 1]``, plus that column's table offset ``offsets[l]``
     (int64; the products stay below 2**63, so the XOR and the remainder are non-negative)."""
-    seq = torch.cat([history.to(compressed.device), compressed], dim=1)
+    seq = torch.cat([history, compressed], dim=1)
     h, S = history.shape[1], compressed.shape[1]
     tokens, blocked = [], torch.zeros_like(compressed, dtype=torch.bool)
     for shift in range(multipliers.shape[1]):
