@@ -361,32 +361,44 @@ class Group:
     """The data-parallel processes of a run started by torchrun (WORLD_SIZE, RANK and
     LOCAL_RANK set), or the one process of a plain run. Every process holds the whole
     model and trains on its own rows; gradients, expert loads and counters are summed
-    across processes each step, so all copies take the same optimiser steps."""
+    across processes each step, so all copies take the same optimiser steps.
+
+    Processes may share a GPU (more of them on a node than it has GPUs): a training step
+    of the tiny model is bound by its process's host thread, not by the GPU, so several
+    processes on one GPU train several times the rows a minute. NCCL takes one process a
+    GPU, so such a run sums through gloo, over host copies of the tensors."""
 
     def __init__(self, device: str):
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
-        self.device = device
+        self.device, self.via_host = device, False
         if self.world > 1:
+            backend = "gloo"
             if device.startswith("cuda"):
-                self.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+                local, local_world = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+                self.device, backend = process_device(local, local_world, torch.cuda.device_count())
                 torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+                self.via_host = backend == "gloo"
+            dist.init_process_group(backend)
 
     @property
     def main(self) -> bool:
         return self.rank == 0
 
-    def sum(self, t: torch.Tensor) -> torch.Tensor:
+    def sum(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        """``t`` reduced over the processes, in place."""
         if self.world > 1:
-            dist.all_reduce(t)
+            if self.via_host:
+                host = t.cpu()
+                dist.all_reduce(host, op=op)
+                t.copy_(host)
+            else:
+                dist.all_reduce(t, op=op)
         return t
 
     def all_ok(self, ok: bool) -> bool:
         """Whether every process finished its step (one that ran out of memory skips it for all)."""
         flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
-        if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
+        return bool(self.sum(flag, dist.ReduceOp.MIN).item())
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -395,7 +407,10 @@ class Group:
     def same_weights(self, model) -> None:
         if self.world > 1:
             for t in model.state_dict().values():
-                dist.broadcast(t, 0)
+                host = t.cpu() if self.via_host else t
+                dist.broadcast(host, 0)
+                if host is not t:
+                    t.copy_(host)
 
     def mean_grads(self, params: list) -> None:
         """Average the gradients; a parameter with a gradient on any process gets one on all."""
@@ -414,6 +429,15 @@ class Group:
         if self.world > 1:
             self.barrier()
             dist.destroy_process_group()
+
+
+def process_device(local_rank: int, local_world: int, gpus: int) -> tuple[str, str]:
+    """(device, backend) of the ``local_rank``-th of ``local_world`` processes on a node with
+    ``gpus`` GPUs: the processes spread over the GPUs in turn; NCCL where each has a GPU of
+    its own, gloo where some share one."""
+    if gpus < 1:
+        raise SystemExit("--device cuda: no CUDA device here")
+    return f"cuda:{local_rank % gpus}", "nccl" if local_world <= gpus else "gloo"
 
 
 def train(a) -> dict:

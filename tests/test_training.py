@@ -274,25 +274,34 @@ def test_recall_records_enlarge_the_recall_pool_alone(tiny):
     assert [len(x) for x in split] == [3, 3] and not split[0] & split[1]
 
 
-def _mean_grads_worker(rank: int, port: int, out: str) -> None:
+class _Weights(torch.nn.Module):
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        self.register_buffer("w", w)
+
+
+def _mean_grads_worker(rank: int, port: int, out: str, device: str = "cpu", via_host: bool = False) -> None:
     import os
 
     import train_default
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    group = train_default.Group("cpu")
-    a, b, c = (torch.nn.Parameter(torch.zeros(3)) for _ in range(3))
-    a.grad = torch.full((3,), float(rank + 1))  # 1 and 2: mean 1.5
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    group = train_default.Group(device)
+    group.via_host = group.via_host or via_host
+    a, b, c = (torch.nn.Parameter(torch.zeros(3, device=group.device)) for _ in range(3))
+    a.grad = torch.full((3,), float(rank + 1), device=group.device)  # 1 and 2: mean 1.5
     if rank == 1:
-        b.grad = torch.full((3,), 4.0)  # only one process has it: mean 2.0 on both
+        b.grad = torch.full((3,), 4.0, device=group.device)  # only one process has it: mean 2.0 on both
     group.mean_grads([a, b, c])
-    torch.save({"a": a.grad, "b": b.grad, "c": c.grad, "ok": group.all_ok(rank == 0)}, f"{out}.{rank}")
+    w = torch.full((2,), float(rank), device=group.device)  # rank 0's weights reach every process
+    group.same_weights(_Weights(w))
+    torch.save({"a": a.grad.cpu(), "b": b.grad.cpu(), "c": c.grad, "ok": group.all_ok(rank == 0),
+                "w": w.cpu(), "device": group.device, "via_host": group.via_host}, f"{out}.{rank}")
     group.close()
 
 
-def test_data_parallel_group_averages_gradients(tmp_path):
-    """Two gloo processes: gradients are averaged, one present on a single process reaches
-    both, one absent everywhere stays absent, and a failed step is failed for all."""
+def _spawn_mean_grads(tmp_path, device: str = "cpu", via_host: bool = False) -> list[dict]:
     import socket
 
     import torch.multiprocessing as tmp
@@ -300,11 +309,40 @@ def test_data_parallel_group_averages_gradients(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    tmp.spawn(_mean_grads_worker, args=(port, str(tmp_path / "g")), nprocs=2)
-    for rank in range(2):
-        got = torch.load(tmp_path / f"g.{rank}")
-        assert torch.equal(got["a"], torch.full((3,), 1.5)) and torch.equal(got["b"], torch.full((3,), 2.0))
-        assert got["c"] is None and got["ok"] is False
+    tmp.spawn(_mean_grads_worker, args=(port, str(tmp_path / "g"), device, via_host), nprocs=2)
+    got = [torch.load(tmp_path / f"g.{rank}") for rank in range(2)]
+    for g in got:
+        assert torch.equal(g["a"], torch.full((3,), 1.5)) and torch.equal(g["b"], torch.full((3,), 2.0))
+        assert g["c"] is None and g["ok"] is False and torch.equal(g["w"], torch.zeros(2))
+    return got
+
+
+@pytest.mark.parametrize("via_host", [False, True])
+def test_data_parallel_group_averages_gradients(tmp_path, via_host):
+    """Two gloo processes: gradients are averaged, one present on a single process reaches
+    both, one absent everywhere stays absent, a failed step is failed for all, and rank 0's
+    weights reach both — also through host copies, as processes sharing a GPU sum."""
+    _spawn_mean_grads(tmp_path, via_host=via_host)
+
+
+def test_processes_spread_over_the_gpus_and_share_them_through_gloo():
+    """Each process of a node takes a GPU in turn; NCCL only where none shares one."""
+    import train_default
+
+    assert train_default.process_device(0, 1, 1) == ("cuda:0", "nccl")
+    assert train_default.process_device(1, 2, 2) == ("cuda:1", "nccl")
+    assert [train_default.process_device(r, 4, 1) for r in range(4)] == [("cuda:0", "gloo")] * 4
+    assert [train_default.process_device(r, 4, 2)[0] for r in range(4)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+    with pytest.raises(SystemExit, match="no CUDA device"):
+        train_default.process_device(0, 2, 0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_data_parallel_group_on_cuda(tmp_path):
+    """Two processes on the GPUs here (both on one GPU, through gloo, where there is one)."""
+    got = _spawn_mean_grads(tmp_path, device="cuda")
+    assert [g["via_host"] for g in got] == [torch.cuda.device_count() < 2] * 2
+    assert [g["device"] for g in got] == [f"cuda:{r % torch.cuda.device_count()}" for r in range(2)]
 
 
 def test_recall_records_can_start_shorter(tiny):
