@@ -549,6 +549,8 @@ def train(a) -> dict:
                      "lm": round(lm / n, 4), "index": round(index / n, 4),
                      "acc": round(correct / max(1, tokens), 4), "max_load": round(worst, 2),
                      "lr": round(opt.param_groups[0]["lr"], 6)}
+            if a.device.startswith("cuda"):  # this process's peak, to size how many share a GPU
+                entry["peak_gb"] = round(torch.cuda.max_memory_allocated() / 1e9, 1)
             for name, kind_tokens, kind_correct in zip(("recall_acc", "bare_recall_acc", "image_acc"),
                                                        split[:3], split[3:]):
                 if kind_tokens:  # next-token accuracy on the replies of the recall / bare recall / image steps
