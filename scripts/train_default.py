@@ -384,16 +384,17 @@ class Group:
     def main(self) -> bool:
         return self.rank == 0
 
+    def _collective(self, t: torch.Tensor, run) -> torch.Tensor:
+        """``run(t)``, a collective in place, on a host copy where processes share a GPU (gloo)."""
+        host = t.cpu() if self.via_host else t
+        run(host)
+        if host is not t:
+            t.copy_(host)
+        return t
+
     def sum(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         """``t`` reduced over the processes, in place."""
-        if self.world > 1:
-            if self.via_host:
-                host = t.cpu()
-                dist.all_reduce(host, op=op)
-                t.copy_(host)
-            else:
-                dist.all_reduce(t, op=op)
-        return t
+        return self._collective(t, lambda x: dist.all_reduce(x, op=op)) if self.world > 1 else t
 
     def all_ok(self, ok: bool) -> bool:
         """Whether every process finished its step (one that ran out of memory skips it for all)."""
@@ -407,10 +408,7 @@ class Group:
     def same_weights(self, model) -> None:
         if self.world > 1:
             for t in model.state_dict().values():
-                host = t.cpu() if self.via_host else t
-                dist.broadcast(host, 0)
-                if host is not t:
-                    t.copy_(host)
+                self._collective(t, lambda x: dist.broadcast(x, 0))
 
     def mean_grads(self, params: list) -> None:
         """Average the gradients; a parameter with a gradient on any process gets one on all."""
