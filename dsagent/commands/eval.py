@@ -25,7 +25,7 @@ def eval_command(
     model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory (default: the embedded model)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Random weights of a preset instead."),
     n: int = typer.Option(10, "--n", min=1, help="Cases per skill."),
-    seed: int = typer.Option(HELD_OUT_SEED, "--seed", help="Corpus seed of the held-out records (2, 4, 6 and 8 trained the default)."),
+    seed: int = typer.Option(HELD_OUT_SEED, "--seed", help="Corpus seed of the held-out records (the seeds that trained the default, TRAINING.json's, are refused)."),
     skills: str = typer.Option(",".join(SKILLS), "--skills", help="Comma-separated kinds: a chat, b tools, "
                                                                    "c images, d recall, e multi-turn."),
     modes: str = typer.Option(",".join(MODES), "--modes", help="Comma-separated: " + ", ".join(MODES) + "."),
