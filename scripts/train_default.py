@@ -567,6 +567,8 @@ def train(a) -> dict:
         save_state(state_dir, model, opt, counters)
         info = finish(a, model, counters, group.world, stopped)
     group.close()
+    if stopped and not group.main:  # every process ends as the run did (the first reports why, in the record)
+        raise SystemExit(f"train_default: {stopped}")
     return info
 
 

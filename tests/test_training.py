@@ -701,6 +701,48 @@ def test_trainer_ends_a_run_whose_steps_keep_running_out_of_memory(tmp_path, cap
     assert f"stopping at step {1 + train_default.OOM_STREAK}" in capsys.readouterr().out
 
 
+def _out_of_memory_worker(rank: int, port: int, out: str) -> None:
+    import os
+
+    import train_default
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+    def runs_out(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("stand-in: out of memory")
+
+    train_default.batch_loss = runs_out
+    try:
+        train_default.main(["--out", out, "--device", "cpu", "--records", "20", "--workers", "1", "--kinds", "a",
+                            "--short-batch", "1", "--log-every", "1", "--long-prob", "0", "--max-steps", "100"])
+        ended = "returned"
+    except SystemExit as e:
+        ended = str(e.code)
+    Path(f"{out}.{rank}").write_text(ended)
+
+
+def test_every_process_of_a_run_stopped_out_of_memory_exits_with_the_reason(tmp_path):
+    """Data-parallel, a run stopped by OOM_STREAK steps out of memory ends every process with
+    exit status 1 and the reason, not the first alone (the others used to return normally, so
+    a launcher saw one failed process of several)."""
+    import socket
+
+    import torch.multiprocessing as tmp
+
+    import train_default
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp.spawn(_out_of_memory_worker, args=(port, str(tmp_path / "run")), nprocs=2)
+    for rank in range(2):
+        assert (tmp_path / f"run.{rank}").read_text().startswith(
+            f"train_default: {train_default.OOM_STREAK} steps in a row ran out of memory")
+    info = json.loads((tmp_path / "run" / "model" / "TRAINING.json").read_text())
+    assert info["skipped_steps"] == train_default.OOM_STREAK and info["processes"] == 2
+
+
 def test_next_batch_long_tokens_bounds_the_recall_first_phase_too(tiny):
     """With --long-tokens the --recall-first phase draws as many bare records of like length
     as fit the budget (from the shortest SHARE), not --long-batch rows whatever their length."""
