@@ -365,8 +365,9 @@ class Group:
 
     Processes may share a GPU (more of them on a node than it has GPUs): a training step
     of the tiny model is bound by its process's host thread, not by the GPU, so several
-    processes on one GPU train several times the rows a minute. NCCL takes one process a
-    GPU, so such a run sums through gloo, over host copies of the tensors."""
+    processes on one GPU should train several times the rows a minute, as many as its
+    memory holds (not yet measured). NCCL takes one process a GPU, so such a run sums
+    through gloo, over host copies of the tensors."""
 
     def __init__(self, device: str):
         self.world, self.rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -438,7 +439,9 @@ def process_device(local_rank: int, local_world: int, gpus: int) -> tuple[str, s
     return f"cuda:{local_rank % gpus}", "nccl" if local_world <= gpus else "gloo"
 
 
-def train(a) -> dict:
+def train(a) -> tuple[dict | None, str | None]:
+    """Run the training; (the run's record, written by the first process only, else None; why the
+    run stopped early, in every process, else None)."""
     torch.backends.cuda.matmul.allow_tf32 = True
     torch.backends.cudnn.allow_tf32 = True
     group = Group(a.device)
@@ -567,9 +570,7 @@ def train(a) -> dict:
         save_state(state_dir, model, opt, counters)
         info = finish(a, model, counters, group.world, stopped)
     group.close()
-    if stopped and not group.main:  # every process ends as the run did (the first reports why, in the record)
-        raise SystemExit(f"train_default: {stopped}")
-    return info
+    return info, stopped
 
 
 class StepProfile:
@@ -634,11 +635,11 @@ def main(argv=None) -> None:
     a = parse_args(argv)
     if not a.kinds or set(a.kinds) - set(SCHEDULE_KINDS):
         raise SystemExit(f"--kinds {a.kinds!r}: want letters of {SCHEDULE_KINDS}")
-    info = train(a)
+    info, stopped = train(a)
     if info is not None:
         print(json.dumps(info), flush=True)
-        if info.get("stopped"):
-            raise SystemExit(f"train_default: {info['stopped']}")
+    if stopped:  # every process ends as the run did
+        raise SystemExit(f"train_default: {stopped}")
 
 
 if __name__ == "__main__":

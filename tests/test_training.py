@@ -274,6 +274,22 @@ def test_recall_records_enlarge_the_recall_pool_alone(tiny):
     assert [len(x) for x in split] == [3, 3] and not split[0] & split[1]
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _join_two_process_run(rank: int, port: int) -> None:
+    """The environment torchrun gives the ``rank``-th of two processes on one node."""
+    import os
+
+    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
 class _Weights(torch.nn.Module):
     def __init__(self, w: torch.Tensor):
         super().__init__()
@@ -281,12 +297,9 @@ class _Weights(torch.nn.Module):
 
 
 def _mean_grads_worker(rank: int, port: int, out: str, device: str = "cpu", via_host: bool = False) -> None:
-    import os
-
     import train_default
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _join_two_process_run(rank, port)
     group = train_default.Group(device)
     group.via_host = group.via_host or via_host
     a, b, c = (torch.nn.Parameter(torch.zeros(3, device=group.device)) for _ in range(3))
@@ -302,13 +315,9 @@ def _mean_grads_worker(rank: int, port: int, out: str, device: str = "cpu", via_
 
 
 def _spawn_mean_grads(tmp_path, device: str = "cpu", via_host: bool = False) -> list[dict]:
-    import socket
-
     import torch.multiprocessing as tmp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     tmp.spawn(_mean_grads_worker, args=(port, str(tmp_path / "g"), device, via_host), nprocs=2)
     got = [torch.load(tmp_path / f"g.{rank}") for rank in range(2)]
     for g in got:
@@ -702,12 +711,9 @@ def test_trainer_ends_a_run_whose_steps_keep_running_out_of_memory(tmp_path, cap
 
 
 def _out_of_memory_worker(rank: int, port: int, out: str) -> None:
-    import os
-
     import train_default
 
-    os.environ.update(WORLD_SIZE="2", RANK=str(rank), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _join_two_process_run(rank, port)
 
     def runs_out(*args, **kwargs):
         raise torch.cuda.OutOfMemoryError("stand-in: out of memory")
@@ -726,15 +732,11 @@ def test_every_process_of_a_run_stopped_out_of_memory_exits_with_the_reason(tmp_
     """Data-parallel, a run stopped by OOM_STREAK steps out of memory ends every process with
     exit status 1 and the reason, not the first alone (the others used to return normally, so
     a launcher saw one failed process of several)."""
-    import socket
-
     import torch.multiprocessing as tmp
 
     import train_default
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = _free_port()
     tmp.spawn(_out_of_memory_worker, args=(port, str(tmp_path / "run")), nprocs=2)
     for rank in range(2):
         assert (tmp_path / f"run.{rank}").read_text().startswith(
