@@ -462,7 +462,7 @@ def train(a) -> tuple[dict | None, str | None]:
             raise SystemExit(f"{state_dir} was trained with other arguments; rerun with the same ones "
                              f"(or another --out):\n  " + "\n  ".join(changed))
         log(group, f"resumed at step {counters['step']} ({counters['seconds']:.0f} s trained)")
-    counters.setdefault("commands", []).append(command_line())
+    counters.setdefault("commands", []).append(command_line(group.world))
     group.same_weights(model)
     params = list(model.parameters())
     t0 = time.time()
@@ -599,8 +599,10 @@ def log(group: Group, line: str) -> None:
         print(line, flush=True)
 
 
-def command_line() -> str:
-    return "python3 scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
+def command_line(world: int = 1) -> str:
+    """This invocation as a shell command; a data-parallel run's names its launcher (one host)."""
+    launcher = "python3" if world == 1 else f"torchrun --standalone --nproc-per-node {world}"
+    return f"{launcher} scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
 
 
 def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None) -> dict:
@@ -609,7 +611,7 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
         for f in sorted(out.rglob("*"), reverse=True):
             f.unlink() if f.is_file() else f.rmdir()
     write_trained(model, out)
-    commands = counters.get("commands") or [command_line()]
+    commands = counters.get("commands") or [command_line(world)]
     info = {"command": commands[0], **({"reruns": commands[1:]} if len(commands) > 1 else {}),
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
             "recall_records": a.recall_records,

@@ -743,6 +743,7 @@ def test_every_process_of_a_run_stopped_out_of_memory_exits_with_the_reason(tmp_
             f"train_default: {train_default.OOM_STREAK} steps in a row ran out of memory")
     info = json.loads((tmp_path / "run" / "model" / "TRAINING.json").read_text())
     assert info["skipped_steps"] == train_default.OOM_STREAK and info["processes"] == 2
+    assert info["command"].startswith("torchrun --standalone --nproc-per-node 2 scripts/train_default.py ")
 
 
 def test_next_batch_long_tokens_bounds_the_recall_first_phase_too(tiny):
