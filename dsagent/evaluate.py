@@ -12,7 +12,9 @@ draws its questions from a small fixed pool, so it tests what was learnt by hear
 record cut before one assistant message, its target:
 
   b (tools)       the first assistant step, which calls tools: choosing the tool and its
-                  arguments is the skill (reading the result back is what a, d test)
+                  arguments is the skill
+  r (read back)   the same tool records (kind b), cut after the tool results: the final
+                  reply, which must carry what the results said
   e (multi-turn)  the last tool-call step when the session uses tools (its arguments carry
                   an earlier answer: "add 7 to that", "read the first file"), else the
                   final reply (a name, colour or image fact said turns earlier)
@@ -35,6 +37,11 @@ Scoring (0 or 1 per case):
                       colour, kind or count of the corpus vocabulary
                     - ``truth["value"]`` (d): the recalled value
                     - ``truth["answer"]`` (a, e): the answer, without trailing . ! ?
+                    - ``truth["read"]`` (r; ``read_back_truth``): each value, name or
+                      word of the reply that came from a tool result, with the
+                      question's own expressions (``truth["unsaid"]``) cut out of the
+                      reply first, so ``10 % 11 = 1`` does not pass for 10 by its 10;
+                      a ``view_image`` result is scored as an image case
 
 Modes, one column each:
 
@@ -81,7 +88,8 @@ from sessions import Store
 HELD_OUT_SEED = 7919
 TRAIN_SEEDS = (31, 34, 60, 74, 80, 82, 84, 90, 92, 94)  # the corpus seeds the embedded default learnt from (model/assets/default/TRAINING.json)
 MODES = ("exact", "ced", "float-kv", "resume")
-SKILLS = tuple(KINDS)
+SKILLS = (*KINDS, "r")  # the corpus kinds a-e, and r: kind b's records cut after the tool results
+SKILL_NAMES = {**KINDS, "r": "read_back"}
 SLACK = 16  # new tokens allowed beyond the target's length
 MAX_NEW_TOKENS = 128
 
@@ -96,7 +104,7 @@ class EvalConfigError(ValueError):
 class Case:
     """A held-out record cut before its target assistant message."""
     id: str
-    skill: str  # a-e, the record's kind
+    skill: str  # a-e, the record's kind, or r (a kind-b record's final reply)
     prompt: list[dict]  # the messages before the target
     target: dict  # the assistant message the model should produce
     truth: dict  # the record's ground truth
@@ -106,25 +114,58 @@ class Case:
     expected_tokens: int
 
 
-def target_index(record: dict) -> int:
-    """Index of the target message in ``record["messages"]`` (see the module docstring)."""
+def target_index(record: dict, skill: str | None = None) -> int:
+    """Index of the target message in ``record["messages"]`` for ``skill`` (default the
+    record's kind; see the module docstring)."""
+    skill = skill or record["kind"]
     messages = record["messages"]
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     calls = [i for i in replies if messages[i].get("tool_calls")]
-    if record["kind"] == "b":
+    if skill == "b":
         return calls[0]
-    if record["kind"] == "e" and calls:
+    if skill == "e" and calls:
         return calls[-1]
     return replies[-1]
 
 
-def case_from_record(record: dict, tokenizer: Tokenizer) -> Case:
-    cut = target_index(record)
+def case_from_record(record: dict, tokenizer: Tokenizer, skill: str | None = None) -> Case:
+    """``record`` cut before its target for ``skill`` (default its kind; r takes a kind-b record)."""
+    skill = skill or record["kind"]
+    cut = target_index(record, skill)
     prompt, target = record["messages"][:cut], record["messages"][cut]
     rendered = encode_messages([target], context=prompt, thinking_mode=record["thinking_mode"])
     images = {sha: base64.b64decode(data) for sha, data in record["images"].items()}
-    return Case(record["id"], record["kind"], prompt, target, record["truth"], images,
+    case_id = record["id"] if skill == record["kind"] else f"{record['id']}-{skill}"
+    truth = read_back_truth(prompt, target, record["truth"]) if skill == "r" else record["truth"]
+    return Case(case_id, skill, prompt, target, truth, images,
                 record["thinking_mode"], rendered.text, len(rendered.tokenize(tokenizer).ids))
+
+
+def read_back_truth(prompt: list[dict], reply: dict, truth: dict) -> dict:
+    """What a reply after tool results must say (skill r): a picture's facts for a
+    ``view_image`` result; else the words of ``reply`` that came from the results and not
+    from the question (a calculator's value, a file's names, a count), beside the record's
+    own answer, with the question's expressions as ``unsaid``."""
+    if "image" in truth:
+        return truth
+    question = next(m for m in reversed(prompt) if m["role"] == "user")
+    results = [m for m in prompt[max(i for i, m in enumerate(prompt) if m.get("tool_calls")):] if m["role"] == "tool"]
+    said = _words(" ".join(m["content"] for m in results)) - _words(question["content"])
+    read = [w for w in dict.fromkeys(_word_list(reply["content"])) if w in said]
+    if "answer" in truth and str(truth["answer"]) not in read:
+        read.insert(0, str(truth["answer"]))
+    for item in truth.get("arithmetic", []):  # "59.0" in the result is 59 in the reply
+        if item["value"] not in read:
+            read.append(item["value"])
+    return {"read": read, "unsaid": [item["expression"] for item in truth.get("arithmetic", [])]}
+
+
+def _word_list(text: str) -> list[str]:
+    return [w for w in (w.strip(".,:;!?()[]\"'") for w in text.split()) if w]
+
+
+def _words(text: str) -> set[str]:
+    return set(_word_list(text))
 
 
 def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
@@ -132,7 +173,8 @@ def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
     """``n`` cases per skill from records 0..n-1 of ``seed``; recall logs drawn from
     ``recall_tokens`` tokens (the corpus default unless probing by length)."""
     check_config(skills=skills, seed=seed, recall_tokens=recall_tokens)
-    return [case_from_record(make_record(seed, i, skill, tokenizer, tuple(recall_tokens)), tokenizer)
+    return [case_from_record(make_record(seed, i, "b" if skill == "r" else skill, tokenizer, tuple(recall_tokens)),
+                             tokenizer, skill)
             for skill in skills for i in range(n)]
 
 
@@ -142,7 +184,7 @@ def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES
     or a recall length range that is not 1 <= LO <= HI."""
     if len(recall_tokens) != 2 or not 1 <= recall_tokens[0] <= recall_tokens[1]:
         raise EvalConfigError(f"recall tokens must be LO,HI with 1 <= LO <= HI, not {recall_tokens}")
-    for what, given, known in (("skill", skills, KINDS), ("mode", modes, MODES)):
+    for what, given, known in (("skill", skills, SKILLS), ("mode", modes, MODES)):
         bad = [x for x in given if x not in known]
         if bad or not given:
             raise EvalConfigError(f"unknown {what}(s) {bad}: use some of {','.join(known)}")
@@ -185,6 +227,9 @@ def reply_text(completion: str, thinking_mode: str = "chat") -> str:
 
 
 def score_text(truth: dict, text: str) -> int:
+    for phrase in truth.get("unsaid", ()):
+        text = re.sub(rf"(?<!\w){re.escape(' '.join(phrase.split()))}(?!\w)", " ", " ".join(text.split()),
+                      flags=re.IGNORECASE)
     required, forbidden = key_facts(truth)
     return int(all(any(_mentions(text, p) for p in group) for group in required)
                and not any(_mentions(text, p) for p in forbidden))
@@ -201,6 +246,8 @@ def key_facts(truth: dict) -> tuple[list[list[str]], list[str]]:
         return required, forbidden
     if "value" in truth:
         return [[truth["value"]]], []
+    if "read" in truth:
+        return [[w] for w in truth["read"]], []
     return [[str(truth["answer"]).rstrip(".!?")]], []
 
 

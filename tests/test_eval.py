@@ -16,8 +16,9 @@ from typer.testing import CliRunner
 import dsagent.cli as cli
 from dsagent.commands.eval import result_table
 from dsagent.corpus import Builder, describe, draw_shapes
-from dsagent.evaluate import (MODES, TRAIN_SEEDS, Case, Completion, EvalConfigError, ModelGenerator, case_from_record,
-                              evaluate, make_cases, prompt_inputs, score, score_text, score_tool_calls)
+from dsagent.evaluate import (MODES, SKILLS, TRAIN_SEEDS, Case, Completion, EvalConfigError, ModelGenerator,
+                              case_from_record, evaluate, make_cases, prompt_inputs, read_back_truth, score, score_text,
+                              score_tool_calls)
 from dsagent.runtime import Runtime, Settings
 from model.chat import EOS
 from model.quant import KVFormat
@@ -64,6 +65,27 @@ def test_text_scoring():
     assert score_text(image, "Three red circles and a blue one.") == 0  # another colour named
 
 
+def test_read_back_scoring_needs_what_the_results_said():
+    """Skill r: the words a reply takes from tool results; the question's expression is cut
+    out of the reply first, so it cannot supply the value."""
+    question = {"role": "user", "content": "What is 10 % 11?"}
+    call = {"role": "assistant", "content": "", "tool_calls": [_call("calculator", expression="10 % 11")]}
+    truth = read_back_truth([question, call, {"role": "tool", "content": "10"}], {"content": "10 % 11 = 10."},
+                            {"arithmetic": [{"expression": "10 % 11", "value": "10"}]})
+    assert truth == {"read": ["10"], "unsaid": ["10 % 11"]}
+    assert score_text(truth, "10 % 11 = 10.") == 1 and score_text(truth, "10 % 11 = 1.") == 0
+    truth = read_back_truth([question, call, {"role": "tool", "content": "59.0"}], {"content": "sqrt(3481) = 59."},
+                            {"arithmetic": [{"expression": "sqrt(3481)", "value": "59"}]})
+    assert truth["read"] == ["59"]  # the value, as the reply writes it
+    ask = {"role": "user", "content": "What files are in the data folder?"}
+    listed = {"role": "tool", "content": "maple.csv  0 bytes\nnotes.txt  25 bytes"}
+    truth = read_back_truth([ask, {**call, "tool_calls": [_call("list_dir", path="data")]}, listed],
+                            {"content": "The data folder has 2 files: maple.csv, notes.txt."}, {"answer": 2})
+    assert truth == {"read": ["2", "maple.csv", "notes.txt"], "unsaid": []}  # not "data", "folder": asked
+    assert score_text(truth, "The data folder has 2 files: maple.csv, notes.txt.") == 1
+    assert score_text(truth, "The data folder has 2 files: juniper.csv, juniper.csv.") == 0
+
+
 def test_text_target_scores_the_reply_content(cases):
     a = next(c for c in cases if c.skill == "a")
     fact = a.truth["answer"].rstrip(".!?")
@@ -74,7 +96,7 @@ def test_text_target_scores_the_reply_content(cases):
 
 # ---------------------------------------------------------------------------- cases
 def test_cases_are_held_out_and_cut_before_their_target(cases):
-    assert [c.skill for c in cases] == [s for s in "abcde" for _ in range(2)]
+    assert [c.skill for c in cases] == [s for s in "abcder" for _ in range(2)]
     assert all(c.id.startswith("7919-") for c in cases)
     for c in cases:
         assert c.target["role"] == "assistant" and c.prompt[-1]["role"] in ("user", "tool")
@@ -83,6 +105,21 @@ def test_cases_are_held_out_and_cut_before_their_target(cases):
         assert b.target.get("tool_calls") and not any(m.get("tool_calls") for m in b.prompt)  # the first call
     for e in (c for c in cases if c.skill == "e" and c.target.get("tool_calls")):
         assert any(m.get("tool_calls") for m in e.prompt)  # a later call, after earlier results
+    b, r = ([c for c in cases if c.skill == k] for k in "br")
+    for b_case, r_case in zip(b, r):  # the same tool records, cut after their results
+        assert r_case.id == f"{b_case.id}-r" and r_case.prompt[: len(b_case.prompt)] == b_case.prompt
+        assert r_case.prompt[-1]["role"] == "tool" and not r_case.target.get("tool_calls")
+        assert r_case.truth.get("read") or "image" in r_case.truth
+
+
+def test_read_back_cases_have_facts_from_the_results(runtime):
+    """Every r case of a larger sample needs at least one fact, met by its own target and
+    not by a reply that names the question's words alone."""
+    for c in make_cases(runtime.tokenizer, n=60, seed=7921, skills=["r"]):
+        assert score(c, c.expected) == 1, c.id
+        if "read" in c.truth:
+            question = next(m for m in reversed(c.prompt) if m["role"] == "user")["content"]
+            assert c.truth["read"] and score(c, question + EOS) == 0, c.id
 
 
 def test_bad_configuration_is_refused(runtime):
@@ -114,7 +151,7 @@ def test_truth_double_scores_one_and_wrong_double_zero(cases):
     right = evaluate(TruthScriptedGenerator(), cases, progress=lambda i, n: done.append((i, n)))
     wrong = evaluate(WrongScriptedGenerator(), cases)
     assert done[-1] == (len(cases) * len(MODES), len(cases) * len(MODES))
-    for skill in "abcde":
+    for skill in SKILLS:
         for mode in MODES:
             assert right.cell(skill, mode) == (2, 2) and wrong.cell(skill, mode) == (0, 2)
     assert right.identical_to_ced("float-kv") == 1.0 and wrong.identical_to_ced("resume") == 1.0
@@ -128,7 +165,8 @@ def test_table_has_a_row_per_skill_and_a_column_per_mode(cases):
     buf = io.StringIO()
     Console(file=buf, width=200, no_color=True).print(result_table(result))
     text = buf.getvalue()
-    assert all(m in text for m in MODES) and "d recall" in text and "10/10" in text and "100%" in text
+    assert all(m in text for m in MODES) and "d recall" in text and "r read_back" in text and "12/12" in text
+    assert "100%" in text
 
 
 # ---------------------------------------------------------------------------- the real model
@@ -158,6 +196,17 @@ def test_resume_goes_through_the_store(runtime, short_case, tmp_path):
         loaded = store.load(stats["session"], fingerprint=runtime.fingerprint, chunk_tokens=256)
     assert loaded.tokens[: ids.shape[1]] == ids[0].tolist()  # the agent logged the same prompt
     assert loaded.kv and [m["role"] for m in loaded.messages] == ["system", "user", "assistant"]
+
+
+def test_a_picture_in_a_tool_result_is_resumed_from_the_store(runtime, tmp_path):
+    """An r case whose result is a view_image picture: its span is in the prompt, and the
+    resume mode logs and resumes it through a real Store."""
+    case = next(c for c in make_cases(runtime.tokenizer, n=40, skills=["r"]) if "image" in c.truth)
+    assert isinstance(case.prompt[-1]["content"], list)  # the tool message carries the picture
+    gen = ModelGenerator(runtime, max_new_tokens=2, store_home=tmp_path)
+    ids, images = prompt_inputs(gen.rt, case)
+    stats = gen.complete(case, "resume").stats
+    assert images is not None and stats["log_tokens"] == ids.shape[1] and stats["cached_tokens"] > 0
 
 
 def test_float_kv_mode_uses_an_unquantised_cache(runtime, short_case, monkeypatch):

@@ -13,10 +13,10 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from dsagent.corpus import KINDS, RECALL_TOKENS
+from dsagent.corpus import RECALL_TOKENS
 from dsagent.errors import UsageError, handled
-from dsagent.evaluate import (HELD_OUT_SEED, MAX_NEW_TOKENS, MODES, SKILLS, EvalConfigError, EvalResult,
-                              check_config, run_eval)
+from dsagent.evaluate import (HELD_OUT_SEED, MAX_NEW_TOKENS, MODES, SKILL_NAMES, SKILLS, EvalConfigError,
+                              EvalResult, check_config, run_eval)
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
 
@@ -26,8 +26,9 @@ def eval_command(
     preset: Optional[str] = typer.Option(None, "--preset", help="Random weights of a preset instead."),
     n: int = typer.Option(10, "--n", min=1, help="Cases per skill."),
     seed: int = typer.Option(HELD_OUT_SEED, "--seed", help="Corpus seed of the held-out records (the seeds that trained the default, TRAINING.json's, are refused)."),
-    skills: str = typer.Option(",".join(SKILLS), "--skills", help="Comma-separated kinds: a chat, b tools, "
-                                                                   "c images, d recall, e multi-turn."),
+    skills: str = typer.Option(",".join(SKILLS), "--skills", help="Comma-separated skills: a chat, b tools, "
+                                                                   "c images, d recall, e multi-turn, r reading "
+                                                                   "tool results back."),
     modes: str = typer.Option(",".join(MODES), "--modes", help="Comma-separated: " + ", ".join(MODES) + "."),
     max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", min=1, help="Cap on new tokens per "
                                        "reply (each is also capped at its target's length + 16)."),
@@ -78,7 +79,7 @@ def result_table(result: EvalResult) -> Table:
     for mode in result.modes:
         t.add_column(mode, justify="right")
     for skill in result.skills:
-        t.add_row(f"{skill} {KINDS[skill]}", *(_fraction(*result.cell(skill, m)) for m in result.modes))
+        t.add_row(f"{skill} {SKILL_NAMES[skill]}", *(_fraction(*result.cell(skill, m)) for m in result.modes))
     totals = [[result.cell(s, m) for s in result.skills] for m in result.modes]
     t.add_row("all", *(_fraction(sum(c for c, _ in col), sum(k for _, k in col)) for col in totals), end_section=True)
     same = [result.identical_to_ced(m) for m in result.modes]
