@@ -15,7 +15,8 @@ ARGS = ["--tool", "calculator", "--max-new-tokens", "4"]
 
 
 def dsagent(home, *args, input=None):
-    env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1"}
+    env = {k: v for k, v in os.environ.items() if k not in ("DSAGENT_MODEL", "DSAGENT_PRESET")}  # the embedded default
+    env.update(DSAGENT_HOME=str(home), NO_COLOR="1")
     return subprocess.run([sys.executable, "-m", "dsagent", *args], input=input, capture_output=True,
                           text=True, env=env, timeout=300)
 
@@ -77,3 +78,19 @@ def test_image_from_the_command_line_is_stored_once_and_spanned(tmp_path):
         assert all(s.end - s.start > 2 for s in loaded.image_spans)
         assert st.storage().image_unique_bytes == pic.stat().st_size  # stored once
         assert [m["role"] for m in loaded.messages].count("user") == 2
+
+
+def test_the_readmes_main_job_answers_through_the_calculator(tmp_path):
+    """The README's main job on the embedded default prints what the README says it prints:
+    the calculator call and its result on stderr, the answer read back from it on stdout."""
+    from pathlib import Path
+
+    job = dsagent(tmp_path / "home", "run", "--yes", "What is 48 * 12?")
+    assert job.returncode == 0, job.stderr
+    call, result = 'calculator({"expression": "48 * 12"})', "ok 576"
+    assert call in job.stderr and result in job.stderr
+    answer = job.stdout.strip().splitlines()[0]
+    assert answer == "48 * 12 = 576."
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    printed = readme.split("The main job prints", 1)[1].split("```", 2)[1]
+    assert all(line in printed for line in (call, result, answer))
