@@ -114,10 +114,8 @@ class Case:
     expected_tokens: int
 
 
-def target_index(record: dict, skill: str | None = None) -> int:
-    """Index of the target message in ``record["messages"]`` for ``skill`` (default the
-    record's kind; see the module docstring)."""
-    skill = skill or record["kind"]
+def target_index(record: dict, skill: str) -> int:
+    """Index of the target message in ``record["messages"]`` for ``skill`` (see the module docstring)."""
     messages = record["messages"]
     replies = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     calls = [i for i in replies if messages[i].get("tool_calls")]
@@ -150,7 +148,7 @@ def read_back_truth(prompt: list[dict], reply: dict, truth: dict) -> dict:
         return truth
     question = next(m for m in reversed(prompt) if m["role"] == "user")
     results = [m for m in prompt[max(i for i, m in enumerate(prompt) if m.get("tool_calls")):] if m["role"] == "tool"]
-    said = _words(" ".join(m["content"] for m in results)) - _words(question["content"])
+    said = set(_word_list(" ".join(m["content"] for m in results))) - set(_word_list(question["content"]))
     read = [w for w in dict.fromkeys(_word_list(reply["content"])) if w in said]
     if "answer" in truth and str(truth["answer"]) not in read:
         read.insert(0, str(truth["answer"]))
@@ -162,10 +160,6 @@ def read_back_truth(prompt: list[dict], reply: dict, truth: dict) -> dict:
 
 def _word_list(text: str) -> list[str]:
     return [w for w in (w.strip(".,:;!?()[]\"'") for w in text.split()) if w]
-
-
-def _words(text: str) -> set[str]:
-    return set(_word_list(text))
 
 
 def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
@@ -228,8 +222,7 @@ def reply_text(completion: str, thinking_mode: str = "chat") -> str:
 
 def score_text(truth: dict, text: str) -> int:
     for phrase in truth.get("unsaid", ()):
-        text = re.sub(rf"(?<!\w){re.escape(' '.join(phrase.split()))}(?!\w)", " ", " ".join(text.split()),
-                      flags=re.IGNORECASE)
+        text = _whole(phrase).sub(" ", " ".join(text.split()))
     required, forbidden = key_facts(truth)
     return int(all(any(_mentions(text, p) for p in group) for group in required)
                and not any(_mentions(text, p) for p in forbidden))
@@ -252,8 +245,13 @@ def key_facts(truth: dict) -> tuple[list[list[str]], list[str]]:
 
 
 def _mentions(text: str, phrase: str) -> bool:
-    text, phrase = " ".join(text.split()), " ".join(phrase.split())
-    return re.search(rf"(?<!\w){re.escape(phrase)}(?!\w)", text, re.IGNORECASE) is not None
+    return _whole(phrase).search(" ".join(text.split())) is not None
+
+
+def _whole(phrase: str) -> re.Pattern:
+    """``phrase`` as whole words, any case, its whitespace as single spaces (the texts it
+    is matched in are joined so too)."""
+    return re.compile(rf"(?<!\w){re.escape(' '.join(phrase.split()))}(?!\w)", re.IGNORECASE)
 
 
 # -- generation -------------------------------------------------------------------------

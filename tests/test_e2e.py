@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from sessions import Store
 
@@ -83,8 +84,6 @@ def test_image_from_the_command_line_is_stored_once_and_spanned(tmp_path):
 def test_the_readmes_main_job_answers_through_the_calculator(tmp_path):
     """The README's main job on the embedded default prints what the README says it prints:
     the calculator call and its result on stderr, the answer read back from it on stdout."""
-    from pathlib import Path
-
     job = dsagent(tmp_path / "home", "run", "--yes", "What is 48 * 12?")
     assert job.returncode == 0, job.stderr
     call, result = 'calculator({"expression": "48 * 12"})', "ok 576"
