@@ -210,7 +210,7 @@ def bench_batch(model: Transformer, ctx: int, *, batch: int = 16, steps: int = 8
 
 
 PATH_SWITCHES = {"graphs": "DSAGENT_GRAPHS", "kernels": "DSAGENT_KERNELS", "fused_moe": "DSAGENT_FUSED_MOE",
-                 "grouped_moe": "DSAGENT_GROUPED_MOE"}
+                 "grouped_moe": "DSAGENT_GROUPED_MOE", "pdl": "DSAGENT_PDL"}
 
 
 @contextmanager
@@ -234,6 +234,7 @@ def bench_paths(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 8,
     ``DSAGENT_*`` switch set to 0), side by side in one process: what each path is worth here."""
     times = {}
     for off in (None, *PATH_SWITCHES):
+        model.reset_graphs()  # a capture holds the paths it was made with: each setting captures its own
         with switched(**{name: name != off for name in PATH_SWITCHES}):
             times[off or "all_on"] = _step_seconds(model, ctx, batch, steps, chunk)
     return {"bench": "paths", "ctx": ctx, "batch": batch, "step_ms": {k: 1e3 * v for k, v in times.items()},

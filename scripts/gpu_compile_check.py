@@ -9,7 +9,9 @@ and device time is the scarce thing. First, pytest runs under the interpreter wi
 ``InterpretedFunction.run`` wrapped to record each launch's specialization: argument types,
 constexpr values and launch options. Then a process without the interpreter compiles each
 distinct one through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (front end, LLVM
-and ptxas: no GPU needed) and prints every failure. Exit status 1 if any kernel fails to
+and ptxas: no GPU needed), again as a programmatic dependent launch where the kernel takes
+``PDL`` (its ``griddepcontrol`` PTX, which the interpreter never runs), and
+prints every failure. Exit status 1 if any kernel fails to
 build or the tests fail. A check before a device call, not a test: CI has no Triton.
 """
 from __future__ import annotations
@@ -83,6 +85,7 @@ def compile_all(path: str) -> int:
     from triton.compiler import ASTSource
 
     launches = json.loads(Path(path).read_text())
+    launches += [dependent for launch in launches if (dependent := _dependent(launch))]
     seen, failed = set(), 0
     for launch in launches:
         key = json.dumps(launch, sort_keys=True)
@@ -99,6 +102,15 @@ def compile_all(path: str) -> int:
                   f"  {type(e).__name__}: {str(e)[:1500]}", flush=True)
     print(f"{len(seen)} distinct launches compiled for sm_90, {failed} failed", flush=True)
     return failed
+
+
+def _dependent(launch: dict) -> dict | None:
+    """The launch as a programmatic dependent one (``model.kernels.fused.chained``), which the
+    interpreter never makes; None for a kernel without ``PDL``."""
+    if "PDL" not in launch["signature"] or launch["constants"].get("PDL"):
+        return None
+    return {**launch, "constants": {**launch["constants"], "PDL": True},
+            "options": {**launch["options"], "launch_pdl": True}}
 
 
 def main() -> None:

@@ -155,23 +155,24 @@ def test_linear_is_the_layer_off_the_fast_path(monkeypatch):
 
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
-@pytest.mark.parametrize("block_o,block_o2,two,bf16", [(1, 2, 1, 0), (2, 1, 1, 1), (32, 1, 0, 1)])
-def test_gemv_kernel_compiles_for_hopper(block_o, block_o2, two, bf16, tmp_path):
+@pytest.mark.parametrize("block_o,block_o2,two,bf16,pdl", [(1, 2, 1, 0, 0), (2, 1, 1, 1, 1), (32, 1, 0, 1, 1)])
+def test_gemv_kernel_compiles_for_hopper(block_o, block_o2, two, bf16, pdl, tmp_path):
     """Triton's GPU compiler on the CPU, for sm_90 (``scripts/gpu_compile_check.py --compile``,
     a process without the interpreter): it types both branches of an ``if``, which the
     interpreter never does (a first version named tensors of two shapes alike in them, and
-    failed on the GPU only)."""
+    failed on the GPU only); with ``pdl``, as a dependent launch (PTX the interpreter never
+    runs)."""
     from model.kernels.matvec import GEMV_BLOCK_D
 
     f, o = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
     signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o,
                  **dict.fromkeys(("O", "O2", "D", "DG", "OG", "P1"), "i32"),
-                 **dict.fromkeys(("BLOCK_O", "BLOCK_O2", "BLOCK_D", "TWO", "BF16"), "constexpr")}
+                 **dict.fromkeys(("BLOCK_O", "BLOCK_O2", "BLOCK_D", "TWO", "BF16", "PDL"), "constexpr")}
     constants = {"BLOCK_O": block_o, "BLOCK_O2": block_o2, "BLOCK_D": GEMV_BLOCK_D, "TWO": bool(two),
-                 "BF16": bool(bf16)}
+                 "BF16": bool(bf16), "PDL": bool(pdl)}
     launches = tmp_path / "launches.json"
     launches.write_text(json.dumps([{"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
-                                     "constants": constants, "options": {}}]))
+                                     "constants": constants, "options": {"launch_pdl": True} if pdl else {}}]))
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))

@@ -147,7 +147,9 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
 
 def test_graphs_need_every_moe_on_its_grouped_path(monkeypatch):
     """The per-expert loop reads expert ids on the host, which a capture cannot hold: a step
-    is graphed only where every layer's MoE runs grouped."""
+    is graphed only where every layer's MoE runs grouped (the fused MoE kernel off, as on a
+    CPU without Triton's interpreter, which would run it and be capturable)."""
+    monkeypatch.setenv("DSAGENT_FUSED_MOE", "0")
     model = _tiny()
     x = torch.zeros(1, 1, model.args.hidden_size)
     with torch.no_grad():

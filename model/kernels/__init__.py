@@ -39,8 +39,12 @@ Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
 interpreter, for tests), else the pure-PyTorch twin of ``model.kernels.reference``; both
 compute the same function (``tests/test_kernels.py``, ``test_rope_kernel.py``,
-``test_norm_kernel.py``). Triton is optional (``pip install .[gpu]``) and is imported only
-when a kernel runs. Does not own: where the inputs come from (``model.model``, ``model.cache``).
+``test_norm_kernel.py``). On a GPU of compute capability 9 or later every Triton kernel
+launches as a programmatic dependent launch (``fused.chained``; ``DSAGENT_PDL=0`` turns it
+off): it may be scheduled while the kernel before it runs and waits at its start for that
+one's writes, so it computes the same and only the launch latency is hidden
+(``tests/test_pdl.py``). Triton is optional (``pip install .[gpu]``) and is imported only when
+a kernel runs. Does not own: where the inputs come from (``model.model``, ``model.cache``).
 """
 from __future__ import annotations
 
@@ -146,9 +150,11 @@ GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLA
 def gemv_runs(x: torch.Tensor, *layers: torch.nn.Module) -> bool:
     """Whether :func:`gemv` runs on rows ``x`` [..., D] against the ``layers``' weights: only
     with ``DSAGENT_GEMV=1`` (off by default: in a `small` decode step on the H200 it measured
-    slower than cuBLAS, 6.39 against 6.17 ms at 4K with untuned tiles), where :func:`enabled`,
-    outside autograd, at most ``GEMV_TOKENS`` rows, weights and rows of one float dtype. The
-    weights are read last: a QAT layer's is computed on each read."""
+    slower than cuBLAS, 6.39 against 6.17 ms at 4K with untuned tiles; with dependent
+    launches and each program's weight rows prefetched into L2 before its wait, 5.62 against
+    5.45 ms, session 22), where :func:`enabled`, outside autograd, at most ``GEMV_TOKENS``
+    rows, weights and rows of one float dtype. The weights are read last: a QAT layer's is
+    computed on each read."""
     return (os.environ.get("DSAGENT_GEMV", "0") == "1" and x.numel() <= GEMV_TOKENS * x.shape[-1]
             and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
             and _kernel_runs("GEMV kernel", x) and all(layer.weight.dtype == x.dtype for layer in layers))

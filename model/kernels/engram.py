@@ -20,12 +20,14 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _store, unfused
+from model.kernels.fused import _chain, _store, chained, unfused
 
 
 @triton.jit
 def _engram_gate_kernel(s_ptr, key_ptr, value_ptr, qw_ptr, kw_ptr, live_ptr, out_ptr, D, s_key, s_value, eps,
-                        HC: tl.constexpr, BLOCK_D: tl.constexpr, LIVE: tl.constexpr, BF16: tl.constexpr):
+                        HC: tl.constexpr, BLOCK_D: tl.constexpr, LIVE: tl.constexpr, BF16: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    _chain(PDL)
     row = tl.program_id(0).to(tl.int64)  # one token's stream k
     k = tl.program_id(1)
     c = tl.arange(0, BLOCK_D)
@@ -67,13 +69,14 @@ def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
                                  streams if live is None else live.contiguous(),
                                  out.view(torch.int16) if bf16 else out, D, key.stride(0), value.stride(0), float(eps),
                                  HC=hc, BLOCK_D=block, LIVE=live is not None, BF16=bf16,
-                                 num_warps=4 if block <= 1024 else 8, **unfused())
+                                 num_warps=4 if block <= 1024 else 8, **unfused(), **chained(streams))
     return out
 
 
 @triton.jit
 def _ngram_hash_kernel(c_ptr, hist_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, S, H, pad, dead,
-                       NGRAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr):
+                       NGRAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
+    _chain(PDL)
     t = tl.program_id(0).to(tl.int64)  # one token (row b, position s) and one Engram layer l
     layer = tl.program_id(1)
     L = tl.num_programs(1)
@@ -111,5 +114,6 @@ def ngram_hash(compressed: torch.Tensor, history: torch.Tensor, multipliers: tor
         return out
     _ngram_hash_kernel[(B * S, L)](compressed.contiguous(), history.contiguous(), multipliers.contiguous(),
                                    primes.contiguous(), offsets.contiguous(), out, S, n - 1, pad, dead,
-                                   NGRAM=n, HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), num_warps=1)
+                                   NGRAM=n, HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), num_warps=1,
+                                   **chained(compressed))
     return out

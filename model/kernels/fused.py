@@ -31,6 +31,7 @@ anything about caches. Imported only when Triton is importable.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -101,6 +102,41 @@ def unfused() -> dict:
     return {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
 
 
+def chained(t: torch.Tensor) -> dict:
+    """Launch options of a kernel on ``t``'s device as a programmatic dependent launch:
+    ``{"PDL": True, "launch_pdl": True}`` where one runs (a CUDA device of compute
+    capability 9 or later, a Triton that has it, ``DSAGENT_PDL`` not ``0``), else ``{}``.
+    With them the GPU may schedule the kernel's programs while the kernel before it is still
+    running; each waits at its start (:func:`_chain`) until that kernel has finished and its
+    writes are visible, so what it computes is unchanged and only the launch's latency is
+    hidden. Every kernel launched so must call :func:`_chain` before it touches memory that
+    another kernel writes or reads: a kernel that finishes only after its predecessor keeps
+    the order transitive down the chain."""
+    if not t.is_cuda or os.environ.get("DSAGENT_PDL", "1") == "0" or not _pdl_supported(t.device.index or 0):
+        return {}
+    return {"PDL": True, "launch_pdl": True}
+
+
+@functools.cache
+def _pdl_supported(device: int) -> bool:
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return (torch.cuda.get_device_capability(device)[0] >= 9 and "launch_pdl" in CUDAOptions.__dataclass_fields__
+            and hasattr(tl.extra.cuda, "gdc_wait"))
+
+
+@triton.jit
+def _chain(PDL: tl.constexpr):
+    """With ``PDL`` (a programmatic dependent launch, :func:`chained`): wait until the kernel
+    before this one has finished and its writes are visible, then let the kernel after it
+    be scheduled (its programs then wait here in turn). Without: nothing."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 @triton.jit
 def _fp4_rows(row_ptr, cols, mask, D: tl.constexpr, BLOCK: tl.constexpr, SCALE_E4M3: tl.constexpr):
     """Rows of packed e2m1 pairs (even channel in the low nibble) + per-BLOCK scale bytes."""
@@ -151,12 +187,13 @@ def _sparse_attention_kernel(
     H, W, N, K, SPLITS, scale, span,
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, CH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr,
-    FROM_POS: tl.constexpr,
+    FROM_POS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Partial softmax sums of one (row, head group, split). The window's valid slots come
     from ``valid_ptr`` (uint8 [B, W]), or with ``FROM_POS`` from the ring's positions
     (``valid_ptr``: int64 [W], shared by the rows) against the query's (``cur_ptr``, one
     element) and the window ``span``: -1 < slot position <= query, within the last span."""
+    _chain(PDL)
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
     heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -206,10 +243,12 @@ def _sparse_attention_kernel(
 
 @triton.jit(do_not_specialize=["SPLITS"])
 def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS,
-                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BF16: tl.constexpr):
+                         D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BF16: tl.constexpr,
+                         PDL: tl.constexpr = False):
     """Channels [c * BLOCK_D, (c + 1) * BLOCK_D) of head h's output: the splits' partial sums
     weighted by their maxima, over the denominator with the sink; stored in the query's dtype
     (bf16 rounded to nearest even on the bits, as torch's cast)."""
+    _chain(PDL)
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = tl.arange(0, SPLITS_P2)
     part = (b.to(tl.int64) * SPLITS + s) * H + h
@@ -267,14 +306,14 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
         D=D, CH=CHUNK, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_SPLIT=q.dtype != torch.bfloat16,
-        FROM_POS=window_at is not None, num_warps=ATTN_WARPS)
+        FROM_POS=window_at is not None, num_warps=ATTN_WARPS, **chained(q))
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
     out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
     block_d = min(D, MERGE_BLOCK_D)
     _merge_splits_kernel[(B, H, D // block_d)](m, l, acc, sink, out.view(torch.int16) if bf16 else out, H, splits,
                                                D=D, BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(splits),
-                                               BF16=bf16)
+                                               BF16=bf16, **chained(q))
     return out
 
 
@@ -283,7 +322,9 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
 @triton.jit(do_not_specialize=["N", "n_visible", "s_ob"])
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, HI, N, n_visible, head_scale,
                     s_qb, s_qh, s_wb, s_kb, s_kn, s_ob,
-                    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, VIS_PTR: tl.constexpr):
+                    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, VIS_PTR: tl.constexpr,
+                    PDL: tl.constexpr = False):
+    _chain(PDL)
     b, blk = tl.program_id(0), tl.program_id(1)
     if VIS_PTR:  # the count is a device tensor (a graphed decode step)
         limit = tl.load(vis_ptr)
@@ -321,7 +362,7 @@ def indexer_scores(q, weights, keys, n_visible: int | torch.Tensor, head_scale: 
         q, weights, keys, out, n_visible if on_device else out, HI, N, 0 if on_device else int(n_visible),
         float(head_scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
         DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_N=INDEX_BLOCK_N, VIS_PTR=on_device,
-        num_warps=INDEX_WARPS)
+        num_warps=INDEX_WARPS, **chained(q))
     return out
 
 
@@ -363,7 +404,8 @@ def _hc_store_split(pre_ptr, post_ptr, comb_ptr, r64, live, pre, post, comb, HC:
 
 @triton.jit(do_not_specialize=["R"])
 def _hc_split_kernel(mix_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, R, s_mr, eps,
-                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_R: tl.constexpr):
+                     HC: tl.constexpr, ITERS: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr = False):
+    _chain(PDL)
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < R
     r64 = r.to(tl.int64)
@@ -389,5 +431,5 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     if R:
         _hc_split_kernel[(triton.cdiv(R, HC_BLOCK_R),)](
             flat, scale.float().contiguous(), base.float().contiguous(), pre, post, comb, R, flat.stride(0),
-            float(eps), HC=hc, ITERS=iters, BLOCK_R=HC_BLOCK_R, num_warps=HC_WARPS)
+            float(eps), HC=hc, ITERS=iters, BLOCK_R=HC_BLOCK_R, num_warps=HC_WARPS, **chained(mixes))
     return pre, post, comb

@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _store
+from model.kernels.fused import _chain, _store, chained
 
 # channels per load and warps of a program; a program's output rows are the most (up to
 # BLOCK_O_MAX) that still leave MIN_PROGRAMS programs a weight. Untuned guesses, swept by
@@ -53,11 +53,12 @@ def _rows_times_x(x_row, w_ptr, out_row, o0, O, DG, BLOCK_O: tl.constexpr, BLOCK
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, O, O2, D, DG, OG, P1,
                  BLOCK_O: tl.constexpr, BLOCK_O2: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr,
-                 BF16: tl.constexpr):
+                 BF16: tl.constexpr, PDL: tl.constexpr = False):
     """Program (p, n): a block of output rows of row n (the first weight's blocks, then the
     second's). Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG). Each branch
     calls the helper: tensors named alike in both branches must have one shape in Triton,
     and the two weights' blocks need not."""
+    _chain(PDL)
     p = tl.program_id(0)
     n = tl.program_id(1).to(tl.int64)
     if TWO and p >= P1:  # the second weight: no groups
@@ -105,6 +106,6 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torc
     view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
     _gemv_kernel[(p1 + p2, N)](rows, w1, view(out1), w2, view(out2), O, O2, D, DG, OG, p1,
                                BLOCK_O=b1, BLOCK_O2=b2, BLOCK_D=GEMV_BLOCK_D, TWO=len(weights) == 2, BF16=bf16,
-                               num_warps=GEMV_WARPS)
+                               num_warps=GEMV_WARPS, **chained(rows))
     outs = (out1, out2)[:len(weights)]
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits, _store
+from model.kernels.fused import _bf16_bits, _chain, _store, chained
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -89,9 +89,10 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
 
 @triton.jit
 def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS,
-                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
     """Partial gate logits of token t over channel chunk c: part[t, c, :E] (the gate's
     weight is read by many programs at once rather than by one)."""
+    _chain(PDL)
     t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -107,7 +108,8 @@ def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS,
 @triton.jit
 def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
                  K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS_P2: tl.constexpr,
-                 SCORE: tl.constexpr, NORM: tl.constexpr):
+                 SCORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+    _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -143,7 +145,8 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
 @triton.jit
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, limit,
                K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-               CLAMP: tl.constexpr):
+               CLAMP: tl.constexpr, PDL: tl.constexpr = False):
+    _chain(PDL)
     p = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
@@ -177,7 +180,8 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
                  K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr,
-                 OUT_BF16: tl.constexpr):
+                 OUT_BF16: tl.constexpr, PDL: tl.constexpr = False):
+    _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
@@ -206,12 +210,13 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 @triton.jit
 def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                       BF16: tl.constexpr, OUT_BF16: tl.constexpr):
+                       BF16: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr = False):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
     time. Each slot's product is rounded as there and the slots are added in the same order
     (a column holding one slot's value plus zeros is that value exactly)."""
+    _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
@@ -264,12 +269,14 @@ def _expert_rows(isel_ptr, wsel_ptr, N, NK, K: tl.constexpr, K_P2: tl.constexpr,
 @triton.jit
 def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, N, NK, D, I, limit,
                        K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BF16: tl.constexpr, CLAMP: tl.constexpr, DOT: tl.constexpr):
+                       BLOCK_D: tl.constexpr, BF16: tl.constexpr, CLAMP: tl.constexpr, DOT: tl.constexpr,
+                       PDL: tl.constexpr = False):
     """Program (e, i-block): expert e (E: the shared one) against every token that picked it,
     its w1 / w3 rows read once for all of them (one tensor-core product of the tokens' block);
     an expert no token picked reads nothing. The product is fp32 at ``DOT`` precision: TF32
     holds bf16 values exactly, so with bf16 weights and tokens it is exact products summed in
     fp32, as the bf16 GEMM's; fp32 takes "ieee"."""
+    _chain(PDL)
     e, E, has, row, gw, live = _expert_rows(isel_ptr, wsel_ptr, N, NK, K, K_P2, BLOCK_N)
     if live:
         if e < E:
@@ -300,10 +307,11 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
 @triton.jit
 def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N, NK, D, I,
                          K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr,
-                         BLOCK_I: tl.constexpr, BF16: tl.constexpr, DOT: tl.constexpr):
+                         BLOCK_I: tl.constexpr, BF16: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False):
     """Program (e, o-block): expert e's w2 rows read once against the h rows of every token
     that picked it; each pair's product, rounded to the activation dtype, to its own row of
     ``part`` (the slots are summed in order by ``_sum_slots_kernel``)."""
+    _chain(PDL)
     e, E, has, row, gw, live = _expert_rows(isel_ptr, wsel_ptr, N, NK, K, K_P2, BLOCK_N)
     if live:
         if e < E:
@@ -328,9 +336,11 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
 
 
 @triton.jit
-def _sum_slots_kernel(part_ptr, out_ptr, NK, D, K: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr):
+def _sum_slots_kernel(part_ptr, out_ptr, NK, D, K: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr,
+                      PDL: tl.constexpr = False):
     """Token t's output: its K slots' products in slot order, then the shared expert's, in
     fp32 (``_down_kernel``'s order, so both forms sum alike)."""
+    _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     o_ok = o < D
@@ -367,11 +377,11 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     splits = triton.cdiv(D, chunk)
     part = torch.empty(N, splits, E, dtype=torch.float32, device=x.device)
     _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, BLOCK_E=block_e, BLOCK_D=block_d,
-                                     num_warps=4)
+                                     num_warps=4, **chained(x))
     _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
                        K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                        SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
-                       NORM=bool(norm and top_k > 1), num_warps=4)
+                       NORM=bool(norm and top_k > 1), num_warps=4, **chained(x))
     nk = N * top_k
     h = torch.empty(nk + N, I, dtype=x.dtype, device=x.device)
     h_arg = h.view(torch.int16) if bf16 else h
@@ -384,25 +394,28 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     if not grouped:
         _up_kernel[(nk + N, triton.cdiv(I, UP_BLOCK_I))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, float(limit),
-            K=top_k, BLOCK_I=UP_BLOCK_I, BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=UP_WARPS)
+            K=top_k, BLOCK_I=UP_BLOCK_I, BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=UP_WARPS,
+            **chained(x))
         if DOWN_SLOTS:
             _down_slots_kernel[(N, triton.cdiv(D, SLOTS_BLOCK_O))](
                 h_arg, w2, s2, chosen, out_arg, nk, D, I, K=top_k, S_P2=triton.next_power_of_2(top_k + 1),
-                BLOCK_O=SLOTS_BLOCK_O, BLOCK_I=SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=SLOTS_WARPS)
+                BLOCK_O=SLOTS_BLOCK_O, BLOCK_I=SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=SLOTS_WARPS,
+                **chained(x))
             return out
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I,
-            K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS)
+            K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS,
+            **chained(x))
         return out
     rows = dict(K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=max(16, triton.next_power_of_2(N)), BF16=bf16,
                 DOT="tf32" if bf16 else "ieee")
     _up_grouped_kernel[(E + 1, triton.cdiv(I, G_UP_BLOCK_I))](
         x, w1, w3, s1, s3, weights, chosen, h_arg, N, nk, D, I, float(limit), **rows,
-        BLOCK_I=G_UP_BLOCK_I, BLOCK_D=G_UP_BLOCK_D, CLAMP=limit > 0, num_warps=G_UP_WARPS)
+        BLOCK_I=G_UP_BLOCK_I, BLOCK_D=G_UP_BLOCK_D, CLAMP=limit > 0, num_warps=G_UP_WARPS, **chained(x))
     part = torch.empty(nk + N, D, dtype=torch.float32, device=x.device)
     _down_grouped_kernel[(E + 1, triton.cdiv(D, G_DOWN_BLOCK_O))](
         h_arg, w2, s2, weights, chosen, part, N, nk, D, I, **rows,
-        BLOCK_O=G_DOWN_BLOCK_O, BLOCK_I=G_DOWN_BLOCK_I, num_warps=G_DOWN_WARPS)
+        BLOCK_O=G_DOWN_BLOCK_O, BLOCK_I=G_DOWN_BLOCK_I, num_warps=G_DOWN_WARPS, **chained(x))
     _sum_slots_kernel[(N, triton.cdiv(D, SUM_BLOCK))](part, out_arg, nk, D, K=top_k, BLOCK=SUM_BLOCK,
-                                                      OUT_BF16=out_bf16, num_warps=4)
+                                                      OUT_BF16=out_bf16, num_warps=4, **chained(part))
     return out

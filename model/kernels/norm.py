@@ -14,12 +14,13 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits
+from model.kernels.fused import _bf16_bits, _chain, chained
 
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-                     WEIGHT: tl.constexpr = True):
+                     WEIGHT: tl.constexpr = True, PDL: tl.constexpr = False):
+    _chain(PDL)
     row = tl.program_id(0)
     c = tl.arange(0, BLOCK_D)
     live = c < D
@@ -50,5 +51,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,
     block = triton.next_power_of_2(D)
     _rms_norm_kernel[(x.numel() // D,)](x, x if weight is None else weight.contiguous(),
                                         out.view(torch.int16) if bf16 else out, D, float(eps), BLOCK_D=block,
-                                        BF16=bf16, WEIGHT=weight is not None, num_warps=4 if block <= 1024 else 8)
+                                        BF16=bf16, WEIGHT=weight is not None, num_warps=4 if block <= 1024 else 8,
+                                        **chained(x))
     return out

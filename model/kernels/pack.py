@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import pow2_blocks
-from model.kernels.fused import _e2m1, _e4m3
+from model.kernels.fused import _chain, _e2m1, _e4m3, chained
 from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
 
 # e2m1 thresholds as model.quant.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
@@ -92,8 +92,9 @@ def _fp8_blocks(x, FMAX: tl.constexpr):
 
 @triton.jit
 def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
-                        VALUES: tl.constexpr = False):
+                        VALUES: tl.constexpr = False, PDL: tl.constexpr = False):
     """One row to its bytes, or (VALUES) to the values those bytes decode to, in out's dtype."""
+    _chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = D // BLOCK
     offs = tl.arange(0, NB)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -111,8 +112,9 @@ def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.con
 @triton.jit
 def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALES: tl.constexpr,
                      T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr,
-                     T5: tl.constexpr, T6: tl.constexpr, VALUES: tl.constexpr = False):
+                     T5: tl.constexpr, T6: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False):
     """One row to its bytes, or (VALUES) to the values those bytes decode to, in out's dtype."""
+    _chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = D // BLOCK
     HALF: tl.constexpr = BLOCK // 2
@@ -157,7 +159,7 @@ def _pack_fp8(x: torch.Tensor, block: int, values: bool = False) -> torch.Tensor
         out = torch.empty(flat.shape[0], D + D // block, dtype=torch.uint8, device=x.device)
     if flat.shape[0]:
         _pack_window_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=block,
-                                              FMAX=FP8_MAX, VALUES=values)
+                                              FMAX=FP8_MAX, VALUES=values, **chained(flat))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
@@ -172,9 +174,10 @@ def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_BLOCK) -> torch.Tensor:
 
 @triton.jit(do_not_specialize=["cap"])
 def _pack_window_at_kernel(x_ptr, data_ptr, rpos_ptr, pos_ptr, cap, s_x, s_db, s_dn,
-                           D: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr):
+                           D: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr, PDL: tl.constexpr = False):
     """Row b of one decode step's window entries packed straight into its ring slot
     (position % cap); program 0 also records the slot's position."""
+    _chain(PDL)
     b = tl.program_id(0).to(tl.int64)
     NB: tl.constexpr = D // BLOCK
     p = tl.load(pos_ptr)
@@ -197,7 +200,7 @@ def pack_window_at(x: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, 
     assert data.stride(2) == 1 and ring_pos.is_contiguous()
     flat = _rows(x, WINDOW_BLOCK)
     _pack_window_at_kernel[(B,)](flat, data, ring_pos, pos, ring_pos.shape[0], flat.stride(0), data.stride(0),
-                                 data.stride(1), D=D, BLOCK=WINDOW_BLOCK, FMAX=FP8_MAX)
+                                 data.stride(1), D=D, BLOCK=WINDOW_BLOCK, FMAX=FP8_MAX, **chained(flat))
 
 
 def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = False) -> torch.Tensor:
@@ -210,7 +213,7 @@ def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = Fal
     if flat.shape[0]:
         _pack_fp4_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=block,
                                            E4M3_SCALES=e4m3_scales, T0=_T[0], T1=_T[1], T2=_T[2], T3=_T[3],
-                                           T4=_T[4], T5=_T[5], T6=_T[6], VALUES=values)
+                                           T4=_T[4], T5=_T[5], T6=_T[6], VALUES=values, **chained(flat))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

@@ -17,11 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits, unfused
+from model.kernels.fused import _bf16_bits, _chain, chained, unfused
 
 
 @triton.jit
-def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, H, D, OFF, HALF, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, H, D, OFF, HALF, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    _chain(PDL)
     row = tl.program_id(0)  # one (batch, position, head) row of D channels
     s = (row // H) % S
     c = tl.arange(0, BLOCK_D)
@@ -52,5 +54,5 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     bf16 = x.dtype == torch.bfloat16
     _rope_kernel[(x.numel() // D,)](x, cos, sin, out.view(torch.int16) if bf16 else out, S, H, D, D - 2 * half, half,
-                                    BLOCK_D=triton.next_power_of_2(D), BF16=bf16, **unfused())
+                                    BLOCK_D=triton.next_power_of_2(D), BF16=bf16, **unfused(), **chained(x))
     return out

@@ -22,11 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits, _hc_split_tiles, _hc_store_split, _store, unfused
+from model.kernels.fused import _bf16_bits, _chain, _hc_split_tiles, _hc_store_split, _store, chained, unfused
 
 
 @triton.jit
-def _collapse_kernel(s_ptr, pre_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+def _collapse_kernel(s_ptr, pre_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+                     PDL: tl.constexpr = False):
+    _chain(PDL)
     row = tl.program_id(0).to(tl.int64)  # one token
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = c < D
@@ -39,7 +41,8 @@ def _collapse_kernel(s_ptr, pre_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.c
 
 @triton.jit
 def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BF16: tl.constexpr):
+                   BF16: tl.constexpr, PDL: tl.constexpr = False):
+    _chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     live = c < D
@@ -54,7 +57,7 @@ def _expand_kernel(y_ptr, r_ptr, post_ptr, comb_ptr, out_ptr, D, HC: tl.constexp
 
 def _launch(kernel, rows: int, D: int, *args, bf16: bool):
     block = min(1024, triton.next_power_of_2(D))
-    kernel[(rows, triton.cdiv(D, block))](*args, BLOCK_D=block, BF16=bf16, **unfused())
+    kernel[(rows, triton.cdiv(D, block))](*args, BLOCK_D=block, BF16=bf16, **unfused(), **chained(args[0]))
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -98,10 +101,11 @@ FINISH_WARPS = None
 @triton.jit
 def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, S,
                       HC: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
-                      EXPAND: tl.constexpr, BF16: tl.constexpr):
+                      EXPAND: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False):
     """One token's streams over BLOCK_C channels (expanded first when EXPAND, as
     ``_expand_kernel`` does, and written out): their sum of squares and their dots with the
     mixes' projection ``fn`` [M, HC * D], a partial sum of S per token."""
+    _chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     c = split * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -136,12 +140,14 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
 @triton.jit
 def _site_finish_kernel(dots_ptr, sq_ptr, scale_ptr, base_ptr, s_ptr, pre_in_ptr, w_ptr, pre_ptr, post_ptr,
                         comb_ptr, x_ptr, D, S, eps, hc_eps, norm_eps, HC: tl.constexpr, ITERS: tl.constexpr,
-                        M_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr):
+                        M_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
+                        PDL: tl.constexpr = False):
     """One token, two programs side by side: (row, 0) sums the partial dots, scales them by
     the streams' rstd (the mixes of the normalised streams) and splits them into pre / post /
     comb (``fused._hc_split_tiles``: its Sinkhorn is a chain of ~40 small reductions);
     (row, 1) collapses the streams with the incoming ``pre`` and RMS-normalises them by ``w``
     (``_collapse_kernel``, ``norm._rms_norm_kernel``)."""
+    _chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     if tl.program_id(1) == 1:
         _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC, BLOCK_D, BF16)
@@ -208,7 +214,8 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
                                 pre.contiguous(), norm_weight.contiguous(), pre_out, post_out, comb_out,
                                 x.view(torch.int16) if bf16 else x, D, S, float(eps), float(hc_eps), float(norm_eps),
                                 HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block,
-                                BF16=bf16, num_warps=FINISH_WARPS or (4 if block <= 1024 else 8), **options)
+                                BF16=bf16, num_warps=FINISH_WARPS or (4 if block <= 1024 else 8), **options,
+                                **chained(streams))
     return streams, pre_out, post_out, comb_out, x
 
 
@@ -227,5 +234,5 @@ def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict):
     bf16 = streams.dtype == torch.bfloat16
     _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, out.view(torch.int16) if bf16 else out, D, S,
                               HC=hc, M=M, M_PAD=dots.shape[-1], BLOCK_C=SITE_BLOCK_C, EXPAND=expand is not None,
-                              BF16=bf16, num_warps=SITE_WARPS, **options)
+                              BF16=bf16, num_warps=SITE_WARPS, **options, **chained(streams))
     return out, dots, sq
