@@ -239,11 +239,13 @@ def test_bench_decode_host_sets_the_host_beside_the_step():
     assert out["host_over_step"] > 0.5
 
 
-def test_bench_decode_profile_counts_what_a_step_launches():
+def test_bench_decode_profile_counts_what_a_step_launches(monkeypatch):
+    monkeypatch.delenv("DSAGENT_PDL", raising=False)
     r = invoke("bench", "decode", "--profile", "--preset", "tiny", "--ctx", "32", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["bench"] == "profile" and out["unit"] == "operator"  # no CUDA here
+    assert out["dependent_launches"] is False and "DSAGENT_PDL" not in os.environ  # plain launches, then restored
     assert out["launches_per_step"] > 100 and out["busy_ms_per_step"] > 0
     assert out["top"] and sum(t["share"] for t in out["top"]) <= 1.0 + 1e-9
     assert out["top"][0]["ms_per_step"] >= out["top"][-1]["ms_per_step"] and out["batch"] == 1
