@@ -10,9 +10,9 @@ and device time is the scarce thing. First, pytest runs under the interpreter wi
 constexpr values and launch options. Then a process without the interpreter compiles each
 distinct one through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (front end, LLVM
 and ptxas: no GPU needed), again as a programmatic dependent launch where the kernel takes
-``PDL`` (its ``griddepcontrol`` PTX, which the interpreter never runs), and
-prints every failure. Exit status 1 if any kernel fails to
-build or the tests fail. A check before a device call, not a test: CI has no Triton.
+``PDL`` (its ``griddepcontrol`` PTX, which the interpreter never runs), and prints every
+failure. Exit status 1 if any kernel fails to build or the tests fail. A check before a
+device call, not a test: CI has no Triton.
 """
 from __future__ import annotations
 
