@@ -234,7 +234,6 @@ def bench_paths(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 8,
     ``DSAGENT_*`` switch set to 0), side by side in one process: what each path is worth here."""
     times = {}
     for off in (None, *PATH_SWITCHES):
-        model.reset_graphs()  # a capture holds the paths it was made with: each setting captures its own
         with switched(**{name: name != off for name in PATH_SWITCHES}):
             times[off or "all_on"] = _step_seconds(model, ctx, batch, steps, chunk)
     return {"bench": "paths", "ctx": ctx, "batch": batch, "step_ms": {k: 1e3 * v for k, v in times.items()},
@@ -403,7 +402,6 @@ def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 
     kernel's own time."""
     from torch.profiler import ProfilerActivity, profile
 
-    model.reset_graphs()  # captures made with dependent launches replay them
     with switched(pdl=False):
         step = _warm_decoder(model, ctx, batch, chunk)
         cuda = model.device.type == "cuda"
@@ -413,7 +411,6 @@ def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 
             for _ in range(steps):
                 step()
             _sync(model.device)
-    model.reset_graphs()
     return {"bench": "profile", "ctx": ctx, "batch": batch, "dependent_launches": False,
             **profile_summary(prof, cuda, steps, top)}
 

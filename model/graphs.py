@@ -49,6 +49,13 @@ class SegmentGraphs:
         self._pool = None
         self.failed: str | None = None  # why a capture failed: every later segment runs eagerly
         self._outputs: list[torch.Tensor] = []  # every capture's outputs
+        self._switches = _switches()
+
+    def for_step(self) -> "SegmentGraphs":
+        """These graphs for the next step, the ``CAPTURED_SWITCHES`` read once for all its
+        segments (~10 us a read)."""
+        self._switches = _switches()
+        return self
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -60,13 +67,14 @@ class SegmentGraphs:
         """``fn(*inputs)`` (a tuple of tensors) by replaying its graph for ``key`` and the
         batch size (the first input's first dimension), captured on first use. ``version``
         names the memory ``fn`` reaches besides its inputs (say, a cache's buffers): a
-        different one, or inputs of other shapes (a grown buffer's candidate pool), replace
-        the capture. The returned tensors are the graph's own outputs: valid until this key
-        replays again (the next step's same layer)."""
+        different one, inputs of other shapes (a grown buffer's candidate pool) or other
+        ``CAPTURED_SWITCHES`` (as :meth:`for_step` read them) replace the capture. The
+        returned tensors are the graph's own outputs: valid until this key replays again
+        (the next step's same layer)."""
         if self.failed:
             return fn(*inputs)
         key = (key, inputs[0].shape[0] if inputs else None)
-        version = (version, *((tuple(x.shape), x.dtype) for x in inputs))
+        version = (version, self._switches, *((tuple(x.shape), x.dtype) for x in inputs))
         entry = self._graphs.get(key)
         if entry is None or entry[0] != version:
             if entry is not None:  # replaced: later captures must not read its outputs in place
@@ -106,6 +114,15 @@ class SegmentGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             static_out = fn(*static_in)
         return graph, static_out
+
+
+# the switches that change which kernels a capture holds, or how they launch: a capture made
+# under other settings is replaced, not replayed (``bench decode --paths`` flips them in one process)
+CAPTURED_SWITCHES = ("DSAGENT_KERNELS", "DSAGENT_FUSED_MOE", "DSAGENT_GROUPED_MOE", "DSAGENT_GEMV", "DSAGENT_PDL")
+
+
+def _switches() -> tuple:
+    return tuple(os.environ.get(name) for name in CAPTURED_SWITCHES)
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:

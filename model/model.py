@@ -796,7 +796,7 @@ class Transformer(nn.Module):
         step = Step(start=start, length=ids.shape[1], image_mask=image_mask,
                     new=all(src.done == start for src in cache.sources.values()))
         if graphs.wanted(ids, image_mask, cache.kv.packed) and self.ffn_capturable(x):
-            step.graphs = self._graphs
+            step.graphs = self._graphs.for_step()
         step.hash_ids = self.engram_hash(ids, cache, start, image_mask)
         streams = x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
         pre = torch.zeros(*streams.shape[:-1], dtype=torch.float32, device=x.device)

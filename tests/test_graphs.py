@@ -28,6 +28,9 @@ class DirectSegments:
     def __len__(self) -> int:
         return len(set(self.keys))
 
+    def for_step(self):
+        return self
+
     def run(self, key, fn, *inputs, version=None):
         self.keys.append(key)
         return fn(*inputs)
@@ -244,6 +247,27 @@ def test_whole_step_segments_follow_the_cache_they_write(monkeypatch):
                               (ring.pos.data_ptr(), tuple(ring.pos.shape)))
 
 
+
+
+def test_a_switch_that_changes_the_kernels_replaces_the_capture(monkeypatch):
+    """A capture holds the kernels (and launch settings) of the switches it was made under:
+    flipped between steps, the next step captures anew rather than replaying the old one."""
+    recorded = []
+
+    class Counted(ReplayedSegments):
+        def _record(self, fn, static_in):
+            recorded.append(fn)
+            return super()._record(fn, static_in)
+
+    monkeypatch.delenv("DSAGENT_PDL", raising=False)
+    segments, x = Counted(), torch.ones(2, 3)
+    for _ in range(2):
+        segments.for_step().run("site", lambda t: (t * 2,), x)
+    monkeypatch.setenv("DSAGENT_PDL", "0")
+    segments.run("site", lambda t: (t * 2,), x)
+    assert len(recorded) == 1  # read once a step: not before the next one
+    out = segments.for_step().run("site", lambda t: (t * 2,), x)
+    assert len(recorded) == 2 and torch.equal(out[0], x * 2)
 
 
 def test_a_replaced_capture_leaves_no_outputs_behind():

@@ -41,8 +41,7 @@ def _decode_steps(model, pdl: str, graphed: bool, monkeypatch, steps: int = 6):
     on either way, so that its kernel is launched both ways too."""
     monkeypatch.setenv("DSAGENT_PDL", pdl)
     monkeypatch.setenv("DSAGENT_GEMV", "1")
-    monkeypatch.setenv("DSAGENT_GRAPHS", "1" if graphed else "0")
-    model.reset_graphs()
+    monkeypatch.setenv("DSAGENT_GRAPHS", "1" if graphed else "0")  # a switched PDL recaptures (graphs.py)
     engine = Engine(model, mode="ced", chunk=40)
     state = engine.new_state(batch=2)
     ids = torch.randint(3, 1000, (2, 70), generator=torch.Generator().manual_seed(4)).to(model.device)

@@ -202,7 +202,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     lead = streams.shape[:-2]
     assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc & (hc - 1) == 0
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
-    options = unfused()
+    options = {**unfused(), **chained(streams)}  # both launches alike
     streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options)
     R, S, M_PAD = dots.shape
     pre_out = torch.empty(*lead, hc, dtype=torch.float32, device=streams.device)
@@ -214,8 +214,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
                                 pre.contiguous(), norm_weight.contiguous(), pre_out, post_out, comb_out,
                                 x.view(torch.int16) if bf16 else x, D, S, float(eps), float(hc_eps), float(norm_eps),
                                 HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block,
-                                BF16=bf16, num_warps=FINISH_WARPS or (4 if block <= 1024 else 8), **options,
-                                **chained(streams))
+                                BF16=bf16, num_warps=FINISH_WARPS or (4 if block <= 1024 else 8), **options)
     return streams, pre_out, post_out, comb_out, x
 
 
@@ -234,5 +233,5 @@ def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict):
     bf16 = streams.dtype == torch.bfloat16
     _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, out.view(torch.int16) if bf16 else out, D, S,
                               HC=hc, M=M, M_PAD=dots.shape[-1], BLOCK_C=SITE_BLOCK_C, EXPAND=expand is not None,
-                              BF16=bf16, num_warps=SITE_WARPS, **options, **chained(streams))
+                              BF16=bf16, num_warps=SITE_WARPS, **options)
     return out, dots, sq
