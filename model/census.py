@@ -172,7 +172,8 @@ def decode_read_bytes(args: ModelArgs, ctx: int, weight_bytes: int = 2) -> dict[
     """Bytes one batch-1 decode step reads at ``ctx`` tokens of context: the active weights
     (``params_active_decode`` at ``weight_bytes`` each), every layer's FP8 window rows, the
     FP4 records each sparse layer selects (top-k of its source's records) and the FP4 index
-    keys each Full / Reindex layer scores (every visible one, as the step does)."""
+    keys each Full / Reindex layer scores (every visible one, as the step does; a layer that
+    honours the candidate pool, the pool's records alone)."""
     window = records = index = 0
     for layer in range(args.num_hidden_layers):
         window += min(ctx, args.sliding_window) * window_record_bytes(args.head_dim)
@@ -182,7 +183,8 @@ def decode_read_bytes(args: ModelArgs, ctx: int, weight_bytes: int = 2) -> dict[
         n = ctx // args.ratios[args.kv_source(layer)]
         records += min(args.index_topk, n) * main_record_bytes(args.head_dim)
         if role in ("full", "reindex"):
-            index += n * index_record_bytes(args.index_head_dim)
+            pool = args.candidate_topk_blocks * args.candidate_block_size if args.uses_candidates(layer) else n
+            index += min(n, pool) * index_record_bytes(args.index_head_dim)
     weights = census(args)["params_active_decode"] * weight_bytes
     return {"weights": weights, "window": window, "records": records, "index_keys": index,
             "total": weights + window + records + index}

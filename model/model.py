@@ -254,12 +254,21 @@ class Indexer(nn.Module):
         """:meth:`forward` of one decode step at ``pos`` [1] (a tensor: graph-safe), by the
         fused kernel over the source's whole index buffer, the records not yet visible
         masked by ``pos``. -> (indices [B, 1, index_topk], -1 = none; the candidate pool
-        [B, 1, buffer] when this layer makes it, else ``candidates``, which it honours).
-        ``qw``: this step's :meth:`query` when already computed."""
+        when this layer makes it (:func:`candidate_rows`: its records), else ``candidates``,
+        whose records alone a layer that honours it scores — what :meth:`select`'s mask
+        picks). ``qw``: this step's :meth:`query` when already computed."""
         q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
         lens = (pos + 1) // self.args.ratios[self.layer]
-        s = kernels.indexer_scores(q[:, 0].float(), w[:, 0], src.index, lens, self.head_dim ** -0.5)[:, None]
-        indices, candidates = self.select(s, lens, candidates)
+        pool = candidates if self.args.uses_candidates(self.layer) else None  # scored alone, then mapped back
+        # q holds FP4 values, exact in its own dtype: a bf16 query is one bf16 operand to the kernel's dots
+        s = kernels.indexer_scores(q[:, 0], w[:, 0], src.index, lens, self.head_dim ** -0.5,
+                                   None if pool is None else pool[:, 0])[:, None]
+        if self.layer == self.args.candidate_source_layer_id:
+            candidates = candidate_rows(s, lens, self.args.candidate_topk_blocks, self.args.candidate_block_size)
+        values, indices = stable_topk(s, self.args.index_topk)
+        if pool is not None:
+            indices = pool.gather(-1, indices)
+        indices = indices.masked_fill(values == float("-inf"), -1)
         short = self.args.index_topk - indices.shape[-1]  # a buffer of fewer records than top-k
         return (F.pad(indices, (0, short), value=-1) if short else indices), candidates
 
@@ -320,17 +329,37 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return values[..., :k], indices[..., :k]
 
 
-def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """The candidate pool: blocks of ``block`` records scored by their max, the block of the
-    query's newest visible record pinned, the best ``topk_blocks`` kept. Bool [B, S, n]."""
+def _pool_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int):
+    """The candidate pool's choice: blocks of ``block`` records scored by their max, the block
+    of the query's newest visible record pinned, the best ``topk_blocks`` kept. -> (the
+    chosen blocks' scores and indices, -inf scores not kept; the number of blocks)."""
     n = scores.shape[-1]
     padded = F.pad(scores, (0, -n % block), value=float("-inf"))
     blocks = padded.unflatten(-1, (-1, block)).amax(-1)
     newest = ((lens - 1) // block)[:, None]  # (S, 1); -1 when nothing is visible
     blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
     values, indices = stable_topk(blocks, topk_blocks)
-    keep = torch.zeros_like(blocks, dtype=torch.bool).scatter_(-1, indices, values > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[..., :n]
+    return values, indices, blocks.shape[-1]
+
+
+def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """The candidate pool (:func:`_pool_blocks`) as a mask: bool [B, S, n]."""
+    values, indices, n_blocks = _pool_blocks(scores, lens, topk_blocks, block)
+    keep = torch.zeros(*values.shape[:-1], n_blocks, dtype=torch.bool, device=scores.device)
+    keep.scatter_(-1, indices, values > float("-inf"))
+    return keep.repeat_interleave(block, dim=-1)[..., :scores.shape[-1]]
+
+
+def candidate_rows(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
+    """The candidate pool (:func:`_pool_blocks`) as its records: int64 [B, S, M], ascending,
+    -1 after the last (M = ``block`` x the blocks chosen, at most ``topk_blocks``). A decode
+    step scores these alone: at 128K records and a pool of 16K, an eighth of the indexer's
+    and the top-k's work, and the same top-k as the mask's (ties still go to the lower index)."""
+    n = scores.shape[-1]
+    values, indices, n_blocks = _pool_blocks(scores, lens, topk_blocks, block)
+    first = indices.masked_fill(values == float("-inf"), n_blocks).sort(dim=-1).values * block
+    rows = (first[..., None] + torch.arange(block, device=scores.device)).flatten(-2)
+    return rows.masked_fill(rows >= n, -1)
 
 
 # ----------------------------------------------------------------------------- attention

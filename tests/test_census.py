@@ -143,8 +143,8 @@ def test_cli_info_adds_the_checkpoint_census(tmp_path, monkeypatch) -> None:
 
 def test_decode_read_bytes_counted_by_hand():
     """tiny at 1000 tokens: windows 10 x 128 x 528 B; 8 sparse layers select 16 records of
-    288 B; Full layers 2 and 4 (ratio 2) score 500 index keys of 68 B, Full 6 and Reindex 8
-    (ratio 1) score 1000."""
+    288 B; Full layers 2 and 4 (ratio 2) score 500 index keys of 68 B, Full 6 (ratio 1) 1000,
+    Reindex 8 only layer 6's candidate pool: 8 blocks of 4."""
     from model.args import PRESETS
     from model.census import decode_read_bytes
 
@@ -152,7 +152,7 @@ def test_decode_read_bytes_counted_by_hand():
     got = decode_read_bytes(args, 1000, weight_bytes=4)
     assert got["window"] == 10 * 128 * 528
     assert got["records"] == 8 * 16 * 288
-    assert got["index_keys"] == (500 + 500 + 1000 + 1000) * 68
+    assert got["index_keys"] == (500 + 500 + 1000 + 32) * 68
     assert got["weights"] == 4 * census(args)["params_active_decode"]
     assert got["total"] == got["weights"] + got["window"] + got["records"] + got["index_keys"]
     assert decode_read_bytes(args, 10)["window"] == 10 * 10 * 528  # a short context fills part of each window

@@ -157,6 +157,65 @@ def _decode_wiring(kernels) -> None:
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-3, atol=1e-3)
 
 
+def test_decode_steps_on_the_twins_match_the_reference_path(monkeypatch):
+    """CPU and GPU alike: the fused decode path on whatever runs here (the PyTorch twins on
+    the CPU) — the candidate pool scored as its records alone, their top-k mapped back —
+    gives the reference path's logits. The tiny net's pool is 8 records of the 150 its
+    ratio-1 layers hold, so the pool decides the Reindex layer's top-k."""
+    import model.model as mm
+
+    monkeypatch.setenv("DSAGENT_GRAPHS", "0")
+    net = tiny_net().to(DEVICE)
+    ids = torch.randint(3, net.args.vocab_size, (2, 153), generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    logits = {}
+    with torch.no_grad():
+        for fused in (False, True):
+            monkeypatch.setattr(mm, "_fused_step", mm._decode_step if fused else (lambda x, step, kv: False))
+            cache = net.new_cache(2)
+            net(ids[:, :150], cache)
+            logits[fused] = torch.stack([net(ids[:, t: t + 1], cache)[:, -1] for t in range(150, 153)])
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-3, atol=1e-3)
+
+
+def test_candidate_rows_pick_what_the_mask_picks():
+    """The pool as its records (a decode step's form) holds the mask's records, ascending, -1
+    after; the top-k of their scores alone, mapped back, is the masked scores' top-k — FP4
+    scores with many exact ties (the lower index wins either way), a pinned newest block, a
+    row that sees fewer blocks than the pool keeps."""
+    from model.model import candidate_blocks, candidate_rows, stable_topk
+
+    g = torch.Generator().manual_seed(2)
+    scores = fake_quant_fp4(torch.randn(3, 1, 224, generator=g), 32)[..., :203]
+    lens = torch.tensor([150])
+    scores[..., 150:] = float("-inf")
+    scores[2, 0, 20:] = float("-inf")  # 5 visible blocks of 4: fewer than the pool's 8
+    mask, rows = candidate_blocks(scores, lens, 8, 4), candidate_rows(scores, lens, 8, 4)
+    assert rows.shape == (3, 1, 32) and rows.dtype == torch.int64
+    for b in range(3):
+        kept = rows[b, 0][rows[b, 0] >= 0]
+        assert kept.tolist() == mask[b, 0].nonzero().flatten().tolist()
+        assert (rows[b, 0][len(kept):] == -1).all()
+    assert (mask[:, 0, 148:150]).all()  # the newest record's block is pinned
+    values, want = stable_topk(scores.masked_fill(~mask, float("-inf")), 16)
+    want = want.masked_fill(values == float("-inf"), -1)
+    pooled = scores.gather(-1, rows.clamp_min(0)).masked_fill(rows < 0, float("-inf"))
+    values, picked = stable_topk(pooled, 16)
+    assert torch.equal(rows.gather(-1, picked).masked_fill(values == float("-inf"), -1), want)
+    assert (want[2, 0] == -1).sum() == 0 and (want[2, 0] < 20).all()
+
+
+def test_indexer_scores_at_rows_are_those_of_the_whole_buffer():
+    """``rows``: the twin's scores of the keys at those rows are the whole buffer's scores
+    there, -inf at -1 and at rows not yet visible."""
+    q, w, keys = index_case(2, 16, 300, seed=5)
+    rows = torch.tensor([[0, 7, 299, 150, -1, 42], [298, -1, -1, 3, 4, 5]], device=q.device)
+    whole = indexer_scores_ref(q, w, keys, 290, 128 ** -0.5)
+    want = whole.gather(1, rows.clamp_min(0)).masked_fill(rows < 0, float("-inf"))
+    got = indexer_scores_ref(q, w, keys, 290, 128 ** -0.5, rows)
+    assert_scores_close(got, want)  # the same sums, batched otherwise: fp32 rounding
+    assert torch.isinf(got[0, 2]) and torch.isinf(got[1, 0])  # rows 299 and 298: not visible
+
+
 def _wrap(attn, seen: dict) -> None:
     """Instance attributes shadow the methods, so only this model's modules record."""
     attend, select = attn._attend, attn._selected_records
@@ -383,6 +442,20 @@ def test_indexer_kernel(B, HI, N) -> None:
         held = torch.tensor([n_visible], device=q.device)  # the count as a graphed step passes it
         assert torch.equal(indexer_scores(q, w, keys, held, 128 ** -0.5), out)
         assert torch.equal(indexer_scores_ref(q, w, keys, held, 128 ** -0.5), ref)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B,HI,N", [(1, 16, 300), (3, 4, 37)])
+def test_indexer_kernel_at_rows(B, HI, N) -> None:
+    """The kernel's scores of the keys at ``rows`` (a candidate pool's records): the twin's."""
+    q, w, keys = index_case(B, HI, N, seed=6)
+    g = torch.Generator().manual_seed(6)
+    rows = torch.randint(-1, N + 2, (B, 70), generator=g).to(q.device)  # -1, visible, unseen, past the buffer
+    for n_visible in (N, N - 5, torch.tensor([N - 9], device=q.device)):
+        ref = indexer_scores_ref(q, w, keys, n_visible, 128 ** -0.5, rows)
+        out = indexer_scores(q, w, keys, n_visible, 128 ** -0.5, rows)
+        assert out.shape == (B, 70)
+        assert_scores_close(out, ref)
 
 
 @needs_kernel

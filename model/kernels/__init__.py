@@ -22,9 +22,10 @@ and, for one decode step (one query per batch row):
   fp32 (or ``out_dtype``): ``Attention._attend`` for S=1 on FP8 window rows and selected FP4
   records; ``window_at`` = (ring positions, query position, span) in place of the mask.
 - ``pack_window_at(kv, data, ring_pos, pos)``: a step's window entry packed into its ring slot.
-- ``indexer_scores(q, weights, keys, n_visible, head_scale)`` -> [B, N] fp32:
+- ``indexer_scores(q, weights, keys, n_visible, head_scale, rows=None)`` -> [B, N] fp32:
   ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, or a one-element
-  device tensor that a CUDA graph can hold). Top-k stays in torch
+  device tensor that a CUDA graph can hold); with ``rows`` [B, M], the scores of those keys
+  alone (a candidate pool's records). Top-k stays in torch
   (``model.model.stable_topk``): a sort over the source's whole buffer in a decode step
   (what a CUDA graph can hold), and its tie order must stay the model's.
 
@@ -115,13 +116,14 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int | torch.Tensor,
-                   head_scale: float) -> torch.Tensor:
-    """Index scores [B, N] of one decode step; see :func:`model.kernels.reference.indexer_scores_ref`."""
+                   head_scale: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Index scores [B, N] of one decode step, or [B, M] of the keys at ``rows`` [B, M] (-1:
+    none); see :func:`model.kernels.reference.indexer_scores_ref`."""
     if _use_triton(q):
         from model.kernels import fused
 
-        return fused.indexer_scores(q, weights, keys, n_visible, head_scale)
-    return indexer_scores_ref(q, weights, keys, n_visible, head_scale)
+        return fused.indexer_scores(q, weights, keys, n_visible, head_scale, rows)
+    return indexer_scores_ref(q, weights, keys, n_visible, head_scale, rows)
 
 
 MOE_TOKENS = 16  # the most tokens moe_decode takes: decode steps (batch x 1), not prefill chunks

@@ -17,6 +17,11 @@ How the numbers stay within ~2^-20 of fp32:
 - Attention dots are batched over 32-channel chunks (two per warp), because a
   [16 heads, 512] fp32 operand per warp does not fit in registers. A bf16 query is exact
   in tf32 itself, so its dot is one, not two (``Q_SPLIT``).
+- The indexer's dots run on bf16 tensor cores: an FP4 index key (e2m1 times a power of two)
+  is exact in bf16, and so is the model's FP4 query in bf16; an fp32 query goes in as three
+  bf16 parts, every bit of its 24 (``_bf16_parts``). Each product is exact, summed in fp32.
+  (Session 23 tried the attention so too, chunked for the registers: right, but 27 us a
+  call in a step against 19.5.)
 
 Sparse attention runs flash-decoding style: grid (B, head groups of 16, splits), the splits
 so that one decode row (B=1) fills the GPU rather than one SM — down to one block of 16
@@ -319,11 +324,51 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
 
 # ----------------------------------------------------------------------------- indexer
 
-@triton.jit(do_not_specialize=["N", "n_visible", "s_ob"])
-def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, HI, N, n_visible, head_scale,
-                    s_qb, s_qh, s_wb, s_kb, s_kn, s_ob,
+@triton.jit
+def _bf16_parts(x, PARTS: tl.constexpr):
+    """fp32 ``x`` as bf16 parts that sum back to it: hi, mid, lo (``PARTS`` = 3: every bit of
+    the 24; the last part's rounding is 2^-24 relative), or (x, -, -) as one bf16 part where x
+    is bf16 already. Each remainder is exact in fp32, whichever way the cast rounds."""
+    hi = x.to(tl.bfloat16)
+    if PARTS == 1:
+        return hi, hi, hi
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+# Triton's interpreter multiplies a bf16 tensor's raw bits (it keeps them as uint16): there
+# the bf16 dots run on the values in fp32, the same exact products
+_BF16_BITS_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _bf16_dot(a, b, acc):
+    """``acc + a @ b`` on bf16 operands, accumulated in fp32."""
+    if _BF16_BITS_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _parts_dot(a_hi, a_mid, a_lo, b, acc, PARTS: tl.constexpr):
+    """``acc + a @ b`` for ``a`` in its bf16 parts (:func:`_bf16_parts`), ``b`` exact in bf16:
+    each product exact, summed in fp32 — the smallest part first."""
+    if PARTS == 3:
+        acc = _bf16_dot(a_lo, b, acc)
+        acc = _bf16_dot(a_mid, b, acc)
+    return _bf16_dot(a_hi, b, acc)
+
+
+@triton.jit(do_not_specialize=["N", "NK", "n_visible", "s_ob", "s_rb"])
+def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, rows_ptr, HI, N, NK, n_visible, head_scale,
+                    s_qb, s_qh, s_wb, s_kb, s_kn, s_ob, s_rb,
                     DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, VIS_PTR: tl.constexpr,
-                    PDL: tl.constexpr = False):
+                    ROWS: tl.constexpr, Q_PARTS: tl.constexpr, PDL: tl.constexpr = False):
+    """Scores of one row's BLOCK_N keys (with ``ROWS``: of the keys at ``rows_ptr``'s next
+    BLOCK_N entries, -1 none, out of the NK there are): the query's heads (bf16 parts,
+    :func:`_bf16_parts`) against FP4 keys decoded to bf16, on tensor cores; ReLU, weighted
+    sum over the heads."""
     _chain(PDL)
     b, blk = tl.program_id(0), tl.program_id(1)
     if VIS_PTR:  # the count is a device tensor (a graphed decode step)
@@ -333,36 +378,56 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, HI, N, n_visible, h
     b64 = b.to(tl.int64)
     heads = tl.arange(0, BLOCK_HI)
     head_ok = heads < HI
-    cols = tl.arange(0, DI)[None, :]
-    q = tl.load(q_ptr + b64 * s_qb + heads[:, None] * s_qh + cols, mask=head_ok[:, None], other=0.0).to(tl.float32)
+    # channel 2j is byte j's low nibble and 2j + 1 its high one: the dot takes the even
+    # channels and the odd ones apart, the query read the same way
+    pair = tl.arange(0, DI // 2)
+    q_row = q_ptr + b64 * s_qb + heads[:, None] * s_qh + 2 * pair[None, :]
+    e_hi, e_mid, e_lo = _bf16_parts(tl.load(q_row, mask=head_ok[:, None], other=0.0).to(tl.float32), Q_PARTS)
+    o_hi, o_mid, o_lo = _bf16_parts(tl.load(q_row + 1, mask=head_ok[:, None], other=0.0).to(tl.float32), Q_PARTS)
     w = tl.load(w_ptr + b64 * s_wb + heads, mask=head_ok, other=0.0).to(tl.float32)
     n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     live = n < N
-    row = key_ptr + b64 * s_kb + n.to(tl.int64)[:, None] * s_kn
-    keys = _fp4_rows(row, cols, (live & (n < limit))[:, None], DI, 32, False)  # unseen keys: not read
-    q_big, q_small = _tf32_split(q)
-    kt = tl.trans(keys)
-    s = tl.dot(q_big, kt, tl.dot(q_small, kt, input_precision="tf32"), input_precision="tf32")  # (BLOCK_HI, BLOCK_N)
+    at = n.to(tl.int64)
+    if ROWS:
+        at = tl.load(rows_ptr + b64 * s_rb + n, mask=live, other=-1).to(tl.int64)
+    visible = (at >= 0) & (at < limit) & (at < NK)  # the last bound only keeps a bad row from reading out of range
+    seen = (live & visible)[:, None]  # unseen keys: not read
+    row = key_ptr + b64 * s_kb + tl.where(visible, at, 0)[:, None] * s_kn
+    byte = tl.reshape(tl.load(row + pair[None, :], mask=seen, other=0).to(tl.int32), (BLOCK_N, DI // 32, 16))
+    sb = _ue8m0(tl.load(row + DI // 2 + tl.arange(0, DI // 32)[None, :], mask=seen, other=0).to(tl.int32))
+    # e2m1 times a power of two: exact in bf16
+    even = tl.reshape(_e2m1(byte & 0xF) * sb[:, :, None], (BLOCK_N, DI // 2)).to(tl.bfloat16)
+    odd = tl.reshape(_e2m1(byte >> 4) * sb[:, :, None], (BLOCK_N, DI // 2)).to(tl.bfloat16)
+    s = _parts_dot(e_hi, e_mid, e_lo, tl.trans(even), tl.zeros([BLOCK_HI, BLOCK_N], tl.float32), Q_PARTS)
+    s = _parts_dot(o_hi, o_mid, o_lo, tl.trans(odd), s, Q_PARTS)  # (BLOCK_HI, BLOCK_N)
     score = tl.sum(tl.maximum(s, 0.0) * head_scale * w[:, None], 0)
-    score = tl.where(n < limit, score, float("-inf"))
+    score = tl.where(visible, score, float("-inf"))
     tl.store(out_ptr + b64 * s_ob + n, score, mask=live)
 
 
-def indexer_scores(q, weights, keys, n_visible: int | torch.Tensor, head_scale: float) -> torch.Tensor:
+def indexer_scores(q, weights, keys, n_visible: int | torch.Tensor, head_scale: float,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     B, HI, DI = q.shape
-    N = keys.shape[1]
-    assert DI % 32 == 0 and DI & (DI - 1) == 0, f"index_head_dim {DI} must be a power of two"
+    NK = keys.shape[1]
+    assert DI >= 64 and DI & (DI - 1) == 0, f"index_head_dim {DI} must be a power of two >= 64"
     assert keys.dtype == torch.uint8 and keys.shape[2] == DI // 2 + DI // 32 and weights.shape == (B, HI)
+    N = NK if rows is None else rows.shape[1]
     out = torch.empty(B, N, dtype=torch.float32, device=q.device)
     if N == 0:
         return out
+    if NK == 0:  # nothing to read: every row is none
+        return out.fill_(float("-inf"))
     q, weights, keys = q.contiguous(), weights.contiguous(), keys.contiguous()
+    if rows is not None:
+        assert rows.shape[0] == B
+        rows = rows.contiguous()
     on_device = isinstance(n_visible, torch.Tensor)
     _indexer_kernel[(B, triton.cdiv(N, INDEX_BLOCK_N))](
-        q, weights, keys, out, n_visible if on_device else out, HI, N, 0 if on_device else int(n_visible),
-        float(head_scale), q.stride(0), q.stride(1), weights.stride(0), keys.stride(0), keys.stride(1), out.stride(0),
+        q, weights, keys, out, n_visible if on_device else out, out if rows is None else rows, HI, N, NK,
+        0 if on_device else int(n_visible), float(head_scale), q.stride(0), q.stride(1), weights.stride(0),
+        keys.stride(0), keys.stride(1), out.stride(0), 0 if rows is None else rows.stride(0),
         DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_N=INDEX_BLOCK_N, VIS_PTR=on_device,
-        num_warps=INDEX_WARPS, **chained(q))
+        ROWS=rows is not None, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3, num_warps=INDEX_WARPS, **chained(q))
     return out
 
 

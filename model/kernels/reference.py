@@ -63,22 +63,29 @@ def _selected_records(records: torch.Tensor, record_idx: torch.Tensor, dim: int)
 
 
 def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int | torch.Tensor,
-                       head_scale: float) -> torch.Tensor:
+                       head_scale: float, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Scores [B, N] fp32: sum_h weights[b, h] * relu(q[b, h] . key[b, n]) * head_scale,
     -inf at n >= n_visible (an int or a one-element tensor).
 
     q [B, Hi, d] float (already FP4-fake-quantised, as ``KVFormat.index_query`` makes it);
     weights [B, Hi] float: ``weights_proj(x) * n_heads**-0.5``; keys uint8 [B, N, d/2 + d/32]
-    (FP4 index keys); head_scale: ``head_dim**-0.5``. Top-k is the caller's (torch).
+    (FP4 index keys); head_scale: ``head_dim**-0.5``. ``rows`` [B, M] (int, -1 = none): the
+    scores [B, M] of those keys alone, -inf at -1 and at rows >= n_visible (a candidate
+    pool's records). Top-k is the caller's (torch).
     """
     (B, _, d), N = q.shape, keys.shape[1]
+    if rows is not None:
+        keys = keys.gather(1, rows.long().clamp(0, max(N - 1, 0))[..., None].expand(-1, -1, keys.shape[-1])) \
+            if N else keys.new_zeros(B, rows.shape[1], keys.shape[-1])
+        at, N = rows.long(), rows.shape[1]
+    else:
+        at = torch.arange(N, device=keys.device)
     if N == 0:
         return torch.zeros(B, 0, device=keys.device)
     k = unpack_index(keys, d)  # (B, N, d)
     s = torch.einsum("bhd,bnd->bhn", q.float(), k).relu_() * head_scale
     s = (s * weights.float().unsqueeze(-1)).sum(dim=1)
-    visible = torch.arange(N, device=keys.device) < n_visible
-    return s.masked_fill(~visible, float("-inf"))
+    return s.masked_fill(~((at >= 0) & (at < n_visible)), float("-inf"))
 
 
 def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
