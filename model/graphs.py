@@ -118,7 +118,8 @@ class SegmentGraphs:
 
 # the switches that change which kernels a capture holds, or how they launch: a capture made
 # under other settings is replaced, not replayed (``bench decode --paths`` flips them in one process)
-CAPTURED_SWITCHES = ("DSAGENT_KERNELS", "DSAGENT_FUSED_MOE", "DSAGENT_GROUPED_MOE", "DSAGENT_GEMV", "DSAGENT_PDL")
+CAPTURED_SWITCHES = ("DSAGENT_KERNELS", "DSAGENT_FUSED_MOE", "DSAGENT_GROUPED_MOE", "DSAGENT_GEMV", "DSAGENT_PDL",
+                     "DSAGENT_MHC_OVERLAP")
 
 
 def _switches() -> tuple:

@@ -687,12 +687,12 @@ class Block(nn.Module):
         attention site adds it (its ``expand``), or the caller (:func:`expand_output`);
         ``expand``: the layer before's, likewise. ``shared``: what earlier layers
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
-        streams, a_pre, a_post, a_comb, x = self.site("attn", streams, pre, expand=expand)
+        streams, a_pre, a_post, a_comb, x = self.site("attn", streams, pre, expand=expand, overlap=True)
         q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
-        return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask),
-                *written)
+        return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask,
+                                 overlap=True), *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -725,20 +725,22 @@ class Block(nn.Module):
         streams, f_pre, output = self.ffn_output(y, streams, a_pre, a_post, a_comb, image_mask)
         return expand_output(streams, output), f_pre
 
-    def ffn_output(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
+    def ffn_output(self, y, streams, a_pre, a_post, a_comb, image_mask=None, overlap: bool = False):
         """:meth:`ffn_site` short of its last expand: (streams, pre, (the FFN's output, post,
         comb)), what ``hc_expand`` or the next site's ``expand`` adds to the streams."""
-        streams, f_pre, f_post, f_comb, x = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb))
+        streams, f_pre, f_post, f_comb, x = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb),
+                                                      overlap=overlap)
         return streams, f_pre, (self.ffn(x, image_mask), f_post, f_comb)
 
-    def site(self, name: str, streams, pre, expand=None):
+    def site(self, name: str, streams, pre, expand=None, overlap: bool = False):
         """``kernels.hc_site`` of the attention or FFN site: (streams, pre, post, comb, the
-        site's normalised input); ``expand``: the site before's output to add to the streams first."""
+        site's normalised input); ``expand``: the site before's output to add to the streams
+        first; ``overlap``: its ``overlap`` (the whole-step decode, which joins at its end)."""
         norm = self.attn_norm if name == "attn" else self.ffn_norm
         return kernels.hc_site(streams, pre, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),
                                getattr(self, f"hc_{name}_base"), norm.weight, eps=self.args.rms_norm_eps,
                                norm_eps=norm.eps, iters=self.args.hc_sinkhorn_iters, hc_eps=self.args.hc_eps,
-                               expand=expand)
+                               expand=expand, overlap=overlap)
 
 
 # ----------------------------------------------------------------------------- model
@@ -900,6 +902,7 @@ class Transformer(nn.Module):
                 shared.update(zip(("topk", "candidates"), written))
         if pending is not None:
             streams = expand_output(streams, pending)
+        kernels.mhc_join()  # the last site's split, where it ran beside: pre is an output
         return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

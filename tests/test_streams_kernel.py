@@ -178,3 +178,48 @@ def test_site_dispatcher_takes_the_kernel_for_decode_steps_only(monkeypatch) -> 
     hc_site(long, lpre, fn, scale, base, weight, **SITE)
     hc_site(streams, pre, fn.clone().requires_grad_(), scale, base, weight, **SITE)
     assert calls == [streams.shape]
+
+
+def test_site_overlap_off_cuda_changes_nothing() -> None:
+    """``overlap`` asks for the split on a side stream only inside a CUDA graph's capture:
+    elsewhere (here on the CPU, or eager on a GPU) the site is the plain one, bit for bit."""
+    inputs = _site_inputs((2, 1), 4, 256, torch.float32, seed=7)
+    streams, pre, fn, scale, base, weight, expand = inputs
+    plain = hc_site(streams, pre, fn, scale, base, weight, expand=expand, **SITE)
+    beside = hc_site(streams, pre, fn, scale, base, weight, expand=expand, overlap=True, **SITE)
+    assert all(torch.equal(a, b) for a, b in zip(plain, beside))
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and triton_available()), reason="a CUDA graph's capture")
+def test_site_split_beside_in_a_capture_gives_the_same_bits() -> None:
+    """``overlap`` in a CUDA graph's capture: the split runs on a side stream and is pending
+    until :func:`mhc_join`; the replay's outputs equal an eager site's bit for bit, and a
+    second site in the same capture joins the first one's split before it reads its mixes."""
+    from model.kernels import mhc_join, streams as kernel
+
+    streams, pre, fn, scale, base, weight, expand = _site_inputs((1, 1), 4, 2048, torch.bfloat16, seed=8)
+
+    def two_sites(overlap: bool):
+        first = hc_site(streams, pre, fn, scale, base, weight, expand=expand, overlap=overlap, **SITE)
+        # the second site expands by the first's post / comb and collapses by its pre
+        second = hc_site(first[0], first[1], fn, scale, base, weight, expand=(first[4], first[2], first[3]),
+                         overlap=overlap, **SITE)
+        return first, second
+
+    want = two_sites(False)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        two_sites(True)  # the warm-up a capture needs: not capturing, so plain
+    torch.cuda.current_stream().wait_stream(side)
+    assert not kernel._PENDING
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = two_sites(True)
+        assert len(kernel._PENDING) == 1  # the second site's split; the first's was joined by the second
+        mhc_join()
+    assert not kernel._PENDING
+    graph.replay()
+    torch.cuda.synchronize()
+    for g, w in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(g, w))

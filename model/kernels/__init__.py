@@ -53,6 +53,7 @@ import functools
 import importlib
 import importlib.util
 import os
+import sys
 import warnings
 
 import torch
@@ -66,7 +67,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
-           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref"]
+           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join"]
 
 
 def _interpreting() -> bool:
@@ -250,6 +251,7 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """The streams collapsed into a site's input (see :func:`hc_collapse_ref`): the kernel
     where :func:`enabled`, else the twin (with a gradient wanted, through
     :class:`backward.HcCollapse`); bit-exact either way."""
+    mhc_join()
     return _kernel_or_twin("mHC collapse kernel", "streams.hc_collapse", hc_collapse_ref, streams, pre,
                            grads=(streams, pre), function=backward.HcCollapse)
 
@@ -258,6 +260,7 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
     """A site's output expanded into the streams (see :func:`hc_expand_ref`): the kernel
     where :func:`enabled`, else the twin (with a gradient wanted, through
     :class:`backward.HcExpand`); bit-exact either way."""
+    mhc_join()
     return _kernel_or_twin("mHC expand kernel", "streams.hc_expand", hc_expand_ref, y, residual, post, comb,
                            grads=(y, residual, post, comb), function=backward.HcExpand)
 
@@ -276,7 +279,7 @@ SITE_TOKENS = 16  # the most tokens hc_site's kernel takes: decode steps (its do
 
 def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_weight: torch.Tensor, *, eps: float, norm_eps: float, iters: int, hc_eps: float,
-            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False):
     """One mHC site: (streams, pre', post', comb', x). ``expand`` = (y, post, comb) of the
     site before: the streams are first ``hc_expand(y, streams, post, comb)``. The mixes
     (pre', post', comb') are ``hc_split`` of ``fn`` [(2 + hc) * hc, hc * D] times the
@@ -285,7 +288,15 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     few tokens (at most ``SITE_TOKENS``) where :func:`enabled`, outside autograd: two
     launches (``model.kernels.streams.hc_site``: split dots, then the split, collapse and
     norm) where the parts take five or six; the dots are summed in another order, so the
-    mixes agree with :func:`hc_site_parts` to a few fp32 ulps. Else :func:`hc_site_parts`."""
+    mixes agree with :func:`hc_site_parts` to a few fp32 ulps. Else :func:`hc_site_parts`.
+
+    ``overlap`` (a caller whose next reads of the mixes come through this module, and that
+    calls :func:`mhc_join` before its CUDA graph's capture ends: the model's whole-step
+    decode): while a graph is captured on CUDA and ``DSAGENT_MHC_OVERLAP`` is not ``0``, the
+    split (its Sinkhorn, ~4 us of serial reductions at batch 1) runs on a side stream beside
+    the site's input and the attention or MoE after it — V4.1's mixes are read only at the
+    next site — and ``hc_site``, ``hc_collapse`` and ``hc_expand`` join it before they run.
+    The same kernels on the same inputs: the same bits."""
     args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
     rows = streams.numel() // (streams.shape[-2] * streams.shape[-1])
     if (0 < rows <= SITE_TOKENS and norm_weight.dtype == streams.dtype and fn.dtype == torch.float32
@@ -294,8 +305,20 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
                                                                  *(expand or ())))):
         from model.kernels import streams as kernel
 
-        return _guarded("mHC site kernel", kernel.hc_site, hc_site_parts, *args)
+        beside = (overlap and streams.is_cuda and torch.cuda.is_current_stream_capturing()
+                  and os.environ.get("DSAGENT_MHC_OVERLAP", "1") != "0")
+        site = functools.partial(kernel.hc_site, overlap=True) if beside else kernel.hc_site
+        return _guarded("mHC site kernel", site, hc_site_parts, *args)
+    mhc_join()
     return hc_site_parts(*args)
+
+
+def mhc_join() -> None:
+    """Make the current stream wait for the mHC splits :func:`hc_site` ran on a side stream
+    (``overlap``); nothing when none is pending."""
+    kernel = sys.modules.get("model.kernels.streams")  # loaded once a site kernel ran
+    if kernel is not None:
+        kernel.join()
 
 
 def hc_site_parts(streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand=None):

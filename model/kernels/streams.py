@@ -141,15 +141,20 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
 def _site_finish_kernel(dots_ptr, sq_ptr, scale_ptr, base_ptr, s_ptr, pre_in_ptr, w_ptr, pre_ptr, post_ptr,
                         comb_ptr, x_ptr, D, S, eps, hc_eps, norm_eps, HC: tl.constexpr, ITERS: tl.constexpr,
                         M_PAD: tl.constexpr, S_PAD: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """One token, two programs side by side: (row, 0) sums the partial dots, scales them by
-    the streams' rstd (the mixes of the normalised streams) and splits them into pre / post /
+                        PART: tl.constexpr = 2, PDL: tl.constexpr = False):
+    """One token's split and input: (row, 0) sums the partial dots, scales them by the
+    streams' rstd (the mixes of the normalised streams) and splits them into pre / post /
     comb (``fused._hc_split_tiles``: its Sinkhorn is a chain of ~40 small reductions);
     (row, 1) collapses the streams with the incoming ``pre`` and RMS-normalises them by ``w``
-    (``_collapse_kernel``, ``norm._rms_norm_kernel``)."""
+    (``_collapse_kernel``, ``norm._rms_norm_kernel``). ``PART`` 2: both, two programs side by
+    side; 0 or 1: that one alone, one program a token (the split on a stream of its own)."""
     _chain(PDL)
     row = tl.program_id(0).to(tl.int64)
-    if tl.program_id(1) == 1:
+    if PART == 2:
+        part = tl.program_id(1)
+    else:
+        part = PART
+    if part == 1:
         _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC, BLOCK_D, BF16)
     else:
         _site_split(dots_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, row, D, S, eps, hc_eps,
@@ -196,12 +201,16 @@ def _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC: tl.conste
 
 def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_weight: torch.Tensor, eps: float, norm_eps: float, iters: int, hc_eps: float,
-            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
-    """One mHC site of a few tokens in two launches; see ``model.kernels.hc_site``."""
+            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False):
+    """One mHC site of a few tokens in two launches; see ``model.kernels.hc_site``. With
+    ``overlap`` (a CUDA graph's capture, from ``model.kernels.hc_site``): the split runs on a
+    side stream, beside the site's input and whatever follows it, and :func:`join` makes the
+    current stream wait for it before anything reads pre / post / comb."""
     hc, D = streams.shape[-2:]
     lead = streams.shape[:-2]
     assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc & (hc - 1) == 0
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
+    join()  # the site before's split, where it ran beside: its post / comb are read below
     options = {**unfused(), **chained(streams)}  # both launches alike
     streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options)
     R, S, M_PAD = dots.shape
@@ -210,12 +219,48 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
                                                                 device=streams.device)
     x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
     bf16, block = streams.dtype == torch.bfloat16, triton.next_power_of_2(D)
-    _site_finish_kernel[(R, 2)](dots, sq, scale.float().contiguous(), base.float().contiguous(), streams,
-                                pre.contiguous(), norm_weight.contiguous(), pre_out, post_out, comb_out,
-                                x.view(torch.int16) if bf16 else x, D, S, float(eps), float(hc_eps), float(norm_eps),
-                                HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block,
-                                BF16=bf16, num_warps=FINISH_WARPS or (4 if block <= 1024 else 8), **options)
+    args = (dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre.contiguous(),
+            norm_weight.contiguous(), pre_out, post_out, comb_out, x.view(torch.int16) if bf16 else x, D, S,
+            float(eps), float(hc_eps), float(norm_eps))
+    consts = dict(HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, BF16=bf16)
+    warps = FINISH_WARPS or (4 if block <= 1024 else 8)
+    if not overlap:
+        _site_finish_kernel[(R, 2)](*args, **consts, num_warps=warps, **options)
+        return streams, pre_out, post_out, comb_out, x
+    main = torch.cuda.current_stream(streams.device)
+    side = _side_stream(streams.device)
+    side.wait_stream(main)  # the dots
+    with torch.cuda.stream(side):  # a plain launch: its stream's last work is that wait, not a kernel
+        _site_finish_kernel[(R, 1)](*args, **consts, PART=0, num_warps=warps, **unfused())  # warps: the same sums
+    # what the split reads and writes lives until the join: the allocator must not hand its
+    # memory to the current stream while the side stream may still use it
+    _PENDING.append((side, (dots, sq, *args[2:4], pre_out, post_out, comb_out)))
+    _site_finish_kernel[(R, 1)](*args, **consts, PART=1, num_warps=warps, **options)
     return streams, pre_out, post_out, comb_out, x
+
+
+_PENDING: list = []  # (side stream, the tensors its split reads and writes) not yet joined
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE:
+        _SIDE[index] = torch.cuda.Stream(index)
+    return _SIDE[index]
+
+
+def join() -> None:
+    """Make the current stream wait for every split that :func:`hc_site` ran beside it (no-op
+    when none is pending). Before anything reads their pre / post / comb, and before a CUDA
+    graph's capture ends: ``model.kernels`` joins in each site, collapse and expand; the
+    model's whole-step graph at its end."""
+    if not _PENDING:
+        return
+    main = torch.cuda.current_stream()
+    for side in {id(side): side for side, _ in _PENDING}.values():
+        main.wait_stream(side)
+    _PENDING.clear()
 
 
 def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict):
