@@ -11,7 +11,8 @@ and the cast back rounded to nearest even (on the bits for bf16).
 Also owns ``hc_site``: one whole mHC site of a decode step's few tokens in two launches
 (``model.kernels.hc_site`` says what it computes) — the mixes' dots split over channel
 blocks with the expand folded in, then the mixes' split (``model.kernels.fused``'s Sinkhorn
-tiles) beside the collapse and the site's norm.
+tiles) beside the collapse and the site's norm; in a CUDA graph's capture, on request, the
+split on a side stream of its own, which :func:`join` (``model.kernels.mhc_join``) waits for.
 
 Does not own: the mixes ``pre`` / ``post`` / ``comb`` of a prefill chunk (``model.kernels.hc_split``),
 or choosing kernel or twin (``model.kernels``). Imported only when Triton is importable.
@@ -240,7 +241,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
 
 
 _PENDING: list = []  # (side stream, the tensors its split reads and writes) not yet joined
-_SIDE: dict = {}
+_SIDE: dict = {}  # device index -> its side stream, made once
 
 
 def _side_stream(device: torch.device) -> torch.cuda.Stream:
