@@ -2,6 +2,7 @@
 
     TRITON_INTERPRET=1 PYTHONPATH=<triton>:. python3 scripts/gpu_compile_check.py [pytest args]
     (default pytest args: the kernel test files, -q -x)
+    DSAGENT_PTXAS=1 ... also prints each launch's registers and spills (ptxas -v on its PTX)
 
 Triton's interpreter runs a kernel as Python, so a kernel it accepts can still be refused by
 the GPU compiler, which types the whole body (both branches of an ``if`` alike, for one) —
@@ -12,7 +13,10 @@ distinct one through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (front
 and ptxas: no GPU needed), again as a programmatic dependent launch where the kernel takes
 ``PDL`` (its ``griddepcontrol`` PTX, which the interpreter never runs), and prints every
 failure. Exit status 1 if any kernel fails to build or the tests fail. A check before a
-device call, not a test: CI has no Triton.
+device call, not a test: CI has no Triton. With ``DSAGENT_PTXAS=1`` each build's PTX also
+goes through Triton's own ptxas with ``-v``: registers a thread and bytes spilled, read on
+the CPU (a kernel at 255 registers with spills, like the sparse attention's, is the one to
+look at first).
 """
 from __future__ import annotations
 
@@ -94,14 +98,37 @@ def compile_all(path: str) -> int:
         seen.add(key)
         fn = getattr(importlib.import_module(launch["module"]), launch["name"])
         try:
-            triton.compile(ASTSource(fn=fn, signature=launch["signature"], constexprs=launch["constants"]),
-                           target=GPUTarget("cuda", 90, 32), options=launch["options"])
+            built = triton.compile(ASTSource(fn=fn, signature=launch["signature"], constexprs=launch["constants"]),
+                                   target=GPUTarget("cuda", 90, 32), options=launch["options"])
         except Exception as e:  # the compiler's own error, to print
             failed += 1
             print(f"FAIL {launch['module']}.{launch['name']} {launch['constants']} {launch['options']}:\n"
                   f"  {type(e).__name__}: {str(e)[:1500]}", flush=True)
+            continue
+        if os.environ.get("DSAGENT_PTXAS") == "1":
+            print(f"{launch['name']} {launch['options']} {launch['constants']}: {ptxas_usage(built.asm['ptx'])}",
+                  flush=True)
     print(f"{len(seen)} distinct launches compiled for sm_90, {failed} failed", flush=True)
     return failed
+
+
+def ptxas_usage(ptx: str) -> str:
+    """``ptxas -v`` of ``ptx`` for sm_90a with the ptxas Triton ships: registers a thread,
+    stack frame and spill bytes, as ptxas words them."""
+    import re
+
+    import triton
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", f.name, "-o", os.devnull], capture_output=True,
+                             text=True).stderr
+    finally:
+        os.unlink(f.name)
+    found = re.findall(r"(\d+ bytes stack frame, \d+ bytes spill stores, \d+ bytes spill loads|Used \d+ registers)", out)
+    return "; ".join(found) or out.strip()[-300:]
 
 
 def _dependent(launch: dict) -> dict | None:
