@@ -35,10 +35,10 @@ def test_launch():
 '''
 
 
-def check(tmp_path: Path, a: int, b: int) -> subprocess.CompletedProcess:
+def check(tmp_path: Path, a: int, b: int, **env_extra: str) -> subprocess.CompletedProcess:
     name = f"test_branches_{a}_{b}.py"
     (tmp_path / name).write_text(KERNEL.format(a=a, b=b))
-    env = {**os.environ, "TRITON_INTERPRET": "1",
+    env = {**os.environ, **env_extra, "TRITON_INTERPRET": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     return subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), str(tmp_path / name),
                            "-q", "-p", "no:cacheprovider"], env=env, capture_output=True, text=True, timeout=600,
@@ -56,3 +56,11 @@ def test_a_kernel_the_gpu_compiler_refuses_is_reported(tmp_path):
 def test_a_kernel_that_builds_passes(tmp_path):
     r = check(tmp_path, 4, 4)
     assert "1 distinct launches compiled for sm_90, 0 failed" in r.stdout and r.returncode == 0, r.stdout + r.stderr
+
+
+def test_ptxas_reports_registers_and_spills(tmp_path):
+    """``DSAGENT_PTXAS=1``: each build's registers and spills, as ptxas words them."""
+    r = check(tmp_path, 4, 4, DSAGENT_PTXAS="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("_branches "))
+    assert "bytes spill stores" in line and "Used " in line and " registers" in line, line
