@@ -31,6 +31,8 @@ from typing import Callable
 
 import torch
 
+from model import kernels
+
 
 def wanted(ids: torch.Tensor, image_mask: torch.Tensor | None, packed: bool) -> bool:
     """Whether a forward of ``ids`` [B, S] runs its segments as graphs: a one-token step
@@ -82,6 +84,7 @@ class SegmentGraphs:
             try:
                 entry = self._graphs[key] = (version, *self._capture(fn, inputs))
             except RuntimeError as e:  # torch.AcceleratorError is one
+                kernels.mhc_forget()  # mHC splits the failed capture put on a side stream: never run
                 self.failed = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture failed ({self.failed[:200]}); decoding eagerly",
                               RuntimeWarning, stacklevel=2)

@@ -164,17 +164,20 @@ def test_graphs_need_every_moe_on_its_grouped_path(monkeypatch):
 
 
 def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch):
-    segments, captures = graphs.SegmentGraphs(), []
+    """A failed capture warns once and the segments run eagerly from then on; the mHC splits it
+    put on a side stream are dropped unjoined (they never ran)."""
+    segments, captures, forgotten = graphs.SegmentGraphs(), [], []
 
     def failing(fn, inputs):
         captures.append(fn)
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(segments, "_capture", failing)
+    monkeypatch.setattr(graphs.kernels, "mhc_forget", lambda: forgotten.append(True))
     x = torch.arange(4.0)
     with pytest.warns(RuntimeWarning, match="decoding eagerly"):
         out = segments.run("a", lambda t: (t * 2,), x)
-    assert torch.equal(out[0], x * 2) and "stream is capturing" in segments.failed
+    assert torch.equal(out[0], x * 2) and "stream is capturing" in segments.failed and forgotten == [True]
     assert torch.equal(segments.run("b", lambda t: (t + 1,), x)[0], x + 1)
     assert len(captures) == 1 and len(segments) == 0  # no second try
 

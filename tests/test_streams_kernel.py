@@ -223,3 +223,15 @@ def test_site_split_beside_in_a_capture_gives_the_same_bits() -> None:
     torch.cuda.synchronize()
     for g, w in zip(got, want):
         assert all(torch.equal(a, b) for a, b in zip(g, w))
+
+
+@needs_kernel
+def test_forget_drops_pending_splits_unjoined() -> None:
+    """``mhc_forget`` (a failed capture's clean-up) empties the pending splits without
+    waiting on their stream; ``mhc_join`` has nothing left to do."""
+    from model.kernels import mhc_forget, mhc_join, streams as kernel
+
+    kernel._PENDING.append((object(), ()))  # a stream no one may wait on
+    mhc_forget()
+    assert not kernel._PENDING
+    mhc_join()

@@ -67,7 +67,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
-           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join"]
+           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget"]
 
 
 def _interpreting() -> bool:
@@ -319,6 +319,14 @@ def mhc_join() -> None:
     kernel = sys.modules.get("model.kernels.streams")  # loaded once a site kernel ran
     if kernel is not None:
         kernel.join()
+
+
+def mhc_forget() -> None:
+    """Drop the pending side-stream splits unjoined: a capture that failed never ran them,
+    and its streams are not to be waited on (the caller then runs the step eagerly)."""
+    kernel = sys.modules.get("model.kernels.streams")
+    if kernel is not None:
+        kernel._PENDING.clear()
 
 
 def hc_site_parts(streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand=None):
