@@ -265,10 +265,7 @@ class Indexer(nn.Module):
                                    None if pool is None else pool[:, 0])[:, None]
         if self.layer == self.args.candidate_source_layer_id:
             candidates = candidate_rows(s, lens, self.args.candidate_topk_blocks, self.args.candidate_block_size)
-        values, indices = stable_topk(s, self.args.index_topk)
-        if pool is not None:
-            indices = pool.gather(-1, indices)
-        indices = indices.masked_fill(values == float("-inf"), -1)
+        indices = top_records(s, self.args.index_topk, pool)
         short = self.args.index_topk - indices.shape[-1]  # a buffer of fewer records than top-k
         return (F.pad(indices, (0, short), value=-1) if short else indices), candidates
 
@@ -280,8 +277,7 @@ class Indexer(nn.Module):
             candidates = candidate_blocks(s, lens, self.args.candidate_topk_blocks, self.args.candidate_block_size)
         elif self.args.uses_candidates(self.layer) and candidates is not None:
             s = s.masked_fill(~candidates, float("-inf"))
-        values, indices = stable_topk(s, self.args.index_topk)
-        return indices.masked_fill(values == float("-inf"), -1), candidates
+        return top_records(s, self.args.index_topk), candidates
 
     def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor | None:
         """Selected record indices [B, S, k] (-1 = none), or None when no record exists."""
@@ -327,6 +323,16 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     H200, where the sort's main radix kernel takes ~8; session 14.)"""
     values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
     return values[..., :k], indices[..., :k]
+
+
+def top_records(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The records of the top-k ``scores`` [..., n] (:func:`stable_topk`), -1 where the score
+    is -inf; ``rows`` [..., n]: the records the scores are of (a candidate pool's), else their
+    positions."""
+    values, indices = stable_topk(scores, k)
+    if rows is not None:
+        indices = rows.gather(-1, indices)
+    return indices.masked_fill(values == float("-inf"), -1)
 
 
 def _pool_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int):

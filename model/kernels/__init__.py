@@ -297,6 +297,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     the site's input and the attention or MoE after it — V4.1's mixes are read only at the
     next site — and ``hc_site``, ``hc_collapse`` and ``hc_expand`` join it before they run.
     The same kernels on the same inputs: the same bits."""
+    mhc_join()  # the site before's split, where it ran beside: its post / comb are read here
     args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
     rows = streams.numel() // (streams.shape[-2] * streams.shape[-1])
     if (0 < rows <= SITE_TOKENS and norm_weight.dtype == streams.dtype and fn.dtype == torch.float32
@@ -309,7 +310,6 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
                   and os.environ.get("DSAGENT_MHC_OVERLAP", "1") != "0")
         site = functools.partial(kernel.hc_site, overlap=True) if beside else kernel.hc_site
         return _guarded("mHC site kernel", site, hc_site_parts, *args)
-    mhc_join()
     return hc_site_parts(*args)
 
 
@@ -326,7 +326,7 @@ def mhc_forget() -> None:
     and its streams are not to be waited on (the caller then runs the step eagerly)."""
     kernel = sys.modules.get("model.kernels.streams")
     if kernel is not None:
-        kernel._PENDING.clear()
+        kernel.forget()
 
 
 def hc_site_parts(streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand=None):

@@ -143,14 +143,13 @@ def _chain(PDL: tl.constexpr):
 
 
 @triton.jit
-def _fp4_rows(row_ptr, cols, mask, D: tl.constexpr, BLOCK: tl.constexpr, SCALE_E4M3: tl.constexpr):
-    """Rows of packed e2m1 pairs (even channel in the low nibble) + per-BLOCK scale bytes."""
+def _fp4_rows(row_ptr, cols, mask, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows of packed e2m1 pairs (even channel in the low nibble) + per-BLOCK e4m3 scale bytes:
+    the main records (the index keys' own decoding is the indexer's)."""
     byte = tl.load(row_ptr + cols // 2, mask=mask, other=0).to(tl.int32)
     code = (byte >> ((cols & 1) * 4)) & 0xF
     sb = tl.load(row_ptr + D // 2 + cols // BLOCK, mask=mask, other=0).to(tl.int32)
-    if SCALE_E4M3:
-        return _e2m1(code) * _e4m3(sb)
-    return _e2m1(code) * _ue8m0(sb)
+    return _e2m1(code) * _e4m3(sb)
 
 
 # ----------------------------------------------------------------------------- sparse attention
@@ -237,7 +236,7 @@ def _sparse_attention_kernel(
         idx = tl.load(idx_ptr + b64 * s_ib + k, mask=k < K, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < N)  # the bound only keeps a bad index from reading out of range
         row = rec_ptr + b64 * s_rb + tl.where(valid, idx, 0)[None, :, None] * s_rn
-        kv = _fp4_rows(row, chan, valid[None, :, None], D, 16, True)
+        kv = _fp4_rows(row, chan, valid[None, :, None], D, 16)
         m, l, acc = _online_step(q_big, q_small, kv, valid, m, l, acc, scale, Q_SPLIT)
 
     part = (b64 * SPLITS + split) * H + heads  # partials are [B, SPLITS, H(, D)]

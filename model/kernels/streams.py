@@ -204,14 +204,14 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
             norm_weight: torch.Tensor, eps: float, norm_eps: float, iters: int, hc_eps: float,
             expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False):
     """One mHC site of a few tokens in two launches; see ``model.kernels.hc_site``. With
-    ``overlap`` (a CUDA graph's capture, from ``model.kernels.hc_site``): the split runs on a
-    side stream, beside the site's input and whatever follows it, and :func:`join` makes the
-    current stream wait for it before anything reads pre / post / comb."""
+    ``overlap`` (a CUDA graph's capture, from ``model.kernels.hc_site``, which has joined the
+    splits before): the split runs on a side stream, beside the site's input and whatever
+    follows it, and :func:`join` makes the current stream wait for it before anything reads
+    pre / post / comb."""
     hc, D = streams.shape[-2:]
     lead = streams.shape[:-2]
     assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc & (hc - 1) == 0
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
-    join()  # the site before's split, where it ran beside: its post / comb are read below
     options = {**unfused(), **chained(streams)}  # both launches alike
     streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options)
     R, S, M_PAD = dots.shape
@@ -249,6 +249,12 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     if index not in _SIDE:
         _SIDE[index] = torch.cuda.Stream(index)
     return _SIDE[index]
+
+
+def forget() -> None:
+    """Drop the pending splits unjoined: a capture that failed never ran them, and its
+    streams are not to be waited on."""
+    _PENDING.clear()
 
 
 def join() -> None:
