@@ -10,23 +10,20 @@ in ``model.kernels.reference``; ``tests/test_kernels.py`` compares the two.
 How the numbers stay within ~2^-20 of fp32:
 - FP8 e4m3, FP4 e2m1 and the ue8m0 / e4m3 scale bytes are decoded in registers with
   integer bit manipulation (no float8 types, so the CPU interpreter runs it too).
-- A dequantised key is exact in tf32 (e4m3 x 2^k has 4 significant bits, e2m1 x e4m3 at
-  most 5), so each dot runs on tf32 tensor cores as two: the fp32 side (queries,
-  probabilities) split into a tf32-exact part and a remainder (``_tf32_split``). Only the
-  remainder is rounded: about 2^-20 relative, far below the test tolerance.
-- Attention dots are batched over 32-channel chunks (two per warp), because a
-  [16 heads, 512] fp32 operand per warp does not fit in registers. A bf16 query is exact
-  in tf32 itself, so its dot is one, not two (``Q_SPLIT``).
-- The indexer's dots run on bf16 tensor cores: an FP4 index key (e2m1 times a power of two)
-  is exact in bf16, and so is the model's FP4 query in bf16; an fp32 query goes in as three
-  bf16 parts, every bit of its 24 (``_bf16_parts``). Each product is exact, summed in fp32.
-  (Session 23 tried the attention so too, chunked for the registers: right, but 27 us a
-  call in a step against 19.5.)
+- Every dot runs on bf16 tensor cores, each product exact and summed in fp32: a dequantised
+  key is exact in bf16 (e4m3 x 2^k has 4 significant bits, e2m1 x e4m3 at most 6), and so
+  is a bf16 query or the model's FP4 index query; an fp32 operand (the softmax
+  probabilities, an fp32 query) goes in as three bf16 parts, every bit of its 24
+  (``_bf16_parts``): its rounding is 2^-24 relative.
+- Attention runs its [16 heads, D] x [D, 16 keys] and [16, 16] x [16, D] dots whole, 2D, on
+  4 warps: 10.0 us a call with its merge at ``small``'s decode shapes, where the session-14
+  form (tf32 dots batched over 32-channel chunks, 255 registers with spills) took 21.0
+  (session 24, a CUDA graph of 20 calls on the H200, as ``kernel_sweep.py`` times).
 
 Sparse attention runs flash-decoding style: grid (B, head groups of 16, splits), the splits
 so that one decode row (B=1) fills the GPU rather than one SM — down to one block of 16
 keys a program (``kernel_sweep.py``: 26 us a call where 4 blocks a program took 55). Each
-program walks its share of the window blocks, then of the record blocks, in one pass with
+program walks its share of the row's blocks (the window's, then the records', one list), in one pass with
 an online softmax whose running max starts at the head's sink logit (finite, so never
 -inf - -inf); a second small kernel merges the splits over 128-channel blocks, adds the
 sink to the denominator once and writes the query's dtype.
@@ -44,9 +41,8 @@ import triton
 import triton.language as tl
 
 BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
-CHUNK = 32  # channels per warp-level dot (64: 28 us a call against 26, scripts/kernel_sweep.py)
 BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
-ATTN_WARPS = 8  # the [16, 512] fp32 accumulator and key tile need the registers of 8 warps
+ATTN_WARPS = 4  # one block a program, 2D bf16 dots: 10.0 us a call (+ merge) against 10.4 with 8 (session 24)
 INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
@@ -152,97 +148,126 @@ def _fp4_rows(row_ptr, cols, mask, D: tl.constexpr, BLOCK: tl.constexpr):
     return _e2m1(code) * _e4m3(sb)
 
 
+# ----------------------------------------------------------------------------- bf16 tensor-core dots
+
+@triton.jit
+def _bf16_parts(x, PARTS: tl.constexpr):
+    """fp32 ``x`` as bf16 parts that sum back to it: hi, mid, lo (``PARTS`` = 3: every bit of
+    the 24; the last part's rounding is 2^-24 relative), or (x, -, -) as one bf16 part where x
+    is bf16 already. Each remainder is exact in fp32, whichever way the cast rounds."""
+    hi = x.to(tl.bfloat16)
+    if PARTS == 1:
+        return hi, hi, hi
+    rest = x - hi.to(tl.float32)
+    mid = rest.to(tl.bfloat16)
+    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
+
+
+# Triton's interpreter multiplies a bf16 tensor's raw bits (it keeps them as uint16): there
+# the bf16 dots run on the values in fp32, the same exact products
+_BF16_BITS_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _bf16_dot(a, b, acc):
+    """``acc + a @ b`` on bf16 operands, accumulated in fp32."""
+    if _BF16_BITS_DOT:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _parts_dot(a_hi, a_mid, a_lo, b, acc, PARTS: tl.constexpr):
+    """``acc + a @ b`` for ``a`` in its bf16 parts (:func:`_bf16_parts`), ``b`` exact in bf16:
+    each product exact, summed in fp32 — the smallest part first."""
+    if PARTS == 3:
+        acc = _bf16_dot(a_lo, b, acc)
+        acc = _bf16_dot(a_mid, b, acc)
+    return _bf16_dot(a_hi, b, acc)
+
+
 # ----------------------------------------------------------------------------- sparse attention
 
 @triton.jit
-def _tf32_split(x):
-    """x = big + small with big exact in tf32 (low 13 mantissa bits cleared): a dot of each
-    against tf32-exact keys loses only small's rounding, 2^-10 of 2^-10 of x."""
-    big = (x.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
-    return big, x - big
-
-
-@triton.jit
-def _online_step(q_big, q_small, kv, valid, m, l, acc, scale, Q_SPLIT: tl.constexpr):
-    """Fold one block of keys (= values, exact in tf32) into the running max, denominator and
-    sum. Channels are split into chunks on the leading axis, so each warp's dots reduce over
-    one chunk: q, kv, acc are (chunks, heads or keys, CH); valid, m, l are per key / head.
-    Without ``Q_SPLIT`` the query is exact in tf32 itself (bf16) and q_small is not read."""
-    kt = tl.permute(kv, (0, 2, 1))
-    if Q_SPLIT:
-        s = tl.dot(q_big, kt, tl.dot(q_small, kt, input_precision="tf32"), input_precision="tf32")
-    else:
-        s = tl.dot(q_big, kt, input_precision="tf32")
-    s = tl.sum(s, 0) * scale  # (BLOCK_H, BLOCK_N)
-    s = tl.where(valid[None, :], s, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    p_big, p_small = _tf32_split(tl.broadcast_to(p[None, :, :], (kv.shape[0], p.shape[0], p.shape[1])))
-    acc = tl.dot(p_small, kv, acc * alpha[None, :, None], input_precision="tf32")
-    acc = tl.dot(p_big, kv, acc, input_precision="tf32")
-    return m_new, l, acc
-
-
-@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span"])  # decode-varying sizes: one compile
-def _sparse_attention_kernel(
-    q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
-    H, W, N, K, SPLITS, scale, span,
-    s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-    D: tl.constexpr, CH: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_SPLIT: tl.constexpr,
-    FROM_POS: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Partial softmax sums of one (row, head group, split). The window's valid slots come
-    from ``valid_ptr`` (uint8 [B, W]), or with ``FROM_POS`` from the ring's positions
-    (``valid_ptr``: int64 [W], shared by the rows) against the query's (``cur_ptr``, one
-    element) and the window ``span``: -1 < slot position <= query, within the last span."""
-    _chain(PDL)
-    b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b64 = b.to(tl.int64)
-    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < H
-    # channel c * CH + j of a row sits at [c, :, j]: (D / CH, 1, CH)
-    chan = tl.arange(0, D // CH)[:, None, None] * CH + tl.arange(0, CH)[None, None, :]
-    q = tl.load(q_ptr + b64 * s_qb + heads[None, :, None] * s_qh + chan, mask=head_ok[None, :, None], other=0.0)
-    q_big, q_small = _tf32_split(q.to(tl.float32))
-    # the running max starts at the sink logit: finite, and the sink itself is added once, when merging
-    m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
-    l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([D // CH, BLOCK_H, CH], dtype=tl.float32)
-
-    # split s takes blocks s, s + SPLITS, ...; a while loop, because a for loop over runtime
-    # bounds stops Triton 3.6's interpreter under numpy >= 2.4 (its scalars are 1-element arrays)
-    if FROM_POS:
-        cur = tl.load(cur_ptr)
-    blk = split
-    while blk * BLOCK_N < W:
+def _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb, s_wn, s_vb, s_rb, s_rn,
+               s_ib, D: tl.constexpr, BLOCK_N: tl.constexpr, FROM_POS: tl.constexpr):
+    """Block ``blk`` of a row's keys (= values) as fp32 [BLOCK_N, D] and which are valid:
+    window blocks first (``nW`` of them: FP8 slots of the ring), then the selected FP4
+    records. Every value is exact in bf16 (e4m3 x 2^k: 4 significant bits; e2m1 x e4m3: at
+    most 6)."""
+    cols = tl.arange(0, D)
+    if blk < nW:
         n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        blk += SPLITS
         if FROM_POS:
             at = tl.load(valid_ptr + n, mask=n < W, other=-1)
             valid = (at >= 0) & (at <= cur) & (at > cur - span)
         else:
             valid = tl.load(valid_ptr + b64 * s_vb + n, mask=n < W, other=0) != 0
-        row = win_ptr + b64 * s_wb + n.to(tl.int64)[None, :, None] * s_wn
-        data = tl.load(row + chan, mask=valid[None, :, None], other=0).to(tl.int32)
-        sb = tl.load(row + D + chan // 32, mask=valid[None, :, None], other=0).to(tl.int32)
-        m, l, acc = _online_step(q_big, q_small, _e4m3(data) * _ue8m0(sb), valid, m, l, acc, scale, Q_SPLIT)
-
-    blk = split
-    while blk * BLOCK_N < K:
-        k = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        blk += SPLITS
+        row = win_ptr + b64 * s_wb + n.to(tl.int64)[:, None] * s_wn
+        data = tl.load(row + cols[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        sb = tl.load(row + D + cols[None, :] // 32, mask=valid[:, None], other=0).to(tl.int32)
+        kv = _e4m3(data) * _ue8m0(sb)
+    else:
+        k = (blk - nW) * BLOCK_N + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + b64 * s_ib + k, mask=k < K, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < N)  # the bound only keeps a bad index from reading out of range
-        row = rec_ptr + b64 * s_rb + tl.where(valid, idx, 0)[None, :, None] * s_rn
-        kv = _fp4_rows(row, chan, valid[None, :, None], D, 16)
-        m, l, acc = _online_step(q_big, q_small, kv, valid, m, l, acc, scale, Q_SPLIT)
+        row = rec_ptr + b64 * s_rb + tl.where(valid, idx, 0)[:, None] * s_rn
+        kv = _fp4_rows(row, cols[None, :], valid[:, None], D, 16)
+    return kv, valid
+
+
+@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span", "nW", "NB"])  # decode-varying: one compile
+def _sparse_attention_kernel(
+    q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
+    H, W, N, K, SPLITS, scale, span, nW, NB,
+    s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
+    FROM_POS: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Partial softmax sums of one (row, head group, split) over blocks split, split +
+    SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
+    slots come from ``valid_ptr`` (uint8 [B, W]), or with ``FROM_POS`` from the ring's
+    positions (``valid_ptr``: int64 [W], shared by the rows) against the query's (``cur_ptr``,
+    one element) and the window ``span``: -1 < slot position <= query, within the last span.
+    Both dots run on bf16 tensor cores, summed in fp32: the query in ``Q_PARTS`` bf16 parts
+    (1: a bf16 query; 3: every bit of an fp32 one), the probabilities in three, the keys exact."""
+    _chain(PDL)
+    b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    b64 = b.to(tl.int64)
+    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + b64 * s_qb + heads[:, None] * s_qh + cols[None, :], mask=head_ok[:, None], other=0.0)
+    q_hi, q_mid, q_lo = _bf16_parts(q.to(tl.float32), Q_PARTS)
+    # the running max starts at the sink logit: finite, and the sink itself is added once, when merging
+    m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+    l = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D], dtype=tl.float32)
+    cur = 0
+    if FROM_POS:
+        cur = tl.load(cur_ptr)
+    # a while loop, because a for loop over runtime bounds stops Triton 3.6's interpreter
+    # under numpy >= 2.4 (its scalars are 1-element arrays)
+    blk = split
+    while blk < NB:
+        kv, valid = _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb, s_wn,
+                               s_vb, s_rb, s_rn, s_ib, D, BLOCK_N, FROM_POS)
+        blk += SPLITS
+        kb = kv.to(tl.bfloat16)
+        s = _parts_dot(q_hi, q_mid, q_lo, tl.trans(kb), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_PARTS)
+        s = tl.where(valid[None, :], s * scale, float("-inf"))
+        m_new = tl.maximum(m, tl.max(s, 1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        m = m_new
+        p_hi, p_mid, p_lo = _bf16_parts(p, 3)
+        acc = _parts_dot(p_hi, p_mid, p_lo, kb, acc * alpha[:, None], 3)
 
     part = (b64 * SPLITS + split) * H + heads  # partials are [B, SPLITS, H(, D)]
     tl.store(m_ptr + part, m, mask=head_ok)
     tl.store(l_ptr + part, l, mask=head_ok)
-    tl.store(acc_ptr + part[None, :, None] * D + chan, acc, mask=head_ok[None, :, None])
+    tl.store(acc_ptr + part[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
@@ -287,7 +312,7 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     kernel tests each slot itself."""
     B, H, D = q.shape
     W, N, K = window.shape[1], records.shape[1], record_idx.shape[1]
-    assert D % CHUNK == 0 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= {CHUNK}"
+    assert D >= 16 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 16"
     assert window.dtype == records.dtype == torch.uint8 and window.shape[2] == D + D // 32
     assert records.shape[2] == D // 2 + D // 16 and sink.shape == (H,)
     q, window, records, record_idx = (t.contiguous() for t in (q, window, records, record_idx))
@@ -300,16 +325,18 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     if N == 0 or K == 0:  # nothing to select: skip the loop, hand the kernel real (unused) memory
         K, records, record_idx = 0, records.new_empty(B, 1, records.shape[2]), record_idx.new_empty(B, 1)  # never read
     groups = triton.cdiv(H, BLOCK_H)
-    splits = splits or _auto_splits(q, groups, triton.cdiv(W, BLOCK_N) + triton.cdiv(K, BLOCK_N))
+    n_window = triton.cdiv(W, BLOCK_N)
+    blocks = n_window + triton.cdiv(K, BLOCK_N)
+    splits = splits or _auto_splits(q, groups, blocks)
     m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
     sink = sink.contiguous()  # read in its own dtype
     _sparse_attention_kernel[(B, groups, splits)](
         q, window, valid, records, record_idx, sink, m, l, acc, cur,
-        H, W, N, K, splits, float(scale), int(span),
+        H, W, N, K, splits, float(scale), int(span), n_window, blocks,
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
-        D=D, CH=CHUNK, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_SPLIT=q.dtype != torch.bfloat16,
+        D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
         FROM_POS=window_at is not None, num_warps=ATTN_WARPS, **chained(q))
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
@@ -322,42 +349,6 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
 
 
 # ----------------------------------------------------------------------------- indexer
-
-@triton.jit
-def _bf16_parts(x, PARTS: tl.constexpr):
-    """fp32 ``x`` as bf16 parts that sum back to it: hi, mid, lo (``PARTS`` = 3: every bit of
-    the 24; the last part's rounding is 2^-24 relative), or (x, -, -) as one bf16 part where x
-    is bf16 already. Each remainder is exact in fp32, whichever way the cast rounds."""
-    hi = x.to(tl.bfloat16)
-    if PARTS == 1:
-        return hi, hi, hi
-    rest = x - hi.to(tl.float32)
-    mid = rest.to(tl.bfloat16)
-    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
-
-
-# Triton's interpreter multiplies a bf16 tensor's raw bits (it keeps them as uint16): there
-# the bf16 dots run on the values in fp32, the same exact products
-_BF16_BITS_DOT = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@triton.jit
-def _bf16_dot(a, b, acc):
-    """``acc + a @ b`` on bf16 operands, accumulated in fp32."""
-    if _BF16_BITS_DOT:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
-
-
-@triton.jit
-def _parts_dot(a_hi, a_mid, a_lo, b, acc, PARTS: tl.constexpr):
-    """``acc + a @ b`` for ``a`` in its bf16 parts (:func:`_bf16_parts`), ``b`` exact in bf16:
-    each product exact, summed in fp32 — the smallest part first."""
-    if PARTS == 3:
-        acc = _bf16_dot(a_lo, b, acc)
-        acc = _bf16_dot(a_mid, b, acc)
-    return _bf16_dot(a_hi, b, acc)
-
 
 @triton.jit(do_not_specialize=["N", "NK", "n_visible", "s_ob", "s_rb"])
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, rows_ptr, HI, N, NK, n_visible, head_scale,
