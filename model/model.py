@@ -33,6 +33,7 @@ from model import graphs, kernels
 from model.args import ModelArgs
 from model.cache import Cache, SourceKV, WindowRing
 from model.engram import NgramHasher
+from model.kernels.reference import TOPK_KERNEL_MAX
 from model.moe import MoE
 from model.quant import KVFormat, main_record_bytes
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
@@ -265,9 +266,10 @@ class Indexer(nn.Module):
                                    None if pool is None else pool[:, 0])[:, None]
         if self.layer == self.args.candidate_source_layer_id:
             candidates = candidate_rows(s, lens, self.args.candidate_topk_blocks, self.args.candidate_block_size)
-        indices = top_records(s, self.args.index_topk, pool)
-        short = self.args.index_topk - indices.shape[-1]  # a buffer of fewer records than top-k
-        return (F.pad(indices, (0, short), value=-1) if short else indices), candidates
+        # top_records' choice, in record order, -1 after (a buffer of fewer records than top-k too)
+        k = self.args.index_topk
+        indices = kernels.topk_rows(s[:, 0], k, None if pool is None else pool[:, 0], width=k)[:, None]
+        return indices, candidates
 
     def select(self, s: torch.Tensor, lens: torch.Tensor, candidates: torch.Tensor | None):
         """Top-k record indices [B, S, <= k] (-1 = none) of scores ``s`` [B, S, n] for queries
@@ -335,15 +337,20 @@ def top_records(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None) 
     return indices.masked_fill(values == float("-inf"), -1)
 
 
-def _pool_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int):
-    """The candidate pool's choice: blocks of ``block`` records scored by their max, the block
-    of the query's newest visible record pinned, the best ``topk_blocks`` kept. -> (the
-    chosen blocks' scores and indices, -inf scores not kept; the number of blocks)."""
+def _block_scores(scores: torch.Tensor, lens: torch.Tensor, block: int) -> torch.Tensor:
+    """The candidate pool's blocks of ``block`` records, scored by their max, the block of the
+    query's newest visible record pinned (+inf)."""
     n = scores.shape[-1]
     padded = F.pad(scores, (0, -n % block), value=float("-inf"))
     blocks = padded.unflatten(-1, (-1, block)).amax(-1)
     newest = ((lens - 1) // block)[:, None]  # (S, 1); -1 when nothing is visible
-    blocks = blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
+    return blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
+
+
+def _pool_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int):
+    """The candidate pool's choice: the best ``topk_blocks`` of :func:`_block_scores`. ->
+    (the chosen blocks' scores and indices, -inf scores not kept; the number of blocks)."""
+    blocks = _block_scores(scores, lens, block)
     values, indices = stable_topk(blocks, topk_blocks)
     return values, indices, blocks.shape[-1]
 
@@ -357,13 +364,18 @@ def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int,
 
 
 def candidate_rows(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """The candidate pool (:func:`_pool_blocks`) as its records: int64 [B, S, M], ascending,
-    -1 after the last (M = ``block`` x the blocks chosen, at most ``topk_blocks``). A decode
-    step scores these alone: at 128K records and a pool of 16K, an eighth of the indexer's
-    and the top-k's work, and the same top-k as the mask's (ties still go to the lower index)."""
+    """The candidate pool (:func:`_pool_blocks`'s choice) as its records: int64 [B, S, M],
+    ascending, -1 after the last (M = ``block`` x the blocks chosen, at most ``topk_blocks``).
+    A decode step scores these alone: at 128K records and a pool of 16K, an eighth of the
+    indexer's and the top-k's work, and the same top-k as the mask's (ties still go to the
+    lower index). The blocks are chosen by ``kernels.topk_rows``."""
     n = scores.shape[-1]
-    values, indices, n_blocks = _pool_blocks(scores, lens, topk_blocks, block)
-    first = indices.masked_fill(values == float("-inf"), n_blocks).sort(dim=-1).values * block
+    blocks = _block_scores(scores, lens, block)
+    chosen = kernels.topk_rows(blocks.flatten(0, -2), topk_blocks).view(*blocks.shape[:-1], -1)
+    first = chosen.masked_fill(chosen < 0, blocks.shape[-1])
+    if blocks.shape[-1] > TOPK_KERNEL_MAX:  # topk_rows lists them in score order there
+        first = first.sort(dim=-1).values
+    first = first * block
     rows = (first[..., None] + torch.arange(block, device=scores.device)).flatten(-2)
     return rows.masked_fill(rows >= n, -1)
 

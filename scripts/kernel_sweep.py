@@ -1,7 +1,7 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
-        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down]  (gemv, compare: the fast path against torch
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,topk]  (gemv, compare: the fast path against torch
         only; down: the MoE's down sum slot by slot against every slot at once, then the latter's tiles)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
@@ -129,12 +129,21 @@ def main() -> None:
         attn, index = kbench._inputs(shapes, DEVICE)
         if "attention" in only:
             emit({"kernel": "attention-shapes", **shapes})
-            sweep(fused, {"BLOCK_N": [16, 32, 64], "ATTN_WARPS": [4, 8], "MIN_BLOCKS_PER_SPLIT": [1, 2, 4],
-                          "CHUNK": [32, 64]},
+            sweep(fused, {"BLOCK_N": [16, 32, 64], "ATTN_WARPS": [4, 8], "MIN_BLOCKS_PER_SPLIT": [1, 2, 4]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention")
         if "splits" in only:  # how many programs the splits aim for, by itself (it matters at batch > 1)
             sweep(fused, {"SPLIT_WAVES": [1, 2, 3, 4, 8], "ATTN_WARPS": [4, 8]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention-splits")
+        if "topk" in only:  # the decode top-k: the radix-select kernel against torch's stable sort, at a step's sizes
+            from model.kernels import select
+            from model.model import top_records
+
+            g = torch.Generator().manual_seed(0)
+            for n, k in ((4096, 512), (16384, 512), (32768, 512), (65536, 512), (131072, 512)):
+                s = ((torch.randn(a.batch, n, generator=g) * 4).round() / 4).to(DEVICE)  # many exact ties
+                emit({"kernel": "topk-sort", "n": n, "k": k, "us": round(graphed_us(lambda: top_records(s, k)), 2)})
+                sweep(select, {"TOPK_BITS": [2, 4, 8], "TOPK_BLOCK": [2048, 4096], "TOPK_WARPS": [8, 16]},
+                      lambda: select.topk_rows(s, k), emit, f"topk_rows-{n}-{k}")
         if "indexer" in only:
             sweep(fused, {"INDEX_BLOCK_N": [32, 64, 128], "INDEX_WARPS": [2, 4, 8]},
                   lambda: fused.indexer_scores(*index), emit, "indexer_scores")

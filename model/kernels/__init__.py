@@ -25,9 +25,13 @@ and, for one decode step (one query per batch row):
 - ``indexer_scores(q, weights, keys, n_visible, head_scale, rows=None)`` -> [B, N] fp32:
   ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, or a one-element
   device tensor that a CUDA graph can hold); with ``rows`` [B, M], the scores of those keys
-  alone (a candidate pool's records). Top-k stays in torch
-  (``model.model.stable_topk``): a sort over the source's whole buffer in a decode step
-  (what a CUDA graph can hold), and its tie order must stay the model's.
+  alone (a candidate pool's records).
+- ``topk_rows(scores, k, rows=None, width=None)`` -> int64 [R, width]: the positions (or
+  ``rows``' entries) of each row's k largest scores, ``model.model.stable_topk``'s choice
+  (ties to the lower position, -inf never), -1 after: in ascending order where a row has at
+  most ``reference.TOPK_KERNEL_MAX`` scores (kernel in ``model.kernels.select``: one
+  radix-select launch where a sort took ~8), else by torch's sort in score order (twin
+  ``topk_rows_ref``, both orders).
 
 - ``moe_decode(x, ...)`` -> [N, D] fp32 or None: ``model.moe.MoE`` on a few text tokens in
   four or five launches (``model.kernels.moe``) where ``moe_decode_runs(x)``; None if it cannot
@@ -59,15 +63,15 @@ import warnings
 import torch
 
 from model import quant
-from model.kernels import backward
+from model.kernels import backward, reference
 from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
-                                    ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref)
+                                    ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref, topk_rows_ref)
 
 __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "hc_site", "hc_site_parts", "rope",
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
-           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget"]
+           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget", "topk_rows", "topk_rows_ref"]
 
 
 def _interpreting() -> bool:
@@ -125,6 +129,17 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n
 
         return fused.indexer_scores(q, weights, keys, n_visible, head_scale, rows)
     return indexer_scores_ref(q, weights, keys, n_visible, head_scale, rows)
+
+
+def topk_rows(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+    """Each row's top-k positions of ``scores`` [R, n] (or ``rows``' entries there), -1 after,
+    up to ``width``: in ascending order, by the kernel, where n <= ``TOPK_KERNEL_MAX``; see
+    :func:`model.kernels.reference.topk_rows_ref`."""
+    if scores.shape[-1] <= reference.TOPK_KERNEL_MAX and _use_triton(scores):
+        from model.kernels import select
+
+        return select.topk_rows(scores, k, rows, width)
+    return topk_rows_ref(scores, k, rows, width)
 
 
 MOE_TOKENS = 16  # the most tokens moe_decode takes: decode steps (batch x 1), not prefill chunks

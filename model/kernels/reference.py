@@ -13,11 +13,11 @@ entries, the selected FP4 records and the per-head sink, shared K=V latent) and
 ``indexer_scores_ref`` (``Indexer.scores`` for S=1: weighted-ReLU scores against FP4 index
 keys). Both unpack with ``model.quant`` and compute in fp32, in the same order as the
 model, so ``tests/test_kernels.py`` can check twin == model on a tiny model and kernel ==
-twin on random bytes. Runs on any device.
+twin on random bytes. And ``topk_rows_ref``: a decode step's top-k of those scores, in
+record order (``model.model.stable_topk``'s choice). Runs on any device.
 
-Does not own: choosing kernel or twin (``model.kernels``), top-k (stays in torch:
-``model.model.stable_topk`` on the scores), building ``window_valid`` from ring positions,
-or gathering anything out of a cache.
+Does not own: choosing kernel or twin (``model.kernels``), building ``window_valid`` from
+ring positions, or gathering anything out of a cache.
 """
 from __future__ import annotations
 
@@ -187,3 +187,23 @@ def hc_expand_ref(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
     for j in range(r.shape[-2]):
         out = out + comb[..., j, :, None] * r[..., j, None, :]
     return out.to(residual.dtype)
+
+
+TOPK_KERNEL_MAX = 32768  # the most scores a row that model.kernels.select takes (past it torch's sort is faster)
+
+
+def topk_rows_ref(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+    """Twin of ``model.kernels.select.topk_rows``: for each row of ``scores`` [R, n] the
+    positions of its ``k`` largest (a stable sort: ties to the lower position), or ``rows``'
+    entries there, -inf never chosen; -1 after them up to ``width`` (None: min(k, n)). In
+    ascending order where n <= ``TOPK_KERNEL_MAX`` (the kernel's order), else in the sort's
+    (score descending): the kernel runs only there, and a second sort would cost a step."""
+    k = min(k, scores.shape[-1])
+    values, at = torch.sort(scores, dim=-1, descending=True, stable=True)
+    chosen = (at[..., :k] if rows is None else rows.gather(-1, at[..., :k])).masked_fill(values[..., :k] == float("-inf"), -1)
+    if scores.shape[-1] <= TOPK_KERNEL_MAX:
+        last = torch.iinfo(torch.int64).max
+        chosen = chosen.masked_fill(chosen < 0, last).sort(dim=-1).values
+        chosen = chosen.masked_fill(chosen == last, -1)
+    width = k if width is None else width
+    return torch.nn.functional.pad(chosen, (0, width - k), value=-1) if width > k else chosen

@@ -1,0 +1,113 @@
+"""The decode step's top-k kernel (``model.kernels.select.topk_rows``) against its twin
+``topk_rows_ref``, and the twin against the model's own choice (``model.model.top_records``,
+``candidate_rows``). The kernel runs on CUDA or under ``TRITON_INTERPRET=1``; the twin on
+every run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model import kernels
+from model.kernels import topk_rows_ref, triton_available
+from model.model import _pool_blocks, candidate_rows, top_records
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+needs_kernel = pytest.mark.skipif(not triton_available(),
+                                  reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
+
+
+def scores_case(R: int, n: int, *, seed: int = 0, levels: int | None = 7, visible: list[int] | None = None,
+                signed_zeros: bool = False, pinned: bool = False) -> torch.Tensor:
+    """Scores with many exact ties (``levels`` distinct values), -inf past each row's visible
+    count, -0.0 beside +0.0, and a +inf (the pool's pinned block) where asked."""
+    g = torch.Generator().manual_seed(seed)
+    s = torch.randn(R, n, generator=g)
+    if levels:
+        s = (s * levels / 3).round() / levels
+    if signed_zeros:
+        s = torch.where(torch.rand(R, n, generator=g) < 0.3, torch.zeros(R, n), s)
+        s = torch.where(torch.rand(R, n, generator=g) < 0.5, s, -s)  # zeros of both signs
+    if visible is not None:
+        s = s.masked_fill(torch.arange(n) >= torch.tensor(visible)[:, None], float("-inf"))
+    if pinned:
+        s[:, n // 3] = float("inf")
+    return s
+
+
+def model_choice(s: torch.Tensor, k: int, rows=None) -> list[list[int]]:
+    """``top_records``' choice as sorted lists without the -1s."""
+    return [sorted(i for i in r if i >= 0) for r in top_records(s, k, rows).tolist()]
+
+
+CASES = [dict(R=1, n=5000, k=512), dict(R=3, n=4097, k=512, visible=[4097, 1000, 300]),
+         dict(R=2, n=300, k=512, visible=[300, 17]), dict(R=1, n=16384, k=2048, levels=None, pinned=True),
+         dict(R=2, n=9000, k=512, signed_zeros=True, levels=3), dict(R=1, n=2048, k=512, visible=[0]),
+         dict(R=1, n=700, k=700, levels=2), dict(R=1, n=64, k=512, levels=None)]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c['R']}-n{c['n']}-k{c['k']}")
+def test_twin_is_the_models_choice(case) -> None:
+    k = case.pop("k") if "k" in (case := dict(case)) else 512
+    s = scores_case(**case)
+    twin = topk_rows_ref(s, k, width=max(k, 512))
+    for got, want in zip(twin.tolist(), model_choice(s, k)):
+        assert got[:len(want)] == want and all(i == -1 for i in got[len(want):])
+
+
+def test_twin_keeps_the_sorts_order_past_the_kernels_reach(monkeypatch) -> None:
+    """Rows longer than TOPK_KERNEL_MAX: torch's sort alone, in its order (the kernel never runs there)."""
+    from model.kernels import reference
+
+    s = scores_case(2, 3000, seed=6, visible=[3000, 200])
+    monkeypatch.setattr(reference, "TOPK_KERNEL_MAX", 1000)
+    assert torch.equal(topk_rows_ref(s, 512), top_records(s, 512))
+    assert torch.equal(kernels.topk_rows(s, 512), top_records(s, 512))
+
+
+def test_twin_maps_rows_in_order() -> None:
+    s = scores_case(2, 3000, seed=3)
+    rows = torch.arange(3000).mul(5).expand(2, -1).clone()
+    rows[:, 2500:] = -1
+    s[:, 2500:] = float("-inf")  # a pool's -1 rows score -inf
+    got = topk_rows_ref(s, 512, rows)
+    assert got.tolist() == [sorted(r) for r in top_records(s, 512, rows).tolist()]
+
+
+@pytest.mark.parametrize("reach", [32768, 100])
+def test_twin_makes_the_candidate_pool(reach, monkeypatch) -> None:
+    """candidate_rows (the decode path, through topk_rows, either order) keeps what the sorted choice keeps."""
+    from model import model
+    from model.kernels import reference
+
+    monkeypatch.setattr(reference, "TOPK_KERNEL_MAX", reach)
+    monkeypatch.setattr(model, "TOPK_KERNEL_MAX", reach)
+    s = scores_case(1, 8 * 600 + 5, seed=5, levels=4, visible=[4000])[:, None]
+    lens = torch.tensor([4000])
+    values, indices, n_blocks = _pool_blocks(s, lens, 256, 8)
+    first = indices.masked_fill(values == float("-inf"), n_blocks).sort(dim=-1).values * 8
+    want = (first[..., None] + torch.arange(8)).flatten(-2)
+    assert torch.equal(candidate_rows(s, lens, 256, 8), want.masked_fill(want >= s.shape[-1], -1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c['R']}-n{c['n']}-k{c['k']}")
+def test_kernel_matches_twin(case) -> None:
+    from model.kernels import select
+
+    k = case.pop("k") if "k" in (case := dict(case)) else 512
+    s = scores_case(**case).to()
+    for width in (None, max(k, 512) + 3):
+        assert torch.equal(select.topk_rows(s, k, width=width), topk_rows_ref(s, k, width=width))
+
+
+@needs_kernel
+def test_kernel_maps_rows() -> None:
+    from model.kernels import select
+
+    s = scores_case(2, 3000, seed=4, levels=5)
+    rows = (torch.arange(3000) * 3 + 1).expand(2, -1).clone()
+    rows[:, 2900:] = -1
+    s[:, 2900:] = float("-inf")
+    s, rows = s.to(), rows.to()
+    assert torch.equal(select.topk_rows(s, 512, rows), topk_rows_ref(s, 512, rows))
+    assert torch.equal(kernels.topk_rows(s, 512, rows), topk_rows_ref(s, 512, rows))
