@@ -142,7 +142,7 @@ def main() -> None:
             for n, k in ((4096, 512), (16384, 512), (32768, 512), (65536, 512), (131072, 512)):
                 s = ((torch.randn(a.batch, n, generator=g) * 4).round() / 4).to(DEVICE)  # many exact ties
                 emit({"kernel": "topk-sort", "n": n, "k": k, "us": round(graphed_us(lambda: top_records(s, k)), 2)})
-                sweep(select, {"TOPK_BITS": [2, 4, 8], "TOPK_BLOCK": [2048, 4096], "TOPK_WARPS": [8, 16]},
+                sweep(select, {"TOPK_BITS": [4, 8], "TOPK_BLOCK": [2048, 4096], "TOPK_WARPS": [8, 16]},
                       lambda: select.topk_rows(s, k), emit, f"topk_rows-{n}-{k}")
         if "indexer" in only:
             sweep(fused, {"INDEX_BLOCK_N": [32, 64, 128], "INDEX_WARPS": [2, 4, 8]},

@@ -16,6 +16,19 @@ needs_kernel = pytest.mark.skipif(not triton_available(),
                                   reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
 
 
+@pytest.fixture(autouse=True)
+def kernel_reach(monkeypatch):
+    """Every row within the kernel's reach (``TOPK_KERNEL_MAX``), so the twin lists records in
+    the kernel's order; the shipped reach (0: the kernel off) is tested on its own below."""
+    from model import model
+    from model.kernels import reference
+
+    shipped = reference.TOPK_KERNEL_MAX
+    for module in (reference, model):
+        monkeypatch.setattr(module, "TOPK_KERNEL_MAX", 1 << 30)
+    return shipped
+
+
 def scores_case(R: int, n: int, *, seed: int = 0, levels: int | None = 7, visible: list[int] | None = None,
                 signed_zeros: bool = False, pinned: bool = False) -> torch.Tensor:
     """Scores with many exact ties (``levels`` distinct values), -inf past each row's visible
@@ -54,14 +67,16 @@ def test_twin_is_the_models_choice(case) -> None:
         assert got[:len(want)] == want and all(i == -1 for i in got[len(want):])
 
 
-def test_twin_keeps_the_sorts_order_past_the_kernels_reach(monkeypatch) -> None:
-    """Rows longer than TOPK_KERNEL_MAX: torch's sort alone, in its order (the kernel never runs there)."""
+@pytest.mark.parametrize("reach", [1000, "shipped"])
+def test_twin_keeps_the_sorts_order_past_the_kernels_reach(reach, kernel_reach, monkeypatch) -> None:
+    """Rows longer than TOPK_KERNEL_MAX (all of them as shipped): torch's sort alone, in its
+    order, on the kernel's device too (the kernel never runs there)."""
     from model.kernels import reference
 
     s = scores_case(2, 3000, seed=6, visible=[3000, 200])
-    monkeypatch.setattr(reference, "TOPK_KERNEL_MAX", 1000)
+    monkeypatch.setattr(reference, "TOPK_KERNEL_MAX", kernel_reach if reach == "shipped" else reach)
     assert torch.equal(topk_rows_ref(s, 512), top_records(s, 512))
-    assert torch.equal(kernels.topk_rows(s, 512), top_records(s, 512))
+    assert torch.equal(kernels.topk_rows(s.to(DEVICE), 512).cpu(), top_records(s, 512))
 
 
 def test_twin_maps_rows_in_order() -> None:
@@ -73,7 +88,7 @@ def test_twin_maps_rows_in_order() -> None:
     assert got.tolist() == [sorted(r) for r in top_records(s, 512, rows).tolist()]
 
 
-@pytest.mark.parametrize("reach", [32768, 100])
+@pytest.mark.parametrize("reach", [32768, 100, 0])
 def test_twin_makes_the_candidate_pool(reach, monkeypatch) -> None:
     """candidate_rows (the decode path, through topk_rows, either order) keeps what the sorted choice keeps."""
     from model import model

@@ -135,7 +135,7 @@ def topk_rows(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, wi
     """Each row's top-k positions of ``scores`` [R, n] (or ``rows``' entries there), -1 after,
     up to ``width``: in ascending order, by the kernel, where n <= ``TOPK_KERNEL_MAX``; see
     :func:`model.kernels.reference.topk_rows_ref`."""
-    if scores.shape[-1] <= reference.TOPK_KERNEL_MAX and _use_triton(scores):
+    if 0 < scores.shape[-1] <= reference.TOPK_KERNEL_MAX and _use_triton(scores):
         from model.kernels import select
 
         return select.topk_rows(scores, k, rows, width)

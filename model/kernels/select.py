@@ -29,8 +29,8 @@ from model.kernels.fused import _chain, chained
 
 TOPK_BLOCK = 2048  # scores a program reads per step of a pass
 TOPK_WARPS = 8
-TOPK_BITS = 4  # digit bits a pass: Triton's histogram costs ~its bins per score, so 8 passes of 16 bins
-# beat 4 of 256 (at 4K scores: 20 us with 256 bins; a sort took 26; at 128K 582 against 54)
+TOPK_BITS = 8  # digit bits a pass (H200, session 24, a graph of 20 calls: 4 bits 21.4 / 77.4 / 659 us at
+# 4K / 16K / 128K scores, 8 bits 20.2 / 71.9 / 582; torch's sort 25.9 / 53.9 / 54.4)
 
 
 @triton.jit
