@@ -33,7 +33,7 @@ from model import graphs, kernels
 from model.args import ModelArgs
 from model.cache import Cache, SourceKV, WindowRing
 from model.engram import NgramHasher
-from model.kernels.reference import TOPK_KERNEL_MAX
+from model.kernels.reference import TOPK_KERNEL_MAX, stable_topk, top_records
 from model.moe import MoE
 from model.quant import KVFormat, main_record_bytes
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
@@ -314,27 +314,6 @@ def _decode_step(x: torch.Tensor, step: Step, kv: KVFormat) -> bool:
     the kernels' PyTorch twins)."""
     return (x.shape[1] == 1 and step.new and kv.packed and step.floor is None and step.index_losses is None
             and not step.dense)
-
-
-def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k along the last dim with exact ties broken towards the lower index, so the
-    choice never depends on how long the tensor is (chunked prefill vs one pass). FP4
-    index scores make exact ties common; the reference leaves them unspecified. (A top-k
-    over unique int64 keys — order-preserving score bits above, the index's complement
-    below — picks the same, but torch's one-row top-k of int64 took 57 us a call on the
-    H200, where the sort's main radix kernel takes ~8; session 14.)"""
-    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
-
-
-def top_records(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """The records of the top-k ``scores`` [..., n] (:func:`stable_topk`), -1 where the score
-    is -inf; ``rows`` [..., n]: the records the scores are of (a candidate pool's), else their
-    positions."""
-    values, indices = stable_topk(scores, k)
-    if rows is not None:
-        indices = rows.gather(-1, indices)
-    return indices.masked_fill(values == float("-inf"), -1)
 
 
 def _block_scores(scores: torch.Tensor, lens: torch.Tensor, block: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The decode step's top-k kernel (``model.kernels.select.topk_rows``) against its twin
-``topk_rows_ref``, and the twin against the model's own choice (``model.model.top_records``,
+``topk_rows_ref``, and the twin against the model's own choice (``top_records``,
 ``candidate_rows``). The kernel runs on CUDA or under ``TRITON_INTERPRET=1``; the twin on
 every run."""
 from __future__ import annotations

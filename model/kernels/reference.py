@@ -13,8 +13,9 @@ entries, the selected FP4 records and the per-head sink, shared K=V latent) and
 ``indexer_scores_ref`` (``Indexer.scores`` for S=1: weighted-ReLU scores against FP4 index
 keys). Both unpack with ``model.quant`` and compute in fp32, in the same order as the
 model, so ``tests/test_kernels.py`` can check twin == model on a tiny model and kernel ==
-twin on random bytes. And ``topk_rows_ref``: a decode step's top-k of those scores, in
-record order (``model.model.stable_topk``'s choice). Runs on any device.
+twin on random bytes. And the model's top-k, ``stable_topk`` / ``top_records`` (its own code,
+here so that ``topk_rows_ref``, a decode step's top-k in the kernel's order, is the same
+choice). Runs on any device.
 
 Does not own: choosing kernel or twin (``model.kernels``), building ``window_valid`` from
 ring positions, or gathering anything out of a cache.
@@ -196,15 +197,34 @@ def hc_expand_ref(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 TOPK_KERNEL_MAX = 0
 
 
+def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k along the last dim with exact ties broken towards the lower index, so the
+    choice never depends on how long the tensor is (chunked prefill vs one pass). FP4
+    index scores make exact ties common; the reference leaves them unspecified. (A top-k
+    over unique int64 keys — order-preserving score bits above, the index's complement
+    below — picks the same, but torch's one-row top-k of int64 took 57 us a call on the
+    H200, where the sort's main radix kernel takes ~8; session 14.)"""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def top_records(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The records of the top-k ``scores`` [..., n] (:func:`stable_topk`), -1 where the score
+    is -inf; ``rows`` [..., n]: the records the scores are of (a candidate pool's), else their
+    positions."""
+    values, indices = stable_topk(scores, k)
+    if rows is not None:
+        indices = rows.gather(-1, indices)
+    return indices.masked_fill(values == float("-inf"), -1)
+
+
 def topk_rows_ref(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
-    """Twin of ``model.kernels.select.topk_rows``: for each row of ``scores`` [R, n] the
-    positions of its ``k`` largest (a stable sort: ties to the lower position), or ``rows``'
-    entries there, -inf never chosen; -1 after them up to ``width`` (None: min(k, n)). In
-    ascending order where n <= ``TOPK_KERNEL_MAX`` (the kernel's order), else in the sort's
-    (score descending): the kernel runs only there, and a second sort would cost a step."""
+    """Twin of ``model.kernels.select.topk_rows``: :func:`top_records` of each row of
+    ``scores`` [R, n], -1 after them up to ``width`` (None: min(k, n)). In ascending order
+    where n <= ``TOPK_KERNEL_MAX`` (the kernel's order), else in the sort's (score
+    descending): the kernel runs only there, and a second sort would cost a step."""
     k = min(k, scores.shape[-1])
-    values, at = torch.sort(scores, dim=-1, descending=True, stable=True)
-    chosen = (at[..., :k] if rows is None else rows.gather(-1, at[..., :k])).masked_fill(values[..., :k] == float("-inf"), -1)
+    chosen = top_records(scores, k, rows)
     if scores.shape[-1] <= TOPK_KERNEL_MAX:
         last = torch.iinfo(torch.int64).max
         chosen = chosen.masked_fill(chosen < 0, last).sort(dim=-1).values
