@@ -27,8 +27,8 @@ and, for one decode step (one query per batch row):
   device tensor that a CUDA graph can hold); with ``rows`` [B, M], the scores of those keys
   alone (a candidate pool's records).
 - ``topk_rows(scores, k, rows=None, width=None)`` -> int64 [R, width]: the positions (or
-  ``rows``' entries) of each row's k largest scores, ``model.kernels.reference.stable_topk`` (the model's)'s choice
-  (ties to the lower position, -inf never), -1 after: in ascending order where a row has at
+  ``rows``' entries) of each row's k largest scores, the choice of the model's
+  ``stable_topk`` (ties to the lower position, -inf never), -1 after: in ascending order where a row has at
   most ``reference.TOPK_KERNEL_MAX`` scores (kernel in ``model.kernels.select``: one
   radix-select launch where a sort took ~8), else by torch's sort in score order (twin
   ``topk_rows_ref``, both orders).

@@ -2,8 +2,8 @@
 
 Owns ``topk_rows(scores, k, rows=None, width=None)``: for each row of ``scores`` [R, n]
 (fp32, -inf = not a candidate) the positions of its ``k`` largest scores (or ``rows``' entries
-at them), ties to the lower position as ``model.kernels.reference.stable_topk`` (the model's) breaks them, -inf never
-chosen; written in ascending order, then -1 up to ``width``. Its twin is
+at them), ties to the lower position as the model's ``stable_topk`` breaks them,
+-inf never chosen; written in ascending order, then -1 up to ``width``. Its twin is
 ``model.kernels.reference.topk_rows_ref`` (torch's stable sort), equal to it element for
 element (``tests/test_select_kernel.py``).
 
