@@ -361,10 +361,11 @@ def test_sparse_attention_kernel(B, H, N, K) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("splits", [1, 2, 7])
+@pytest.mark.parametrize("splits", [1, 2, 7, 20])
 def test_sparse_attention_kernel_splits(splits) -> None:
-    """Every way of sharing a row between programs merges to the same softmax, including
-    splits that get no block at all."""
+    """Every way of sharing a row between programs merges to the same softmax: window and
+    record blocks in one program's share (2, 7), and splits that get no block at all (20:
+    the row has 9 window blocks and 4 record blocks)."""
     inputs = attention_case(3, 16, 300, 64, seed=1)
     ref = sparse_attention_ref(*inputs)
     assert_out_close(sparse_attention(*inputs, splits=splits), ref)
