@@ -47,6 +47,16 @@ def scores_case(R: int, n: int, *, seed: int = 0, levels: int | None = 7, visibl
     return s
 
 
+def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Equal, or an error naming the first entries that differ (the kernel's one GPU failure,
+    session 24, said only that the tensors differed)."""
+    if got.shape != want.shape or not torch.equal(got, want):
+        bad = (got != want).nonzero()[:6].tolist() if got.shape == want.shape else "shapes"
+        raise AssertionError(f"shapes {tuple(got.shape)} / {tuple(want.shape)}; first differing [row, slot]: {bad}; "
+                             f"got {[got[tuple(b)].item() for b in bad] if bad != 'shapes' else ''} "
+                             f"want {[want[tuple(b)].item() for b in bad] if bad != 'shapes' else ''}")
+
+
 def model_choice(s: torch.Tensor, k: int, rows=None) -> list[list[int]]:
     """``top_records``' choice as sorted lists without the -1s."""
     return [sorted(i for i in r if i >= 0) for r in top_records(s, k, rows).tolist()]
@@ -112,7 +122,7 @@ def test_kernel_matches_twin(case) -> None:
     k = case.pop("k") if "k" in (case := dict(case)) else 512
     s = scores_case(**case).to()
     for width in (None, max(k, 512) + 3):
-        assert torch.equal(select.topk_rows(s, k, width=width), topk_rows_ref(s, k, width=width))
+        assert_same(select.topk_rows(s, k, width=width), topk_rows_ref(s, k, width=width))
 
 
 @needs_kernel
@@ -124,5 +134,5 @@ def test_kernel_maps_rows() -> None:
     rows[:, 2900:] = -1
     s[:, 2900:] = float("-inf")
     s, rows = s.to(), rows.to()
-    assert torch.equal(select.topk_rows(s, 512, rows), topk_rows_ref(s, 512, rows))
-    assert torch.equal(kernels.topk_rows(s, 512, rows), topk_rows_ref(s, 512, rows))
+    assert_same(select.topk_rows(s, 512, rows), topk_rows_ref(s, 512, rows))
+    assert_same(kernels.topk_rows(s, 512, rows), topk_rows_ref(s, 512, rows))
