@@ -28,8 +28,8 @@ and, for one decode step (one query per batch row):
   alone (a candidate pool's records).
 - ``topk_rows(scores, k, rows=None, width=None)`` -> int64 [R, width]: the positions (or
   ``rows``' entries) of each row's k largest scores, the choice of the model's
-  ``stable_topk`` (ties to the lower position, -inf never), -1 after: in ascending order where a row has at
-  most ``reference.TOPK_KERNEL_MAX`` scores (kernel in ``model.kernels.select``: one
+  ``stable_topk`` (ties to the lower position, -inf never), -1 after: in ascending order
+  where a row has at most ``reference.TOPK_KERNEL_MAX`` scores (kernel in ``model.kernels.select``: one
   radix-select launch where a sort took ~8), else by torch's sort in score order (twin
   ``topk_rows_ref``, both orders).
 
@@ -71,7 +71,8 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
-           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget", "topk_rows", "topk_rows_ref"]
+           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
+           "topk_rows", "topk_rows_ref"]
 
 
 def _interpreting() -> bool:
