@@ -216,7 +216,8 @@ def _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K
     return kv, valid
 
 
-@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span", "nW", "NB"])  # decode-varying: one compile
+# decode-varying sizes: one compile
+@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span", "nW", "NB"])
 def _sparse_attention_kernel(
     q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
     H, W, N, K, SPLITS, scale, span, nW, NB,

@@ -218,7 +218,8 @@ def top_records(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None) 
     return indices.masked_fill(values == float("-inf"), -1)
 
 
-def topk_rows_ref(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
+def topk_rows_ref(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None,
+                  width: int | None = None) -> torch.Tensor:
     """Twin of ``model.kernels.select.topk_rows``: :func:`top_records` of each row of
     ``scores`` [R, n], -1 after them up to ``width`` (None: min(k, n)). In ascending order
     where n <= ``TOPK_KERNEL_MAX`` (the kernel's order), else in the sort's (score
