@@ -33,7 +33,7 @@ from model import graphs, kernels
 from model.args import ModelArgs
 from model.cache import Cache, SourceKV, WindowRing
 from model.engram import NgramHasher
-from model.kernels.reference import TOPK_KERNEL_MAX, stable_topk, top_records
+from model.kernels.reference import stable_topk, top_records
 from model.moe import MoE
 from model.quant import KVFormat, main_record_bytes
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
@@ -351,10 +351,8 @@ def candidate_rows(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, b
     n = scores.shape[-1]
     blocks = _block_scores(scores, lens, block)
     chosen = kernels.topk_rows(blocks.flatten(0, -2), topk_blocks).view(*blocks.shape[:-1], -1)
-    first = chosen.masked_fill(chosen < 0, blocks.shape[-1])
-    if blocks.shape[-1] > TOPK_KERNEL_MAX:  # topk_rows lists them in score order there
-        first = first.sort(dim=-1).values
-    first = first * block
+    # ascending (topk_rows keeps record order only within its kernel's reach), the unused after
+    first = chosen.masked_fill(chosen < 0, blocks.shape[-1]).sort(dim=-1).values * block
     rows = (first[..., None] + torch.arange(block, device=scores.device)).flatten(-2)
     return rows.masked_fill(rows >= n, -1)
 

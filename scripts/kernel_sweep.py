@@ -136,7 +136,7 @@ def main() -> None:
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention-splits")
         if "topk" in only:  # the decode top-k: the radix-select kernel against torch's stable sort, at a step's sizes
             from model.kernels import select
-            from model.model import top_records
+            from model.kernels.reference import top_records
 
             g = torch.Generator().manual_seed(0)
             for n, k in ((4096, 512), (16384, 512), (32768, 512), (65536, 512), (131072, 512)):

@@ -16,7 +16,7 @@ How the numbers stay within ~2^-20 of fp32:
   probabilities, an fp32 query) goes in as three bf16 parts, every bit of its 24
   (``_bf16_parts``): its rounding is 2^-24 relative.
 - Attention runs its [16 heads, D] x [D, 16 keys] and [16, 16] x [16, D] dots whole, 2D, on
-  4 warps: 10.0 us a call with its merge at ``small``'s decode shapes, where the session-14
+  4 warps: 10.5 us a call with its merge at ``small``'s decode shapes, where the session-14
   form (tf32 dots batched over 32-channel chunks, 255 registers with spills) took 21.0
   (session 24, a CUDA graph of 20 calls on the H200, as ``kernel_sweep.py`` times).
 
@@ -28,7 +28,8 @@ an online softmax whose running max starts at the head's sink logit (finite, so 
 -inf - -inf); a second small kernel merges the splits over 128-channel blocks, adds the
 sink to the denominator once and writes the query's dtype.
 
-Does not own: the choice of kernel or twin (``model.kernels``), top-k (torch), or
+Does not own: the choice of kernel or twin (``model.kernels``), top-k (``model.kernels.select``
+or torch), or
 anything about caches. Imported only when Triton is importable.
 """
 from __future__ import annotations
@@ -42,7 +43,7 @@ import triton.language as tl
 
 BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
 BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
-ATTN_WARPS = 4  # one block a program, 2D bf16 dots: 10.0 us a call (+ merge) against 10.4 with 8 (session 24)
+ATTN_WARPS = 4  # one block a program, 2D bf16 dots: 10.5 us a call (+ merge) against 10.6 with 8 (session 24)
 INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)

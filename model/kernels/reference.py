@@ -192,8 +192,8 @@ def hc_expand_ref(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
 
 # the most scores a row that model.kernels.select takes: 0, off. On the H200 (session 24) it beat
 # torch's sort only up to 4K scores (20.2 against 25.9 us; 16K: 71.9 against 53.9; 128K: 582
-# against 54), and one of its GPU tests failed there (n = 5,000, not a multiple of its block:
-# not yet explained), so no decode step runs it until a GPU run passes
+# against 54) and its test suite has not yet passed there (its one GPU run handed the kernel
+# CPU tensors: a test bug, since fixed), so no decode step runs it until a GPU run passes
 TOPK_KERNEL_MAX = 0
 
 

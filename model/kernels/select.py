@@ -14,7 +14,9 @@ found so far; the fifth writes, in position order, every score above that key an
 of those equal to it until k are taken (a running count over the row's blocks). Where torch
 sorted a whole row in ~8 launches (radix histogram, scan, four one-sweep passes, fills; ~45 us
 at 128K records on the H200), this is one launch, and its output in position order is what
-the candidate pool wants as it is.
+the candidate pool wants as it is. Off by default: ``model.kernels.topk_rows`` runs it only on
+rows of at most ``reference.TOPK_KERNEL_MAX`` scores, which is 0 until it beats the sort and
+its tests pass on a GPU.
 
 Does not own: what the scores are (``model.kernels.fused.indexer_scores``), the candidate
 pool's blocks or the choice of kernel or twin (``model.kernels``).
