@@ -200,6 +200,20 @@ class Compressor(nn.Module):
         """Latents [B, G, D] of groups [B, G, ratio, D]: the softmax-gated sum, normalised."""
         return self.norm((kv * gate.softmax(dim=2)).sum(dim=2).to(dtype))
 
+    def _step_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``wkv`` and ``wgate`` in fp32 for :meth:`step`: cast once, not every step (the casts
+        took ~50 us of a `small` step on the H200, session 24), again when either weight
+        changes (in place or moved); the same values :meth:`forward` multiplies by (fp32
+        weights themselves: a detached copy could take another matmul path, not bit-equal)."""
+        w = (self.wkv.weight, self.wgate.weight)
+        if all(t.dtype == torch.float32 for t in w):
+            return w
+        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in w)
+        if self.__dict__.get("_fp32_key") != key:
+            self.__dict__["_fp32"] = tuple(t.detach().float() for t in w)
+            self.__dict__["_fp32_key"] = key
+        return self.__dict__["_fp32"]
+
     def step(self, x: torch.Tensor, pos: torch.Tensor, src: SourceKV,
              emits: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
         """:meth:`forward` of one decode step at ``pos`` [1] (a tensor: graph-safe), on the
@@ -209,7 +223,7 @@ class Compressor(nn.Module):
         if self.wgate is None:
             return self.norm(self.wkv(x)), pos
         h = x.float()
-        src.remember_at(F.linear(h, self.wkv.weight.float()), F.linear(h, self.wgate.weight.float()), pos)
+        src.remember_at(*(F.linear(h, w) for w in self._step_weights()), pos)
         if not emits:
             return None
         first = pos - (self.ratio - 1)
@@ -347,14 +361,12 @@ def candidate_rows(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, b
     ascending, -1 after the last (M = ``block`` x the blocks chosen, at most ``topk_blocks``).
     A decode step scores these alone: at 128K records and a pool of 16K, an eighth of the
     indexer's and the top-k's work, and the same top-k as the mask's (ties still go to the
-    lower index). The blocks are chosen by ``kernels.topk_rows``."""
+    lower index). The blocks are chosen by ``kernels.topk_rows``, in ascending order."""
     n = scores.shape[-1]
     blocks = _block_scores(scores, lens, block)
     chosen = kernels.topk_rows(blocks.flatten(0, -2), topk_blocks).view(*blocks.shape[:-1], -1)
-    # ascending (topk_rows keeps record order only within its kernel's reach), the unused after
-    first = chosen.masked_fill(chosen < 0, blocks.shape[-1]).sort(dim=-1).values * block
-    rows = (first[..., None] + torch.arange(block, device=scores.device)).flatten(-2)
-    return rows.masked_fill(rows >= n, -1)
+    rows = (chosen[..., None] * block + torch.arange(block, device=scores.device)).flatten(-2)
+    return rows.masked_fill((chosen < 0).repeat_interleave(block, dim=-1) | (rows >= n), -1)
 
 
 # ----------------------------------------------------------------------------- attention

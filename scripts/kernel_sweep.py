@@ -139,10 +139,10 @@ def main() -> None:
             from model.kernels.reference import top_records
 
             g = torch.Generator().manual_seed(0)
-            for n, k in ((4096, 512), (16384, 512), (32768, 512), (65536, 512), (131072, 512)):
+            for n, k in ((n, 512) for n in (2048, 4096, 8192, 16384, 32768, 65536, 131072)):
                 s = ((torch.randn(a.batch, n, generator=g) * 4).round() / 4).to(DEVICE)  # many exact ties
                 emit({"kernel": "topk-sort", "n": n, "k": k, "us": round(graphed_us(lambda: top_records(s, k)), 2)})
-                sweep(select, {"TOPK_BITS": [4, 8], "TOPK_BLOCK": [2048, 4096], "TOPK_WARPS": [8, 16]},
+                sweep(select, {"SELECT_SLICE": [0, 1024, 2048, 4096], "SELECT_WARPS": [4, 8, 16]},
                       lambda: select.topk_rows(s, k), emit, f"topk_rows-{n}-{k}")
         if "indexer" in only:
             sweep(fused, {"INDEX_BLOCK_N": [32, 64, 128], "INDEX_WARPS": [2, 4, 8]},

@@ -16,17 +16,6 @@ needs_kernel = pytest.mark.skipif(not triton_available(),
                                   reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
 
 
-@pytest.fixture(autouse=True)
-def kernel_reach(monkeypatch):
-    """Every row within the kernel's reach (``TOPK_KERNEL_MAX``), so the twin lists records in
-    the kernel's order; the shipped reach (0: the kernel off) is tested on its own below."""
-    from model.kernels import reference
-
-    shipped = reference.TOPK_KERNEL_MAX
-    monkeypatch.setattr(reference, "TOPK_KERNEL_MAX", 1 << 30)
-    return shipped
-
-
 def scores_case(R: int, n: int, *, seed: int = 0, levels: int | None = 7, visible: list[int] | None = None,
                 signed_zeros: bool = False, pinned: bool = False) -> torch.Tensor:
     """Scores with many exact ties (``levels`` distinct values), -inf past each row's visible
@@ -62,7 +51,9 @@ def model_choice(s: torch.Tensor, k: int, rows=None) -> list[list[int]]:
 CASES = [dict(R=1, n=5000, k=512), dict(R=3, n=4097, k=512, visible=[4097, 1000, 300]),
          dict(R=2, n=300, k=512, visible=[300, 17]), dict(R=1, n=16384, k=2048, levels=None, pinned=True),
          dict(R=2, n=9000, k=512, signed_zeros=True, levels=3), dict(R=1, n=2048, k=512, visible=[0]),
-         dict(R=1, n=700, k=700, levels=2), dict(R=1, n=64, k=512, levels=None)]
+         dict(R=1, n=700, k=700, levels=2), dict(R=1, n=64, k=512, levels=None),
+         dict(R=2, n=20000, k=1000, levels=1), dict(R=1, n=40000, k=512, levels=None, visible=[39000]),
+         dict(R=1, n=6145, k=3000, levels=2, signed_zeros=True)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c['R']}-n{c['n']}-k{c['k']}")
@@ -74,18 +65,6 @@ def test_twin_is_the_models_choice(case) -> None:
         assert got[:len(want)] == want and all(i == -1 for i in got[len(want):])
 
 
-@pytest.mark.parametrize("reach", [1000, "shipped"])
-def test_twin_keeps_the_sorts_order_past_the_kernels_reach(reach, kernel_reach, monkeypatch) -> None:
-    """Rows longer than TOPK_KERNEL_MAX (all of them as shipped): torch's sort alone, in its
-    order, on the kernel's device too (the kernel never runs there)."""
-    from model.kernels import reference
-
-    s = scores_case(2, 3000, seed=6, visible=[3000, 200])
-    monkeypatch.setattr(reference, "TOPK_KERNEL_MAX", kernel_reach if reach == "shipped" else reach)
-    assert torch.equal(topk_rows_ref(s, 512), top_records(s, 512))
-    assert torch.equal(kernels.topk_rows(s.to(DEVICE), 512).cpu(), top_records(s, 512))
-
-
 def test_twin_maps_rows_in_order() -> None:
     s = scores_case(2, 3000, seed=3)
     rows = torch.arange(3000).mul(5).expand(2, -1).clone()
@@ -95,18 +74,18 @@ def test_twin_maps_rows_in_order() -> None:
     assert got.tolist() == [sorted(r) for r in top_records(s, 512, rows).tolist()]
 
 
-@pytest.mark.parametrize("reach", [32768, 100, 0])
-def test_twin_makes_the_candidate_pool(reach, monkeypatch) -> None:
-    """candidate_rows (the decode path, through topk_rows, either order) keeps what the sorted choice keeps."""
-    from model.kernels import reference
-
-    monkeypatch.setattr(reference, "TOPK_KERNEL_MAX", reach)
+@pytest.mark.parametrize("select", ["1", "0"])
+def test_the_candidate_pool_is_the_sorted_choice(select, monkeypatch) -> None:
+    """candidate_rows (the decode path, through topk_rows: the kernel where it runs, else
+    the twin) keeps what the sorted choice keeps."""
+    monkeypatch.setenv("DSAGENT_SELECT", select)
     s = scores_case(1, 8 * 600 + 5, seed=5, levels=4, visible=[4000])[:, None]
     lens = torch.tensor([4000])
     values, indices, n_blocks = _pool_blocks(s, lens, 256, 8)
     first = indices.masked_fill(values == float("-inf"), n_blocks).sort(dim=-1).values * 8
     want = (first[..., None] + torch.arange(8)).flatten(-2)
-    assert torch.equal(candidate_rows(s, lens, 256, 8), want.masked_fill(want >= s.shape[-1], -1))
+    got = candidate_rows(s.to(DEVICE), lens.to(DEVICE), 256, 8).cpu()
+    assert torch.equal(got, want.masked_fill(want >= s.shape[-1], -1))
 
 
 @needs_kernel
@@ -131,3 +110,21 @@ def test_kernel_maps_rows() -> None:
     s, rows = s.to(DEVICE), rows.to(DEVICE)
     assert_same(select.topk_rows(s, 512, rows), topk_rows_ref(s, 512, rows))
     assert_same(kernels.topk_rows(s, 512, rows), topk_rows_ref(s, 512, rows))
+
+
+@needs_kernel
+def test_kernel_is_the_same_every_call() -> None:
+    """Rows of many lengths and tie counts, the programs of a row finishing in whatever order
+    the GPU runs them: every call equal to the twin (under the interpreter, a few)."""
+    from model.kernels import select
+
+    g = torch.Generator().manual_seed(11)
+    calls = 40 if DEVICE == "cuda" else 3
+    for c in range(calls):
+        R = int(torch.randint(1, 17, (1,), generator=g))
+        n = int(torch.randint(1, 140_000 if DEVICE == "cuda" else 9000, (1,), generator=g))
+        k = int(torch.randint(1, 2100, (1,), generator=g))
+        levels = [None, 1, 3, 50][c % 4]
+        visible = torch.randint(0, n + 1, (R,), generator=g).tolist()
+        s = scores_case(R, n, seed=c, levels=levels, visible=visible).to(DEVICE)
+        assert_same(select.topk_rows(s, k, width=k + 5), topk_rows_ref(s, k, width=k + 5))

@@ -28,10 +28,9 @@ and, for one decode step (one query per batch row):
   alone (a candidate pool's records).
 - ``topk_rows(scores, k, rows=None, width=None)`` -> int64 [R, width]: the positions (or
   ``rows``' entries) of each row's k largest scores, the choice of the model's
-  ``stable_topk`` (ties to the lower position, -inf never), -1 after: in ascending order
-  where a row has at most ``reference.TOPK_KERNEL_MAX`` scores (kernel in ``model.kernels.select``: one
-  radix-select launch where a sort took ~8), else by torch's sort in score order (twin
-  ``topk_rows_ref``, both orders).
+  ``stable_topk`` (ties to the lower position, -inf never), in ascending order, -1 after
+  (kernel in ``model.kernels.select``: a radix select over many programs, six launches where
+  torch's sort took ~8; ``DSAGENT_SELECT=0`` sorts instead; twin ``topk_rows_ref``).
 
 - ``moe_decode(x, ...)`` -> [N, D] fp32 or None: ``model.moe.MoE`` on a few text tokens in
   four or five launches (``model.kernels.moe``) where ``moe_decode_runs(x)``; None if it cannot
@@ -63,7 +62,7 @@ import warnings
 import torch
 
 from model import quant
-from model.kernels import backward, reference
+from model.kernels import backward
 from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
                                     ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref, topk_rows_ref)
 
@@ -133,10 +132,9 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n
 
 
 def topk_rows(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
-    """Each row's top-k positions of ``scores`` [R, n] (or ``rows``' entries there), -1 after,
-    up to ``width``: in ascending order, by the kernel, where n <= ``TOPK_KERNEL_MAX``; see
-    :func:`model.kernels.reference.topk_rows_ref`."""
-    if 0 < scores.shape[-1] <= reference.TOPK_KERNEL_MAX and _use_triton(scores):
+    """Each row's top-k positions of ``scores`` [R, n] (or ``rows``' entries there) in
+    ascending order, -1 after, up to ``width``; see :func:`model.kernels.reference.topk_rows_ref`."""
+    if _use_triton(scores) and os.environ.get("DSAGENT_SELECT", "1") != "0":
         from model.kernels import select
 
         return select.topk_rows(scores, k, rows, width)

@@ -190,13 +190,6 @@ def hc_expand_ref(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, c
     return out.to(residual.dtype)
 
 
-# the most scores a row that model.kernels.select takes: 0, off. On the H200 (session 24) it beat
-# torch's sort only up to 4K scores (20.2 against 25.9 us; 16K: 71.9 against 53.9; 128K: 582
-# against 54) and its test suite has not yet passed there (its one GPU run handed the kernel
-# CPU tensors: a test bug, since fixed), so no decode step runs it until a GPU run passes
-TOPK_KERNEL_MAX = 0
-
-
 def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k along the last dim with exact ties broken towards the lower index, so the
     choice never depends on how long the tensor is (chunked prefill vs one pass). FP4
@@ -221,14 +214,11 @@ def top_records(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None) 
 def topk_rows_ref(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None,
                   width: int | None = None) -> torch.Tensor:
     """Twin of ``model.kernels.select.topk_rows``: :func:`top_records` of each row of
-    ``scores`` [R, n], -1 after them up to ``width`` (None: min(k, n)). In ascending order
-    where n <= ``TOPK_KERNEL_MAX`` (the kernel's order), else in the sort's (score
-    descending): the kernel runs only there, and a second sort would cost a step."""
+    ``scores`` [R, n] in ascending order, -1 after them up to ``width`` (None: min(k, n))."""
     k = min(k, scores.shape[-1])
+    last = torch.iinfo(torch.int64).max
     chosen = top_records(scores, k, rows)
-    if scores.shape[-1] <= TOPK_KERNEL_MAX:
-        last = torch.iinfo(torch.int64).max
-        chosen = chosen.masked_fill(chosen < 0, last).sort(dim=-1).values
-        chosen = chosen.masked_fill(chosen == last, -1)
+    chosen = chosen.masked_fill(chosen < 0, last).sort(dim=-1).values
+    chosen = chosen.masked_fill(chosen == last, -1)
     width = k if width is None else width
     return torch.nn.functional.pad(chosen, (0, width - k), value=-1) if width > k else chosen
