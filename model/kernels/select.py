@@ -9,18 +9,19 @@ element (``tests/test_select_kernel.py``).
 
 Each score becomes an int32 key in the same order (the float's bits, negatives' magnitude
 bits flipped, -0.0 as +0.0). A row is cut into slices of 1K-4K scores (:func:`_slice`), one
-program each, and four launches of :func:`_pass_kernel` build the k-th largest key 8 bits at a time:
-every program adds the 256-bin histogram of its keys that share the bits found so far into
-the row's histogram (atomics), and the last program of the row to finish (an acq_rel
-counter) reads it and picks the next digit. The fourth pass's programs also keep their own
-histograms, from which its last program works out, for every slice, how many of its keys lie
-above the k-th and how many ties it may take (the first ones, in position order, until k)
-and so where its choice starts in the output. A fifth launch, :func:`_write_kernel`, writes
-each slice's choice there: the output is in ascending order and the same on every run
-whatever order the programs ran in. Six launches with the zeroing of the counters, each a
-few µs, where torch's sort of a row took ~8: on the H200 (session 25, a graph of 20 calls at
-batch 1) 15.2 / 17.4 / 27.2 us at 2K / 16K / 128K scores where the sort took 23.3 / 53.6 /
-54.1, and at batch 16 69 us at 128K where it took 190. Rows of any length; k up to n.
+program each, and four launches of :func:`_pass_kernel` build the k-th largest key 8 bits at
+a time: every program adds the 256-bin histogram of its keys that share the bits found so far
+into the row's (atomics), and the row's last program to finish (an acq_rel counter) reads it
+and picks the next digit. The fourth pass's programs also keep their own histograms, from
+which its last program works out, for every slice, how many of its keys lie above the k-th,
+how many ties it may take (the first ones in position order, until k) and so where its
+choice starts in the output. A fifth launch, :func:`_write_kernel`, writes each slice's
+choice there: in ascending order, and the same on every run whatever order the programs ran
+in. Six launches with the zeroing of the counters, each a few µs, where torch's sort of a row
+took ~8: on the H200 (session 25, a graph of 20 calls at batch 1) 15.2 / 17.4 / 27.2 µs at
+2K / 16K / 128K scores where the sort took 23.3 / 53.6 / 54.1, and at batch 16 69 µs at 128K
+where it took 190. Three passes of 12, 12 and 8 bits took 50-58 µs at 2K (4,096-bin
+histograms: 255 registers). Rows of any length; k up to n.
 
 Does not own: what the scores are (``model.kernels.fused.indexer_scores``), the candidate
 pool's blocks or the choice of kernel or twin (``model.kernels``).
@@ -162,9 +163,10 @@ def _write_kernel(s_ptr, rows_ptr, out_ptr, sync_ptr, work_ptr, n, width, s_s, s
 
 
 def _slice(n: int) -> int:
-    """A row's slice: 64 programs a row up to 4K scores a slice (H200, session 25, a graph of 20
-    calls at batch 1: slices of 1024 took 15.2 / 17.4 us at 2K / 16K scores where 2048 took
-    19.6 / 20.6; at 128K 2048 took 27.2, 1024 and 4096 more; at batch 16 4096 was best at 64K+)."""
+    """Scores a program takes of a row of ``n``: 1,024, or more (a power of two, at most 4,096)
+    where a row would need more than 64 programs (H200, session 25, a graph of 20 calls at
+    batch 1: slices of 1,024 took 15.2 / 17.4 µs at 2K / 16K scores where 2,048 took 19.6 /
+    20.6; at 128K 2,048 took 27.2, 1,024 and 4,096 more; at batch 16 4,096 did best at 64K+)."""
     return SELECT_SLICE or min(4096, max(1024, triton.next_power_of_2(triton.cdiv(n, 64))))
 
 
