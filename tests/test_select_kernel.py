@@ -100,6 +100,19 @@ def test_kernel_matches_twin(case) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("slice_", [1024, 4096])
+def test_kernel_slice_sizes(slice_, monkeypatch) -> None:
+    """A fixed slice (SELECT_SLICE, a tuning knob; 0 picks by the row's length) picks the same."""
+    from model.kernels import select
+
+    monkeypatch.setattr(select, "SELECT_SLICE", slice_)
+    for case in (CASES[0], CASES[3], CASES[8], CASES[9]):
+        k = case.pop("k") if "k" in (case := dict(case)) else 512
+        s = scores_case(**case).to(DEVICE)
+        assert_same(select.topk_rows(s, k, width=k + 1), topk_rows_ref(s, k, width=k + 1))
+
+
+@needs_kernel
 def test_kernel_maps_rows() -> None:
     from model.kernels import select
 
