@@ -366,7 +366,7 @@ def candidate_rows(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, b
     blocks = _block_scores(scores, lens, block)
     chosen = kernels.topk_rows(blocks.flatten(0, -2), topk_blocks).view(*blocks.shape[:-1], -1)
     rows = (chosen[..., None] * block + torch.arange(block, device=scores.device)).flatten(-2)
-    return rows.masked_fill((chosen < 0).repeat_interleave(block, dim=-1) | (rows >= n), -1)
+    return rows.masked_fill((rows < 0) | (rows >= n), -1)  # an unused block (-1) makes rows -block..-1
 
 
 # ----------------------------------------------------------------------------- attention

@@ -43,6 +43,13 @@ def assert_same(got: torch.Tensor, want: torch.Tensor) -> None:
                              f"want {[want[tuple(b)].item() for b in bad] if bad != 'shapes' else ''}")
 
 
+def case_scores(case: dict) -> tuple[torch.Tensor, int]:
+    """A CASES entry's scores (on the CPU) and its k (512 unless it names one)."""
+    case = dict(case)
+    k = case.pop("k", 512)
+    return scores_case(**case), k
+
+
 def model_choice(s: torch.Tensor, k: int, rows=None) -> list[list[int]]:
     """``top_records``' choice as sorted lists without the -1s."""
     return [sorted(i for i in r if i >= 0) for r in top_records(s, k, rows).tolist()]
@@ -58,8 +65,7 @@ CASES = [dict(R=1, n=5000, k=512), dict(R=3, n=4097, k=512, visible=[4097, 1000,
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"R{c['R']}-n{c['n']}-k{c['k']}")
 def test_twin_is_the_models_choice(case) -> None:
-    k = case.pop("k") if "k" in (case := dict(case)) else 512
-    s = scores_case(**case)
+    s, k = case_scores(case)
     twin = topk_rows_ref(s, k, width=max(k, 512))
     for got, want in zip(twin.tolist(), model_choice(s, k)):
         assert got[:len(want)] == want and all(i == -1 for i in got[len(want):])
@@ -93,8 +99,8 @@ def test_the_candidate_pool_is_the_sorted_choice(select, monkeypatch) -> None:
 def test_kernel_matches_twin(case) -> None:
     from model.kernels import select
 
-    k = case.pop("k") if "k" in (case := dict(case)) else 512
-    s = scores_case(**case).to(DEVICE)
+    s, k = case_scores(case)
+    s = s.to(DEVICE)
     for width in (None, max(k, 512) + 3):
         assert_same(select.topk_rows(s, k, width=width), topk_rows_ref(s, k, width=width))
 
@@ -107,8 +113,8 @@ def test_kernel_slice_sizes(slice_, monkeypatch) -> None:
 
     monkeypatch.setattr(select, "SELECT_SLICE", slice_)
     for case in (CASES[0], CASES[3], CASES[8], CASES[9]):
-        k = case.pop("k") if "k" in (case := dict(case)) else 512
-        s = scores_case(**case).to(DEVICE)
+        s, k = case_scores(case)
+        s = s.to(DEVICE)
         assert_same(select.topk_rows(s, k, width=k + 1), topk_rows_ref(s, k, width=k + 1))
 
 

@@ -38,6 +38,9 @@ SELECT_SLICE = 0  # scores a program reads, one slice of a row; 0: by the row's 
 SELECT_WARPS = 8
 SELECT_QUERY = 16  # slices whose histograms the last program reads at a time
 SIGN = tl.constexpr(-2147483648)  # the sign bit: key ^ SIGN orders as unsigned bits, the digits' order
+# int32s a row takes of ``sync`` (zeroed each call): 4 histograms of 256, then 4 counters, then the state
+COUNTERS, STATE, SYNC_ROW = tl.constexpr(4 * 256), tl.constexpr(4 * 256 + 4), tl.constexpr(4 * 256 + 8)
+WORK_SLICE = tl.constexpr(259)  # int32s a slice takes of ``work``: its last digit's 256 bins, above, offset, take
 
 
 @triton.jit
@@ -97,8 +100,8 @@ def _pass_kernel(s_ptr, sync_ptr, work_ptr, n, k, s_s, P,
     r = tl.program_id(1).to(tl.int64)
     bins = tl.arange(0, 256)
     shift: tl.constexpr = 24 - 8 * PASS
-    sync = sync_ptr + r * (4 * 256 + 8)
-    state = sync + 4 * 256 + 4
+    sync = sync_ptr + r * SYNC_ROW
+    state = sync + STATE
     i, key, live = _slice_keys(s_ptr, r, prog, n, s_s, SLICE)
     u = key ^ SIGN
     prefix = tl.zeros([], dtype=tl.int32)
@@ -111,13 +114,13 @@ def _pass_kernel(s_ptr, sync_ptr, work_ptr, n, k, s_s, P,
     digit = tl.where(match, (u >> shift) & 255, 0)
     hist = tl.histogram(digit, 256) - tl.where(bins == 0, SLICE - tl.sum(match.to(tl.int32), 0), 0)
     tl.atomic_add(sync + PASS * 256 + bins, hist, mask=hist > 0, sem="relaxed")
-    phist = work_ptr + r * P * 259
+    phist = work_ptr + r * P * WORK_SLICE
     if PASS == 3:  # this slice's own last digits, and its keys above the k-th whatever that digit is
         tl.store(phist + prog * 256 + bins, hist)
         above = live & ((key >> 8) > ((prefix ^ SIGN) >> 8))
         tl.store(phist + P * 256 + prog, tl.sum(above.to(tl.int32), 0))
     tl.debug_barrier()
-    if tl.atomic_add(sync + 4 * 256 + PASS, 1, sem="acq_rel") == P - 1:  # the row's last program here
+    if tl.atomic_add(sync + COUNTERS + PASS, 1, sem="acq_rel") == P - 1:  # the row's last program here
         total = tl.atomic_add(sync + PASS * 256 + bins, 0, sem="relaxed")  # read where the atomics landed
         if PASS == 0:
             want = tl.minimum(tl.sum(total, 0), k)
@@ -141,8 +144,8 @@ def _write_kernel(s_ptr, rows_ptr, out_ptr, sync_ptr, work_ptr, n, width, s_s, s
     _chain(PDL)
     prog = tl.program_id(0)
     r = tl.program_id(1).to(tl.int64)
-    state = sync_ptr + r * (4 * 256 + 8) + 4 * 256 + 4
-    phist = work_ptr + r * P * 259
+    state = sync_ptr + r * SYNC_ROW + STATE
+    phist = work_ptr + r * P * WORK_SLICE
     i, key, live = _slice_keys(s_ptr, r, prog, n, s_s, SLICE)
     kth = tl.load(state) ^ SIGN
     tie = live & (key == kth)
@@ -187,8 +190,8 @@ def topk_rows(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, wi
         return out.fill_(-1)
     slice_ = _slice(n)
     P = triton.cdiv(n, slice_)
-    sync = torch.zeros(R, 4 * 256 + 8, dtype=torch.int32, device=scores.device)
-    work = torch.empty(R, P * 259, dtype=torch.int32, device=scores.device)
+    sync = torch.zeros(R, SYNC_ROW.value, dtype=torch.int32, device=scores.device)
+    work = torch.empty(R, P * WORK_SLICE.value, dtype=torch.int32, device=scores.device)
     pdl = chained(scores)
     for p in range(4):
         _pass_kernel[(P, R)](scores, sync, work, n, k, scores.stride(0), P, PASS=p, SLICE=slice_,
