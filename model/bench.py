@@ -211,7 +211,7 @@ def bench_batch(model: Transformer, ctx: int, *, batch: int = 16, steps: int = 8
 
 PATH_SWITCHES = {"graphs": "DSAGENT_GRAPHS", "kernels": "DSAGENT_KERNELS", "fused_moe": "DSAGENT_FUSED_MOE",
                  "grouped_moe": "DSAGENT_GROUPED_MOE", "pdl": "DSAGENT_PDL", "mhc_overlap": "DSAGENT_MHC_OVERLAP",
-                 "select": "DSAGENT_SELECT"}
+                 "select": "DSAGENT_SELECT", "gemv": "DSAGENT_GEMV"}
 
 
 @contextmanager

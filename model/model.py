@@ -618,7 +618,7 @@ class Engram(nn.Module):
 
     def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
         D, hc = self.args.hidden_size, self.args.hc_mult
-        kv = self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+        kv = linear(self.wkv, self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
         key, value = kv.split([hc * D, D], dim=-1)
         return kernels.engram_gate(streams, key, value, self.q_weight, self.k_weight, live, self.args.rms_norm_eps)
 

@@ -215,7 +215,7 @@ def main() -> None:
             if "gemv-sweep" in only:
                 first = lambda: torch.cat([o.flatten() for xs, ws, gr in sets[0].values()  # noqa: E731
                                            for o in matvec.gemv(xs, *ws, groups=gr)])
-                sweep(matvec, {"GEMV_BLOCK_D": [128, 256, 512], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
+                sweep(matvec, {"TILE_BYTES": [8192, 16384, 32768], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
                       cycled(matvec.gemv), emit, "gemv (a layer's six calls)", check=first)
         if {"moe", "grouped", "compare", "down"} & set(only):  # compare: the two MoE forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE)

@@ -36,8 +36,8 @@ and, for one decode step (one query per batch row):
   four or five launches (``model.kernels.moe``) where ``moe_decode_runs(x)``; None if it cannot
   be built, and the caller runs the MoE in torch, which is its twin.
 - ``gemv(x, *weights, groups=1)``: a decode step's linear layers on its few rows
-  (``model.kernels.matvec``) where ``gemv_runs(x, *layers)`` (opt-in: ``DSAGENT_GEMV=1``);
-  twin ``gemv_ref``.
+  (``model.kernels.matvec``) where ``gemv_runs(x, *layers)`` (on by default, ``DSAGENT_GEMV=0``
+  turns it off); twin ``gemv_ref``.
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
@@ -165,14 +165,14 @@ GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLA
 
 
 def gemv_runs(x: torch.Tensor, *layers: torch.nn.Module) -> bool:
-    """Whether :func:`gemv` runs on rows ``x`` [..., D] against the ``layers``' weights: only
-    with ``DSAGENT_GEMV=1`` (off by default: in a `small` decode step on the H200 it measured
-    slower than cuBLAS, 6.39 against 6.17 ms at 4K with untuned tiles; with dependent
-    launches and each program's weight rows prefetched into L2 before its wait, 5.62 against
-    5.45 ms, session 22), where :func:`enabled`, outside autograd, at most ``GEMV_TOKENS``
-    rows, weights and rows of one float dtype. The weights are read last: a QAT layer's is
-    computed on each read."""
-    return (os.environ.get("DSAGENT_GEMV", "0") == "1" and x.numel() <= GEMV_TOKENS * x.shape[-1]
+    """Whether :func:`gemv` runs on rows ``x`` [..., D] against the ``layers``' weights: where
+    :func:`enabled` and ``DSAGENT_GEMV`` is not ``0``, outside autograd, at most ``GEMV_TOKENS``
+    rows, weights and rows of one float dtype. On by default since session 26, when each
+    program began asking for its whole weight tile before its dependent launch's wait: a
+    `small` decode step on the H200 took 3.84 ms at 128K where cuBLAS's GEMMs took 4.55
+    (4K: 3.57 against 4.24; one call, ``DSAGENT_GEMV`` 1 beside 0). The weights are read
+    last: a QAT layer's is computed on each read."""
+    return (os.environ.get("DSAGENT_GEMV", "1") != "0" and x.numel() <= GEMV_TOKENS * x.shape[-1]
             and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
             and _kernel_runs("GEMV kernel", x) and all(layer.weight.dtype == x.dtype for layer in layers))
 

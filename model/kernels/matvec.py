@@ -1,6 +1,6 @@
 """Triton GEMV for a decode step's linear layers: a few rows against a weight, the weight
 streamed once by many programs, where cuBLAS runs one small GEMM a layer that reads its
-2-8 MB at a fraction of the copy rate (`small`: ~5 µs a call, ~5 calls a layer).
+2-8 MB at a fraction of the copy rate (`small`: ~5 µs a call, ~5 calls a layer, ~1 TB/s).
 
 Owns ``gemv(x, *weights, groups=1)``: ``F.linear(x, w)`` for each weight (one launch for
 all of them, when they share ``x``: the query's and the K=V latent's projections of a
@@ -9,12 +9,14 @@ g of the output reads only group g of ``x``'s channels. Products in fp32, summed
 order than cuBLAS's (so the outputs agree to rounding), rounded to ``x``'s dtype as the GEMM
 rounds (bf16: nearest even, on the bits).
 
-Off by default (``DSAGENT_GEMV=1`` turns it on): on the H200, with the tiles below, a
-`small` decode step at 4K took 6.39 ms with it and 6.17 ms without (``--paths``, one run).
-``kernel_sweep.py --only gemv`` timed a layer's six calls at 31.8 µs against cuBLAS's 32.4,
-and 25.2 µs with 512 channels and 8 warps; but it replayed 20 calls of one weight, which the
-50 MB L2 then holds, so it flattered both sides against a step that streams every layer's
-(it now gives each call its own copy of the weights).
+How it reads (session 26): each program holds one tile of the weight — ``BLOCK_O`` whole
+rows, ``TILE_BYTES`` at most — and asks for all of it in one load, *before* its dependent
+launch's wait (``fused._chain``): no kernel of a decode step writes a weight, so the tile
+may stream in while the kernel before runs, and every program has its whole tile in flight
+at once. Then it waits, reads the rows of ``x`` and reduces, one row after another over the
+tile it holds (the weight is read once whatever the batch). Inputs wider than
+``BLOCK_D_MAX`` channels read the rest in chunks after the wait. Session 16's form looped
+over 256-channel chunks, one chunk in flight per program, and lost to cuBLAS in a step.
 
 Does not own: when it runs (``model.kernels.gemv_runs``), or which layers use it
 (``model.model``). Imported only when Triton is importable.
@@ -27,54 +29,57 @@ import triton.language as tl
 
 from model.kernels.fused import _chain, _store, chained
 
-# channels per load and warps of a program; a program's output rows are the most (up to
-# BLOCK_O_MAX) that still leave MIN_PROGRAMS programs a weight. Untuned guesses, swept by
-# scripts/kernel_sweep.py --only gemv
-GEMV_BLOCK_D, GEMV_WARPS = 256, 4
-MIN_PROGRAMS, BLOCK_O_MAX = 256, 32
+# bytes of weight a program holds, its warps, the fewest programs a weight is cut into
+# (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
+TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 
 
 @triton.jit
-def _rows_times_x(x_row, w_ptr, out_row, o0, O, DG, BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BF16: tl.constexpr):
-    """Outputs [o0, o0 + BLOCK_O) of one row: weight rows [O, DG] against ``x_row``'s DG channels."""
-    o = o0 + tl.arange(0, BLOCK_O)
-    o_ok = o < O
-    acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-    for d0 in range(0, DG, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        d_ok = d < DG
-        x = tl.load(x_row + d, mask=d_ok, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + o[:, None].to(tl.int64) * DG + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
-    _store(out_row + o, acc, o_ok, BF16)
-
-
-@triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, O, O2, D, DG, OG, P1,
-                 BLOCK_O: tl.constexpr, BLOCK_O2: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr,
-                 BF16: tl.constexpr, PDL: tl.constexpr = False):
-    """Program (p, n): a block of output rows of row n (the first weight's blocks, then the
-    second's). Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG). Each branch
-    calls the helper: tensors named alike in both branches must have one shape in Triton,
-    and the two weights' blocks need not."""
-    _chain(PDL)
+def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P1,
+                 BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
+                 PDL: tl.constexpr = False):
+    """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
+    second, for every row of x. Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG);
+    two weights come only without groups (DG == D), so both weights' tiles have one shape."""
     p = tl.program_id(0)
-    n = tl.program_id(1).to(tl.int64)
-    if TWO and p >= P1:  # the second weight: no groups
-        _rows_times_x(x_ptr + n * D, w2_ptr, out2_ptr + n * O2, (p - P1) * BLOCK_O2, O2, D, BLOCK_O2, BLOCK_D, BF16)
-    else:  # a block never spans two groups
-        _rows_times_x(x_ptr + n * D + ((p * BLOCK_O) // OG) * DG, w_ptr, out_ptr + n * O, p * BLOCK_O, O, DG,
-                      BLOCK_O, BLOCK_D, BF16)
+    if TWO and p >= P1:
+        w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
+        x_at = x_ptr
+    else:
+        w_at, out_at, o0, rows = w_ptr, out_ptr, p * BLOCK_O, O
+        x_at = x_ptr + (o0 // OG) * DG  # a block never spans two groups
+    o = o0 + tl.arange(0, BLOCK_O)
+    o_ok = o < rows
+    d = tl.arange(0, BLOCK_D)
+    w_rows = w_at + o[:, None].to(tl.int64) * DG
+    w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & (d < DG)[None, :], other=0.0,
+                eviction_policy="evict_first").to(tl.float32)  # before the wait: weights are never written
+    _chain(PDL)
+    n = 0
+    while n < N:
+        xs = tl.load(x_at + n * D + d, mask=d < DG, other=0.0).to(tl.float32)
+        acc = tl.sum(w * xs[None, :], 1)
+        d0 = BLOCK_D
+        while d0 < DG:  # inputs wider than BLOCK_D_MAX: the rest in chunks
+            dd = d0 + d
+            xs = tl.load(x_at + n * D + dd, mask=dd < DG, other=0.0).to(tl.float32)
+            wd = tl.load(w_rows + dd[None, :], mask=o_ok[:, None] & (dd < DG)[None, :], other=0.0)
+            acc += tl.sum(wd.to(tl.float32) * xs[None, :], 1)
+            d0 += BLOCK_D
+        _store(out_at + n * rows + o, acc, o_ok, BF16)
+        n += 1
 
 
-def _block_o(rows: int, most: int) -> int:
-    """Output rows a program: the most (a power of two, at least 1) that leaves MIN_PROGRAMS
-    programs, at most ``most``."""
+def tile(rows: int, width: int, elem_bytes: int, most: int) -> tuple[int, int]:
+    """(BLOCK_O, BLOCK_D) of a weight of ``rows`` x ``width``: the input whole up to
+    BLOCK_D_MAX channels; the most rows (a power of two, at most ``most``) whose tile fits
+    TILE_BYTES while the weight still makes MIN_PROGRAMS programs."""
+    block_d = min(triton.next_power_of_2(width), BLOCK_D_MAX)
     b = 1
-    while b * 2 <= min(most, BLOCK_O_MAX) and rows // (b * 2) >= MIN_PROGRAMS:
+    while (b * 2 <= most and b * 2 * block_d * elem_bytes <= TILE_BYTES
+           and triton.cdiv(rows, b * 2) >= MIN_PROGRAMS):
         b *= 2
-    return b
+    return b, block_d
 
 
 def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, ...]:
@@ -86,26 +91,20 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torc
     lead, D = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, D).contiguous()
     N = rows.shape[0]
-    w1 = weights[0].contiguous()
-    O, DG = w1.shape
-    assert D == DG * groups and O % groups == 0, (x.shape, w1.shape, groups)
+    ws = [w.contiguous() for w in weights]
+    O, DG = ws[0].shape
+    assert D == DG * groups and O % groups == 0 and all(w.shape[1] == D for w in ws[1:]), (x.shape, O, DG, groups)
     OG = O // groups
-    b1 = _block_o(O, OG & -OG)  # a power of two dividing the group's rows: no block spans two groups
+    outs = [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
+    # one tile shape for both weights; a power of two dividing the group's rows
+    most = min(OG & -OG, *(w.shape[0] for w in ws))
+    block_o, block_d = tile(sum(w.shape[0] for w in ws) // len(ws), DG, x.element_size(), most)
+    p1 = triton.cdiv(O, block_o)
+    p2 = triton.cdiv(ws[1].shape[0], block_o) if len(ws) == 2 else 0
     bf16 = x.dtype == torch.bfloat16
-    out1 = torch.empty(N, O, dtype=x.dtype, device=x.device)
-    p1 = triton.cdiv(O, b1)
-    if len(weights) == 2:
-        w2 = weights[1].contiguous()
-        assert w2.shape[1] == D
-        O2 = w2.shape[0]
-        b2 = _block_o(O2, BLOCK_O_MAX)
-        out2 = torch.empty(N, O2, dtype=x.dtype, device=x.device)
-        p2 = triton.cdiv(O2, b2)
-    else:
-        w2, out2, O2, b2, p2 = w1, out1, 0, 1, 0
     view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
-    _gemv_kernel[(p1 + p2, N)](rows, w1, view(out1), w2, view(out2), O, O2, D, DG, OG, p1,
-                               BLOCK_O=b1, BLOCK_O2=b2, BLOCK_D=GEMV_BLOCK_D, TWO=len(weights) == 2, BF16=bf16,
-                               num_warps=GEMV_WARPS, **chained(rows))
-    outs = (out1, out2)[:len(weights)]
+    w2, out2 = (ws[1], outs[1]) if len(ws) == 2 else (ws[0], outs[0])
+    _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
+                             BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16,
+                             num_warps=GEMV_WARPS, **chained(rows))
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)
