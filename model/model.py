@@ -251,8 +251,13 @@ class Indexer(nn.Module):
     def query(self, x, q_res, pos: torch.Tensor, inv_freq, kv: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
         """FP4 queries [B, S, h, d] and head weights [B, S, h] (reads no cache)."""
         B, S, _ = x.shape
-        q = linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim)
-        q = kv.index_query(apply_rope(q, pos, inv_freq))
+        if kernels.gemv_runs(q_res, self.wq_b):  # a decode step's few rows: the RoPE inside the GEMV
+            angles = rope_angles(pos, inv_freq)
+            (q,) = kernels.gemv(q_res, self.wq_b.weight, rope_out=(angles.cos, angles.sin, self.head_dim))
+            q = q.view(B, S, self.n_heads, self.head_dim)
+        else:
+            q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv_freq)
+        q = kv.index_query(q)
         return q, linear(self.weights_proj, x).float() * self.n_heads ** -0.5
 
     def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq, kv: KVFormat, qw=None) -> torch.Tensor:
@@ -400,22 +405,39 @@ class Attention(nn.Module):
         q_res, q, kv = self.project(x, pos, ropes, cache.kv)
         return self.output(self.core(x, q_res, q, kv, pos, step, cache, ropes), pos, ropes)
 
-    def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat):
-        """(q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads no cache."""
+    def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat, fused: bool = False):
+        """(q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads no
+        cache. ``fused`` (a decode step on the fused kernels, :meth:`decode_step` next): the
+        K=V latent as it is, which :meth:`decode_step` turns into its window entry, and
+        q_res only in a layer with an indexer (its query's input)."""
         B, S, _ = x.shape
         inv = ropes.compress if self.ratio else ropes.main
-        if kernels.gemv_runs(x, self.wq_a, self.wkv):  # a decode step: both projections of x in one launch
-            q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
-        else:
-            q_lat, kv_lat = self.wq_a(x), self.wkv(x)
-        q_res = self.q_norm(q_lat)
-        q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
-        return q_res, q, fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
+        if not kernels.gemv_runs(x, self.wq_a, self.wkv):
+            q_res, kv_lat = self.q_norm(self.wq_a(x)), self.wkv(x)
+            q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
+            return q_res, q, kv_lat if fused else fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
+        # a decode step's few rows: both projections of x in one launch; the query's norm
+        # (where nothing else reads q_res) and RoPE inside its GEMV
+        q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
+        angles, rotary = rope_angles(pos, inv), self.head_dim
+        q_res = self.q_norm(q_lat) if not fused or self.indexer is not None else None
+        (q,) = kernels.gemv(q_lat if q_res is None else q_res, self.wq_b.weight, rope_out=(angles.cos, angles.sin, rotary),
+                            norm=(self.q_norm.weight, self.q_norm.eps) if q_res is None else None)
+        q = q.view(B, S, self.n_heads, self.head_dim)
+        return q_res, q, kv_lat if fused else fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
 
     def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
-        """De-rotated attention output through the grouped low-rank output projection."""
-        out = apply_rope(out, pos, ropes.compress if self.ratio else ropes.main, inverse=True)
-        return linear(self.wo_b, self._grouped_wo_a(out).flatten(2))
+        """De-rotated attention output through the grouped low-rank output projection (on a
+        decode step's few rows one GEMV de-rotates and projects)."""
+        inv = ropes.compress if self.ratio else ropes.main
+        rows = out.flatten(2)
+        if kernels.gemv_runs(rows, self.wo_a):
+            angles = rope_angles(pos, inv)
+            (lat,) = kernels.gemv(rows, self.wo_a.weight, groups=self.args.o_groups,
+                                  rope_in=(angles.cos, angles.neg_sin, self.head_dim))
+        else:
+            lat = self._grouped_wo_a(apply_rope(out, pos, inv, inverse=True)).flatten(2)
+        return linear(self.wo_b, lat)
 
     def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
         """The part that reads and writes the cache: window ring, KV source, indexer, attention
@@ -477,7 +499,7 @@ class Attention(nn.Module):
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
         query when already computed."""
         ring = cache.windows[self.layer]
-        ring.write_step(kv, pos)
+        self._write_entry(kv, pos, ring, cache.kv, ropes.compress if self.ratio else ropes.main)
         if self.compressor is not None:
             src = cache.sources[self.layer]
             made = self.compressor.step(x, pos, src, emits)
@@ -492,6 +514,15 @@ class Attention(nn.Module):
             written = (topk, pool) if self.layer == self.args.candidate_source_layer_id else (topk,)
         records = None if topk is None else cache.sources[self.args.kv_source(self.layer)].records
         return self.fused_attend(q, pos, ring, records, topk), written
+
+    def _write_entry(self, kv_lat: torch.Tensor, pos: torch.Tensor, ring: WindowRing, fmt: KVFormat, inv) -> None:
+        """This step's window entry, from its K=V latent (``project(fused=True)``), into the
+        ring: one kernel where it runs, else the norm, RoPE and FP8 rounding of :meth:`project`
+        and the ring's write."""
+        angles = rope_angles(pos, inv)
+        if not kernels.window_entry(kv_lat, self.kv_norm.weight, self.kv_norm.eps, angles.cos, angles.sin,
+                                    ring.data, ring.pos, pos):
+            ring.write_step(fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv)), pos)
 
     def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
         """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""
@@ -695,7 +726,7 @@ class Block(nn.Module):
         ``expand``: the layer before's, likewise. ``shared``: what earlier layers
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
         streams, a_pre, a_post, a_comb, x = self.site("attn", streams, pre, expand=expand, overlap=True)
-        q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv)
+        q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
         return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask,
@@ -711,10 +742,10 @@ class Block(nn.Module):
         a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
         return (a_pre, a_post, a_comb, x, *self.projections(x, pos, ropes=ropes, fmt=fmt))
 
-    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat):
-        """The attention's projections of the site's input (``Attention.project``) and, in a
-        layer with an indexer, its query and head weights (``Indexer.query``)."""
-        q_res, q, kv = self.attn.project(x, pos, ropes, fmt)
+    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat, fused: bool = False):
+        """The attention's projections of the site's input (``Attention.project``, ``fused``
+        as there) and, in a layer with an indexer, its query and head weights (``Indexer.query``)."""
+        q_res, q, kv = self.attn.project(x, pos, ropes, fmt, fused)
         index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
         return (q_res, q, kv, *index)
 

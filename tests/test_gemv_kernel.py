@@ -73,6 +73,67 @@ def test_grouped_gemv_reads_only_its_groups_channels(dtype):
     close(out, explicit)
 
 
+def angles(S: int, half: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    a = torch.rand(S, half, generator=torch.Generator().manual_seed(seed)) * 6.0
+    return a.cos().to(DEVICE), a.sin().to(DEVICE)
+
+
+def as_heads(t: torch.Tensor, cos, sin, hd: int) -> torch.Tensor:
+    """``rope_ref`` of t [B, S, heads * hd] seen as heads: what the GEMV's rotations compute."""
+    return kernels.rope_ref(t.view(*t.shape[:2], -1, hd), cos, sin).view(t.shape)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_rotates_its_output_as_the_rope_after_it(dtype):
+    """``rope_out``: the output's heads rotated in the kernel's last lines are bit for bit the
+    GEMV's plain output rotated by ``rope_ref`` (the same fp32 products and sums, each rounded
+    on its own), at 2 rows x 2 positions and at one position, 4 heads of 64 with 16 pairs
+    rotated; and they agree with the twin."""
+    from model.kernels import matvec
+
+    for B, S in ((2, 2), (1, 1)):
+        x, w = rand(B, S, 256, seed=20, dtype=dtype), rand(4 * 64, 256, seed=21, dtype=dtype)
+        cos, sin = angles(S, 16, seed=22)
+        (rotated,) = matvec.gemv(x, w, rope_out=(cos, sin, 64))
+        (plain,) = matvec.gemv(x, w)
+        assert torch.equal(rotated, as_heads(plain, cos, sin, 64))
+        assert not torch.equal(rotated, plain)
+        close(rotated, kernels.gemv_ref(x, w, rope_out=(cos, sin, 64))[0])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemv_rotates_its_input_first(dtype):
+    """``rope_in`` (the attention output de-rotated before ``wo_a``): bit for bit the grouped
+    GEMV of x rotated by ``rope_ref`` first; 4 groups of 2 heads of 64 channels."""
+    from model.kernels import matvec
+
+    x, w = rand(2, 1, 8 * 64, seed=23, dtype=dtype), rand(4 * 32, 2 * 64, seed=24, dtype=dtype)
+    cos, sin = angles(1, 16, seed=25)
+    (out,) = matvec.gemv(x, w, groups=4, rope_in=(cos, -sin, 64))
+    assert torch.equal(out, matvec.gemv(as_heads(x, cos, -sin, 64), w, groups=4)[0])
+    close(out, kernels.gemv_ref(x, w, groups=4, rope_in=(cos, -sin, 64))[0])
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemv_normalises_its_input_first(dtype):
+    """``norm`` (the query's RMSNorm before ``wq_b``): as the GEMV of the RMSNorm kernel's
+    output, to rounding (the row's sum of squares may be reduced in another order), and the
+    twin; with ``rope_out`` too, as the query's projection runs."""
+    from model.kernels import matvec
+
+    x, w = rand(3, 1, 512, seed=26, dtype=dtype) * 7.0, rand(2 * 128, 512, seed=27, dtype=dtype)
+    nw = (1 + 0.1 * torch.randn(512, generator=torch.Generator().manual_seed(28))).to(DEVICE, dtype)
+    (out,) = matvec.gemv(x, w, norm=(nw, 1e-6))
+    close(out, matvec.gemv(kernels.rms_norm(x, nw, 1e-6), w)[0])
+    close(out, kernels.gemv_ref(x, w, norm=(nw, 1e-6))[0])
+    cos, sin = angles(1, 32, seed=29)
+    (both,) = matvec.gemv(x, w, norm=(nw, 1e-6), rope_out=(cos, sin, 128))
+    close(both, kernels.gemv_ref(x, w, norm=(nw, 1e-6), rope_out=(cos, sin, 128))[0])
+
+
 @needs_triton
 def test_gemv_runs_only_when_asked_on_a_few_rows_outside_autograd(monkeypatch):
     w = torch.nn.Linear(64, 32, bias=False).to(DEVICE)
@@ -155,18 +216,23 @@ def test_linear_is_the_layer_off_the_fast_path(monkeypatch):
 
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
-@pytest.mark.parametrize("block_o,block_d,two,bf16,pdl", [(4, 2048, 1, 0, 0), (16, 512, 1, 1, 1), (1, 4096, 0, 1, 1)])
-def test_gemv_kernel_compiles_for_hopper(block_o, block_d, two, bf16, pdl, tmp_path):
+@pytest.mark.parametrize("block_o,block_d,two,bf16,pdl,extra", [
+    (4, 2048, 1, 0, 0, {}), (16, 512, 1, 1, 1, {}), (1, 4096, 0, 1, 1, {}),
+    (16, 512, 0, 1, 1, {"NORM": True, "ROPE_OUT": True}), (4, 2048, 0, 1, 1, {"ROPE_IN": True})])
+def test_gemv_kernel_compiles_for_hopper(block_o, block_d, two, bf16, pdl, extra, tmp_path):
     """Triton's GPU compiler on the CPU, for sm_90 (``scripts/gpu_compile_check.py --compile``,
     a process without the interpreter): it types both branches of an ``if``, which the
     interpreter never does (a first version named tensors of two shapes alike in them, and
     failed on the GPU only); with ``pdl``, as a dependent launch (PTX the interpreter never
-    runs), the weight's load placed before the wait."""
+    runs), the weight's load placed before the wait; the query's norm and RoPE and the output's
+    de-rotation in it (``extra``)."""
     f, o = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
     signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o,
-                 **dict.fromkeys(("N", "O", "O2", "D", "DG", "OG", "P1"), "i32"),
-                 **dict.fromkeys(("BLOCK_O", "BLOCK_D", "TWO", "BF16", "PDL"), "constexpr")}
-    constants = {"BLOCK_O": block_o, "BLOCK_D": block_d, "TWO": bool(two), "BF16": bool(bf16), "PDL": bool(pdl)}
+                 **dict.fromkeys(("N", "O", "O2", "D", "DG", "OG", "P1"), "i32"), "nw_ptr": f, "eps": "fp32",
+                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(("S", "HD", "OFF", "HALF"), "i32"),
+                 **dict.fromkeys(("BLOCK_O", "BLOCK_D", "TWO", "BF16", "PDL", *extra), "constexpr")}
+    constants = {"BLOCK_O": block_o, "BLOCK_D": block_d, "TWO": bool(two), "BF16": bool(bf16), "PDL": bool(pdl),
+                 **extra}
     launches = tmp_path / "launches.json"
     launches.write_text(json.dumps([{"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
                                      "constants": constants, "options": {"launch_pdl": True} if pdl else {}}]))

@@ -641,6 +641,42 @@ def test_a_decode_step_packs_its_window_entries_into_the_ring(dtype) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_steps_window_entry_is_made_in_one_launch(dtype) -> None:
+    """``window_entry`` (norm, RoPE, FP8 values, bytes, slot and position in one launch) leaves
+    a ring as the four kernels it replaces do (``rms_norm``, ``rope``, ``fake_quant_fp8``,
+    ``pack_window_at``), over steps that wrap the ring. Byte for byte on rows of multiples of
+    1/8, whose sums of squares are exact in any order; on Gaussian rows the norm's sum may
+    round otherwise, so there nearly every byte, and the values to an FP8 step."""
+    from model import kernels, quant
+    from model.cache import WindowRing
+    from model.kernels import pack
+
+    g = torch.Generator().manual_seed(3)
+    weight = (1 + 0.25 * torch.randn(512, generator=g)).to(DEVICE, dtype)
+    for exact in (True, False):
+        rings = [WindowRing(3, 5, 512, DEVICE) for _ in range(2)]
+        for p in range(7):
+            kv = torch.randn(3, 1, 512, generator=g) * 4
+            kv = (kv * 8).round() / 8 if exact else kv
+            kv = kv.to(DEVICE, dtype)
+            angle = torch.rand(1, 32, generator=g) * 6
+            cos, sin = angle.cos().to(DEVICE), angle.sin().to(DEVICE)
+            pos = torch.tensor([p], device=DEVICE)
+            entry = kernels.fake_quant_fp8(kernels.rope(kernels.rms_norm(kv, weight, 1e-6), cos, sin))
+            pack.pack_window_at(entry, rings[0].data, rings[0].pos, pos)
+            pack.window_entry(kv, weight, 1e-6, cos, sin, rings[1].data, rings[1].pos, pos)
+            assert torch.equal(rings[1].pos, rings[0].pos), p
+            if exact:
+                assert torch.equal(rings[1].data, rings[0].data), p
+            else:
+                assert (rings[1].data != rings[0].data).float().mean().item() < 0.01, p
+                got, want = (quant.unpack_window(r.data, 512) for r in rings)
+                torch.testing.assert_close(got, want, rtol=2 ** -3, atol=0.0)
+        assert rings[1].pos.tolist() == [5, 6, 2, 3, 4]
+
+
+@needs_kernel
 @pytest.mark.parametrize("which", ["window", "main", "index"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fake_quant_kernels_give_the_values_bit_for_bit(which, dtype) -> None:

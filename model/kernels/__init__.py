@@ -21,7 +21,9 @@ and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
   fp32 (or ``out_dtype``): ``Attention._attend`` for S=1 on FP8 window rows and selected FP4
   records; ``window_at`` = (ring positions, query position, span) in place of the mask.
-- ``pack_window_at(kv, data, ring_pos, pos)``: a step's window entry packed into its ring slot.
+- ``pack_window_at(kv, data, ring_pos, pos)``: a step's window entry packed into its ring slot;
+  ``window_entry(kv, norm_weight, eps, cos, sin, data, ring_pos, pos)``: the entry made from
+  its K=V latent (norm, RoPE, FP8) and packed there, one launch.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale, rows=None)`` -> [B, N] fp32:
   ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, or a one-element
   device tensor that a CUDA graph can hold); with ``rows`` [B, M], the scores of those keys
@@ -71,7 +73,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
-           "topk_rows", "topk_rows_ref"]
+           "topk_rows", "topk_rows_ref", "window_entry"]
 
 
 def _interpreting() -> bool:
@@ -177,24 +179,43 @@ def gemv_runs(x: torch.Tensor, *layers: torch.nn.Module) -> bool:
             and _kernel_runs("GEMV kernel", x) and all(layer.weight.dtype == x.dtype for layer in layers))
 
 
-def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, ...]:
+def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
+         rope_out=None) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, w)`` for each of one or two weights, in one launch (``model.kernels.matvec``),
     for a caller that asked :func:`gemv_runs`; ``groups`` > 1: ``Attention``'s grouped output
-    projection. Agrees with cuBLAS to rounding (another summation order). A kernel that
-    cannot be built warns once and the twin (:func:`gemv_ref`) runs from then on."""
+    projection. ``norm`` = (weight, eps): of ``rms_norm(x, weight, eps)`` instead of x;
+    ``rope_in`` / ``rope_out`` = (cos, sin, head_dim): of ``rope`` of x seen as heads of
+    head_dim channels / the output so rotated (one weight with these). Agrees with cuBLAS to
+    rounding (another summation order); the norm's and the rotations' own roundings are
+    those of :func:`rms_norm` and :func:`rope`. A kernel that cannot be built warns once and
+    the twin (:func:`gemv_ref`) runs from then on."""
     from model.kernels import matvec as kernel
 
-    return _guarded("GEMV kernel", functools.partial(kernel.gemv, groups=groups),
-                    functools.partial(gemv_ref, groups=groups), x, *weights)
+    options = dict(groups=groups, norm=norm, rope_in=rope_in, rope_out=rope_out)
+    return _guarded("GEMV kernel", functools.partial(kernel.gemv, **options), functools.partial(gemv_ref, **options),
+                    x, *weights)
 
 
-def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, ...]:
-    """:func:`gemv`'s twin: ``F.linear``, or the grouped einsum of ``Attention._grouped_wo_a``."""
+def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
+             rope_out=None) -> tuple[torch.Tensor, ...]:
+    """:func:`gemv`'s twin: ``F.linear``, or the grouped einsum of ``Attention._grouped_wo_a``,
+    after ``rms_norm_ref`` / ``rope_ref`` of x and before ``rope_ref`` of the output."""
+
+    def heads(t: torch.Tensor, rope) -> torch.Tensor:
+        cos, sin, hd = rope
+        return rope_ref(t.reshape(-1, cos.shape[0], t.shape[-1] // hd, hd), cos, sin).reshape(t.shape)
+
+    if norm is not None:
+        x = rms_norm_ref(x, *norm)
+    if rope_in is not None:
+        x = heads(x, rope_in)
     if groups == 1:
-        return tuple(torch.nn.functional.linear(x, w) for w in weights)
-    (w,) = weights
-    grouped = x.reshape(*x.shape[:-1], groups, -1)
-    return (torch.einsum("...gi,goi->...go", grouped, w.view(groups, w.shape[0] // groups, -1)).flatten(-2),)
+        outs = tuple(torch.nn.functional.linear(x, w) for w in weights)
+    else:
+        (w,) = weights
+        grouped = x.reshape(*x.shape[:-1], groups, -1)
+        outs = (torch.einsum("...gi,goi->...go", grouped, w.view(groups, w.shape[0] // groups, -1)).flatten(-2),)
+    return outs if rope_out is None else (heads(outs[0], rope_out),)
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
@@ -434,6 +455,23 @@ def pack_window_at(kv: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor,
     from model.kernels import pack
 
     return _guarded("pack_window", lambda t: pack.pack_window_at(t, data, ring_pos, pos) or True, lambda t: False, kv)
+
+
+def window_entry(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> bool:
+    """One decode step's window entry made and written in one launch, from its K=V latent
+    ``kv`` [B, 1, D]: ``pack_window_at(fake_quant_fp8(rope(rms_norm(kv, norm_weight, eps), cos,
+    sin)), data, ring_pos, pos)`` (``Attention.decode_step``), where torch's kernels or ours
+    took four. True where the kernel ran (:func:`enabled`, rows the pack kernel takes);
+    False, and nothing written, where it does not or cannot be built: the caller runs the
+    four. Its norm agrees with :func:`rms_norm`'s to rounding; the rest as the four round."""
+    if not (pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK) and _kernel_runs("window entry", kv)
+            and kv.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == kv.dtype):
+        return False
+    from model.kernels import pack
+
+    return _guarded("window entry", lambda t: pack.window_entry(t, norm_weight, eps, cos, sin, data, ring_pos, pos)
+                    or True, lambda t: False, kv)
 
 
 def pow2_blocks(dim: int, block: int) -> bool:

@@ -89,6 +89,15 @@ def _bf16_bits(y):
 
 
 @triton.jit
+def _round(y, BF16: tl.constexpr):
+    """fp32 ``y`` as the value a tensor of the output's dtype holds: with ``BF16`` rounded to
+    the nearest-even bf16 (on the bits), else as it is."""
+    if BF16:
+        return (_bf16_bits(y).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    return y
+
+
+@triton.jit
 def _store(ptr, y, mask, BF16: tl.constexpr):
     """fp32 ``y`` stored in the destination's dtype: with ``BF16``, as bf16 bits (nearest even)
     through an int16 view; else cast to the pointer's element type."""

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _chain, _store, chained
+from model.kernels.fused import _chain, _round, _store, chained, unfused
 
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
@@ -35,12 +35,24 @@ TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 
 
 @triton.jit
+def _rotate(e, o, cs, sn, rot):
+    """One adjacent RoPE pair as ``rope_ref`` turns it, each product and sum rounded on its own."""
+    return tl.where(rot, e * cs - o * sn, e), tl.where(rot, e * sn + o * cs, o)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P1,
+                 nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF,
                  BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
+                 NORM: tl.constexpr = False, ROPE_IN: tl.constexpr = False, ROPE_OUT: tl.constexpr = False,
                  PDL: tl.constexpr = False):
     """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
     second, for every row of x. Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG);
-    two weights come only without groups (DG == D), so both weights' tiles have one shape."""
+    two weights come only without groups (DG == D), so both weights' tiles have one shape.
+    NORM: each row of x RMS-normalised by ``nw`` first (as ``norm._rms_norm_kernel``);
+    ROPE_IN / ROPE_OUT: x's / the output's heads of HD channels rotated (as
+    ``rotary._rope_kernel``: channels from OFF on, in adjacent pairs, by row n's cos / sin at
+    n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG)."""
     p = tl.program_id(0)
     if TWO and p >= P1:
         w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
@@ -51,13 +63,25 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     o = o0 + tl.arange(0, BLOCK_O)
     o_ok = o < rows
     d = tl.arange(0, BLOCK_D)
+    d_ok = d < DG
     w_rows = w_at + o[:, None].to(tl.int64) * DG
-    w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & (d < DG)[None, :], other=0.0,
+    w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0,
                 eviction_policy="evict_first").to(tl.float32)  # before the wait: weights are never written
     _chain(PDL)
     n = 0
     while n < N:
-        xs = tl.load(x_at + n * D + d, mask=d < DG, other=0.0).to(tl.float32)
+        xs = tl.load(x_at + n * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        if NORM:
+            xs = xs * tl.math.rsqrt(tl.sum(xs * xs, axis=0) / D + eps)
+            xs = _round(tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32) * _round(xs, BF16), BF16)
+        if ROPE_IN:
+            hc = d % HD
+            rot = d_ok & (hc >= OFF)
+            partner = tl.load(x_at + n * D + (d ^ 1), mask=rot, other=0.0).to(tl.float32)
+            cs = tl.load(cos_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
+            sn = tl.load(sin_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
+            turned = tl.where((hc - OFF) % 2 == 0, xs * cs - partner * sn, partner * sn + xs * cs)
+            xs = _round(tl.where(rot, turned, xs), BF16)
         acc = tl.sum(w * xs[None, :], 1)
         d0 = BLOCK_D
         while d0 < DG:  # inputs wider than BLOCK_D_MAX: the rest in chunks
@@ -66,28 +90,43 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
             wd = tl.load(w_rows + dd[None, :], mask=o_ok[:, None] & (dd < DG)[None, :], other=0.0)
             acc += tl.sum(wd.to(tl.float32) * xs[None, :], 1)
             d0 += BLOCK_D
+        if ROPE_OUT:  # the output's pairs lie in one program: BLOCK_O is even
+            e, od = tl.split(tl.reshape(_round(acc, BF16), [BLOCK_O // 2, 2]))
+            pc = (o0 + 2 * tl.arange(0, BLOCK_O // 2)) % HD  # each pair's even channel in its head
+            rot = pc >= OFF
+            cs = tl.load(cos_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
+            sn = tl.load(sin_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
+            e, od = _rotate(e, od, cs, sn, rot)
+            acc = tl.reshape(tl.join(e, od), [BLOCK_O])
         _store(out_at + n * rows + o, acc, o_ok, BF16)
         n += 1
 
 
-def tile(rows: int, width: int, elem_bytes: int, most: int) -> tuple[int, int]:
+def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whole: bool = False) -> tuple[int, int]:
     """(BLOCK_O, BLOCK_D) of a weight of ``rows`` x ``width``: the input whole up to
-    BLOCK_D_MAX channels; the most rows (a power of two, at most ``most``) whose tile fits
-    TILE_BYTES while the weight still makes MIN_PROGRAMS programs."""
-    block_d = min(triton.next_power_of_2(width), BLOCK_D_MAX)
-    b = 1
+    BLOCK_D_MAX channels (past that only if ``whole``); the most rows (a power of two from
+    ``least``, at most ``most``) whose tile fits TILE_BYTES while the weight still makes
+    MIN_PROGRAMS programs."""
+    block_d = triton.next_power_of_2(width) if whole else min(triton.next_power_of_2(width), BLOCK_D_MAX)
+    b = least
     while (b * 2 <= most and b * 2 * block_d * elem_bytes <= TILE_BYTES
            and triton.cdiv(rows, b * 2) >= MIN_PROGRAMS):
         b *= 2
     return b, block_d
 
 
-def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, ...]:
+def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
+         rope_out=None) -> tuple[torch.Tensor, ...]:
     """``x`` [..., D] (fp32 or bf16) against one or two weights [O, D] of its dtype -> one
     output [..., O] each. With ``groups`` g (one weight [g * r, D / g]): output group j is
-    weight rows [j * r, (j + 1) * r) against x's channels [j * D / g, (j + 1) * D / g)."""
+    weight rows [j * r, (j + 1) * r) against x's channels [j * D / g, (j + 1) * D / g).
+    ``norm`` = (weight [D], eps): x RMS-normalised first (``rms_norm``); ``rope_in`` /
+    ``rope_out`` = (cos, sin [S, r], head_dim): x's / the output's heads rotated
+    (``rope`` on x [B, S, heads, head_dim], S the second dim of x). One weight with these."""
     assert 1 <= len(weights) <= 2 and (groups == 1 or len(weights) == 1)
     assert x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == x.dtype and w.dim() == 2 for w in weights)
+    assert len(weights) == 1 or not (norm or rope_in or rope_out)
+    assert not (norm and rope_in), "x normalised and rotated: not one pass"
     lead, D = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, D).contiguous()
     N = rows.shape[0]
@@ -96,15 +135,28 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1) -> tuple[torc
     assert D == DG * groups and O % groups == 0 and all(w.shape[1] == D for w in ws[1:]), (x.shape, O, DG, groups)
     OG = O // groups
     outs = [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
-    # one tile shape for both weights; a power of two dividing the group's rows
+    # one tile shape for both weights; a power of two dividing the group's rows; the output's
+    # RoPE pairs in one program
     most = min(OG & -OG, *(w.shape[0] for w in ws))
-    block_o, block_d = tile(sum(w.shape[0] for w in ws) // len(ws), DG, x.element_size(), most)
+    block_o, block_d = tile(sum(w.shape[0] for w in ws) // len(ws), DG, x.element_size(), most,
+                            least=2 if rope_out else 1, whole=bool(norm or rope_in))
     p1 = triton.cdiv(O, block_o)
     p2 = triton.cdiv(ws[1].shape[0], block_o) if len(ws) == 2 else 0
     bf16 = x.dtype == torch.bfloat16
     view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
     w2, out2 = (ws[1], outs[1]) if len(ws) == 2 else (ws[0], outs[0])
+    nw, eps = (norm[0].contiguous(), float(norm[1])) if norm else (rows, 0.0)
+    cos, sin, hd = rope_in or rope_out or (rows, rows, 1)
+    S, half = cos.shape if (rope_in or rope_out) else (1, 0)
+    if rope_in or rope_out:
+        assert cos.dtype == sin.dtype == torch.float32 and sin.shape == cos.shape and 2 * half <= hd
+        assert len(lead) >= 2 and lead[-1] == S, (x.shape, cos.shape)
+        assert (DG if rope_in else O) % hd == 0 and hd % 2 == 0
+        cos, sin = cos.contiguous(), sin.contiguous()
+    assert norm is None or (nw.shape == (D,) and nw.dtype == x.dtype)
     _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
-                             BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16,
-                             num_warps=GEMV_WARPS, **chained(rows))
+                             nw, eps, cos, sin, S, hd, hd - 2 * half, half,
+                             BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
+                             ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, num_warps=GEMV_WARPS,
+                             **unfused(), **chained(rows))
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)

@@ -36,7 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits, _chain, _store, chained
+from model.kernels.fused import _chain, _round, _store, chained
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -66,14 +66,6 @@ SUM_BLOCK = 512
 def _from_bits(bits):
     """int16 bf16 bits -> their value in fp32 (exact)."""
     return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round(x, BF16: tl.constexpr):
-    """x rounded to the activation dtype (bf16: nearest even, on the bits) and back to fp32."""
-    if BF16:
-        return _from_bits(_bf16_bits(x))
-    return x
 
 
 @triton.jit

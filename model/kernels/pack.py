@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import pow2_blocks
-from model.kernels.fused import _chain, _e2m1, _e4m3, chained
+from model.kernels.fused import _chain, _e2m1, _e4m3, _round, chained, unfused
 from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
 
 # e2m1 thresholds as model.quant.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
@@ -201,6 +201,60 @@ def pack_window_at(x: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, 
     flat = _rows(x, WINDOW_BLOCK)
     _pack_window_at_kernel[(B,)](flat, data, ring_pos, pos, ring_pos.shape[0], flat.stride(0), data.stride(0),
                                  data.stride(1), D=D, BLOCK=WINDOW_BLOCK, FMAX=FP8_MAX, **chained(flat))
+
+
+@triton.jit(do_not_specialize=["cap"])
+def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_ptr, pos_ptr, cap, s_x, s_db, s_dn,
+                         D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
+                         BF16: tl.constexpr, PDL: tl.constexpr = False):
+    """Row b of one decode step's K=V latent to its window entry in its ring slot, in
+    registers: the RMSNorm (``norm._rms_norm_kernel``'s roundings), the RoPE of the trailing
+    HALF pairs (``rotary._rope_kernel``'s), the FP8 values (``fake_quant_fp8``), their bytes
+    (``_pack_window_at_kernel``); program 0 also records the slot's position."""
+    _chain(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, D)
+    h = tl.load(x_ptr + b * s_x + c).to(tl.float32)
+    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+    h = _round(tl.load(nw_ptr + c).to(tl.float32) * _round(h, BF16), BF16)
+    e, o = tl.split(tl.reshape(h, [D // 2, 2]))
+    pc = 2 * tl.arange(0, D // 2)  # each pair's even channel
+    rot = pc >= D - 2 * HALF
+    j = (pc - (D - 2 * HALF)) // 2
+    cs = tl.load(cos_ptr + j, mask=rot, other=0.0)
+    sn = tl.load(sin_ptr + j, mask=rot, other=0.0)
+    e, o = tl.where(rot, e * cs - o * sn, e), tl.where(rot, e * sn + o * cs, o)
+    h = tl.reshape(tl.join(_round(e, BF16), _round(o, BF16)), [D // BLOCK, BLOCK])
+    y, scale, _ = _fp8_blocks(h, FMAX)  # the entry's FP8 values, as the step's KVFormat.window makes them
+    code = _e4m3_encode(y)
+    value = _signed(_e4m3(code & 0x7F) * scale[:, None], (code & 0x80) != 0)
+    y, _, k = _fp8_blocks(value, FMAX)  # and their bytes, as the ring's write packs them
+    p = tl.load(pos_ptr)
+    slot = p % cap
+    row = data_ptr + b * s_db + slot * s_dn
+    offs = tl.arange(0, D // BLOCK)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    tl.store(row + offs, _e4m3_encode(y).to(tl.uint8))
+    tl.store(row + D + tl.arange(0, D // BLOCK), k.to(tl.uint8))
+    if b == 0:
+        tl.store(rpos_ptr + slot, p)
+
+
+def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+                 data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
+    """x [B, 1, D] (the K=V latent of one decode step, fp32 or bf16) normalised by
+    ``norm_weight``, rotated by cos / sin [1, r], rounded to FP8 and packed into ring rows
+    ``data`` [B, cap, D + D/32] at slot pos % cap; ``ring_pos`` [cap] told."""
+    B, S, D = x.shape
+    assert S == 1 and pos.numel() == 1 and pos.dtype == ring_pos.dtype == torch.int64
+    assert data.dtype == torch.uint8 and data.shape == (B, ring_pos.shape[0], D + D // WINDOW_BLOCK)
+    assert data.stride(2) == 1 and ring_pos.is_contiguous() and norm_weight.shape == (D,)
+    assert x.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == x.dtype
+    assert cos.shape == sin.shape and cos.shape[0] == 1 and 2 * cos.shape[1] <= D and cos.dtype == torch.float32
+    flat = _rows(x, WINDOW_BLOCK)
+    _window_entry_kernel[(B,)](flat, norm_weight.contiguous(), float(eps), cos.contiguous(), sin.contiguous(), data,
+                               ring_pos, pos, ring_pos.shape[0], flat.stride(0), data.stride(0), data.stride(1), D=D,
+                               HALF=cos.shape[1], BLOCK=WINDOW_BLOCK, FMAX=FP8_MAX, BF16=x.dtype == torch.bfloat16,
+                               num_warps=4, **unfused(), **chained(flat))
 
 
 def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = False) -> torch.Tensor:
