@@ -97,9 +97,13 @@ SITE_WARPS = 4
 # beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
 # 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
 FINISH_WARPS = None
-# each token's last dots program makes the site's input (collapse and norm), one launch fewer
-# a site; False: the finish kernel makes it (kernel_sweep / A-B)
-INPUT_IN_DOTS = True
+# True: each token's last dots program makes the site's input (collapse and norm), one launch
+# fewer a site (a step 1,179 -> 859 kernels with the session-26 launch cuts). Off: on the H200
+# (`small`, session 26, two calls, alternated in one) it did not pay — a 4K step 3.605 / 3.621 ms
+# either way, a 128K step 3.909 / 3.898 ms with it against 3.814 / 3.858 without: the dots
+# launch grew by the input's serial tail (0.28 -> 0.45 ms a step) about as much as the finish
+# launches it saved
+INPUT_IN_DOTS = False
 
 
 @triton.jit
