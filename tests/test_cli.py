@@ -208,7 +208,7 @@ def test_bench_decode_paths_turns_each_switch_off_in_turn(monkeypatch):
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
     assert out["batch"] == 2
-    switches = {"graphs", "kernels", "fused_moe", "grouped_moe", "pdl", "mhc_overlap", "select"}
+    switches = {"graphs", "kernels", "fused_moe", "grouped_moe", "pdl", "mhc_overlap", "select", "gemv"}
     assert set(out["step_ms"]) == switches | {"all_on"} and set(out["slowdown_without"]) == switches
     assert all(v > 0 for v in out["step_ms"].values())
     assert os.environ["DSAGENT_GRAPHS"] == "1" and "DSAGENT_KERNELS" not in os.environ  # switches restored
