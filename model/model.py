@@ -419,10 +419,11 @@ class Attention(nn.Module):
         # a decode step's few rows: both projections of x in one launch; the query's norm
         # (where nothing else reads q_res) and RoPE inside its GEMV
         q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
-        angles, rotary = rope_angles(pos, inv), self.head_dim
+        angles = rope_angles(pos, inv)
         q_res = self.q_norm(q_lat) if not fused or self.indexer is not None else None
-        (q,) = kernels.gemv(q_lat if q_res is None else q_res, self.wq_b.weight, rope_out=(angles.cos, angles.sin, rotary),
-                            norm=(self.q_norm.weight, self.q_norm.eps) if q_res is None else None)
+        norm = (self.q_norm.weight, self.q_norm.eps) if q_res is None else None
+        (q,) = kernels.gemv(q_lat if norm else q_res, self.wq_b.weight, norm=norm,
+                            rope_out=(angles.cos, angles.sin, self.head_dim))
         q = q.view(B, S, self.n_heads, self.head_dim)
         return q_res, q, kv_lat if fused else fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
 

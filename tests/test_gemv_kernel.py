@@ -186,6 +186,36 @@ def test_attention_projections_on_the_gemv(dtype, monkeypatch):
         close(a, b)
 
 
+@needs_triton
+def test_a_fused_steps_projection_normalises_the_query_inside_its_gemv(monkeypatch):
+    """``project(fused=True)`` in a layer without an indexer: the query's norm inside the
+    ``wq_b`` GEMV (no q_res made), the K=V latent handed on as it is; the query agrees with the
+    plain projection's to the norm's rounding, and a layer with an indexer still makes q_res."""
+    from model.model import Ropes
+    from model.quant import KVFormat
+
+    args = ModelArgs.preset("tiny")
+    g = torch.Generator().manual_seed(1)
+    ropes, pos = Ropes(args).to(DEVICE), torch.tensor([7], device=DEVICE)
+    for layer in (0, args.index_source_layer_ids[0]):
+        attn = Attention(args, layer=layer)
+        with torch.no_grad():
+            for p in attn.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 if p.dim() > 1
+                        else 1 + 0.1 * torch.randn(p.shape, generator=g))
+        attn = attn.to(DEVICE, torch.bfloat16).eval()
+        x = rand(2, 1, args.hidden_size, seed=12, dtype=torch.bfloat16)
+        with torch.no_grad():
+            q_res, q, kv = attn.project(x, pos, ropes, KVFormat.PACKED, fused=True)
+            want_res, want_q, _ = attn.project(x, pos, ropes, KVFormat.PACKED)
+            latent = attn.wkv(x)
+        assert (q_res is None) == (attn.indexer is None)
+        close(q, want_q)
+        close(kv, latent)
+        if q_res is not None:
+            assert torch.equal(q_res, want_res)
+
+
 class CountedLinear(torch.nn.Module):
     """A test double of a QAT linear layer, whose weight is computed on each read: counts the reads."""
 
