@@ -8,11 +8,6 @@ and bf16 to one bf16 step (2^-8) of an output.
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +15,7 @@ import torch
 import model.kernels as kernels
 from model.args import ModelArgs
 from model.model import Attention, linear
+from tests.hopper import compile_for_hopper
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -263,12 +259,6 @@ def test_gemv_kernel_compiles_for_hopper(block_o, block_d, two, bf16, pdl, extra
                  **dict.fromkeys(("BLOCK_O", "BLOCK_D", "TWO", "BF16", "PDL", *extra), "constexpr")}
     constants = {"BLOCK_O": block_o, "BLOCK_D": block_d, "TWO": bool(two), "BF16": bool(bf16), "PDL": bool(pdl),
                  **extra}
-    launches = tmp_path / "launches.json"
-    launches.write_text(json.dumps([{"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
-                                     "constants": constants, "options": {"launch_pdl": True} if pdl else {}}]))
-    root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
-    r = subprocess.run([sys.executable, str(root / "scripts" / "gpu_compile_check.py"), "--compile", str(launches)],
-                       env=env, capture_output=True, text=True, timeout=300)
+    r = compile_for_hopper([{"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
+                             "constants": constants, "options": {"launch_pdl": True} if pdl else {}}], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -9,6 +9,7 @@ relative), and that step carries through the SwiGLU and ``w2``.
 from __future__ import annotations
 
 import itertools
+import importlib.util
 import os
 
 import pytest
@@ -17,8 +18,10 @@ import torch
 import model.kernels as kernels
 from model.args import ModelArgs
 from model.moe import MoE
+from tests.hopper import compile_for_hopper
 
 ON_CUDA = torch.cuda.is_available()
+INTERPRETED = not ON_CUDA  # the kernels run under TRITON_INTERPRET=1 where they run at all
 DEVICE = "cuda" if ON_CUDA else "cpu"
 pytestmark = pytest.mark.skipif(not kernels.triton_available(),
                                 reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
@@ -137,6 +140,37 @@ def test_down_sum_with_every_slot_at_once_matches_the_slot_by_slot_sum(dtype, mo
         assert (at_once - slot_by_slot).abs().max() < 0.05 * slot_by_slot.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_down_sum_asked_for_before_its_wait_matches_the_looped_one(dtype, monkeypatch):
+    """``DOWN_EARLY``: the experts' ids and whole tile read before the wait, the intermediate
+    channels in one tile (96 of 128, the rest masked) where the loop takes three chunks of 32:
+    the same slots in the same order, the dots in another (fp32: rounding; bf16: a slot's
+    product a bf16 step apart); 1 token and 3, top-3 of 8 and the shared expert (5 output
+    rows a token, a block of 4 masked); each against the products summed in torch. Under the
+    interpreter the early form alone."""
+    from model.kernels import moe as kmoe
+
+    monkeypatch.setattr(kmoe, "SLOTS_BLOCK_I", 32)
+    g = torch.Generator().manual_seed(21)
+    E, D, I, K = 8, 5, 96, 3
+    w2, s2 = (torch.randn(*shape, generator=g).to(DEVICE, dtype) * I ** -0.5 for shape in ((E, D, I), (D, I)))
+    for n in (1, 3):
+        h = torch.randn(n * K + n, I, generator=g).to(DEVICE, dtype)
+        chosen = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)]).to(DEVICE)
+        outs = {}
+        for early in (True,) if INTERPRETED else (False, True):  # the loop's range(I) is not the interpreter's
+            monkeypatch.setattr(kmoe, "DOWN_EARLY", early)
+            outs[early] = kmoe.down_slots(h, w2, s2, chosen, torch.empty(n, D, dtype=dtype, device=DEVICE))
+        want = torch.stack([sum((h[t * K + k].float() @ w2[chosen[t, k]].float().T).to(dtype).float()
+                                for k in range(K)) + (h[n * K + t].float() @ s2.float().T).to(dtype).float()
+                            for t in range(n)])
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7
+        for out in outs.values():
+            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * want.abs().max().item())
+        if False in outs:
+            torch.testing.assert_close(outs[True], outs[False], rtol=tol, atol=tol * want.abs().max().item())
+
+
 def test_moe_kernel_splits_the_gate_over_channel_chunks():
     """512 channels: the gate's logits are summed from 4 chunks of 128."""
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=5, hidden_size=512)
@@ -197,3 +231,24 @@ def test_moe_kernel_writes_bf16_as_the_cast_rounds_it(monkeypatch):
     monkeypatch.undo()
     with torch.no_grad():
         assert torch.equal(moe(x), decode_call(moe, x, out_dtype=torch.bfloat16))  # the MoE's own call
+
+
+@pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
+                    reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
+@pytest.mark.parametrize("early,block_i", [(False, 256), (True, 1024)])
+@pytest.mark.parametrize("bf16", [False, True])
+def test_down_slots_kernel_compiles_for_hopper(early, block_i, bf16, tmp_path):
+    """The down sum at `small`'s decode shape (top-6 and the shared expert, 8 warps) through
+    the GPU compiler for sm_90, as a dependent launch: both ``DOWN_EARLY`` forms (the
+    interpreter cannot run the looped one: its range over a runtime width), bf16 and fp32 —
+    a helper that returned an fp32 tensor in one branch and a load in the other built in fp32
+    and was refused in bf16."""
+    f, h = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
+    signature = {"h_ptr": h, "w2_ptr": f, "s2_ptr": f, "isel_ptr": "*i64", "out_ptr": h,
+                 **dict.fromkeys(("NK", "D", "I"), "i32"),
+                 **dict.fromkeys(("K", "S_P2", "BLOCK_O", "BLOCK_I", "BF16", "OUT_BF16", "EARLY", "PDL"), "constexpr")}
+    constants = {"K": 6, "S_P2": 8, "BLOCK_O": 4, "BLOCK_I": block_i, "BF16": bf16, "OUT_BF16": bf16, "EARLY": early,
+                 "PDL": True}
+    r = compile_for_hopper([{"module": "model.kernels.moe", "name": "_down_slots_kernel", "signature": signature,
+                             "constants": constants, "options": {"launch_pdl": True, "num_warps": 8}}], tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -15,7 +15,8 @@ Owns ``moe_decode`` (what ``model.moe.MoE.forward`` computes for text tokens):
 - ``_down_kernel``, one program per token and block of output channels: each slot's ``w2``
   product rounded to the activation dtype, summed in slot order in fp32, then the shared
   expert's added (``MoE``'s order), so a step is deterministic; ``_down_slots_kernel`` (with
-  ``DOWN_SLOTS``, the default since timed) the same sum with every slot's rows loaded in one tile.
+  ``DOWN_SLOTS``, the default since timed) the same sum with every slot's rows loaded in one tile
+  (launched by ``down_slots``, which the tests call on their own rows).
 
 From ``GROUPED_TOKENS`` tokens (a batched decode step) the experts run grouped instead: at
 batch 16 and top-6 of 64, the 96 pairs share ~51 experts, and a kernel by pair reads each
@@ -54,6 +55,10 @@ DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 # tiles within ~1.5 us of the sweep's best (8, 256, 8), inside its noise
 DOWN_SLOTS = True
 SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
+# the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
+# as the GEMV (session 26) asks for its weights: built and tested under the interpreter and for
+# sm_90, NOT yet timed on the GPU (the session's device time ran out), so off
+DOWN_EARLY = False
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
 # per expert and block of rows, the tokens' block through tensor cores; untuned guesses
 GROUPED_TOKENS = 4
@@ -202,39 +207,63 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 @triton.jit
 def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                       BF16: tl.constexpr, OUT_BF16: tl.constexpr, PDL: tl.constexpr = False):
+                       BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
+                       PDL: tl.constexpr = False):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
     time. Each slot's product is rounded as there and the slots are added in the same order
-    (a column holding one slot's value plus zeros is that value exactly)."""
-    _chain(PDL)
+    (a column holding one slot's value plus zeros is that value exactly).
+    EARLY (BLOCK_I >= I): the chosen experts' ids and their whole tile are asked for before
+    the dependent launch's wait, as the GEMV asks for its weights. The ids come from the gate
+    kernel, two launches back: this kernel is scheduled only once every program of the up
+    kernel between has passed its own wait, which returns when the gate has finished and its
+    writes are visible; the ids are read past the SM's L1 (``.cg``) all the same."""
+    if not EARLY:
+        _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
     j = tl.arange(0, S_P2)
     routed, live = j < K, j < K + 1
     pair = tl.where(routed, t * K + j, NK + t)  # the slot's row of h: the shared expert's last
-    e = tl.load(isel_ptr + t * K + j, mask=routed, other=0)
+    if EARLY:
+        e = tl.load(isel_ptr + t * K + j, mask=routed, other=0, cache_modifier=".cg")
+    else:
+        e = tl.load(isel_ptr + t * K + j, mask=routed, other=0)
     rows = tl.where(routed, e * D, 0)[:, None] + o[None, :]  # [S, BLOCK_O]: w2[e] or s2 rows
     acc = tl.zeros([S_P2, BLOCK_O], dtype=tl.float32)
-    for i0 in range(0, I, BLOCK_I):
-        i = i0 + tl.arange(0, BLOCK_I)
-        i_ok = i < I
-        hm = live[:, None] & i_ok[None, :]
-        if BF16:
-            h = _from_bits(tl.load(h_ptr + pair[:, None] * I + i[None, :], mask=hm, other=0))
-        else:
-            h = tl.load(h_ptr + pair[:, None] * I + i[None, :], mask=hm, other=0.0)
-        cols = rows[:, :, None] * I + i[None, None, :]  # [S, BLOCK_O, BLOCK_I]
-        w_ptr = tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols)
-        w = tl.load(w_ptr, mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * h[:, None, :], 2)
+    if EARLY:
+        i = tl.arange(0, BLOCK_I)
+        hm = live[:, None] & (i < I)[None, :]
+        cols = rows[:, :, None] * I + i[None, None, :]
+        w = tl.load(tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols),
+                    mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+        _chain(PDL)
+        acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
+    else:
+        for i0 in range(0, I, BLOCK_I):
+            i = i0 + tl.arange(0, BLOCK_I)
+            hm = live[:, None] & (i < I)[None, :]
+            cols = rows[:, :, None] * I + i[None, None, :]  # [S, BLOCK_O, BLOCK_I]
+            w_ptr = tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols)
+            w = tl.load(w_ptr, mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
     acc = _round(acc, BF16)
     total = tl.zeros([BLOCK_O], dtype=tl.float32)
     for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
         total += tl.sum(tl.where((j == s)[:, None], acc, 0.0), 0)
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
+
+
+@triton.jit
+def _slot_rows(h_ptr, pair, i, hm, I, BF16: tl.constexpr):
+    """Channels ``i`` of each slot's row of h [S, len(i)] in fp32 (bf16 stored as its bits)."""
+    if BF16:
+        h = _from_bits(tl.load(h_ptr + pair[:, None] * I + i[None, :], mask=hm, other=0))
+    else:
+        h = tl.load(h_ptr + pair[:, None] * I + i[None, :], mask=hm, other=0.0)
+    return h
 
 
 @triton.jit
@@ -343,6 +372,22 @@ def _sum_slots_kernel(part_ptr, out_ptr, NK, D, K: tl.constexpr, BLOCK: tl.const
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
 
 
+def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torch.Tensor,
+               out: torch.Tensor) -> torch.Tensor:
+    """``_down_slots_kernel`` of N tokens into ``out`` [N, D] (fp32 or bf16): the rows of h
+    [N * K + N, I] (the pairs' SwiGLU outputs, then each token's shared expert's), the routed
+    experts' w2 [E, D, I] picked by ``chosen`` [N, K], the shared expert's s2 [D, I]."""
+    (N, K), (D, I) = chosen.shape, s2.shape
+    bf16, out_bf16 = h.dtype == torch.bfloat16, out.dtype == torch.bfloat16
+    assert h.shape == (N * K + N, I) and w2.shape[1:] == (D, I) and out.shape == (N, D)
+    _down_slots_kernel[(N, triton.cdiv(D, SLOTS_BLOCK_O))](
+        h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
+        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
+        BLOCK_I=triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
+        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **chained(h))
+    return out
+
+
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
                scoring: str, temp: float, norm: bool, scale: float, limit: float,
@@ -389,11 +434,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
             K=top_k, BLOCK_I=UP_BLOCK_I, BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=UP_WARPS,
             **chained(x))
         if DOWN_SLOTS:
-            _down_slots_kernel[(N, triton.cdiv(D, SLOTS_BLOCK_O))](
-                h_arg, w2, s2, chosen, out_arg, nk, D, I, K=top_k, S_P2=triton.next_power_of_2(top_k + 1),
-                BLOCK_O=SLOTS_BLOCK_O, BLOCK_I=SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=SLOTS_WARPS,
-                **chained(x))
-            return out
+            return down_slots(h, w2, s2, chosen, out)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I,
             K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS,
