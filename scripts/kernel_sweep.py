@@ -2,7 +2,8 @@
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
         gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,topk]  (gemv, compare: the fast path against torch
-        only; down: the MoE's down sum slot by slot against every slot at once, then the latter's tiles)
+        only; down: the MoE's down sum slot by slot against every slot at once, then the latter's tiles,
+        then with DOWN_EARLY off and on)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
 ``.matvec``) is timed as a decode step runs it: 20 calls captured in one CUDA graph,
@@ -244,6 +245,10 @@ def main() -> None:
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
                 moe, {"SLOTS_BLOCK_O": [2, 4, 8, 16], "SLOTS_BLOCK_I": [128, 256, 512], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-slots", check=by_pair))
+            # the ids and whole tile asked for before the wait (DOWN_EARLY: BLOCK_I is the whole width)
+            with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
+                moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},
+                cycled, emit, "moe-down-early", check=by_pair))
         if "moe" in only:  # the two expert kernels apart (each with the other at its default): 36 + 36, not 36 x 36
             sweep(moe, {"UP_BLOCK_I": [4, 8, 16, 32], "UP_BLOCK_D": [128, 256, 512], "UP_WARPS": [2, 4, 8]},
                   by_pair, emit, "moe-up")
