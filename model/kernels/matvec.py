@@ -2,12 +2,17 @@
 streamed once by many programs, where cuBLAS runs one small GEMM a layer that reads its
 2-8 MB at a fraction of the copy rate (`small`: ~5 µs a call, ~5 calls a layer, ~1 TB/s).
 
-Owns ``gemv(x, *weights, groups=1)``: ``F.linear(x, w)`` for each weight (one launch for
-all of them, when they share ``x``: the query's and the K=V latent's projections of a
-layer), or with ``groups`` > 1 the grouped projection of ``Attention._grouped_wo_a``: group
-g of the output reads only group g of ``x``'s channels. Products in fp32, summed in another
-order than cuBLAS's (so the outputs agree to rounding), rounded to ``x``'s dtype as the GEMM
-rounds (bf16: nearest even, on the bits).
+Owns ``gemv(x, *weights, groups=1, norm=None, rope_in=None, rope_out=None)``: ``F.linear(x,
+w)`` for each weight (one launch for all of them, when they share ``x``: the query's and the
+K=V latent's projections of a layer), or with ``groups`` > 1 the grouped projection of
+``Attention._grouped_wo_a``: group g of the output reads only group g of ``x``'s channels.
+Products in fp32, summed in another order than cuBLAS's (so the outputs agree to rounding),
+rounded to ``x``'s dtype as the GEMM rounds (bf16: nearest even, on the bits). The options
+fold the launch beside it in: ``norm`` the RMSNorm of x (the query's ``q_norm``), ``rope_in``
+the RoPE of x's heads (the attention output's de-rotation before ``wo_a``), ``rope_out`` the
+RoPE of the output's heads (the query's), each rounded as its own kernel rounds. All launches
+run without FMA contraction (``unfused``), as the RoPE kernel does, so the rotations are bit
+for bit ``rope_ref``'s.
 
 How it reads (session 26): each program holds one tile of the weight — ``BLOCK_O`` whole
 rows, ``TILE_BYTES`` at most — and asks for all of it in one load, *before* its dependent
