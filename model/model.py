@@ -411,11 +411,11 @@ class Attention(nn.Module):
         K=V latent as it is, which :meth:`decode_step` turns into its window entry, and
         q_res only in a layer with an indexer (its query's input)."""
         B, S, _ = x.shape
-        inv = ropes.compress if self.ratio else ropes.main
+        inv = self.rope_table(ropes)
         if not kernels.gemv_runs(x, self.wq_a, self.wkv):
             q_res, kv_lat = self.q_norm(self.wq_a(x)), self.wkv(x)
             q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
-            return q_res, q, kv_lat if fused else fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
+            return q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
         # a decode step's few rows: both projections of x in one launch; the query's norm
         # (where nothing else reads q_res) and RoPE inside its GEMV
         q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
@@ -425,12 +425,12 @@ class Attention(nn.Module):
         (q,) = kernels.gemv(q_lat if norm else q_res, self.wq_b.weight, norm=norm,
                             rope_out=(angles.cos, angles.sin, self.head_dim))
         q = q.view(B, S, self.n_heads, self.head_dim)
-        return q_res, q, kv_lat if fused else fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
+        return q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
 
     def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
         """De-rotated attention output through the grouped low-rank output projection (on a
         decode step's few rows one GEMV de-rotates and projects)."""
-        inv = ropes.compress if self.ratio else ropes.main
+        inv = self.rope_table(ropes)
         rows = out.flatten(2)
         if kernels.gemv_runs(rows, self.wo_a):
             angles = rope_angles(pos, inv)
@@ -500,7 +500,7 @@ class Attention(nn.Module):
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
         query when already computed."""
         ring = cache.windows[self.layer]
-        self._write_entry(kv, pos, ring, cache.kv, ropes.compress if self.ratio else ropes.main)
+        self._write_entry(kv, pos, ring, cache.kv, ropes)
         if self.compressor is not None:
             src = cache.sources[self.layer]
             made = self.compressor.step(x, pos, src, emits)
@@ -516,14 +516,25 @@ class Attention(nn.Module):
         records = None if topk is None else cache.sources[self.args.kv_source(self.layer)].records
         return self.fused_attend(q, pos, ring, records, topk), written
 
-    def _write_entry(self, kv_lat: torch.Tensor, pos: torch.Tensor, ring: WindowRing, fmt: KVFormat, inv) -> None:
+    def rope_table(self, ropes: Ropes) -> torch.Tensor:
+        """The frequency table this layer rotates by: YaRN's compress table where it has a KV
+        source (ratio > 0), else the main one."""
+        return ropes.compress if self.ratio else ropes.main
+
+    def _window_values(self, kv_lat: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+        """This step's window entries from their K=V latent: normalised, rotated, as ``fmt`` rounds them."""
+        return fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
+
+    def _write_entry(self, kv_lat: torch.Tensor, pos: torch.Tensor, ring: WindowRing, fmt: KVFormat,
+                     ropes: Ropes) -> None:
         """This step's window entry, from its K=V latent (``project(fused=True)``), into the
         ring: one kernel where it runs, else the norm, RoPE and FP8 rounding of :meth:`project`
         and the ring's write."""
+        inv = self.rope_table(ropes)
         angles = rope_angles(pos, inv)
         if not kernels.window_entry(kv_lat, self.kv_norm.weight, self.kv_norm.eps, angles.cos, angles.sin,
                                     ring.data, ring.pos, pos):
-            ring.write_step(fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv)), pos)
+            ring.write_step(self._window_values(kv_lat, pos, inv, fmt), pos)
 
     def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
         """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""

@@ -161,29 +161,6 @@ def test_site_kernel_with_fewer_finish_warps_matches_its_parts(warps, monkeypatc
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_site_input_from_the_dots_last_programs_is_the_finish_kernels(dtype, monkeypatch) -> None:
-    """``INPUT_IN_DOTS``: each token's last dots program (a counter a token) collapses and
-    normalises the streams all the token's programs wrote, where the finish kernel did; the
-    streams and mixes bit for bit either way, x to the norm's rounding (its sum may reduce
-    over other warps); the counters are left at zero for the next launch, 3 tokens and 2."""
-    from model.kernels import streams as kernel
-
-    for lead in ((3, 1), (2, 1)):
-        inputs = _site_inputs(lead, 4, 2048, dtype, seed=11 + lead[0])
-        monkeypatch.setattr(kernel, "INPUT_IN_DOTS", False)
-        want = kernel.hc_site(*inputs[:6], 1e-6, 1e-6, 20, 1e-6, inputs[6])
-        monkeypatch.setattr(kernel, "INPUT_IN_DOTS", True)
-        got = kernel.hc_site(*inputs[:6], 1e-6, 1e-6, 20, 1e-6, inputs[6])
-        for g, w in zip(got[:4], want[:4]):
-            assert torch.equal(_bits(g), _bits(w))
-        torch.testing.assert_close(got[4].float(), want[4].float(), atol=0, rtol=2 ** -7 if dtype == torch.bfloat16
-                                   else 1e-6)
-        assert (got[4] != want[4]).float().mean() < 0.01
-        assert not kernel._COUNTS[(inputs[0].device.type, inputs[0].device.index)].any()
-
-
-@needs_kernel
 def test_site_dispatcher_takes_the_kernel_for_decode_steps_only(monkeypatch) -> None:
     """A few tokens without a gradient: the kernel; a prefill chunk's rows, or a gradient
     wanted (training): the parts."""

@@ -98,6 +98,23 @@ def _round(y, BF16: tl.constexpr):
 
 
 @triton.jit
+def _rms_normed(h, w, D, eps, BF16: tl.constexpr):
+    """fp32 row ``h`` [D] (masked lanes 0) RMS-normalised and times the weight ``w`` (fp32
+    values), rounded as ``rms_norm_ref`` rounds in the output's dtype: the normalised row
+    cast first, then the product (bf16: nearest even, on the bits)."""
+    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+    return _round(w * _round(h, BF16), BF16)
+
+
+@triton.jit
+def _turned(x, partner, first, cs, sn):
+    """One channel of an adjacent RoPE pair as ``rope_ref`` turns it, given its partner
+    (``first``: x is the pair's even channel): (e·cos − o·sin, e·sin + o·cos), each product
+    and sum rounded on its own (launch with ``unfused()``)."""
+    return tl.where(first, x * cs - partner * sn, partner * sn + x * cs)
+
+
+@triton.jit
 def _store(ptr, y, mask, BF16: tl.constexpr):
     """fp32 ``y`` stored in the destination's dtype: with ``BF16``, as bf16 bits (nearest even)
     through an int16 view; else cast to the pointer's element type."""

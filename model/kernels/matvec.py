@@ -32,17 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _chain, _round, _store, chained, unfused
+from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, chained, unfused
 
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
 TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
-
-
-@triton.jit
-def _rotate(e, o, cs, sn, rot):
-    """One adjacent RoPE pair as ``rope_ref`` turns it, each product and sum rounded on its own."""
-    return tl.where(rot, e * cs - o * sn, e), tl.where(rot, e * sn + o * cs, o)
 
 
 @triton.jit
@@ -77,16 +71,14 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     while n < N:
         xs = tl.load(x_at + n * D + d, mask=d_ok, other=0.0).to(tl.float32)
         if NORM:
-            xs = xs * tl.math.rsqrt(tl.sum(xs * xs, axis=0) / D + eps)
-            xs = _round(tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32) * _round(xs, BF16), BF16)
+            xs = _rms_normed(xs, tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32), D, eps, BF16)
         if ROPE_IN:
             hc = d % HD
             rot = d_ok & (hc >= OFF)
             partner = tl.load(x_at + n * D + (d ^ 1), mask=rot, other=0.0).to(tl.float32)
             cs = tl.load(cos_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
             sn = tl.load(sin_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
-            turned = tl.where((hc - OFF) % 2 == 0, xs * cs - partner * sn, partner * sn + xs * cs)
-            xs = _round(tl.where(rot, turned, xs), BF16)
+            xs = _round(tl.where(rot, _turned(xs, partner, (hc - OFF) % 2 == 0, cs, sn), xs), BF16)
         acc = tl.sum(w * xs[None, :], 1)
         d0 = BLOCK_D
         while d0 < DG:  # inputs wider than BLOCK_D_MAX: the rest in chunks
@@ -101,8 +93,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
             rot = pc >= OFF
             cs = tl.load(cos_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
             sn = tl.load(sin_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
-            e, od = _rotate(e, od, cs, sn, rot)
-            acc = tl.reshape(tl.join(e, od), [BLOCK_O])
+            acc = tl.reshape(tl.join(tl.where(rot, _turned(e, od, True, cs, sn), e),
+                                     tl.where(rot, _turned(od, e, False, cs, sn), od)), [BLOCK_O])
         _store(out_at + n * rows + o, acc, o_ok, BF16)
         n += 1
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits, _chain, chained
+from model.kernels.fused import _chain, _rms_normed, _store, chained
 
 
 @triton.jit
@@ -25,16 +25,11 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BLOCK_D: tl.constexpr, BF16:
     c = tl.arange(0, BLOCK_D)
     live = c < D
     h = tl.load(x_ptr + row * D + c, mask=live, other=0.0).to(tl.float32)
-    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
     if WEIGHT:
         w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
-    else:  # a weight of ones: the products below are exact
+    else:  # a weight of ones: the products are exact
         w = tl.full([BLOCK_D], 1.0, tl.float32)
-    if BF16:  # torch: weight (bf16) * h.to(bf16), the product rounded to bf16
-        h = (_bf16_bits(h).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        tl.store(out_ptr + row * D + c, _bf16_bits(w * h), mask=live)
-    else:
-        tl.store(out_ptr + row * D + c, w * h, mask=live)
+    _store(out_ptr + row * D + c, _rms_normed(h, w, D, eps, BF16), live, BF16)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float,

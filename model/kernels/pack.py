@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from model.kernels import pow2_blocks
-from model.kernels.fused import _chain, _e2m1, _e4m3, _round, chained, unfused
+from model.kernels.fused import _chain, _e2m1, _e4m3, _rms_normed, _round, _turned, chained, unfused
 from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
 
 # e2m1 thresholds as model.quant.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
@@ -214,16 +214,14 @@ def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_pt
     _chain(PDL)
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, D)
-    h = tl.load(x_ptr + b * s_x + c).to(tl.float32)
-    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-    h = _round(tl.load(nw_ptr + c).to(tl.float32) * _round(h, BF16), BF16)
+    h = _rms_normed(tl.load(x_ptr + b * s_x + c).to(tl.float32), tl.load(nw_ptr + c).to(tl.float32), D, eps, BF16)
     e, o = tl.split(tl.reshape(h, [D // 2, 2]))
     pc = 2 * tl.arange(0, D // 2)  # each pair's even channel
     rot = pc >= D - 2 * HALF
     j = (pc - (D - 2 * HALF)) // 2
     cs = tl.load(cos_ptr + j, mask=rot, other=0.0)
     sn = tl.load(sin_ptr + j, mask=rot, other=0.0)
-    e, o = tl.where(rot, e * cs - o * sn, e), tl.where(rot, e * sn + o * cs, o)
+    e, o = tl.where(rot, _turned(e, o, True, cs, sn), e), tl.where(rot, _turned(o, e, False, cs, sn), o)
     h = tl.reshape(tl.join(_round(e, BF16), _round(o, BF16)), [D // BLOCK, BLOCK])
     y, scale, _ = _fp8_blocks(h, FMAX)  # the entry's FP8 values, as the step's KVFormat.window makes them
     code = _e4m3_encode(y)

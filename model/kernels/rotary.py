@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits, _chain, chained, unfused
+from model.kernels.fused import _bf16_bits, _chain, _turned, chained, unfused
 
 
 @triton.jit
@@ -34,9 +34,7 @@ def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, S, H, D, OFF, HALF, BLOCK_D: 
     j = (c - OFF) // 2
     cs = tl.load(cos_ptr + s * HALF + j, mask=rot, other=0.0)
     sn = tl.load(sin_ptr + s * HALF + j, mask=rot, other=0.0)
-    first = ((c - OFF) % 2) == 0
-    y = tl.where(first, x * cs - partner * sn, partner * sn + x * cs)  # (e·cos − o·sin, e·sin + o·cos)
-    y = tl.where(rot, y, x)
+    y = tl.where(rot, _turned(x, partner, ((c - OFF) % 2) == 0, cs, sn), x)
     if BF16:
         tl.store(out_ptr + row * D + c, _bf16_bits(y), mask=live)
     else:

@@ -23,7 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_bits, _chain, _hc_split_tiles, _hc_store_split, _store, chained, unfused
+from model.kernels.fused import (_bf16_bits, _chain, _hc_split_tiles, _hc_store_split, _rms_normed, _round, _store,
+                                 chained, unfused)
 
 
 @triton.jit
@@ -97,27 +98,15 @@ SITE_WARPS = 4
 # beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
 # 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
 FINISH_WARPS = None
-# True: each token's last dots program makes the site's input (collapse and norm), one launch
-# fewer a site (a step 1,179 -> 859 kernels with the session-26 launch cuts). Off: on the H200
-# (`small`, session 26, two calls, alternated in one) it did not pay — a 4K step 3.605 / 3.621 ms
-# either way, a 128K step 3.909 / 3.898 ms with it against 3.814 / 3.858 without: the dots
-# launch grew by the input's serial tail (0.28 -> 0.45 ms a step) about as much as the finish
-# launches it saved
-INPUT_IN_DOTS = False
 
 
 @triton.jit
 def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, S,
-                      new_ptr, count_ptr, pre_in_ptr, w_ptr, x_ptr, norm_eps,
                       HC: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
-                      EXPAND: tl.constexpr, BF16: tl.constexpr, INPUT: tl.constexpr = False,
-                      BLOCK_D: tl.constexpr = 1, PDL: tl.constexpr = False):
+                      EXPAND: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False):
     """One token's streams over BLOCK_C channels (expanded first when EXPAND, as
     ``_expand_kernel`` does, and written out): their sum of squares and their dots with the
-    mixes' projection ``fn`` [M, HC * D], a partial sum of S per token. With INPUT the
-    token's last program to finish (a counter, ``count_ptr[row]``, zero between launches:
-    that program puts it back) then makes the site's input from the streams ``new_ptr`` the
-    others wrote, as ``_site_finish_kernel``'s part 1 does."""
+    mixes' projection ``fn`` [M, HC * D], a partial sum of S per token."""
     _chain(PDL)
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
@@ -148,11 +137,6 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
         acc += w * h[None, :]
     tl.store(dots_ptr + (row * S + split) * M_PAD + m, tl.sum(acc, 1))
     tl.store(sq_ptr + row * S + split, tl.sum(sq, 0))
-    if INPUT:
-        tl.debug_barrier()  # every thread's streams stored before the release below
-        if tl.atomic_add(count_ptr + row, 1, sem="acq_rel") == S - 1:  # the token's last program
-            tl.store(count_ptr + row, 0)
-            _site_input(new_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC, BLOCK_D, BF16, ".cg")
 
 
 @triton.jit
@@ -173,7 +157,7 @@ def _site_finish_kernel(dots_ptr, sq_ptr, scale_ptr, base_ptr, s_ptr, pre_in_ptr
     else:
         part = PART
     if part == 1:
-        _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC, BLOCK_D, BF16, "")
+        _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC, BLOCK_D, BF16)
     else:
         _site_split(dots_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_ptr, row, D, S, eps, hc_eps,
                     HC, ITERS, M_PAD, S_PAD)
@@ -199,25 +183,16 @@ def _site_split(dots_ptr, sq_ptr, scale_ptr, base_ptr, pre_ptr, post_ptr, comb_p
 
 @triton.jit
 def _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC: tl.constexpr, BLOCK_D: tl.constexpr,
-                BF16: tl.constexpr, CACHE: tl.constexpr):
-    """The collapse with ``pre_in`` and the norm of one token (``CACHE`` ".cg": the streams
-    read past the SM's L1, written by other programs of the same launch)."""
+                BF16: tl.constexpr):
     c = tl.arange(0, BLOCK_D)
     live = c < D
-    h = tl.load(pre_in_ptr + row * HC) * tl.load(s_ptr + row * HC * D + c, mask=live, other=0.0,
-                                                 cache_modifier=CACHE).to(tl.float32)
+    h = tl.load(pre_in_ptr + row * HC) * tl.load(s_ptr + row * HC * D + c, mask=live, other=0.0).to(tl.float32)
     for kk in tl.static_range(1, HC):
         h = h + tl.load(pre_in_ptr + row * HC + kk) * tl.load(s_ptr + (row * HC + kk) * D + c, mask=live,
-                                                              other=0.0, cache_modifier=CACHE).to(tl.float32)
-    if BF16:  # the collapse is stored in bf16 before the norm reads it
-        h = (_bf16_bits(h).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + norm_eps)
+                                                              other=0.0).to(tl.float32)
+    h = _round(h, BF16)  # the collapse is stored in the streams' dtype before the norm reads it
     w = tl.load(w_ptr + c, mask=live, other=0.0).to(tl.float32)
-    if BF16:
-        h = (_bf16_bits(h).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        tl.store(x_ptr + row * D + c, _bf16_bits(w * h), mask=live)
-    else:
-        tl.store(x_ptr + row * D + c, w * h, mask=live)
+    _store(x_ptr + row * D + c, _rms_normed(h, w, D, norm_eps, BF16), live, BF16)
 
 
 def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
@@ -233,23 +208,20 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc & (hc - 1) == 0
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
     options = {**unfused(), **chained(streams)}  # both launches alike
-    x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
-    bf16, block = streams.dtype == torch.bfloat16, triton.next_power_of_2(D)
-    streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options,
-                                   (pre.contiguous(), norm_weight.contiguous(), x, norm_eps, block) if INPUT_IN_DOTS
-                                   else None)
+    streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options)
     R, S, M_PAD = dots.shape
     pre_out = torch.empty(*lead, hc, dtype=torch.float32, device=streams.device)
     post_out, comb_out = torch.empty_like(pre_out), torch.empty(*lead, hc, hc, dtype=torch.float32,
                                                                 device=streams.device)
+    x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
+    bf16, block = streams.dtype == torch.bfloat16, triton.next_power_of_2(D)
     args = (dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre.contiguous(),
             norm_weight.contiguous(), pre_out, post_out, comb_out, x.view(torch.int16) if bf16 else x, D, S,
             float(eps), float(hc_eps), float(norm_eps))
     consts = dict(HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, BF16=bf16)
     warps = FINISH_WARPS or (4 if block <= 1024 else 8)
-    if not overlap:  # the split (and the input, unless the dots made it) in the launch after the dots
-        grid, part = ((R, 1), 0) if INPUT_IN_DOTS else ((R, 2), 2)
-        _site_finish_kernel[grid](*args, **consts, PART=part, num_warps=warps, **options)
+    if not overlap:
+        _site_finish_kernel[(R, 2)](*args, **consts, num_warps=warps, **options)
         return streams, pre_out, post_out, comb_out, x
     main = torch.cuda.current_stream(streams.device)
     side = _side_stream(streams.device)
@@ -259,8 +231,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     # what the split reads and writes lives until the join: the allocator must not hand its
     # memory to the current stream while the side stream may still use it
     _PENDING.append((side, (dots, sq, *args[2:4], pre_out, post_out, comb_out)))
-    if not INPUT_IN_DOTS:
-        _site_finish_kernel[(R, 1)](*args, **consts, PART=1, num_warps=warps, **options)
+    _site_finish_kernel[(R, 1)](*args, **consts, PART=1, num_warps=warps, **options)
     return streams, pre_out, post_out, comb_out, x
 
 
@@ -294,11 +265,9 @@ def join() -> None:
     _PENDING.clear()
 
 
-def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict, site_input=None):
+def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict):
     """The first launch: (the site's streams — new ones when ``expand`` —, the partial dots
-    [R, S, M_PAD] and sums of squares [R, S] of S channel blocks a token). ``site_input`` =
-    (pre, norm weight, x, norm eps, the norm's block): each token's last program also writes
-    the site's input x."""
+    [R, S, M_PAD] and sums of squares [R, S] of S channel blocks a token)."""
     hc, D = streams.shape[-2:]
     R, S, M = streams.numel() // (hc * D), triton.cdiv(D, SITE_BLOCK_C), fn.shape[0]
     dots = torch.empty(R, S, triton.next_power_of_2(M), dtype=torch.float32, device=streams.device)
@@ -309,25 +278,7 @@ def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict, s
         assert y.shape == streams.shape[:-2] + (D,) and post.dtype == comb.dtype == torch.float32
         out = torch.empty_like(streams)
     bf16 = streams.dtype == torch.bfloat16
-    pre, w, x, norm_eps, block = site_input or (streams, streams, streams, 0.0, 1)
-    count = _counts(streams.device, R) if site_input else sq
     _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, out.view(torch.int16) if bf16 else out, D, S,
-                              out, count, pre, w, x.view(torch.int16) if bf16 and site_input else x, float(norm_eps),
                               HC=hc, M=M, M_PAD=dots.shape[-1], BLOCK_C=SITE_BLOCK_C, EXPAND=expand is not None,
-                              BF16=bf16, INPUT=site_input is not None, BLOCK_D=block, num_warps=SITE_WARPS, **options)
+                              BF16=bf16, num_warps=SITE_WARPS, **options)
     return out, dots, sq
-
-
-_COUNTS: dict = {}  # device -> int32 counters, one a token, zero between the dots launches that use them
-COUNT_ROWS = 64  # tokens the counters serve (hc_site takes at most model.kernels.SITE_TOKENS)
-
-
-def _counts(device: torch.device, rows: int) -> torch.Tensor:
-    """The site dots' per-token counters on ``device``, made once and zeroed (each launch
-    leaves them zero): a graph that captures a launch holds their address, so they are
-    never remade."""
-    assert rows <= COUNT_ROWS, rows
-    key = (device.type, device.index)
-    if key not in _COUNTS:
-        _COUNTS[key] = torch.zeros(COUNT_ROWS, dtype=torch.int32, device=device)
-    return _COUNTS[key]
