@@ -241,6 +241,41 @@ def bench_paths(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 8,
             "slowdown_without": {k: v / times["all_on"] for k, v in times.items() if k != "all_on"}}
 
 
+def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int = 2, steps: int = 8,
+                chunk: int = 512) -> dict:
+    """Decode step time of one row at ``ctx`` with boolean kernel knobs (``"moe.DOWN_EARLY"``:
+    a module constant of ``model.kernels``) all off, each alone on, and all on, after one
+    prefill: between variants the step's graphs are dropped and captured again, and the
+    variants alternate for ``rounds`` rounds (each one's best kept), so a figure is a ratio
+    taken in one process. The knobs are left as they were."""
+    import importlib
+
+    where = [(importlib.import_module(f"model.kernels.{k.rsplit('.', 1)[0]}"), k.rsplit(".", 1)[1]) for k in knobs]
+    saved = [getattr(module, name) for module, name in where]
+    variants = {"all_off": (), **{k: (k,) for k in knobs}, "all_on": tuple(knobs)}
+    engine = Engine(model, mode="ced", chunk=chunk)
+    state = engine.new_state(batch=1)
+    engine.prefill(state, prompt_ids(model, ctx))
+    token = state.last_logits.argmax(-1)
+    times: dict[str, float] = {}
+    try:
+        for _ in range(rounds):
+            for label, on in variants.items():
+                for (module, name), knob in zip(where, knobs):
+                    setattr(module, name, knob in on)
+                model.reset_graphs()
+                for _ in range(WARMUP_STEPS):
+                    engine.decode(state, token)
+                _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
+                times[label] = min(times.get(label, float("inf")), secs / steps)
+    finally:
+        for (module, name), value in zip(where, saved):
+            setattr(module, name, value)
+        model.reset_graphs()
+    return {"bench": "knobs", "ctx": ctx, "rounds": rounds, "step_ms": {k: 1e3 * v for k, v in times.items()},
+            "over_all_off": {k: v / times["all_off"] for k, v in times.items() if k != "all_off"}}
+
+
 # ----------------------------------------------------------------------------- linear layers
 
 class _Clock:

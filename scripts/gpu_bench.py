@@ -2,6 +2,7 @@
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
        [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--profile 16384]
+       [--knobs moe.DOWN_EARLY,streams.SITE_EARLY --knobs-ctx 131072]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 """
@@ -15,8 +16,8 @@ import time
 import torch
 
 from model import load
-from model.bench import (bench_batch, bench_decode, bench_host, bench_linears, bench_paths, bench_prefill,
-                         bench_profile, bench_resume, copy_tb_per_s, matmul_tflops, switched)
+from model.bench import (bench_batch, bench_decode, bench_host, bench_knobs, bench_linears, bench_paths,
+                         bench_prefill, bench_profile, bench_resume, copy_tb_per_s, matmul_tflops, switched)
 
 
 def device_ceilings() -> dict:
@@ -38,6 +39,8 @@ def main() -> None:
     p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     p.add_argument("--profile-batch", default="1", help="batch sizes of --profile")
+    p.add_argument("--knobs", default="", help="boolean kernel knobs (moe.DOWN_EARLY,...) timed off, alone and all on")
+    p.add_argument("--knobs-ctx", default="131072", help="contexts of --knobs")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     with open(a.out, "w") as out:
@@ -65,6 +68,8 @@ def main() -> None:
         for n in map(int, filter(None, a.paths.split(","))):
             for b in map(int, a.paths_batch.split(",")):
                 emit(bench_paths(model, n, batch=b))
+        for n in map(int, filter(None, a.knobs_ctx.split(","))) if a.knobs else ():
+            emit(bench_knobs(model, n, a.knobs.split(",")))
         for n in map(int, filter(None, a.host.split(","))):
             emit(bench_host(model, n))
         for n in map(int, filter(None, a.profile.split(","))):

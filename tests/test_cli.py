@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 from typer.testing import CliRunner
@@ -212,6 +213,26 @@ def test_bench_decode_paths_turns_each_switch_off_in_turn(monkeypatch):
     assert set(out["step_ms"]) == switches | {"all_on"} and set(out["slowdown_without"]) == switches
     assert all(v > 0 for v in out["step_ms"].values())
     assert os.environ["DSAGENT_GRAPHS"] == "1" and "DSAGENT_KERNELS" not in os.environ  # switches restored
+
+
+def test_bench_knobs_times_each_variant_and_restores_the_knobs(monkeypatch):
+    """``bench_knobs`` (``gpu_bench.py --knobs``) on the CPU's tiny preset, with two knobs of a
+    stand-in module under ``model.kernels``: every variant timed with its knobs set as named
+    while its steps run, the graphs dropped before each, the knobs as they were afterwards."""
+    from model import load
+    from model.bench import bench_knobs
+    from model.engine import Engine
+
+    fake = types.ModuleType("model.kernels.fake_knobs")
+    fake.A, fake.B = False, True
+    monkeypatch.setitem(sys.modules, "model.kernels.fake_knobs", fake)
+    seen, decode = set(), Engine.decode
+    monkeypatch.setattr(Engine, "decode", lambda self, *a, **k: seen.add((fake.A, fake.B)) or decode(self, *a, **k))
+    out = bench_knobs(load("tiny"), 32, ["fake_knobs.A", "fake_knobs.B"], rounds=1, steps=2)
+    assert set(out["step_ms"]) == {"all_off", "fake_knobs.A", "fake_knobs.B", "all_on"}
+    assert all(v > 0 for v in out["step_ms"].values()) and set(out["over_all_off"]) == set(out["step_ms"]) - {"all_off"}
+    assert seen == {(False, False), (True, False), (False, True), (True, True)}
+    assert (fake.A, fake.B) == (False, True)
 
 
 def test_bench_linears_prints_the_ratio():

@@ -71,16 +71,20 @@ def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
         return kernels.moe_decode(*weights, **config, **kw)
 
 
-FORMS = ["by-pair", "by-pair-slots", "by-expert"]
+FORMS = ["by-pair", "by-pair-slots", "by-pair-early", "by-expert"]
 
 
 def use_form(form: str, monkeypatch) -> None:
     """The experts' kernels by (token, slot) pair (the down sum slot by slot, or every slot's
-    rows at once: ``DOWN_SLOTS``) or grouped by expert, whatever the token count."""
+    rows at once: ``DOWN_SLOTS``; "early": each kernel's weights read whole, asked for before
+    the wait where they are known then: ``GATE_EARLY``, ``UP_EARLY``, ``DOWN_EARLY``) or
+    grouped by expert, whatever the token count."""
     from model.kernels import moe as kmoe
 
     monkeypatch.setattr(kmoe, "GROUPED_TOKENS", 1 if form == "by-expert" else kernels.MOE_TOKENS + 1)
-    monkeypatch.setattr(kmoe, "DOWN_SLOTS", form == "by-pair-slots")
+    monkeypatch.setattr(kmoe, "DOWN_SLOTS", form in ("by-pair-slots", "by-pair-early"))
+    for knob in ("GATE_EARLY", "UP_EARLY", "DOWN_EARLY"):
+        monkeypatch.setattr(kmoe, knob, form == "by-pair-early")
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -251,4 +255,21 @@ def test_down_slots_kernel_compiles_for_hopper(early, block_i, bf16, tmp_path):
                  "PDL": True}
     r = compile_for_hopper([{"module": "model.kernels.moe", "name": "_down_slots_kernel", "signature": signature,
                              "constants": constants, "options": {"launch_pdl": True, "num_warps": 8}}], tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+@pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
+                    reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
+@pytest.mark.parametrize("early,block_i,block_d", [(False, 4, 256), (True, 2, 2048)])
+def test_up_kernel_compiles_for_hopper(early, block_i, block_d, tmp_path):
+    """The up kernel at `small`'s decode shape (2,048 channels, bf16) for sm_90 as a dependent
+    launch, both forms: ``UP_EARLY``'s whole rows (the shared expert's loaded before the wait,
+    in one branch of the program, a routed slot's after it, in the other) and the looped one."""
+    signature = {**dict.fromkeys(("x_ptr", "w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr"), "*bf16"), "wsel_ptr": "*fp32",
+                 "isel_ptr": "*i64", "h_ptr": "*i16", **dict.fromkeys(("NK", "D", "I"), "i32"), "limit": "fp32",
+                 **dict.fromkeys(("K", "BLOCK_I", "BLOCK_D", "BF16", "CLAMP", "EARLY", "PDL"), "constexpr")}
+    constants = {"K": 6, "BLOCK_I": block_i, "BLOCK_D": block_d, "BF16": True, "CLAMP": True, "EARLY": early,
+                 "PDL": True}
+    r = compile_for_hopper([{"module": "model.kernels.moe", "name": "_up_kernel", "signature": signature,
+                             "constants": constants, "options": {"launch_pdl": True, "num_warps": 4}}], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

@@ -142,6 +142,25 @@ def test_site_kernel_matches_its_parts(lead, hc, D, dtype, expanded) -> None:
 
 
 @needs_kernel
+@pytest.mark.parametrize("lead,hc,D,dtype", [((1, 1), 4, 2048, torch.bfloat16), ((3, 1), 4, 100, torch.float32),
+                                              ((2, 1), 2, 128, torch.bfloat16)])
+def test_site_dots_asking_for_the_mixes_weight_early_give_the_same_bits(lead, hc, D, dtype, monkeypatch) -> None:
+    """``SITE_EARLY``: the dots' tile of the mixes' projection loaded before the wait and each
+    stream's slice taken out of it; every output bit for bit the late form's (same sums, same
+    order), the expanded streams included."""
+    from model.kernels import streams as kernel
+
+    streams, pre, fn, scale, base, weight, expand = _site_inputs(lead, hc, D, dtype, seed=7 * D)
+    runs = []
+    for early in (False, True):
+        monkeypatch.setattr(kernel, "SITE_EARLY", early)
+        runs.append(kernel.hc_site(streams, pre, fn, scale, base, weight, 1e-6, 1e-6, 20, 1e-6, expand))
+    for late, early in zip(*runs):
+        assert torch.equal(_bits(late), _bits(early))
+    assert not torch.equal(runs[0][1], torch.zeros_like(runs[0][1]))  # mixes were made
+
+
+@needs_kernel
 @pytest.mark.parametrize("warps", [1, 2])
 def test_site_kernel_with_fewer_finish_warps_matches_its_parts(warps, monkeypatch) -> None:
     """``FINISH_WARPS`` (a sweep's knob): the second launch on 1 or 2 warps, 2,048 channels in

@@ -41,11 +41,18 @@ from model.kernels.fused import _chain, _round, _store, chained
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
+# each gate-logits program (one chunk of channels) asks for its weight before its dependent
+# launch's wait. NOT yet timed on the GPU, so off
+GATE_EARLY = False
 # tile sizes of the expert kernels: rows of w1 / w3 per up program and channels per load;
 # output channels per down program and intermediate channels per load; warps of each.
 # Chosen by scripts/kernel_sweep.py on the H200 at `small`, batch 1: a whole moe_decode took
 # 60 us with (16, 256, 4) / (8, 256, 4), 44 us with these up tiles, 54 us with these down tiles
 UP_BLOCK_I, UP_BLOCK_D, UP_WARPS = 4, 256, 4
+# the up kernel's rows whole, one load each (UP_EARLY_BLOCK_I rows a program: 2 x 2 x 2,048 bf16,
+# 16 KB at `small`, the GEMV's tile), the shared expert's asked for before the wait, where the
+# loop above has one 256-channel chunk in flight. NOT yet timed on the GPU, so off
+UP_EARLY, UP_EARLY_BLOCK_I = False, 2
 DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 # the down sum with every slot's rows loaded together (``_down_slots_kernel``) rather than slot by
 # slot (``_down_kernel``, which read its 22 MB at ~1.4 TB/s at `small`, batch 1, where the up kernel
@@ -86,19 +93,28 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
 
 @triton.jit
 def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS,
-                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False):
+                        BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr = False,
+                        PDL: tl.constexpr = False):
     """Partial gate logits of token t over channel chunk c: part[t, c, :E] (the gate's
-    weight is read by many programs at once rather than by one)."""
-    _chain(PDL)
+    weight is read by many programs at once rather than by one). EARLY (CHUNK == BLOCK_D, one
+    load a program): the weight's chunk asked for before the dependent launch's wait."""
     t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
-    acc = tl.zeros([BLOCK_E], dtype=tl.float32)
-    for d0 in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+    if EARLY:
+        d = c * BLOCK_D + tl.arange(0, BLOCK_D)
         w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_ok[:, None] & (d < D)[None, :], other=0.0)
-        acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
+        _chain(PDL)
+        x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    else:
+        _chain(PDL)
+        acc = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for d0 in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_ok[:, None] & (d < D)[None, :], other=0.0)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
     tl.store(part_ptr + (t * SPLITS + c) * E + e, acc, mask=e_ok)
 
 
@@ -142,32 +158,57 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
 @triton.jit
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, limit,
                K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-               CLAMP: tl.constexpr, PDL: tl.constexpr = False):
-    _chain(PDL)
+               CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
+    """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. EARLY
+    (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
+    before the dependent launch's wait — a routed slot's expert is known only after it."""
     p = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
-    if p < NK:  # a routed slot: expert isel[p] of token p // K
-        t = p // K
-        e = tl.load(isel_ptr + p)
-        gw = tl.load(wsel_ptr + p)
-        a_ptr = w1_ptr + e * I * D
-        b_ptr = w3_ptr + e * I * D
-    else:  # the shared expert of token p - NK
-        t = p - NK
-        gw = 1.0
-        a_ptr = s1_ptr
-        b_ptr = s3_ptr
-    acc1 = tl.zeros([BLOCK_I], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_I], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
+    if EARLY:
+        d = tl.arange(0, BLOCK_D)
         d_ok = d < D
-        x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         rows = i[:, None] * D + d[None, :]
         m = i_ok[:, None] & d_ok[None, :]
-        acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
-        acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
+        if p < NK:
+            _chain(PDL)
+            t = p // K
+            e = tl.load(isel_ptr + p)
+            gw = tl.load(wsel_ptr + p)
+            a = tl.load(w1_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            b = tl.load(w3_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
+        else:
+            t = p - NK
+            gw = 1.0
+            a = tl.load(s1_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            b = tl.load(s3_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            _chain(PDL)
+        x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+        acc1 = tl.sum(a.to(tl.float32) * x, 1)
+        acc3 = tl.sum(b.to(tl.float32) * x, 1)
+    else:
+        _chain(PDL)
+        if p < NK:  # a routed slot: expert isel[p] of token p // K
+            t = p // K
+            e = tl.load(isel_ptr + p)
+            gw = tl.load(wsel_ptr + p)
+            a_ptr = w1_ptr + e * I * D
+            b_ptr = w3_ptr + e * I * D
+        else:  # the shared expert of token p - NK
+            t = p - NK
+            gw = 1.0
+            a_ptr = s1_ptr
+            b_ptr = s3_ptr
+        acc1 = tl.zeros([BLOCK_I], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_I], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            d = d0 + tl.arange(0, BLOCK_D)
+            d_ok = d < D
+            x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+            rows = i[:, None] * D + d[None, :]
+            m = i_ok[:, None] & d_ok[None, :]
+            acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
+            acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
@@ -414,7 +455,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     splits = triton.cdiv(D, chunk)
     part = torch.empty(N, splits, E, dtype=torch.float32, device=x.device)
     _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, BLOCK_E=block_e, BLOCK_D=block_d,
-                                     num_warps=4, **chained(x))
+                                     EARLY=GATE_EARLY and chunk == block_d, num_warps=4, **chained(x))
     _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
                        K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                        SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
@@ -429,10 +470,11 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     if grouped is None:
         grouped = N >= GROUPED_TOKENS
     if not grouped:
-        _up_kernel[(nk + N, triton.cdiv(I, UP_BLOCK_I))](
+        block_i, block_d = (UP_EARLY_BLOCK_I, triton.next_power_of_2(D)) if UP_EARLY else (UP_BLOCK_I, UP_BLOCK_D)
+        _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, float(limit),
-            K=top_k, BLOCK_I=UP_BLOCK_I, BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=UP_WARPS,
-            **chained(x))
+            K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=UP_EARLY,
+            num_warps=UP_WARPS, **chained(x))
         if DOWN_SLOTS:
             return down_slots(h, w2, s2, chosen, out)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
