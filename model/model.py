@@ -402,30 +402,40 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
         pos = step.positions(x.device)
-        q_res, q, kv = self.project(x, pos, ropes, cache.kv)
+        _, q_res, q, kv = self.project(x, pos, ropes, cache.kv)
         return self.output(self.core(x, q_res, q, kv, pos, step, cache, ropes), pos, ropes)
 
-    def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat, fused: bool = False):
-        """(q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads no
-        cache. ``fused`` (a decode step on the fused kernels, :meth:`decode_step` next): the
+    def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat, fused: bool = False,
+                norm=None):
+        """(x, q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads
+        no cache. ``fused`` (a decode step on the fused kernels, :meth:`decode_step` next): the
         K=V latent as it is, which :meth:`decode_step` turns into its window entry, and
-        q_res only in a layer with an indexer (its query's input)."""
+        q_res only in a layer with an indexer (its query's input). ``norm`` = (weight, eps):
+        x is the mHC site's input before its RMSNorm (``kernels.hc_site``'s ``norm_later``),
+        normalised inside the projections' GEMV where it runs (else first); the x returned
+        is the normalised one, for x's other readers."""
         B, S, _ = x.shape
         inv = self.rope_table(ropes)
         if not kernels.gemv_runs(x, self.wq_a, self.wkv):
+            if norm is not None:
+                x = kernels.rms_norm(x, *norm)
             q_res, kv_lat = self.q_norm(self.wq_a(x)), self.wkv(x)
             q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
-            return q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
-        # a decode step's few rows: both projections of x in one launch; the query's norm
-        # (where nothing else reads q_res) and RoPE inside its GEMV
-        q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
+            return x, q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
+        # a decode step's few rows: both projections of x in one launch (with the site's norm,
+        # where it was left to them); the query's norm (where nothing else reads q_res) and
+        # RoPE inside its GEMV
+        if norm is None:
+            q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
+        else:
+            q_lat, kv_lat, x = kernels.gemv(x, self.wq_a.weight, self.wkv.weight, norm=norm, keep=True)
         angles = rope_angles(pos, inv)
         q_res = self.q_norm(q_lat) if not fused or self.indexer is not None else None
         norm = (self.q_norm.weight, self.q_norm.eps) if q_res is None else None
         (q,) = kernels.gemv(q_lat if norm else q_res, self.wq_b.weight, norm=norm,
                             rope_out=(angles.cos, angles.sin, self.head_dim))
         q = q.view(B, S, self.n_heads, self.head_dim)
-        return q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
+        return x, q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
 
     def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
         """De-rotated attention output through the grouped low-rank output projection (on a
@@ -737,8 +747,10 @@ class Block(nn.Module):
         attention site adds it (its ``expand``), or the caller (:func:`expand_output`);
         ``expand``: the layer before's, likewise. ``shared``: what earlier layers
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
-        streams, a_pre, a_post, a_comb, x = self.site("attn", streams, pre, expand=expand, overlap=True)
-        q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True)
+        streams, a_pre, a_post, a_comb, x, later = self.site("attn", streams, pre, expand=expand, overlap=True,
+                                                             norm_later=True)
+        x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True,
+                                                norm=self.site_norm("attn") if later else None)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
         return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask,
@@ -752,14 +764,15 @@ class Block(nn.Module):
     def projected_attn_site(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
         """:meth:`attn_site` and :meth:`projections`."""
         a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
-        return (a_pre, a_post, a_comb, x, *self.projections(x, pos, ropes=ropes, fmt=fmt))
+        return (a_pre, a_post, a_comb, *self.projections(x, pos, ropes=ropes, fmt=fmt))
 
-    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat, fused: bool = False):
+    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat, fused: bool = False, norm=None):
         """The attention's projections of the site's input (``Attention.project``, ``fused``
-        as there) and, in a layer with an indexer, its query and head weights (``Indexer.query``)."""
-        q_res, q, kv = self.attn.project(x, pos, ropes, fmt, fused)
+        and ``norm`` as there) and, in a layer with an indexer, its query and head weights
+        (``Indexer.query``): (x normalised, q_res, q, kv, *index)."""
+        x, q_res, q, kv = self.attn.project(x, pos, ropes, fmt, fused, norm)
         index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
-        return (q_res, q, kv, *index)
+        return (x, q_res, q, kv, *index)
 
     def attn_segment(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
         """:meth:`projected_attn_site` as a graph segment: with its own RoPE-angle scope."""
@@ -777,20 +790,29 @@ class Block(nn.Module):
 
     def ffn_output(self, y, streams, a_pre, a_post, a_comb, image_mask=None, overlap: bool = False):
         """:meth:`ffn_site` short of its last expand: (streams, pre, (the FFN's output, post,
-        comb)), what ``hc_expand`` or the next site's ``expand`` adds to the streams."""
-        streams, f_pre, f_post, f_comb, x = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb),
-                                                      overlap=overlap)
-        return streams, f_pre, (self.ffn(x, image_mask), f_post, f_comb)
+        comb)), what ``hc_expand`` or the next site's ``expand`` adds to the streams. With
+        ``overlap`` (the whole-step decode) the site's norm is left to the MoE's gate launch."""
+        streams, f_pre, f_post, f_comb, x, *later = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb),
+                                                              overlap=overlap, norm_later=overlap)
+        norm = self.site_norm("ffn") if later and later[0] else None
+        return streams, f_pre, (self.ffn(x, image_mask, norm=norm), f_post, f_comb)
 
-    def site(self, name: str, streams, pre, expand=None, overlap: bool = False):
+    def site(self, name: str, streams, pre, expand=None, overlap: bool = False, norm_later: bool = False):
         """``kernels.hc_site`` of the attention or FFN site: (streams, pre, post, comb, the
         site's normalised input); ``expand``: the site before's output to add to the streams
-        first; ``overlap``: its ``overlap`` (the whole-step decode, which joins at its end)."""
+        first; ``overlap``: its ``overlap`` (the whole-step decode, which joins at its end);
+        ``norm_later``: its ``norm_later`` (then a sixth value: whether x still wants
+        :meth:`site_norm`)."""
         norm = self.attn_norm if name == "attn" else self.ffn_norm
         return kernels.hc_site(streams, pre, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),
                                getattr(self, f"hc_{name}_base"), norm.weight, eps=self.args.rms_norm_eps,
                                norm_eps=norm.eps, iters=self.args.hc_sinkhorn_iters, hc_eps=self.args.hc_eps,
-                               expand=expand, overlap=overlap)
+                               expand=expand, overlap=overlap, norm_later=norm_later)
+
+    def site_norm(self, name: str) -> tuple[torch.Tensor, float]:
+        """(weight, eps) of the attention or FFN site's RMSNorm."""
+        norm = self.attn_norm if name == "attn" else self.ffn_norm
+        return norm.weight, norm.eps
 
 
 # ----------------------------------------------------------------------------- model

@@ -152,13 +152,18 @@ class MoE(nn.Module):
         self.grouped = GroupedExperts(args.swiglu_limit)
         self.register_load_state_dict_post_hook(_restack_after_load)
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, norm=None) -> torch.Tensor:
+        """``norm`` = (weight, eps): x is an mHC site's input before its RMSNorm (a fused decode
+        step's site kernel left it): normalised here, by the fused kernels' gate launch where
+        they run."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if image_mask is None and self.runs_fused(flat):
-            y = self._fused(flat)  # a decode step on CUDA: four kernels (model.kernels.moe)
+            y = self._fused(flat, norm)  # a decode step on CUDA: four kernels (model.kernels.moe)
             if y is not None:
                 return y.to(x.dtype).view(shape)
+        if norm is not None:
+            flat = kernels.rms_norm(flat, *norm)
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         routed = self.grouped if self.runs_grouped(flat) else self._dense if self.runs_dense(flat) else self._loop
         y = routed(flat, weights, indices)
@@ -192,7 +197,7 @@ class MoE(nn.Module):
         return (x.is_cuda and torch.is_grad_enabled() and len(self.experts) <= DENSE_RATIO * self.gate.top_k
                 and os.environ.get("DSAGENT_DENSE_MOE", "1") != "0")
 
-    def _fused(self, flat: torch.Tensor) -> torch.Tensor | None:
+    def _fused(self, flat: torch.Tensor, norm=None) -> torch.Tensor | None:
         """``kernels.moe_decode`` on text tokens where :meth:`runs_fused` (routed sum + shared,
         in the tokens' dtype, rounded from fp32 by the kernel), or None if its kernels cannot
         be built here."""
@@ -200,7 +205,8 @@ class MoE(nn.Module):
         return kernels.moe_decode(flat, g.weight, g.bias, self.grouped.w1.weight, self.grouped.w3.weight,
                                   self.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,
                                   top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
-                                  scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype)
+                                  scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype,
+                                  x_norm=norm)
 
     def runs_fused(self, x: torch.Tensor) -> bool:
         """Whether text tokens ``x`` [N, D] run through ``kernels.moe_decode``: stacked,

@@ -202,14 +202,51 @@ def test_a_fused_steps_projection_normalises_the_query_inside_its_gemv(monkeypat
         attn = attn.to(DEVICE, torch.bfloat16).eval()
         x = rand(2, 1, args.hidden_size, seed=12, dtype=torch.bfloat16)
         with torch.no_grad():
-            q_res, q, kv = attn.project(x, pos, ropes, KVFormat.PACKED, fused=True)
-            want_res, want_q, _ = attn.project(x, pos, ropes, KVFormat.PACKED)
+            _, q_res, q, kv = attn.project(x, pos, ropes, KVFormat.PACKED, fused=True)
+            _, want_res, want_q, _ = attn.project(x, pos, ropes, KVFormat.PACKED)
             latent = attn.wkv(x)
         assert (q_res is None) == (attn.indexer is None)
         close(q, want_q)
         close(kv, latent)
         if q_res is not None:
             assert torch.equal(q_res, want_res)
+
+
+@needs_triton
+def test_a_site_norm_left_to_the_projection_is_made_inside_its_gemv(monkeypatch):
+    """``project(norm=...)`` (an mHC site that left its RMSNorm to its consumer): x normalised
+    inside the wq_a / wkv GEMV, which writes it for x's other readers (``keep``); x, q_res and
+    the K=V latent as the norm kernel then the plain projection make them, to the norm's
+    rounding; with the GEMV off the norm runs first, as its own launch."""
+    from model.model import Ropes
+    from model.quant import KVFormat
+
+    args = ModelArgs.preset("tiny")
+    g = torch.Generator().manual_seed(3)
+    ropes, pos = Ropes(args).to(DEVICE), torch.tensor([9], device=DEVICE)
+    attn = Attention(args, layer=args.index_source_layer_ids[0])
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 if p.dim() > 1
+                    else 1 + 0.1 * torch.randn(p.shape, generator=g))
+    attn = attn.to(DEVICE, torch.bfloat16).eval()
+    raw = rand(2, 1, args.hidden_size, seed=13, dtype=torch.bfloat16) * 7  # not of unit RMS
+    weight = (1 + 0.1 * torch.randn(args.hidden_size, generator=g)).to(DEVICE, torch.bfloat16)
+    calls = []
+    real = kernels.gemv
+    monkeypatch.setattr(kernels, "gemv", lambda *a, **k: calls.append(k.get("keep", False)) or real(*a, **k))
+    with torch.no_grad():
+        normed = kernels.rms_norm(raw, weight, 1e-6)
+        want = attn.project(normed, pos, ropes, KVFormat.PACKED, fused=True)
+        calls.clear()
+        got = attn.project(raw, pos, ropes, KVFormat.PACKED, fused=True, norm=(weight, 1e-6))
+        assert calls[0] is True  # the first GEMV normalised x and kept it
+        monkeypatch.setenv("DSAGENT_GEMV", "0")
+        first = attn.project(raw, pos, ropes, KVFormat.PACKED, fused=True, norm=(weight, 1e-6))
+    for g_, w_ in zip(got, want):
+        close(g_, w_)
+    assert torch.equal(first[0], normed) and (got[0] != normed).float().mean() < 0.01
+    assert not torch.equal(got[0], raw)
 
 
 class CountedLinear(torch.nn.Module):

@@ -157,13 +157,19 @@ def _decode_wiring(kernels) -> None:
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-3, atol=1e-3)
 
 
-def test_decode_steps_on_the_twins_match_the_reference_path(monkeypatch):
+@pytest.mark.parametrize("norm_later", [False, pytest.param(True, marks=needs_kernel)])
+def test_decode_steps_on_the_twins_match_the_reference_path(norm_later, monkeypatch):
     """CPU and GPU alike: the fused decode path on whatever runs here (the PyTorch twins on
     the CPU) — the candidate pool scored as its records alone, their top-k mapped back —
     gives the reference path's logits. The tiny net's pool is 8 records of the 150 its
-    ratio-1 layers hold, so the pool decides the Reindex layer's top-k."""
+    ratio-1 layers hold, so the pool decides the Reindex layer's top-k. ``norm_later``
+    (where the site kernel runs): each mHC site's norm left to the GEMV or MoE gate after it."""
     import model.model as mm
 
+    if norm_later:
+        from model.kernels import streams
+
+        monkeypatch.setattr(streams, "NORM_LATER", True)
     monkeypatch.setenv("DSAGENT_GRAPHS", "0")
     net = tiny_net().to(DEVICE)
     ids = torch.randint(3, net.args.vocab_size, (2, 153), generator=torch.Generator().manual_seed(6)).to(DEVICE)

@@ -175,6 +175,24 @@ def test_down_sum_asked_for_before_its_wait_matches_the_looped_one(dtype, monkey
             torch.testing.assert_close(outs[True], outs[False], rtol=tol, atol=tol * want.abs().max().item())
 
 
+@pytest.mark.parametrize("form", ["by-pair-early"] if INTERPRETED else FORMS)
+def test_moe_kernel_normalises_a_site_input_left_to_it(form, monkeypatch):
+    """``x_norm``: tokens before the FFN site's RMSNorm (of RMS 5, not 1); the gate-logits launch
+    normalises them and writes them for the experts: the output agrees with the MoE of the
+    normalised tokens (the norm kernel's; the norm's rounding apart), for each form."""
+    use_form(form, monkeypatch)
+    moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=17)
+    D = moe.gate.weight.shape[1]
+    g = torch.Generator().manual_seed(5)
+    raw = (torch.randn(3, D, generator=g) * 5).to(DEVICE, torch.bfloat16)
+    weight = (1 + 0.1 * torch.randn(D, generator=g)).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        want = decode_call(moe, kernels.rms_norm(raw, weight, 1e-6))
+    got = decode_call(moe, raw, x_norm=(weight, 1e-6))
+    torch.testing.assert_close(got, want, rtol=2 ** -7, atol=2 ** -7 * want.abs().max().item())
+    assert not torch.allclose(decode_call(moe, raw), want, rtol=0.05, atol=0.05 * want.abs().max().item())
+
+
 def test_moe_kernel_splits_the_gate_over_channel_chunks():
     """512 channels: the gate's logits are summed from 4 chunks of 128."""
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=5, hidden_size=512)

@@ -146,8 +146,9 @@ def test_site_kernel_matches_its_parts(lead, hc, D, dtype, expanded) -> None:
                                               ((2, 1), 2, 128, torch.bfloat16)])
 def test_site_dots_asking_for_the_mixes_weight_early_give_the_same_bits(lead, hc, D, dtype, monkeypatch) -> None:
     """``SITE_EARLY``: the dots' tile of the mixes' projection loaded before the wait and each
-    stream's slice taken out of it; every output bit for bit the late form's (same sums, same
-    order), the expanded streams included."""
+    stream's slice taken out of it exactly: the expanded streams bit for bit the late form's,
+    the mixes to fp32 rounding (the same products; on the GPU the tile's layout may reduce
+    the channels in another order) and x to the norm's rounding."""
     from model.kernels import streams as kernel
 
     streams, pre, fn, scale, base, weight, expand = _site_inputs(lead, hc, D, dtype, seed=7 * D)
@@ -155,9 +156,42 @@ def test_site_dots_asking_for_the_mixes_weight_early_give_the_same_bits(lead, hc
     for early in (False, True):
         monkeypatch.setattr(kernel, "SITE_EARLY", early)
         runs.append(kernel.hc_site(streams, pre, fn, scale, base, weight, 1e-6, 1e-6, 20, 1e-6, expand))
-    for late, early in zip(*runs):
-        assert torch.equal(_bits(late), _bits(early))
-    assert not torch.equal(runs[0][1], torch.zeros_like(runs[0][1]))  # mixes were made
+    late, early = runs
+    assert torch.equal(_bits(late[0]), _bits(early[0]))
+    for a, b in zip(late[1:4], early[1:4]):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(early[4].float(), late[4].float(), atol=0, rtol=2 ** -7 if dtype == torch.bfloat16
+                               else 1e-5)
+    assert not torch.equal(late[1], torch.zeros_like(late[1]))  # mixes were made
+
+
+@needs_kernel
+@pytest.mark.parametrize("lead,hc,D,dtype", [((1, 1), 4, 2048, torch.bfloat16), ((3, 1), 4, 100, torch.float32),
+                                              ((2, 1), 2, 128, torch.bfloat16)])
+@pytest.mark.parametrize("expanded", [False, True])
+def test_site_with_its_norm_left_for_later_gives_the_collapse(lead, hc, D, dtype, expanded, monkeypatch) -> None:
+    """``norm_later``: the dots launch writes x as the streams collapsed by the incoming pre,
+    bit for bit ``hc_collapse`` of the site's streams; streams and mixes the same bits as the
+    site with its norm; the dispatcher says whether x still wants the norm."""
+    import model.kernels as kernels
+    from model.kernels import streams as kernel
+
+    streams, pre, fn, scale, base, weight, expand = _site_inputs(lead, hc, D, dtype, seed=3 * D + expanded)
+    expand = expand if expanded else None
+    whole = kernel.hc_site(streams, pre, fn, scale, base, weight, 1e-6, 1e-6, 20, 1e-6, expand)
+    later = kernel.hc_site(streams, pre, fn, scale, base, weight, 1e-6, 1e-6, 20, 1e-6, expand, norm_later=True)
+    for a, b in zip(whole[:4], later[:4]):
+        assert torch.equal(_bits(a), _bits(b))
+    assert torch.equal(_bits(later[4]), _bits(kernels.hc_collapse(later[0], pre)))
+    assert not torch.equal(later[4], whole[4])
+    monkeypatch.setattr(kernel, "NORM_LATER", True)
+    got = kernels.hc_site(streams, pre, fn, scale, base, weight, eps=1e-6, norm_eps=1e-6, iters=20, hc_eps=1e-6,
+                          expand=expand, norm_later=True)
+    assert len(got) == 6 and got[5] is True and torch.equal(_bits(got[4]), _bits(later[4]))
+    monkeypatch.setattr(kernel, "NORM_LATER", False)  # the request not honoured: x normalised
+    got = kernels.hc_site(streams, pre, fn, scale, base, weight, eps=1e-6, norm_eps=1e-6, iters=20, hc_eps=1e-6,
+                          expand=expand, norm_later=True)
+    assert got[5] is False and torch.equal(_bits(got[4]), _bits(whole[4]))
 
 
 @needs_kernel

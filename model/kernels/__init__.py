@@ -180,24 +180,25 @@ def gemv_runs(x: torch.Tensor, *layers: torch.nn.Module) -> bool:
 
 
 def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
-         rope_out=None) -> tuple[torch.Tensor, ...]:
+         rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, w)`` for each of one or two weights, in one launch (``model.kernels.matvec``),
     for a caller that asked :func:`gemv_runs`; ``groups`` > 1: ``Attention``'s grouped output
     projection. ``norm`` = (weight, eps): of ``rms_norm(x, weight, eps)`` instead of x;
     ``rope_in`` / ``rope_out`` = (cos, sin, head_dim): of ``rope`` of x seen as heads of
-    head_dim channels / the output so rotated (one weight with these). Agrees with cuBLAS to
+    head_dim channels / the output so rotated (one weight with these); ``keep`` (with ``norm``):
+    the normalised x returned after the outputs, for its other readers. Agrees with cuBLAS to
     rounding (another summation order); the norm's and the rotations' own roundings are
     those of :func:`rms_norm` and :func:`rope`. A kernel that cannot be built warns once and
     the twin (:func:`gemv_ref`) runs from then on."""
     from model.kernels import matvec as kernel
 
-    options = dict(groups=groups, norm=norm, rope_in=rope_in, rope_out=rope_out)
+    options = dict(groups=groups, norm=norm, rope_in=rope_in, rope_out=rope_out, keep=keep)
     return _guarded("GEMV kernel", functools.partial(kernel.gemv, **options), functools.partial(gemv_ref, **options),
                     x, *weights)
 
 
 def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
-             rope_out=None) -> tuple[torch.Tensor, ...]:
+             rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """:func:`gemv`'s twin: ``F.linear``, or the grouped einsum of ``Attention._grouped_wo_a``,
     after ``rms_norm_ref`` / ``rope_ref`` of x and before ``rope_ref`` of the output."""
 
@@ -215,7 +216,9 @@ def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None
         (w,) = weights
         grouped = x.reshape(*x.shape[:-1], groups, -1)
         outs = (torch.einsum("...gi,goi->...go", grouped, w.view(groups, w.shape[0] // groups, -1)).flatten(-2),)
-    return outs if rope_out is None else (heads(outs[0], rope_out),)
+    if rope_out is not None:
+        outs = (heads(outs[0], rope_out),)
+    return outs + (x,) if keep else outs
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
@@ -314,7 +317,8 @@ SITE_TOKENS = 16  # the most tokens hc_site's kernel takes: decode steps (its do
 
 def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_weight: torch.Tensor, *, eps: float, norm_eps: float, iters: int, hc_eps: float,
-            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False):
+            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False,
+            norm_later: bool = False):
     """One mHC site: (streams, pre', post', comb', x). ``expand`` = (y, post, comb) of the
     site before: the streams are first ``hc_expand(y, streams, post, comb)``. The mixes
     (pre', post', comb') are ``hc_split`` of ``fn`` [(2 + hc) * hc, hc * D] times the
@@ -331,7 +335,14 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     split (its Sinkhorn, ~4 us of serial reductions at batch 1) runs on a side stream beside
     the site's input and the attention or MoE after it — V4.1's mixes are read only at the
     next site — and ``hc_site``, ``hc_collapse`` and ``hc_expand`` join it before they run.
-    The same kernels on the same inputs: the same bits."""
+    The same kernels on the same inputs: the same bits.
+
+    ``norm_later`` (a caller whose consumer of x can normalise it — a GEMV's or the MoE
+    gate's ``norm``): a sixth value, True where the kernel ran (``streams.NORM_LATER`` on)
+    and x is the collapse before
+    the site's norm (made by the dots launch, channel block by channel block: the launch that
+    collapsed and normalised the whole row, one program a token after the dots, is gone); else
+    False and x normalised as above."""
     mhc_join()  # the site before's split, where it ran beside: its post / comb are read here
     args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
     rows = streams.numel() // (streams.shape[-2] * streams.shape[-1])
@@ -343,9 +354,12 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
 
         beside = (overlap and streams.is_cuda and torch.cuda.is_current_stream_capturing()
                   and os.environ.get("DSAGENT_MHC_OVERLAP", "1") != "0")
-        site = functools.partial(kernel.hc_site, overlap=True) if beside else kernel.hc_site
-        return _guarded("mHC site kernel", site, hc_site_parts, *args)
-    return hc_site_parts(*args)
+        later = norm_later and kernel.NORM_LATER
+        site = functools.partial(kernel.hc_site, overlap=beside, norm_later=later)
+        out = _guarded("mHC site kernel", site, hc_site_parts, *args)
+        return (*out, later and "mHC site kernel" not in _FAILED) if norm_later else out
+    out = hc_site_parts(*args)
+    return (*out, False) if norm_later else out
 
 
 def mhc_join() -> None:

@@ -102,8 +102,21 @@ def _rms_normed(h, w, D, eps, BF16: tl.constexpr):
     """fp32 row ``h`` [D] (masked lanes 0) RMS-normalised and times the weight ``w`` (fp32
     values), rounded as ``rms_norm_ref`` rounds in the output's dtype: the normalised row
     cast first, then the product (bf16: nearest even, on the bits)."""
-    h = h * tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-    return _round(w * _round(h, BF16), BF16)
+    return _rms_apply(h, _rms_factor(h, D, eps), w, BF16)
+
+
+@triton.jit
+def _rms_factor(h, D, eps):
+    """The RMSNorm's factor of fp32 row ``h`` [D] (masked lanes 0): 1 / sqrt(mean(h²) + eps)."""
+    return tl.math.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+
+
+@triton.jit
+def _rms_apply(h, factor, w, BF16: tl.constexpr):
+    """Channels ``h`` of a row normalised by the row's ``factor`` (:func:`_rms_factor`) and times
+    their weights ``w``, rounded as :func:`_rms_normed` rounds: any slice of a row so made
+    holds the bits of the whole row's."""
+    return _round(w * _round(h * factor, BF16), BF16)
 
 
 @triton.jit

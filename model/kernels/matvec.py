@@ -2,13 +2,14 @@
 streamed once by many programs, where cuBLAS runs one small GEMM a layer that reads its
 2-8 MB at a fraction of the copy rate (`small`: ~5 µs a call, ~5 calls a layer, ~1 TB/s).
 
-Owns ``gemv(x, *weights, groups=1, norm=None, rope_in=None, rope_out=None)``: ``F.linear(x,
+Owns ``gemv(x, *weights, groups=1, norm=None, rope_in=None, rope_out=None, keep=False)``: ``F.linear(x,
 w)`` for each weight (one launch for all of them, when they share ``x``: the query's and the
 K=V latent's projections of a layer), or with ``groups`` > 1 the grouped projection of
 ``Attention._grouped_wo_a``: group g of the output reads only group g of ``x``'s channels.
 Products in fp32, summed in another order than cuBLAS's (so the outputs agree to rounding),
 rounded to ``x``'s dtype as the GEMM rounds (bf16: nearest even, on the bits). The options
-fold the launch beside it in: ``norm`` the RMSNorm of x (the query's ``q_norm``), ``rope_in``
+fold the launch beside it in: ``norm`` the RMSNorm of x (the query's ``q_norm``; an mHC site's
+norm, ``keep`` writing the normalised x for its other readers), ``rope_in``
 the RoPE of x's heads (the attention output's de-rotation before ``wo_a``), ``rope_out`` the
 RoPE of the output's heads (the query's), each rounded as its own kernel rounds. All launches
 run without FMA contraction (``unfused``), as the RoPE kernel does, so the rotations are bit
@@ -41,14 +42,15 @@ TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P1,
-                 nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF,
+                 nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF, xn_ptr,
                  BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
                  NORM: tl.constexpr = False, ROPE_IN: tl.constexpr = False, ROPE_OUT: tl.constexpr = False,
-                 PDL: tl.constexpr = False):
+                 KEEP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
     second, for every row of x. Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG);
     two weights come only without groups (DG == D), so both weights' tiles have one shape.
-    NORM: each row of x RMS-normalised by ``nw`` first (as ``norm._rms_norm_kernel``);
+    NORM: each row of x RMS-normalised by ``nw`` first (as ``norm._rms_norm_kernel``), and
+    with KEEP the normalised rows written to ``xn`` by program 0 (for x's later readers);
     ROPE_IN / ROPE_OUT: x's / the output's heads of HD channels rotated (as
     ``rotary._rope_kernel``: channels from OFF on, in adjacent pairs, by row n's cos / sin at
     n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG)."""
@@ -72,6 +74,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
         xs = tl.load(x_at + n * D + d, mask=d_ok, other=0.0).to(tl.float32)
         if NORM:
             xs = _rms_normed(xs, tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32), D, eps, BF16)
+            if KEEP:
+                if p == 0:
+                    _store(xn_ptr + n * D + d, xs, d_ok, BF16)
         if ROPE_IN:
             hc = d % HD
             rot = d_ok & (hc >= OFF)
@@ -113,16 +118,19 @@ def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whol
 
 
 def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
-         rope_out=None) -> tuple[torch.Tensor, ...]:
+         rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """``x`` [..., D] (fp32 or bf16) against one or two weights [O, D] of its dtype -> one
-    output [..., O] each. With ``groups`` g (one weight [g * r, D / g]): output group j is
+    output [..., O] each (then, with ``keep`` and ``norm``, x normalised). With ``groups`` g
+    (one weight [g * r, D / g]): output group j is
     weight rows [j * r, (j + 1) * r) against x's channels [j * D / g, (j + 1) * D / g).
-    ``norm`` = (weight [D], eps): x RMS-normalised first (``rms_norm``); ``rope_in`` /
-    ``rope_out`` = (cos, sin [S, r], head_dim): x's / the output's heads rotated
-    (``rope`` on x [B, S, heads, head_dim], S the second dim of x). One weight with these."""
+    ``norm`` = (weight [D], eps): x RMS-normalised first (``rms_norm``; without groups);
+    ``rope_in`` / ``rope_out`` = (cos, sin [S, r], head_dim): x's / the output's heads rotated
+    (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these)."""
     assert 1 <= len(weights) <= 2 and (groups == 1 or len(weights) == 1)
     assert x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == x.dtype and w.dim() == 2 for w in weights)
-    assert len(weights) == 1 or not (norm or rope_in or rope_out)
+    assert len(weights) == 1 or not (rope_in or rope_out)
+    assert not norm or groups == 1, "a norm over a group's channels is not the row's"
+    assert not keep or norm, "keep: the normalised x"
     assert not (norm and rope_in), "x normalised and rotated: not one pass"
     lead, D = x.shape[:-1], x.shape[-1]
     rows = x.reshape(-1, D).contiguous()
@@ -151,9 +159,11 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
         assert (DG if rope_in else O) % hd == 0 and hd % 2 == 0
         cos, sin = cos.contiguous(), sin.contiguous()
     assert norm is None or (nw.shape == (D,) and nw.dtype == x.dtype)
+    if keep:
+        outs.append(torch.empty_like(rows))
     _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
-                             nw, eps, cos, sin, S, hd, hd - 2 * half, half,
+                             nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]),
                              BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
-                             ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, num_warps=GEMV_WARPS,
-                             **unfused(), **chained(rows))
+                             ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, KEEP=keep,
+                             num_warps=GEMV_WARPS, **unfused(), **chained(rows))
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)

@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _chain, _round, _store, chained
+from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -92,30 +92,50 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
-def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS,
+def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS, nw_ptr, eps, xn_ptr,
                         BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr = False,
+                        NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1, BF16: tl.constexpr = False,
                         PDL: tl.constexpr = False):
     """Partial gate logits of token t over channel chunk c: part[t, c, :E] (the gate's
     weight is read by many programs at once rather than by one). EARLY (CHUNK == BLOCK_D, one
-    load a program): the weight's chunk asked for before the dependent launch's wait."""
+    load a program): the weight's chunk asked for before the dependent launch's wait. NORM
+    (BLOCK_X >= D): x is an mHC site's input before its RMSNorm by ``nw``: every program takes
+    the row's factor from the whole row and normalises its chunk with it; program 0 writes the
+    normalised row to ``xn`` (the same bits: ``fused._rms_apply``) for the expert kernels."""
     t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     if EARLY:
         d = c * BLOCK_D + tl.arange(0, BLOCK_D)
         w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_ok[:, None] & (d < D)[None, :], other=0.0)
-        _chain(PDL)
-        x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
-        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    _chain(PDL)
+    factor = 1.0
+    if NORM:
+        dx = tl.arange(0, BLOCK_X)
+        row = tl.load(x_ptr + t * D + dx, mask=dx < D, other=0.0).to(tl.float32)
+        factor = _rms_factor(row, D, eps)
+        if c == 0:
+            nw = tl.load(nw_ptr + dx, mask=dx < D, other=0.0).to(tl.float32)
+            _store(xn_ptr + t * D + dx, _rms_apply(row, factor, nw, BF16), dx < D, BF16)
+    if EARLY:
+        acc = tl.sum(w.to(tl.float32) * _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM, BF16)[None, :], 1)
     else:
-        _chain(PDL)
         acc = tl.zeros([BLOCK_E], dtype=tl.float32)
         for d0 in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
-            x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+            x = _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM, BF16)
             w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_ok[:, None] & (d < D)[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
     tl.store(part_ptr + (t * SPLITS + c) * E + e, acc, mask=e_ok)
+
+
+@triton.jit
+def _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM: tl.constexpr, BF16: tl.constexpr):
+    """Channels ``d`` of token t's input in fp32, normalised by the row's ``factor`` with NORM."""
+    x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+    if NORM:
+        x = _rms_apply(x, factor, tl.load(nw_ptr + d, mask=d < D, other=0.0).to(tl.float32), BF16)
+    return x
 
 
 @triton.jit
@@ -432,14 +452,16 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
                scoring: str, temp: float, norm: bool, scale: float, limit: float,
-               out_dtype: torch.dtype = torch.float32, grouped: bool | None = None) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None) -> torch.Tensor:
     """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (any float dtype),
     stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
     [I, D] and s2 [D, I], all in x's dtype. -> [N, D] (routed sum + shared) in fp32, or in
     bf16 rounded from it (``out_dtype``: ``MoE``'s cast back, done by the kernel).
     ``grouped``: the experts' kernels by expert (each chosen expert's weights read once for
     all its tokens) rather than by (token, slot) pair; by default from ``GROUPED_TOKENS``
-    tokens on. Both forms round and sum alike; their dot products reduce in other orders."""
+    tokens on. Both forms round and sum alike; their dot products reduce in other orders.
+    ``x_norm`` = (weight [D], eps): x is an mHC site's input before its RMSNorm, which the
+    gate-logits launch applies (``rms_norm``'s roundings) and writes for the expert kernels."""
     N, D = x.shape
     E, I = w1.shape[0], w1.shape[1]
     assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and w2.shape == (E, D, I)
@@ -454,8 +476,18 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     chunk = triton.cdiv(triton.cdiv(D, min(GATE_SPLITS, triton.cdiv(D, block_d))), block_d) * block_d
     splits = triton.cdiv(D, chunk)
     part = torch.empty(N, splits, E, dtype=torch.float32, device=x.device)
-    _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, BLOCK_E=block_e, BLOCK_D=block_d,
-                                     EARLY=GATE_EARLY and chunk == block_d, num_warps=4, **chained(x))
+    if x_norm is not None:
+        nw, eps = x_norm[0].contiguous(), float(x_norm[1])
+        assert nw.shape == (D,) and nw.dtype == x.dtype
+        xn = torch.empty_like(x)
+        normed = dict(NORM=True, BLOCK_X=triton.next_power_of_2(D), BF16=bf16, **unfused())
+    else:
+        nw, eps, xn, normed = x, 0.0, x, {}
+    _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, nw, eps,
+                                     xn.view(torch.int16) if x_norm is not None and bf16 else xn,
+                                     BLOCK_E=block_e, BLOCK_D=block_d, EARLY=GATE_EARLY and chunk == block_d,
+                                     num_warps=4, **normed, **chained(x))
+    x = xn  # the expert kernels read the normalised rows
     _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
                        K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                        SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],

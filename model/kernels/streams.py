@@ -98,6 +98,10 @@ SITE_WARPS = 4
 # 24 KB at `small`; 786 KB a site) before its dependent launch's wait rather than stream by stream
 # after it. NOT yet timed on the GPU, so off
 SITE_EARLY = False
+# a caller's request that the site leave its norm to x's consumer (``hc_site``'s ``norm_later``) is
+# honoured: the dots launch writes the collapse and the second launch is the split alone. NOT yet
+# timed on the GPU, so off
+NORM_LATER = False
 # warps of the second launch (the split's Sinkhorn, a chain of ~40 reductions of a 4 x 4 tile,
 # beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
 # 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
@@ -105,16 +109,19 @@ FINISH_WARPS = None
 
 
 @triton.jit
-def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, D, S,
+def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, pre_in_ptr, x_ptr, D, S,
                       HC: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
                       EXPAND: tl.constexpr, BF16: tl.constexpr, EARLY: tl.constexpr = False,
-                      PDL: tl.constexpr = False):
+                      COLLAPSE: tl.constexpr = False, PDL: tl.constexpr = False):
     """One token's streams over BLOCK_C channels (expanded first when EXPAND, as
     ``_expand_kernel`` does, and written out): their sum of squares and their dots with the
     mixes' projection ``fn`` [M, HC * D], a partial sum of S per token. EARLY: the program's
     whole tile of ``fn`` (every stream's columns, [HC, M, BLOCK_C]) asked for before the
     dependent launch's wait — no kernel of a step writes it — and each stream's slice taken
-    out of it exactly (a sum of one value and zeros), so both forms compute the same bits."""
+    out of it exactly (a sum of one value and zeros), so both forms compute the same bits.
+    COLLAPSE: the site's input before its norm, ``x`` = the streams collapsed by ``pre_in``
+    over the program's channels (``_site_input``'s products and sums, in its order), left for
+    the site's consumer to normalise."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     c = split * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -128,6 +135,7 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
     _chain(PDL)
     acc = tl.zeros([M_PAD, BLOCK_C], tl.float32)
     sq = tl.zeros([BLOCK_C], tl.float32)
+    col = tl.zeros([BLOCK_C], tl.float32)
     if EXPAND:
         y = tl.load(y_ptr + row * D + c, mask=live, other=0.0).to(tl.float32)
     for k in tl.static_range(HC):
@@ -145,6 +153,11 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
         else:
             h = tl.load(s_ptr + (row * HC + k) * D + c, mask=live, other=0.0).to(tl.float32)
         sq += h * h
+        if COLLAPSE:
+            if k == 0:
+                col = tl.load(pre_in_ptr + row * HC) * h
+            else:
+                col = col + tl.load(pre_in_ptr + row * HC + k) * h
         if EARLY:
             w = tl.sum(tl.where((kk == k)[:, None, None], w_all, 0.0), 0)
         else:
@@ -153,6 +166,8 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
         acc += w * h[None, :]
     tl.store(dots_ptr + (row * S + split) * M_PAD + m, tl.sum(acc, 1))
     tl.store(sq_ptr + row * S + split, tl.sum(sq, 0))
+    if COLLAPSE:  # stored in the streams' dtype, as the collapse is before the norm reads it
+        _store(x_ptr + row * D + c, col, live, BF16)
 
 
 @triton.jit
@@ -213,23 +228,26 @@ def _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC: tl.conste
 
 def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_weight: torch.Tensor, eps: float, norm_eps: float, iters: int, hc_eps: float,
-            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False):
+            expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False,
+            norm_later: bool = False):
     """One mHC site of a few tokens in two launches; see ``model.kernels.hc_site``. With
     ``overlap`` (a CUDA graph's capture, from ``model.kernels.hc_site``, which has joined the
     splits before): the split runs on a side stream, beside the site's input and whatever
     follows it, and :func:`join` makes the current stream wait for it before anything reads
-    pre / post / comb."""
+    pre / post / comb. ``norm_later``: x is the collapse before the site's norm, made by the
+    dots launch; the second launch is the split alone (its caller's consumer normalises x)."""
     hc, D = streams.shape[-2:]
     lead = streams.shape[:-2]
     assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc & (hc - 1) == 0
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
     options = {**unfused(), **chained(streams)}  # both launches alike
-    streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options)
+    x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
+    streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options,
+                                   (pre.contiguous(), x) if norm_later else None)
     R, S, M_PAD = dots.shape
     pre_out = torch.empty(*lead, hc, dtype=torch.float32, device=streams.device)
     post_out, comb_out = torch.empty_like(pre_out), torch.empty(*lead, hc, hc, dtype=torch.float32,
                                                                 device=streams.device)
-    x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
     bf16, block = streams.dtype == torch.bfloat16, triton.next_power_of_2(D)
     args = (dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre.contiguous(),
             norm_weight.contiguous(), pre_out, post_out, comb_out, x.view(torch.int16) if bf16 else x, D, S,
@@ -237,7 +255,10 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     consts = dict(HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, BF16=bf16)
     warps = FINISH_WARPS or (4 if block <= 1024 else 8)
     if not overlap:
-        _site_finish_kernel[(R, 2)](*args, **consts, num_warps=warps, **options)
+        if norm_later:
+            _site_finish_kernel[(R, 1)](*args, **consts, PART=0, num_warps=warps, **options)
+        else:
+            _site_finish_kernel[(R, 2)](*args, **consts, num_warps=warps, **options)
         return streams, pre_out, post_out, comb_out, x
     main = torch.cuda.current_stream(streams.device)
     side = _side_stream(streams.device)
@@ -247,7 +268,8 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     # what the split reads and writes lives until the join: the allocator must not hand its
     # memory to the current stream while the side stream may still use it
     _PENDING.append((side, (dots, sq, *args[2:4], pre_out, post_out, comb_out)))
-    _site_finish_kernel[(R, 1)](*args, **consts, PART=1, num_warps=warps, **options)
+    if not norm_later:
+        _site_finish_kernel[(R, 1)](*args, **consts, PART=1, num_warps=warps, **options)
     return streams, pre_out, post_out, comb_out, x
 
 
@@ -281,9 +303,10 @@ def join() -> None:
     _PENDING.clear()
 
 
-def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict):
+def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict, collapse=None):
     """The first launch: (the site's streams — new ones when ``expand`` —, the partial dots
-    [R, S, M_PAD] and sums of squares [R, S] of S channel blocks a token)."""
+    [R, S, M_PAD] and sums of squares [R, S] of S channel blocks a token). ``collapse`` =
+    (pre, x): the streams collapsed by pre written to x too."""
     hc, D = streams.shape[-2:]
     R, S, M = streams.numel() // (hc * D), triton.cdiv(D, SITE_BLOCK_C), fn.shape[0]
     dots = torch.empty(R, S, triton.next_power_of_2(M), dtype=torch.float32, device=streams.device)
@@ -294,7 +317,10 @@ def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict):
         assert y.shape == streams.shape[:-2] + (D,) and post.dtype == comb.dtype == torch.float32
         out = torch.empty_like(streams)
     bf16 = streams.dtype == torch.bfloat16
-    _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, out.view(torch.int16) if bf16 else out, D, S,
+    view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
+    pre, x = collapse if collapse is not None else (streams, out)  # unread without COLLAPSE
+    _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, view(out), pre, view(x), D, S,
                               HC=hc, M=M, M_PAD=dots.shape[-1], BLOCK_C=SITE_BLOCK_C, EXPAND=expand is not None,
-                              BF16=bf16, EARLY=SITE_EARLY, num_warps=SITE_WARPS, **options)
+                              BF16=bf16, EARLY=SITE_EARLY, COLLAPSE=collapse is not None, num_warps=SITE_WARPS,
+                              **options)
     return out, dots, sq
