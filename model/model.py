@@ -410,7 +410,8 @@ class Attention(nn.Module):
         """(x, q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads
         no cache. ``fused`` (a decode step on the fused kernels, :meth:`decode_step` next): the
         K=V latent as it is, which :meth:`decode_step` turns into its window entry, and
-        q_res only in a layer with an indexer (its query's input). ``norm`` = (weight, eps):
+        q_res only in a layer with an indexer (its query's input; made by the query's GEMV,
+        which normalises its input either way). ``norm`` = (weight, eps):
         x is the mHC site's input before its RMSNorm (``kernels.hc_site``'s ``norm_later``),
         normalised inside the projections' GEMV where it runs (else first); the x returned
         is the normalised one, for x's other readers."""
@@ -423,17 +424,21 @@ class Attention(nn.Module):
             q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
             return x, q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
         # a decode step's few rows: both projections of x in one launch (with the site's norm,
-        # where it was left to them); the query's norm (where nothing else reads q_res) and
-        # RoPE inside its GEMV
+        # where it was left to them); in a fused step the query's norm and RoPE inside its GEMV
+        # (which keeps q_res where the indexer reads it)
         if norm is None:
             q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
         else:
             q_lat, kv_lat, x = kernels.gemv(x, self.wq_a.weight, self.wkv.weight, norm=norm, keep=True)
         angles = rope_angles(pos, inv)
-        q_res = self.q_norm(q_lat) if not fused or self.indexer is not None else None
-        norm = (self.q_norm.weight, self.q_norm.eps) if q_res is None else None
-        (q,) = kernels.gemv(q_lat if norm else q_res, self.wq_b.weight, norm=norm,
-                            rope_out=(angles.cos, angles.sin, self.head_dim))
+        rope = (angles.cos, angles.sin, self.head_dim)
+        if fused:
+            q, *q_res = kernels.gemv(q_lat, self.wq_b.weight, norm=(self.q_norm.weight, self.q_norm.eps),
+                                     rope_out=rope, keep=self.indexer is not None)
+            q_res = q_res[0] if q_res else None
+        else:
+            q_res = self.q_norm(q_lat)
+            (q,) = kernels.gemv(q_res, self.wq_b.weight, rope_out=rope)
         q = q.view(B, S, self.n_heads, self.head_dim)
         return x, q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
 

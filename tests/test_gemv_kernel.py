@@ -184,9 +184,9 @@ def test_attention_projections_on_the_gemv(dtype, monkeypatch):
 
 @needs_triton
 def test_a_fused_steps_projection_normalises_the_query_inside_its_gemv(monkeypatch):
-    """``project(fused=True)`` in a layer without an indexer: the query's norm inside the
-    ``wq_b`` GEMV (no q_res made), the K=V latent handed on as it is; the query agrees with the
-    plain projection's to the norm's rounding, and a layer with an indexer still makes q_res."""
+    """``project(fused=True)``: the query's norm inside the ``wq_b`` GEMV, the K=V latent
+    handed on as it is; the query agrees with the plain projection's to the norm's rounding;
+    q_res only in a layer with an indexer, kept by that GEMV."""
     from model.model import Ropes
     from model.quant import KVFormat
 
@@ -208,8 +208,9 @@ def test_a_fused_steps_projection_normalises_the_query_inside_its_gemv(monkeypat
         assert (q_res is None) == (attn.indexer is None)
         close(q, want_q)
         close(kv, latent)
-        if q_res is not None:
-            assert torch.equal(q_res, want_res)
+        if q_res is not None:  # kept by the query's GEMV, which normalised it: to the norm's rounding
+            close(q_res, want_res)
+            assert (q_res != want_res).float().mean() < 0.01
 
 
 @needs_triton
