@@ -1,9 +1,9 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
-        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,topk]  (gemv, compare: the fast path against torch
-        only; down: the MoE's down sum slot by slot against every slot at once, then the latter's tiles,
-        then with DOWN_EARLY off and on)
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,topk]  (gemv, compare: the fast path against
+        torch only; down: the MoE's down sum slot by slot against every slot at once, then the latter's
+        tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
 ``.matvec``) is timed as a decode step runs it: 20 calls captured in one CUDA graph,
@@ -249,6 +249,13 @@ def main() -> None:
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
                 moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-early", check=by_pair))
+        if "up" in only:  # the up kernel's rows whole (UP_EARLY: the shared expert's before the wait)
+            g = torch.Generator().manual_seed(2)
+            next_x = cycling([torch.randn(tensors[0].shape, generator=g).to(DEVICE, tensors[0].dtype)
+                              for _ in range(CALLS)])
+            cycled = lambda: moe.moe_decode(next_x(), *tensors[1:], **config, grouped=False)  # noqa: E731
+            sweep(moe, {"UP_EARLY": [False, True], "UP_EARLY_BLOCK_I": [1, 2, 4], "UP_WARPS": [4, 8]},
+                  cycled, emit, "moe-up-early", check=by_pair)
         if "moe" in only:  # the two expert kernels apart (each with the other at its default): 36 + 36, not 36 x 36
             sweep(moe, {"UP_BLOCK_I": [4, 8, 16, 32], "UP_BLOCK_D": [128, 256, 512], "UP_WARPS": [2, 4, 8]},
                   by_pair, emit, "moe-up")
