@@ -218,7 +218,7 @@ def main() -> None:
                                            for o in matvec.gemv(xs, *ws, groups=gr)])
                 sweep(matvec, {"TILE_BYTES": [8192, 16384, 32768], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
                       cycled(matvec.gemv), emit, "gemv (a layer's six calls)", check=first)
-        if {"moe", "grouped", "compare", "down"} & set(only):  # compare: the two MoE forms' times alone
+        if {"moe", "grouped", "compare", "down", "up"} & set(only):  # compare: the two MoE forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE)
             by_pair = lambda: moe.moe_decode(*tensors, **config, grouped=False)  # noqa: E731
             grouped = lambda: moe.moe_decode(*tensors, **config, grouped=True)  # noqa: E731

@@ -166,10 +166,10 @@ def test_decode_steps_on_the_twins_match_the_reference_path(norm_later, monkeypa
     (where the site kernel runs): each mHC site's norm left to the GEMV or MoE gate after it."""
     import model.model as mm
 
-    if norm_later:
+    if triton_available():
         from model.kernels import streams
 
-        monkeypatch.setattr(streams, "NORM_LATER", True)
+        monkeypatch.setattr(streams, "NORM_LATER", norm_later)
     monkeypatch.setenv("DSAGENT_GRAPHS", "0")
     net = tiny_net().to(DEVICE)
     ids = torch.randint(3, net.args.vocab_size, (2, 153), generator=torch.Generator().manual_seed(6)).to(DEVICE)

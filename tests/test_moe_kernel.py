@@ -75,16 +75,19 @@ FORMS = ["by-pair", "by-pair-slots", "by-pair-early", "by-expert"]
 
 
 def use_form(form: str, monkeypatch) -> None:
-    """The experts' kernels by (token, slot) pair (the down sum slot by slot, or every slot's
-    rows at once: ``DOWN_SLOTS``; "early": each kernel's weights read whole, asked for before
-    the wait where they are known then: ``GATE_EARLY``, ``UP_EARLY``, ``DOWN_EARLY``) or
-    grouped by expert, whatever the token count."""
+    """The experts' kernels by (token, slot) pair — "by-pair": the down sum slot by slot and
+    the gate's and up kernel's channel loops; "by-pair-slots": the defaults (every slot's rows
+    at once, ``DOWN_SLOTS``; the gate's and up kernel's weights asked for before the wait,
+    ``GATE_EARLY`` / ``UP_EARLY``); "by-pair-early": the down sum's too (``DOWN_EARLY``, the
+    form the interpreter runs whole) — or grouped by expert, whatever the token count."""
     from model.kernels import moe as kmoe
 
     monkeypatch.setattr(kmoe, "GROUPED_TOKENS", 1 if form == "by-expert" else kernels.MOE_TOKENS + 1)
     monkeypatch.setattr(kmoe, "DOWN_SLOTS", form in ("by-pair-slots", "by-pair-early"))
-    for knob in ("GATE_EARLY", "UP_EARLY", "DOWN_EARLY"):
-        monkeypatch.setattr(kmoe, knob, form == "by-pair-early")
+    early = {"by-pair": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
+    if early is not None:
+        for knob in ("GATE_EARLY", "UP_EARLY", "DOWN_EARLY"):
+            monkeypatch.setattr(kmoe, knob, early)
 
 
 @pytest.mark.parametrize("form", FORMS)

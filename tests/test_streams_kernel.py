@@ -144,30 +144,6 @@ def test_site_kernel_matches_its_parts(lead, hc, D, dtype, expanded) -> None:
 @needs_kernel
 @pytest.mark.parametrize("lead,hc,D,dtype", [((1, 1), 4, 2048, torch.bfloat16), ((3, 1), 4, 100, torch.float32),
                                               ((2, 1), 2, 128, torch.bfloat16)])
-def test_site_dots_asking_for_the_mixes_weight_early_give_the_same_bits(lead, hc, D, dtype, monkeypatch) -> None:
-    """``SITE_EARLY``: the dots' tile of the mixes' projection loaded before the wait and each
-    stream's slice taken out of it exactly: the expanded streams bit for bit the late form's,
-    the mixes to fp32 rounding (the same products; on the GPU the tile's layout may reduce
-    the channels in another order) and x to the norm's rounding."""
-    from model.kernels import streams as kernel
-
-    streams, pre, fn, scale, base, weight, expand = _site_inputs(lead, hc, D, dtype, seed=7 * D)
-    runs = []
-    for early in (False, True):
-        monkeypatch.setattr(kernel, "SITE_EARLY", early)
-        runs.append(kernel.hc_site(streams, pre, fn, scale, base, weight, 1e-6, 1e-6, 20, 1e-6, expand))
-    late, early = runs
-    assert torch.equal(_bits(late[0]), _bits(early[0]))
-    for a, b in zip(late[1:4], early[1:4]):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=2e-5)
-    torch.testing.assert_close(early[4].float(), late[4].float(), atol=0, rtol=2 ** -7 if dtype == torch.bfloat16
-                               else 1e-5)
-    assert not torch.equal(late[1], torch.zeros_like(late[1]))  # mixes were made
-
-
-@needs_kernel
-@pytest.mark.parametrize("lead,hc,D,dtype", [((1, 1), 4, 2048, torch.bfloat16), ((3, 1), 4, 100, torch.float32),
-                                              ((2, 1), 2, 128, torch.bfloat16)])
 @pytest.mark.parametrize("expanded", [False, True])
 def test_site_with_its_norm_left_for_later_gives_the_collapse(lead, hc, D, dtype, expanded, monkeypatch) -> None:
     """``norm_later``: the dots launch writes x as the streams collapsed by the incoming pre,

@@ -42,8 +42,9 @@ from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store,
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
 # each gate-logits program (one chunk of channels) asks for its weight before its dependent
-# launch's wait. NOT yet timed on the GPU, so off
-GATE_EARLY = False
+# launch's wait. Timed on the H200 (session 27, `small`, batch 1, 128K, bench_knobs, best of two
+# alternated rounds): a step 3.716 -> 3.624 ms
+GATE_EARLY = True
 # tile sizes of the expert kernels: rows of w1 / w3 per up program and channels per load;
 # output channels per down program and intermediate channels per load; warps of each.
 # Chosen by scripts/kernel_sweep.py on the H200 at `small`, batch 1: a whole moe_decode took
@@ -51,8 +52,9 @@ GATE_EARLY = False
 UP_BLOCK_I, UP_BLOCK_D, UP_WARPS = 4, 256, 4
 # the up kernel's rows whole, one load each (UP_EARLY_BLOCK_I rows a program: 2 x 2 x 2,048 bf16,
 # 16 KB at `small`, the GEMV's tile), the shared expert's asked for before the wait, where the
-# loop above has one 256-channel chunk in flight. NOT yet timed on the GPU, so off
-UP_EARLY, UP_EARLY_BLOCK_I = False, 2
+# loop above has one 256-channel chunk in flight. Timed as GATE_EARLY: a step 3.716 -> 3.545 ms
+# alone, 3.569 -> 3.383 with GATE_EARLY and streams.NORM_LATER on
+UP_EARLY, UP_EARLY_BLOCK_I = True, 2
 DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 # the down sum with every slot's rows loaded together (``_down_slots_kernel``) rather than slot by
 # slot (``_down_kernel``, which read its 22 MB at ~1.4 TB/s at `small`, batch 1, where the up kernel
@@ -63,8 +65,10 @@ DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 DOWN_SLOTS = True
 SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
-# as the GEMV (session 26) asks for its weights: built and tested under the interpreter and for
-# sm_90, NOT yet timed on the GPU (the session's device time ran out), so off
+# as the GEMV (session 26) asks for its weights. Off: slower on the H200 (session 27, timed as
+# GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
+# while the up kernel still streams, hold their tiles and take the SMs the up kernel's programs
+# wait for. Kept as a knob: without the channel loop it is the form Triton's interpreter runs
 DOWN_EARLY = False
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
 # per expert and block of rows, the tokens' block through tensor cores; untuned guesses

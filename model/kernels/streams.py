@@ -94,14 +94,13 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
 
 SITE_BLOCK_C = 64  # channels per program of the mixes' dots (kernel_sweep.py --only site)
 SITE_WARPS = 4
-# the dots' program asks for its whole tile of the fp32 mixes' projection (24 x 4 x 64 values,
-# 24 KB at `small`; 786 KB a site) before its dependent launch's wait rather than stream by stream
-# after it. NOT yet timed on the GPU, so off
-SITE_EARLY = False
 # a caller's request that the site leave its norm to x's consumer (``hc_site``'s ``norm_later``) is
-# honoured: the dots launch writes the collapse and the second launch is the split alone. NOT yet
-# timed on the GPU, so off
-NORM_LATER = False
+# honoured: the dots launch writes the collapse and the second launch is the split alone (beside the
+# layer in a graph). Timed on the H200 (session 27, `small`, batch 1, 128K, bench_knobs, best of two
+# alternated rounds): 3.716 -> 3.631 ms a step. Tried and not kept then: the dots' program asking for
+# its whole 24 KB tile of the mixes' projection before its wait, 3.716 -> 4.336 ms (a dependent
+# launch's programs that hold big tiles early take the SMs the kernel before still needs)
+NORM_LATER = True
 # warps of the second launch (the split's Sinkhorn, a chain of ~40 reductions of a 4 x 4 tile,
 # beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
 # 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
@@ -111,27 +110,19 @@ FINISH_WARPS = None
 @triton.jit
 def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr, out_ptr, pre_in_ptr, x_ptr, D, S,
                       HC: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_C: tl.constexpr,
-                      EXPAND: tl.constexpr, BF16: tl.constexpr, EARLY: tl.constexpr = False,
-                      COLLAPSE: tl.constexpr = False, PDL: tl.constexpr = False):
+                      EXPAND: tl.constexpr, BF16: tl.constexpr, COLLAPSE: tl.constexpr = False,
+                      PDL: tl.constexpr = False):
     """One token's streams over BLOCK_C channels (expanded first when EXPAND, as
     ``_expand_kernel`` does, and written out): their sum of squares and their dots with the
-    mixes' projection ``fn`` [M, HC * D], a partial sum of S per token. EARLY: the program's
-    whole tile of ``fn`` (every stream's columns, [HC, M, BLOCK_C]) asked for before the
-    dependent launch's wait — no kernel of a step writes it — and each stream's slice taken
-    out of it exactly (a sum of one value and zeros), so both forms compute the same bits.
-    COLLAPSE: the site's input before its norm, ``x`` = the streams collapsed by ``pre_in``
-    over the program's channels (``_site_input``'s products and sums, in its order), left for
-    the site's consumer to normalise."""
+    mixes' projection ``fn`` [M, HC * D], a partial sum of S per token. COLLAPSE: the site's
+    input before its norm, ``x`` = the streams collapsed by ``pre_in`` over the program's
+    channels (``_site_input``'s products and sums, in its order), left for the site's
+    consumer to normalise."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     c = split * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < D
     m = tl.arange(0, M_PAD)
-    kk = tl.arange(0, HC)
-    w_at = fn_ptr + m[None, :, None] * (HC * D) + kk[:, None, None] * D + c[None, None, :]
-    w_ok = ((m < M)[None, :, None] & live[None, None, :]) & (kk >= 0)[:, None, None]
-    if EARLY:
-        w_all = tl.load(w_at, mask=w_ok, other=0.0, eviction_policy="evict_first")
     _chain(PDL)
     acc = tl.zeros([M_PAD, BLOCK_C], tl.float32)
     sq = tl.zeros([BLOCK_C], tl.float32)
@@ -158,11 +149,8 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
                 col = tl.load(pre_in_ptr + row * HC) * h
             else:
                 col = col + tl.load(pre_in_ptr + row * HC + k) * h
-        if EARLY:
-            w = tl.sum(tl.where((kk == k)[:, None, None], w_all, 0.0), 0)
-        else:
-            w = tl.load(fn_ptr + m[:, None] * (HC * D) + k * D + c[None, :], mask=(m[:, None] < M) & live[None, :],
-                        other=0.0)
+        w = tl.load(fn_ptr + m[:, None] * (HC * D) + k * D + c[None, :], mask=(m[:, None] < M) & live[None, :],
+                    other=0.0)
         acc += w * h[None, :]
     tl.store(dots_ptr + (row * S + split) * M_PAD + m, tl.sum(acc, 1))
     tl.store(sq_ptr + row * S + split, tl.sum(sq, 0))
@@ -321,6 +309,5 @@ def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict, c
     pre, x = collapse if collapse is not None else (streams, out)  # unread without COLLAPSE
     _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, view(out), pre, view(x), D, S,
                               HC=hc, M=M, M_PAD=dots.shape[-1], BLOCK_C=SITE_BLOCK_C, EXPAND=expand is not None,
-                              BF16=bf16, EARLY=SITE_EARLY, COLLAPSE=collapse is not None, num_warps=SITE_WARPS,
-                              **options)
+                              BF16=bf16, COLLAPSE=collapse is not None, num_warps=SITE_WARPS, **options)
     return out, dots, sq
