@@ -339,10 +339,9 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
 
     ``norm_later`` (a caller whose consumer of x can normalise it — a GEMV's or the MoE
     gate's ``norm``): a sixth value, True where the kernel ran (``streams.NORM_LATER`` on)
-    and x is the collapse before
-    the site's norm (made by the dots launch, channel block by channel block: the launch that
-    collapsed and normalised the whole row, one program a token after the dots, is gone); else
-    False and x normalised as above."""
+    and x is the collapse before the site's norm (made by the dots launch, channel block by
+    channel block: the launch that collapsed and normalised the whole row, one program a
+    token after the dots, is gone); else False and x normalised as above."""
     mhc_join()  # the site before's split, where it ran beside: its post / comb are read here
     args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
     rows = streams.numel() // (streams.shape[-2] * streams.shape[-1])
