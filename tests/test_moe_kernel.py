@@ -71,7 +71,25 @@ def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
         return kernels.moe_decode(*weights, **config, **kw)
 
 
-FORMS = ["by-pair", "by-pair-slots", "by-pair-early", "by-expert"]
+# under the interpreter only the form without channel loops (its ``range`` over a runtime width is
+# not the interpreter's): every kernel of it runs there, and the others on the GPU
+FORMS = ["by-pair", "by-pair-slots", "by-pair-early", "by-expert"] if ON_CUDA else ["by-pair-early"]
+
+
+def interpretable(monkeypatch) -> None:
+    """Under the interpreter the down sum takes its early form (``DOWN_EARLY``), the one the
+    interpreter runs, so the tests of the defaults run the kernels there rather than the twin;
+    and no test inherits another's fallback to the twin (``kernels._FAILED``)."""
+    if INTERPRETED:
+        from model.kernels import moe as kmoe
+
+        monkeypatch.setattr(kmoe, "DOWN_EARLY", True)
+    monkeypatch.setattr(kernels, "_FAILED", {})
+
+
+@pytest.fixture(autouse=True)
+def _interpretable_defaults(monkeypatch):
+    interpretable(monkeypatch)
 
 
 def use_form(form: str, monkeypatch) -> None:
@@ -108,6 +126,7 @@ def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread, form, monk
     torch.testing.assert_close(out.float(), ref.float(), rtol=rtol, atol=rtol * ref.float().abs().max().item())
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the grouped and looped forms: their channel loops are not the interpreter's")
 def test_grouped_experts_serve_every_token_that_shares_them():
     """16 tokens over 8 experts, top-2: every expert serves several tokens, in different
     slots. The grouped form agrees with the form by pair to fp32 rounding, token by token
@@ -126,6 +145,7 @@ def test_grouped_experts_serve_every_token_that_shares_them():
     torch.testing.assert_close(by_expert, by_pair, rtol=1e-5, atol=1e-5 * by_pair.abs().max().item())
 
 
+@pytest.mark.skipif(INTERPRETED, reason="the grouped and looped forms: their channel loops are not the interpreter's")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_down_sum_with_every_slot_at_once_matches_the_slot_by_slot_sum(dtype, monkeypatch):
     """``DOWN_SLOTS``: the same slots rounded and added in the same order, so the two down
@@ -178,7 +198,7 @@ def test_down_sum_asked_for_before_its_wait_matches_the_looped_one(dtype, monkey
             torch.testing.assert_close(outs[True], outs[False], rtol=tol, atol=tol * want.abs().max().item())
 
 
-@pytest.mark.parametrize("form", ["by-pair-early"] if INTERPRETED else FORMS)
+@pytest.mark.parametrize("form", FORMS)
 def test_moe_kernel_normalises_a_site_input_left_to_it(form, monkeypatch):
     """``x_norm``: tokens before the FFN site's RMSNorm (of RMS 5, not 1); the gate-logits launch
     normalises them and writes them for the experts: the output agrees with the MoE of the
@@ -254,6 +274,7 @@ def test_moe_kernel_writes_bf16_as_the_cast_rounds_it(monkeypatch):
         assert wide.dtype == torch.float32 and narrow.dtype == torch.bfloat16
         assert torch.equal(narrow, wide.to(torch.bfloat16))
     monkeypatch.undo()
+    interpretable(monkeypatch)
     with torch.no_grad():
         assert torch.equal(moe(x), decode_call(moe, x, out_dtype=torch.bfloat16))  # the MoE's own call
 
