@@ -53,7 +53,8 @@ UP_BLOCK_I, UP_BLOCK_D, UP_WARPS = 4, 256, 4
 # the up kernel's rows whole, one load each (UP_EARLY_BLOCK_I rows a program: 2 x 2 x 2,048 bf16,
 # 16 KB at `small`, the GEMV's tile), the shared expert's asked for before the wait, where the
 # loop above has one 256-channel chunk in flight. Timed as GATE_EARLY: a step 3.716 -> 3.545 ms
-# alone, 3.569 -> 3.383 with GATE_EARLY and streams.NORM_LATER on
+# alone, 3.569 -> 3.383 with GATE_EARLY and streams.NORM_LATER on; a whole moe_decode 27.7 -> 25.9 us
+# (kernel_sweep.py --only up: 1 row 26.1, 4 rows 27.0, 8 warps 26.7-28.2)
 UP_EARLY, UP_EARLY_BLOCK_I = True, 2
 DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 # the down sum with every slot's rows loaded together (``_down_slots_kernel``) rather than slot by
