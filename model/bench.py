@@ -241,6 +241,14 @@ def bench_paths(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 8,
             "slowdown_without": {k: v / times["all_on"] for k, v in times.items() if k != "all_on"}}
 
 
+def kernel_knob(knob: str) -> tuple:
+    """(module, name) of a kernel knob ``"moe.UP_EARLY"``: a module constant of ``model.kernels``."""
+    import importlib
+
+    module, name = knob.rsplit(".", 1)
+    return importlib.import_module(f"model.kernels.{module}"), name
+
+
 def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int = 2, steps: int = 8,
                 chunk: int = 512) -> dict:
     """Decode step time of one row at ``ctx`` with boolean kernel knobs (``"moe.DOWN_EARLY"``:
@@ -248,9 +256,7 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     prefill: between variants the step's graphs are dropped and captured again, and the
     variants alternate for ``rounds`` rounds (each one's best kept), so a figure is a ratio
     taken in one process. The knobs are left as they were."""
-    import importlib
-
-    where = [(importlib.import_module(f"model.kernels.{k.rsplit('.', 1)[0]}"), k.rsplit(".", 1)[1]) for k in knobs]
+    where = [kernel_knob(k) for k in knobs]
     saved = [getattr(module, name) for module, name in where]
     variants = {"all_off": (), **{k: (k,) for k in knobs}, "all_on": tuple(knobs)}
     engine = Engine(model, mode="ced", chunk=chunk)

@@ -752,10 +752,9 @@ class Block(nn.Module):
         attention site adds it (its ``expand``), or the caller (:func:`expand_output`);
         ``expand``: the layer before's, likewise. ``shared``: what earlier layers
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
-        streams, a_pre, a_post, a_comb, x, later = self.site("attn", streams, pre, expand=expand, overlap=True,
-                                                             norm_later=True)
-        x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True,
-                                                norm=self.site_norm("attn") if later else None)
+        streams, a_pre, a_post, a_comb, x, norm = self.site("attn", streams, pre, expand=expand, overlap=True,
+                                                            norm_later=True)
+        x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
         return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask,
@@ -763,7 +762,7 @@ class Block(nn.Module):
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
-        _, a_pre, a_post, a_comb, x = self.site("attn", streams, pre)
+        _, a_pre, a_post, a_comb, x, _ = self.site("attn", streams, pre)
         return a_pre, a_post, a_comb, x
 
     def projected_attn_site(self, streams, pre, pos, *, ropes: Ropes, fmt: KVFormat):
@@ -797,27 +796,23 @@ class Block(nn.Module):
         """:meth:`ffn_site` short of its last expand: (streams, pre, (the FFN's output, post,
         comb)), what ``hc_expand`` or the next site's ``expand`` adds to the streams. With
         ``overlap`` (the whole-step decode) the site's norm is left to the MoE's gate launch."""
-        streams, f_pre, f_post, f_comb, x, *later = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb),
-                                                              overlap=overlap, norm_later=overlap)
-        norm = self.site_norm("ffn") if later and later[0] else None
+        streams, f_pre, f_post, f_comb, x, norm = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb),
+                                                            overlap=overlap, norm_later=overlap)
         return streams, f_pre, (self.ffn(x, image_mask, norm=norm), f_post, f_comb)
 
     def site(self, name: str, streams, pre, expand=None, overlap: bool = False, norm_later: bool = False):
         """``kernels.hc_site`` of the attention or FFN site: (streams, pre, post, comb, the
-        site's normalised input); ``expand``: the site before's output to add to the streams
-        first; ``overlap``: its ``overlap`` (the whole-step decode, which joins at its end);
-        ``norm_later``: its ``norm_later`` (then a sixth value: whether x still wants
-        :meth:`site_norm`)."""
+        site's input, the norm it still wants); ``expand``: the site before's output to add to
+        the streams first; ``overlap``: its ``overlap`` (the whole-step decode, which joins at
+        its end); ``norm_later``: its ``norm_later`` — where the kernel left the site's RMSNorm
+        to x's reader, the last value is that norm's (weight, eps), else None (x normalised)."""
         norm = self.attn_norm if name == "attn" else self.ffn_norm
-        return kernels.hc_site(streams, pre, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),
-                               getattr(self, f"hc_{name}_base"), norm.weight, eps=self.args.rms_norm_eps,
-                               norm_eps=norm.eps, iters=self.args.hc_sinkhorn_iters, hc_eps=self.args.hc_eps,
-                               expand=expand, overlap=overlap, norm_later=norm_later)
-
-    def site_norm(self, name: str) -> tuple[torch.Tensor, float]:
-        """(weight, eps) of the attention or FFN site's RMSNorm."""
-        norm = self.attn_norm if name == "attn" else self.ffn_norm
-        return norm.weight, norm.eps
+        out = kernels.hc_site(streams, pre, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),
+                              getattr(self, f"hc_{name}_base"), norm.weight, eps=self.args.rms_norm_eps,
+                              norm_eps=norm.eps, iters=self.args.hc_sinkhorn_iters, hc_eps=self.args.hc_eps,
+                              expand=expand, overlap=overlap, norm_later=norm_later)
+        later = norm_later and out[5]
+        return (*out[:5], (norm.weight, norm.eps) if later else None)
 
 
 # ----------------------------------------------------------------------------- model

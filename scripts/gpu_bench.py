@@ -9,7 +9,6 @@ machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -18,7 +17,8 @@ import torch
 
 from model import load
 from model.bench import (bench_batch, bench_decode, bench_host, bench_knobs, bench_linears, bench_paths,
-                         bench_prefill, bench_profile, bench_resume, copy_tb_per_s, matmul_tflops, switched)
+                         bench_prefill, bench_profile, bench_resume, copy_tb_per_s, kernel_knob, matmul_tflops,
+                         switched)
 
 
 def device_ceilings() -> dict:
@@ -53,8 +53,7 @@ def main() -> None:
 
         emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **device_ceilings()})
         for knob in filter(None, a.set.split(",")):
-            module, name = knob.rsplit(".", 1)
-            setattr(importlib.import_module(f"model.kernels.{module}"), name, True)
+            setattr(*kernel_knob(knob), True)
             emit({"set": knob})
         t = time.perf_counter()
         model = load(a.preset, device="cuda", dtype=torch.bfloat16)

@@ -229,14 +229,17 @@ def main() -> None:
                   * (args.num_experts_per_tok * a.batch + args.n_shared_experts),
                   "by_pair_us": round(graphed_us(by_pair), 2), "grouped_us": round(graphed_us(grouped), 2),
                   "max_abs_diff": (by_pair() - grouped()).abs().max().item()})
-        if "down" in only:  # the down sum slot by slot against every slot's rows at once (DOWN_SLOTS)
-            # each of a graph's calls routes its own tokens, so the calls pick other experts and
-            # read them from HBM, as a step's layers do (one call's 66 MB replayed would sit
-            # partly in the 50 MB L2)
-            g = torch.Generator().manual_seed(1)
+        def cycled_moe(seed: int):
+            """A moe_decode by pair whose graph's calls each route their own tokens, so they pick
+            other experts and read them from HBM, as a step's layers do (one call's 66 MB replayed
+            would sit partly in the 50 MB L2)."""
+            g = torch.Generator().manual_seed(seed)
             next_x = cycling([torch.randn(tensors[0].shape, generator=g).to(DEVICE, tensors[0].dtype)
                               for _ in range(CALLS)])
-            cycled = lambda: moe.moe_decode(next_x(), *tensors[1:], **config, grouped=False)  # noqa: E731
+            return lambda: moe.moe_decode(next_x(), *tensors[1:], **config, grouped=False)
+
+        if "down" in only:  # the down sum slot by slot against every slot's rows at once (DOWN_SLOTS)
+            cycled = cycled_moe(1)
             emit({"kernel": "moe: down slot by slot vs every slot at once (whole MoE, experts cycled)",
                   "slot_by_slot_us": round(with_settings(moe, {"DOWN_SLOTS": False}, lambda: graphed_us(cycled)), 2),
                   "at_once_us": round(with_settings(moe, {"DOWN_SLOTS": True}, lambda: graphed_us(cycled)), 2),
@@ -250,12 +253,8 @@ def main() -> None:
                 moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-early", check=by_pair))
         if "up" in only:  # the up kernel's rows whole (UP_EARLY: the shared expert's before the wait)
-            g = torch.Generator().manual_seed(2)
-            next_x = cycling([torch.randn(tensors[0].shape, generator=g).to(DEVICE, tensors[0].dtype)
-                              for _ in range(CALLS)])
-            cycled = lambda: moe.moe_decode(next_x(), *tensors[1:], **config, grouped=False)  # noqa: E731
             sweep(moe, {"UP_EARLY": [False, True], "UP_EARLY_BLOCK_I": [1, 2, 4], "UP_WARPS": [4, 8]},
-                  cycled, emit, "moe-up-early", check=by_pair)
+                  cycled_moe(2), emit, "moe-up-early", check=by_pair)
         if "moe" in only:  # the two expert kernels apart (each with the other at its default): 36 + 36, not 36 x 36
             sweep(moe, {"UP_BLOCK_I": [4, 8, 16, 32], "UP_BLOCK_D": [128, 256, 512], "UP_WARPS": [2, 4, 8]},
                   by_pair, emit, "moe-up")

@@ -2,16 +2,17 @@
 streamed once by many programs, where cuBLAS runs one small GEMM a layer that reads its
 2-8 MB at a fraction of the copy rate (`small`: ~5 µs a call, ~5 calls a layer, ~1 TB/s).
 
-Owns ``gemv(x, *weights, groups=1, norm=None, rope_in=None, rope_out=None, keep=False)``: ``F.linear(x,
-w)`` for each weight (one launch for all of them, when they share ``x``: the query's and the
-K=V latent's projections of a layer), or with ``groups`` > 1 the grouped projection of
-``Attention._grouped_wo_a``: group g of the output reads only group g of ``x``'s channels.
-Products in fp32, summed in another order than cuBLAS's (so the outputs agree to rounding),
-rounded to ``x``'s dtype as the GEMM rounds (bf16: nearest even, on the bits). The options
-fold the launch beside it in: ``norm`` the RMSNorm of x (the query's ``q_norm``; an mHC site's
-norm, ``keep`` writing the normalised x for its other readers), ``rope_in``
-the RoPE of x's heads (the attention output's de-rotation before ``wo_a``), ``rope_out`` the
-RoPE of the output's heads (the query's), each rounded as its own kernel rounds. All launches
+Owns ``gemv(x, *weights, groups=1, norm=None, rope_in=None, rope_out=None, keep=False)``:
+``F.linear(x, w)`` for each weight (one launch for all of them, when they share ``x``: the
+query's and the K=V latent's projections of a layer), or with ``groups`` > 1 the grouped
+projection of ``Attention._grouped_wo_a``: group g of the output reads only group g of
+``x``'s channels. Products in fp32, summed in another order than cuBLAS's (so the outputs
+agree to rounding), rounded to ``x``'s dtype as the GEMM rounds (bf16: nearest even, on the
+bits). The options fold the launch beside it in: ``norm`` the RMSNorm of x (the query's
+``q_norm``; an mHC site's norm, with ``keep`` writing the normalised x for its other
+readers), ``rope_in`` the RoPE of x's heads (the attention output's de-rotation before
+``wo_a``), ``rope_out`` the RoPE of the output's heads (the query's), each rounded as its own
+kernel rounds. All launches
 run without FMA contraction (``unfused``), as the RoPE kernel does, so the rotations are bit
 for bit ``rope_ref``'s.
 
@@ -121,8 +122,8 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
          rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """``x`` [..., D] (fp32 or bf16) against one or two weights [O, D] of its dtype -> one
     output [..., O] each (then, with ``keep`` and ``norm``, x normalised). With ``groups`` g
-    (one weight [g * r, D / g]): output group j is
-    weight rows [j * r, (j + 1) * r) against x's channels [j * D / g, (j + 1) * D / g).
+    (one weight [g * r, D / g]): output group j is weight rows [j * r, (j + 1) * r) against
+    x's channels [j * D / g, (j + 1) * D / g).
     ``norm`` = (weight [D], eps): x RMS-normalised first (``rms_norm``; without groups);
     ``rope_in`` / ``rope_out`` = (cos, sin [S, r], head_dim): x's / the output's heads rotated
     (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these)."""

@@ -489,7 +489,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     else:
         nw, eps, xn, normed = x, 0.0, x, {}
     _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, nw, eps,
-                                     xn.view(torch.int16) if x_norm is not None and bf16 else xn,
+                                     xn.view(torch.int16) if bf16 else xn,  # unread without NORM
                                      BLOCK_E=block_e, BLOCK_D=block_d, EARLY=GATE_EARLY and chunk == block_d,
                                      num_warps=4, **normed, **chained(x))
     x = xn  # the expert kernels read the normalised rows

@@ -230,23 +230,22 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
     options = {**unfused(), **chained(streams)}  # both launches alike
     x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
+    pre = pre.contiguous()
     streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options,
-                                   (pre.contiguous(), x) if norm_later else None)
+                                   (pre, x) if norm_later else None)
     R, S, M_PAD = dots.shape
     pre_out = torch.empty(*lead, hc, dtype=torch.float32, device=streams.device)
     post_out, comb_out = torch.empty_like(pre_out), torch.empty(*lead, hc, hc, dtype=torch.float32,
                                                                 device=streams.device)
     bf16, block = streams.dtype == torch.bfloat16, triton.next_power_of_2(D)
-    args = (dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre.contiguous(),
+    args = (dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre,
             norm_weight.contiguous(), pre_out, post_out, comb_out, x.view(torch.int16) if bf16 else x, D, S,
             float(eps), float(hc_eps), float(norm_eps))
     consts = dict(HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, BF16=bf16)
     warps = FINISH_WARPS or (4 if block <= 1024 else 8)
-    if not overlap:
-        if norm_later:
-            _site_finish_kernel[(R, 1)](*args, **consts, PART=0, num_warps=warps, **options)
-        else:
-            _site_finish_kernel[(R, 2)](*args, **consts, num_warps=warps, **options)
+    if not overlap:  # the split (and the input, unless the dots made its collapse) after the dots
+        grid, part = ((R, 1), 0) if norm_later else ((R, 2), 2)
+        _site_finish_kernel[grid](*args, **consts, PART=part, num_warps=warps, **options)
         return streams, pre_out, post_out, comb_out, x
     main = torch.cuda.current_stream(streams.device)
     side = _side_stream(streams.device)
