@@ -434,17 +434,19 @@ def bench_host(model: Transformer, ctx: int, *, steps: int = 16, chunk: int = 51
 
 
 def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 4, chunk: int = 512,
-                  top: int = 12) -> dict:
+                  top: int = 12, chained: bool = False) -> dict:
     """Where a decode step's device time goes, by kernel (torch.profiler over ``steps`` steps
     of ``batch`` rows after a CED prefill of ``ctx`` tokens): kernels launched per step, their
     summed device time per step, and the ``top`` kernels by time. A guide for fusing, not
     a target; on the CPU it counts operators instead of kernels. The kernels launch plainly
     here (``DSAGENT_PDL=0``): a dependent launch's time includes its wait for the kernel
     before (session 22: 7.8 ms "busy" in a 5.9 ms step), so only plain launches give each
-    kernel's own time."""
+    kernel's own time. ``chained``: as the step runs, dependent launches on — then the
+    summary's ``advance`` (each kernel's share of the step's span: how far the last end
+    moved when it ended) is the one to read, not the busy time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with switched(pdl=False):
+    with switched(pdl=chained):
         step = _warm_decoder(model, ctx, batch, chunk)
         cuda = model.device.type == "cuda"
         activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
@@ -453,7 +455,7 @@ def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 
             for _ in range(steps):
                 step()
             _sync(model.device)
-    return {"bench": "profile", "ctx": ctx, "batch": batch, "dependent_launches": False,
+    return {"bench": "profile", "ctx": ctx, "batch": batch, "dependent_launches": chained,
             **profile_summary(prof, cuda, steps, top)}
 
 
@@ -483,7 +485,35 @@ def profile_summary(prof, cuda: bool, steps: int, top: int = 12) -> dict:
                 "median_gap_us": sorted(idle)[len(idle) // 2] if idle else 0.0,
                 "widest_gaps": [{"us": idle[i], "after": spans[i][2][:50], "before": spans[i + 1][2][:50]}
                                 for i in widest]}
+        gaps.update(span_advances(spans, steps, top))
     return {"steps": steps, "unit": "kernel" if cuda else "operator",
             "launches_per_step": len(events) / steps, "busy_ms_per_step": busy / 1e3 / steps, **gaps,
             "top": [{"name": name[:90], "calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps,
                      "share": us / busy if busy else 0.0} for name, (n, us) in ranked]}
+
+
+HOST_GAP_US = 20.0  # an idle device longer than this between kernels waited on the host
+
+
+def span_advances(spans: list, steps: int, top: int) -> dict:
+    """Each kernel's share of a step's span, from (start, end, name) in µs sorted by start:
+    walking the ends in order, how far the last end moved when this kernel ended (where
+    kernels overlap — dependent launches wait inside the kernel, a split runs beside — the
+    busy time counts the overlap twice, this does not). An idle device longer than
+    HOST_GAP_US before a kernel's start counts as the host's, not the kernel's. -> ms per
+    step: the span less the host's gaps, those gaps, and the ``top`` names by advance."""
+    advance: dict[str, list] = {}
+    host, last = 0.0, None
+    for start, end, name in sorted(spans, key=lambda s: s[1]):
+        last = start if last is None else last
+        if start - last > HOST_GAP_US:
+            host, last = host + start - last, start
+        entry = advance.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += max(0.0, end - last)
+        last = max(last, end)
+    total = sum(us for _, us in advance.values())
+    ranked = sorted(advance.items(), key=lambda kv: -kv[1][1])[:top]
+    return {"advance_ms_per_step": total / 1e3 / steps, "host_gaps_ms_per_step": host / 1e3 / steps,
+            "top_advance": [{"name": name[:90], "calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps,
+                             "share": us / total if total else 0.0} for name, (n, us) in ranked]}

@@ -79,9 +79,11 @@ def main() -> None:
             emit(bench_host(model, n))
         for n in map(int, filter(None, a.profile.split(","))):
             for b in map(int, a.profile_batch.split(",")):
-                for graphs in (True, False):  # graphed kernels may be invisible to the profiler: both
+                # plain launches with and without graphs (each kernel's own time), then as a step
+                # runs, dependent launches on (each kernel's advance of the step's span)
+                for graphs, chained in ((True, False), (False, False), (True, True)):
                     with switched(graphs=graphs):
-                        emit({"graphs": graphs, **bench_profile(model, n, batch=b, top=60)})  # every kind of kernel
+                        emit({"graphs": graphs, **bench_profile(model, n, batch=b, top=60, chained=chained)})
 
 
 if __name__ == "__main__":

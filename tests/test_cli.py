@@ -270,6 +270,25 @@ def test_bench_decode_profile_counts_what_a_step_launches(monkeypatch):
     assert out["launches_per_step"] > 100 and out["busy_ms_per_step"] > 0
     assert out["top"] and sum(t["share"] for t in out["top"]) <= 1.0 + 1e-9
     assert out["top"][0]["ms_per_step"] >= out["top"][-1]["ms_per_step"] and out["batch"] == 1
-    r = invoke("bench", "decode", "--profile", "--batch", "2", "--preset", "tiny", "--ctx", "32", "--json")
+    r = invoke("bench", "decode", "--profile", "--batch", "2", "--chained", "--preset", "tiny", "--ctx", "32", "--json")
     assert r.exit_code == 0, r.output
-    assert json.loads(r.stdout)["batch"] == 2
+    out = json.loads(r.stdout)
+    assert out["batch"] == 2 and out["dependent_launches"] is True and "DSAGENT_PDL" not in os.environ
+
+
+def test_a_profiles_advances_split_the_steps_span_among_its_kernels():
+    """``span_advances``: a dependent launch that started inside the kernel before it advances
+    the span only past that one's end; a split beside, only past the last end before its own;
+    an idle device longer than HOST_GAP_US is the host's. Two steps of the same kernels: per
+    step, half of each total."""
+    from model.bench import HOST_GAP_US, span_advances
+
+    assert HOST_GAP_US == 20.0
+    step = [(0, 10, "a"), (5, 15, "b"), (12, 30, "split"), (60, 70, "c"), (70, 72, "b")]
+    out = span_advances(step + [(s + 100, e + 100, n) for s, e, n in step], steps=2, top=3)
+    assert out["advance_ms_per_step"] == pytest.approx((10 + 5 + 15 + 10 + 2) / 1e3)
+    # the first step's 30 us before c, the 28 between the steps, the second's 30
+    assert out["host_gaps_ms_per_step"] == pytest.approx((30 + 28 + 30) / 2 / 1e3)
+    assert [t["name"] for t in out["top_advance"]] == ["split", "a", "c"]
+    assert out["top_advance"][0]["ms_per_step"] == pytest.approx(15 / 1e3)
+    assert out["top_advance"][0]["share"] == pytest.approx(15 / 42)

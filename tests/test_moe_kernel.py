@@ -356,3 +356,18 @@ def test_gate_logits_kernel_compiles_for_hopper(tail, tmp_path):
                              "constants": constants, "options": {"launch_pdl": True, "num_warps": 4,
                                                                  "enable_fp_fusion": False}}], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def test_up_tile_takes_fewer_rows_for_wider_inputs_then_the_loop(monkeypatch):
+    """``up_tile``: `small`'s 2,048 bf16 channels hold 2 whole rows of w1 and w3 (16 KB); fp32
+    rows of that width, one; `v41-flash`'s 5,120 (8,192 padded: 32 KB a row) the channel
+    loop, whose tile keeps a program's registers as at `small` — and so without ``UP_EARLY``."""
+    from model.kernels import moe as kmoe
+
+    monkeypatch.setattr(kmoe, "UP_EARLY", True)
+    assert kmoe.up_tile(2048, 2) == (True, 2, 2048)
+    assert kmoe.up_tile(2048, 4) == (True, 1, 2048)
+    assert kmoe.up_tile(300, 4) == (True, 2, 512)
+    assert kmoe.up_tile(5120, 2) == (False, kmoe.UP_BLOCK_I, kmoe.UP_BLOCK_D)
+    monkeypatch.setattr(kmoe, "UP_EARLY", False)
+    assert kmoe.up_tile(2048, 2) == (False, kmoe.UP_BLOCK_I, kmoe.UP_BLOCK_D)

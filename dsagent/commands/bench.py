@@ -63,6 +63,9 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
                                                             "grouped experts) turned off in turn."),
            profiled: bool = typer.Option(False, "--profile", help="Kernels per step and the ones that take "
                                                                   "the step's device time."),
+           chained: bool = typer.Option(False, "--chained", help="With --profile: dependent launches on, as a "
+                                                                  "step runs (read each kernel's advance of the "
+                                                                  "step's span, not its busy time)."),
            host: bool = typer.Option(False, "--host", help="The host's time to issue a step beside the step's "
                                                            "time: near 1, the device waits on Python."),
            batch: int = typer.Option(1, "--batch", min=1, help="Rows of each --paths or --profile step (the MoE "
@@ -71,7 +74,7 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
     with handled():
         m = _runtime(model, preset, device).model
         if profiled:
-            _emit(bench_profile(m, ctx, batch=batch), as_json)
+            _emit(bench_profile(m, ctx, batch=batch, chained=chained), as_json)
         elif host:
             _emit(bench_host(m, ctx), as_json)
         elif paths:

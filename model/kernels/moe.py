@@ -59,6 +59,9 @@ UP_BLOCK_I, UP_BLOCK_D, UP_WARPS = 4, 256, 4
 # alone, 3.569 -> 3.383 with GATE_EARLY and streams.NORM_LATER on; a whole moe_decode 27.7 -> 25.9 us
 # (kernel_sweep.py --only up: 1 row 26.1, 4 rows 27.0, 8 warps 26.7-28.2)
 UP_EARLY, UP_EARLY_BLOCK_I = True, 2
+# the most bytes of w1 and w3 an early up program holds: wider inputs take fewer rows (``up_tile``),
+# and past one row's worth (`v41-flash`'s 5,120 channels pad to 8,192: 32 KB a row) the loop
+UP_EARLY_TILE_BYTES = 16384
 DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 # the down sum with every slot's rows loaded together (``_down_slots_kernel``) rather than slot by
 # slot (``_down_kernel``, which read its 22 MB at ~1.4 TB/s at `small`, batch 1, where the up kernel
@@ -465,6 +468,20 @@ def _sum_slots_kernel(part_ptr, out_ptr, NK, D, K: tl.constexpr, BLOCK: tl.const
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
 
 
+def up_tile(D: int, elem_bytes: int) -> tuple[bool, int, int]:
+    """(early, BLOCK_I, BLOCK_D) of the up kernel for inputs of D channels: with ``UP_EARLY``
+    whole rows, ``UP_EARLY_BLOCK_I`` of them or fewer, as many as keep the two weights' tile
+    within ``UP_EARLY_TILE_BYTES``; where one row does not fit, or without ``UP_EARLY``, the
+    channel loop's tile."""
+    width = triton.next_power_of_2(D)
+    rows = UP_EARLY_BLOCK_I
+    while rows > 1 and 2 * rows * width * elem_bytes > UP_EARLY_TILE_BYTES:
+        rows //= 2
+    if UP_EARLY and 2 * rows * width * elem_bytes <= UP_EARLY_TILE_BYTES:
+        return True, rows, width
+    return False, UP_BLOCK_I, UP_BLOCK_D
+
+
 def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torch.Tensor,
                out: torch.Tensor) -> torch.Tensor:
     """``_down_slots_kernel`` of N tokens into ``out`` [N, D] (fp32 or bf16): the rows of h
@@ -539,10 +556,10 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     if grouped is None:
         grouped = N >= GROUPED_TOKENS
     if not grouped:
-        block_i, block_d = (UP_EARLY_BLOCK_I, triton.next_power_of_2(D)) if UP_EARLY else (UP_BLOCK_I, UP_BLOCK_D)
+        early, block_i, block_d = up_tile(D, x.element_size())
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, float(limit),
-            K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=UP_EARLY,
+            K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
             num_warps=UP_WARPS, **chained(x))
         if DOWN_SLOTS:
             return down_slots(h, w2, s2, chosen, out)
