@@ -253,7 +253,7 @@ def test_a_site_norm_left_to_the_projection_is_made_inside_its_gemv(monkeypatch)
 @needs_triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_gemv_launch_writes_a_steps_window_entry_beside(dtype):
-    """``gemv(entry=...)``: programs past the GEMV's make the step's window entry — the ring's
+    """``gemv(entry=...)``: programs before the GEMV's make the step's window entry — the ring's
     bytes and positions as ``window_entry``'s own launch writes them, over steps that wrap the
     ring — and the GEMV's outputs are those of the launch without them, bit for bit. Its twin
     (``gemv_ref``) writes the same bytes in torch on rows of multiples of 1/8 (whose norms
@@ -359,7 +359,7 @@ def test_gemv_kernel_compiles_for_hopper(block_o, block_d, two, bf16, pdl, extra
     signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o,
                  **dict.fromkeys(("N", "O", "O2", "D", "DG", "OG", "P1"), "i32"), "nw_ptr": f, "eps": "fp32",
                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(("S", "HD", "OFF", "HALF"), "i32"),
-                 "xn_ptr": o, "PG": "i32",
+                 "xn_ptr": o, "PE": "i32",
                  **dict.fromkeys(("BLOCK_O", "BLOCK_D", "TWO", "BF16", "PDL", *extra), "constexpr")}
     constants = {"BLOCK_O": block_o, "BLOCK_D": block_d, "TWO": bool(two), "BF16": bool(bf16), "PDL": bool(pdl),
                  **extra}

@@ -47,7 +47,7 @@ ENTRY = True
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P1,
-                 nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF, xn_ptr, PG,
+                 nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF, xn_ptr, PE,
                  e_x, e_nw, e_eps, e_cos, e_sin, e_data, e_rpos, e_pos, e_cap, e_sx, e_sdb, e_sdn,
                  BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
                  NORM: tl.constexpr = False, ROPE_IN: tl.constexpr = False, ROPE_OUT: tl.constexpr = False,
@@ -62,14 +62,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     ROPE_IN / ROPE_OUT: x's / the output's heads of HD channels rotated (as
     ``rotary._rope_kernel``: channels from OFF on, in adjacent pairs, by row n's cos / sin at
     n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG). ENTRY: programs
-    PG, PG + 1, ... each make row p - PG's window entry (``pack._window_entry_row`` of the
-    ``e_`` arguments), beside the GEMV's programs: work that would be a launch of its own."""
+    0 .. PE - 1 each make row p's window entry (``pack._window_entry_row`` of the ``e_``
+    arguments), the GEMV's programs follow: work that would be a launch of its own."""
     p = tl.program_id(0)
-    if ENTRY and p >= PG:  # a program past the GEMV's: a decode step's window entry (``pack``)
+    if ENTRY and p < PE:  # a decode step's window entry (``pack``), scheduled first: its chain is the longer
         _chain(PDL)
-        _window_entry_row((p - PG).to(tl.int64), e_x, e_nw, e_eps, e_cos, e_sin, e_data, e_rpos, e_pos, e_cap, e_sx,
+        _window_entry_row(p.to(tl.int64), e_x, e_nw, e_eps, e_cos, e_sin, e_data, e_rpos, e_pos, e_cap, e_sx,
                           e_sdb, e_sdn, ED, EHALF, EBLOCK, EFMAX, EBF16)
     else:
+        if ENTRY:
+            p -= PE
         if TWO and p >= P1:
             w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
             x_at = x_ptr
@@ -184,7 +186,7 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     else:  # unread: any pointers, the sizes' defaults
         e_args, entries, e_sizes = (rows, rows, 0.0, rows, rows, rows, rows, rows, 1, 0, 0, 0), 0, {}
     _gemv_kernel[(p1 + p2 + entries,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
-                                       nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]), p1 + p2,
+                                       nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]), entries,
                                        *e_args, BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16,
                                        NORM=norm is not None, ROPE_IN=rope_in is not None,
                                        ROPE_OUT=rope_out is not None, KEEP=keep, ENTRY=entry is not None,
