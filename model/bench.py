@@ -242,22 +242,28 @@ def bench_paths(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 8,
 
 
 def kernel_knob(knob: str) -> tuple:
-    """(module, name) of a kernel knob ``"moe.UP_EARLY"``: a module constant of ``model.kernels``."""
+    """(module, name, value on) of a kernel knob: ``"moe.UP_EARLY"`` (a boolean module
+    constant of ``model.kernels``, on = True) or ``"fused.MIN_BLOCKS_PER_SPLIT=2"`` (on = that
+    value, a Python literal)."""
+    import ast
     import importlib
 
+    knob, _, value = knob.partition("=")
     module, name = knob.rsplit(".", 1)
-    return importlib.import_module(f"model.kernels.{module}"), name
+    return importlib.import_module(f"model.kernels.{module}"), name, ast.literal_eval(value) if value else True
 
 
 def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int = 2, steps: int = 8,
                 chunk: int = 512) -> dict:
-    """Decode step time of one row at ``ctx`` with boolean kernel knobs (``"moe.DOWN_EARLY"``:
-    a module constant of ``model.kernels``) all off, each alone on, and all on, after one
-    prefill: between variants the step's graphs are dropped and captured again, and the
-    variants alternate for ``rounds`` rounds (each one's best kept), so a figure is a ratio
-    taken in one process. The knobs are left as they were."""
+    """Decode step time of one row at ``ctx`` with kernel knobs (:func:`kernel_knob`: a
+    boolean module constant of ``model.kernels``, off = False; or one given a value, off = the
+    module's own) all off, each alone on, and all on, after one prefill: between variants the
+    step's graphs are dropped and captured again, and the variants alternate for ``rounds``
+    rounds (each one's best kept), so a figure is a ratio taken in one process. The knobs are
+    left as they were."""
     where = [kernel_knob(k) for k in knobs]
-    saved = [getattr(module, name) for module, name in where]
+    saved = [getattr(module, name) for module, name, _ in where]
+    off = [value if "=" in knob else False for knob, value in zip(knobs, saved)]
     variants = {"all_off": (), **{k: (k,) for k in knobs}, "all_on": tuple(knobs)}
     engine = Engine(model, mode="ced", chunk=chunk)
     state = engine.new_state(batch=1)
@@ -267,15 +273,15 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     try:
         for _ in range(rounds):
             for label, on in variants.items():
-                for (module, name), knob in zip(where, knobs):
-                    setattr(module, name, knob in on)
+                for (module, name, value), knob, default in zip(where, knobs, off):
+                    setattr(module, name, value if knob in on else default)
                 model.reset_graphs()
                 for _ in range(WARMUP_STEPS):
                     engine.decode(state, token)
                 _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
                 times[label] = min(times.get(label, float("inf")), secs / steps)
     finally:
-        for (module, name), value in zip(where, saved):
+        for (module, name, _), value in zip(where, saved):
             setattr(module, name, value)
         model.reset_graphs()
     return {"bench": "knobs", "ctx": ctx, "rounds": rounds, "step_ms": {k: 1e3 * v for k, v in times.items()},

@@ -406,7 +406,7 @@ class Attention(nn.Module):
         return self.output(self.core(x, q_res, q, kv, pos, step, cache, ropes), pos, ropes)
 
     def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat, fused: bool = False,
-                norm=None, ring: WindowRing | None = None):
+                norm=None):
         """(x, q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads
         no cache. ``fused`` (a decode step on the fused kernels, :meth:`decode_step` next): the
         K=V latent as it is, which :meth:`decode_step` turns into its window entry, and
@@ -414,9 +414,7 @@ class Attention(nn.Module):
         which normalises its input either way). ``norm`` = (weight, eps):
         x is the mHC site's input before its RMSNorm (``kernels.hc_site``'s ``norm_later``),
         normalised inside the projections' GEMV where it runs (else first); the x returned
-        is the normalised one, for x's other readers. ``ring`` (a fused step): this layer's
-        window ring, into which the query's GEMV launch writes the step's entry where the
-        kernel takes it (``kernels.gemv``'s ``entry``); the kv returned is then None."""
+        is the normalised one, for x's other readers."""
         B, S, _ = x.shape
         inv = self.rope_table(ropes)
         if not kernels.gemv_runs(x, self.wq_a, self.wkv):
@@ -435,14 +433,9 @@ class Attention(nn.Module):
         angles = rope_angles(pos, inv)
         rope = (angles.cos, angles.sin, self.head_dim)
         if fused:
-            entry = None
-            if ring is not None and kernels.gemv_entry_runs(kv_lat, self.kv_norm.weight):
-                entry = (kv_lat, self.kv_norm.weight, self.kv_norm.eps, angles.cos, angles.sin, ring.data, ring.pos,
-                         pos)
             q, *q_res = kernels.gemv(q_lat, self.wq_b.weight, norm=(self.q_norm.weight, self.q_norm.eps),
-                                     rope_out=rope, keep=self.indexer is not None, entry=entry)
+                                     rope_out=rope, keep=self.indexer is not None)
             q_res = q_res[0] if q_res else None
-            kv_lat = None if entry is not None else kv_lat
         else:
             q_res = self.q_norm(q_lat)
             (q,) = kernels.gemv(q_res, self.wq_b.weight, rope_out=rope)
@@ -522,8 +515,7 @@ class Attention(nn.Module):
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
         query when already computed."""
         ring = cache.windows[self.layer]
-        if kv is not None:  # else already in the ring (``project``'s ``ring``)
-            self._write_entry(kv, pos, ring, cache.kv, ropes)
+        self._write_entry(kv, pos, ring, cache.kv, ropes)
         if self.compressor is not None:
             src = cache.sources[self.layer]
             made = self.compressor.step(x, pos, src, emits)
@@ -762,8 +754,7 @@ class Block(nn.Module):
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
         streams, a_pre, a_post, a_comb, x, norm = self.site("attn", streams, pre, expand=expand, overlap=True,
                                                             norm_later=True)
-        x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm,
-                                                ring=cache.windows[self.layer])
+        x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
         return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask,
@@ -779,11 +770,11 @@ class Block(nn.Module):
         a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
         return (a_pre, a_post, a_comb, *self.projections(x, pos, ropes=ropes, fmt=fmt))
 
-    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat, fused: bool = False, norm=None, ring=None):
-        """The attention's projections of the site's input (``Attention.project``, ``fused``,
-        ``norm`` and ``ring`` as there) and, in a layer with an indexer, its query and head
-        weights (``Indexer.query``): (x normalised, q_res, q, kv, *index)."""
-        x, q_res, q, kv = self.attn.project(x, pos, ropes, fmt, fused, norm, ring)
+    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat, fused: bool = False, norm=None):
+        """The attention's projections of the site's input (``Attention.project``, ``fused``
+        and ``norm`` as there) and, in a layer with an indexer, its query and head weights
+        (``Indexer.query``): (x normalised, q_res, q, kv, *index)."""
+        x, q_res, q, kv = self.attn.project(x, pos, ropes, fmt, fused, norm)
         index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
         return (x, q_res, q, kv, *index)
 

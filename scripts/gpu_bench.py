@@ -2,7 +2,7 @@
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
        [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--profile 16384]
-       [--knobs moe.DOWN_EARLY,streams.SITE_EARLY --knobs-ctx 131072] [--set moe.DOWN_EARLY,...]
+       [--knobs moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2 --knobs-ctx 131072] [--set moe.DOWN_EARLY,...]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 """
@@ -40,9 +40,10 @@ def main() -> None:
     p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     p.add_argument("--profile-batch", default="1", help="batch sizes of --profile")
-    p.add_argument("--knobs", default="", help="boolean kernel knobs (moe.DOWN_EARLY,...) timed off, alone and all on")
+    p.add_argument("--knobs", default="", help="kernel knobs (moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2,...) timed "
+                                               "off, alone and all on")
     p.add_argument("--knobs-ctx", default="131072", help="contexts of --knobs")
-    p.add_argument("--set", default="", help="boolean kernel knobs turned on before every bench (moe.DOWN_EARLY,...)")
+    p.add_argument("--set", default="", help="kernel knobs turned on before every bench (moe.DOWN_EARLY,...)")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     with open(a.out, "w") as out:
@@ -53,7 +54,8 @@ def main() -> None:
 
         emit({"device": torch.cuda.get_device_name(), "torch": torch.__version__, **device_ceilings()})
         for knob in filter(None, a.set.split(",")):
-            setattr(*kernel_knob(knob), True)
+            module, name, value = kernel_knob(knob)
+            setattr(module, name, value)
             emit({"set": knob})
         t = time.perf_counter()
         model = load(a.preset, device="cuda", dtype=torch.bfloat16)

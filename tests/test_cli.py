@@ -216,23 +216,26 @@ def test_bench_decode_paths_turns_each_switch_off_in_turn(monkeypatch):
 
 
 def test_bench_knobs_times_each_variant_and_restores_the_knobs(monkeypatch):
-    """``bench_knobs`` (``gpu_bench.py --knobs``) on the CPU's tiny preset, with two knobs of a
-    stand-in module under ``model.kernels``: every variant timed with its knobs set as named
+    """``bench_knobs`` (``gpu_bench.py --knobs``) on the CPU's tiny preset, with three knobs of a
+    stand-in module under ``model.kernels`` (two boolean, one given a value): every variant
+    timed with its knobs set as named
     while its steps run, the graphs dropped before each, the knobs as they were afterwards."""
     from model import load
     from model.bench import bench_knobs
     from model.engine import Engine
 
     fake = types.ModuleType("model.kernels.fake_knobs")
-    fake.A, fake.B = False, True
+    fake.A, fake.B, fake.N = False, True, 16
     monkeypatch.setitem(sys.modules, "model.kernels.fake_knobs", fake)
     seen, decode = set(), Engine.decode
-    monkeypatch.setattr(Engine, "decode", lambda self, *a, **k: seen.add((fake.A, fake.B)) or decode(self, *a, **k))
-    out = bench_knobs(load("tiny"), 32, ["fake_knobs.A", "fake_knobs.B"], rounds=1, steps=2)
-    assert set(out["step_ms"]) == {"all_off", "fake_knobs.A", "fake_knobs.B", "all_on"}
+    monkeypatch.setattr(Engine, "decode",
+                        lambda self, *a, **k: seen.add((fake.A, fake.B, fake.N)) or decode(self, *a, **k))
+    out = bench_knobs(load("tiny"), 32, ["fake_knobs.A", "fake_knobs.B", "fake_knobs.N=8"], rounds=1, steps=2)
+    assert set(out["step_ms"]) == {"all_off", "fake_knobs.A", "fake_knobs.B", "fake_knobs.N=8", "all_on"}
     assert all(v > 0 for v in out["step_ms"].values()) and set(out["over_all_off"]) == set(out["step_ms"]) - {"all_off"}
-    assert seen == {(False, False), (True, False), (False, True), (True, True)}
-    assert (fake.A, fake.B) == (False, True)
+    # a boolean knob is off as False; one given a value, off as the module had it
+    assert seen == {(False, False, 16), (True, False, 16), (False, True, 16), (False, False, 8), (True, True, 8)}
+    assert (fake.A, fake.B, fake.N) == (False, True, 16)
 
 
 def test_bench_linears_prints_the_ratio():

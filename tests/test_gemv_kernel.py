@@ -250,70 +250,6 @@ def test_a_site_norm_left_to_the_projection_is_made_inside_its_gemv(monkeypatch)
     assert not torch.equal(got[0], raw)
 
 
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_gemv_launch_writes_a_steps_window_entry_beside(dtype):
-    """``gemv(entry=...)``: programs before the GEMV's make the step's window entry — the ring's
-    bytes and positions as ``window_entry``'s own launch writes them, over steps that wrap the
-    ring — and the GEMV's outputs are those of the launch without them, bit for bit. Its twin
-    (``gemv_ref``) writes the same bytes in torch on rows of multiples of 1/8 (whose norms
-    round alike in any order)."""
-    from model.cache import WindowRing
-    from model.kernels import pack
-
-    g = torch.Generator().manual_seed(5)
-    x, w = rand(3, 1, 512, seed=20, dtype=dtype), rand(256, 512, seed=21, dtype=dtype)
-    weight = (1 + 0.25 * torch.randn(512, generator=g)).to(DEVICE, dtype)
-    rings = [WindowRing(3, 5, 512, DEVICE) for _ in range(3)]
-    (plain,) = kernels.gemv(x, w)
-    for p in range(7):
-        kv = ((torch.randn(3, 1, 512, generator=g) * 32).round() / 8).to(DEVICE, dtype)
-        angle = torch.rand(1, 32, generator=g) * 6
-        cos, sin, pos = angle.cos().to(DEVICE), angle.sin().to(DEVICE), torch.tensor([p], device=DEVICE)
-        pack.window_entry(kv, weight, 1e-6, cos, sin, rings[0].data, rings[0].pos, pos)
-        (out,) = kernels.gemv(x, w, entry=(kv, weight, 1e-6, cos, sin, rings[1].data, rings[1].pos, pos))
-        (twin,) = kernels.gemv_ref(x, w, entry=(kv, weight, 1e-6, cos, sin, rings[2].data, rings[2].pos, pos))
-        assert torch.equal(out, plain)
-        close(twin, plain)
-        for ring in rings[1:]:
-            assert torch.equal(ring.data, rings[0].data) and torch.equal(ring.pos, rings[0].pos), p
-    assert rings[1].pos.tolist() == [5, 6, 2, 3, 4]
-
-
-@needs_triton
-def test_a_fused_steps_query_gemv_writes_the_window_entry(monkeypatch):
-    """``project(fused=True, ring=...)``: the query's GEMV launch writes the step's window
-    entry (the kv handed on is None), the ring as ``_write_entry`` of the K=V latent leaves
-    it; with the knob ``matvec.ENTRY`` off the latent is handed on and the ring untouched."""
-    from model.cache import WindowRing
-    from model.kernels import matvec
-    from model.model import Ropes
-    from model.quant import KVFormat
-
-    args = ModelArgs.preset("tiny")
-    g = torch.Generator().manual_seed(4)
-    ropes, pos = Ropes(args).to(DEVICE), torch.tensor([11], device=DEVICE)
-    for layer in (0, args.kv_source_layer_ids[0]):  # the main RoPE table and the compress one
-        attn = Attention(args, layer=layer)
-        with torch.no_grad():
-            for p in attn.parameters():
-                p.copy_(torch.randn(p.shape, generator=g) * p.shape[-1] ** -0.5 if p.dim() > 1
-                        else 1 + 0.1 * torch.randn(p.shape, generator=g))
-        attn = attn.to(DEVICE, torch.bfloat16).eval()
-        x = rand(2, 1, args.hidden_size, seed=14, dtype=torch.bfloat16)
-        rings = [WindowRing(2, args.sliding_window, args.head_dim, DEVICE) for _ in range(3)]
-        with torch.no_grad():
-            *_, kv = attn.project(x, pos, ropes, KVFormat.PACKED, fused=True)
-            attn._write_entry(kv, pos, rings[0], KVFormat.PACKED, ropes)
-            *_, none = attn.project(x, pos, ropes, KVFormat.PACKED, fused=True, ring=rings[1])
-            monkeypatch.setattr(matvec, "ENTRY", False)
-            *_, kept = attn.project(x, pos, ropes, KVFormat.PACKED, fused=True, ring=rings[2])
-            monkeypatch.setattr(matvec, "ENTRY", True)
-        assert none is None and torch.equal(kept, kv)
-        assert torch.equal(rings[1].data, rings[0].data) and torch.equal(rings[1].pos, rings[0].pos)
-        assert rings[0].pos.max() == 11 and rings[2].pos.max() == -1 and not rings[2].data.any()
-
-
 class CountedLinear(torch.nn.Module):
     """A test double of a QAT linear layer, whose weight is computed on each read: counts the reads."""
 
@@ -346,8 +282,7 @@ def test_linear_is_the_layer_off_the_fast_path(monkeypatch):
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
 @pytest.mark.parametrize("block_o,block_d,two,bf16,pdl,extra", [
     (4, 2048, 1, 0, 0, {}), (16, 512, 1, 1, 1, {}), (1, 4096, 0, 1, 1, {}),
-    (16, 512, 0, 1, 1, {"NORM": True, "ROPE_OUT": True}), (4, 2048, 0, 1, 1, {"ROPE_IN": True}),
-    (16, 512, 0, 1, 1, {"NORM": True, "ROPE_OUT": True, "KEEP": True, "ENTRY": True})])
+    (16, 512, 0, 1, 1, {"NORM": True, "ROPE_OUT": True}), (4, 2048, 0, 1, 1, {"ROPE_IN": True})])
 def test_gemv_kernel_compiles_for_hopper(block_o, block_d, two, bf16, pdl, extra, tmp_path):
     """Triton's GPU compiler on the CPU, for sm_90 (``scripts/gpu_compile_check.py --compile``,
     a process without the interpreter): it types both branches of an ``if``, which the
@@ -359,15 +294,9 @@ def test_gemv_kernel_compiles_for_hopper(block_o, block_d, two, bf16, pdl, extra
     signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o,
                  **dict.fromkeys(("N", "O", "O2", "D", "DG", "OG", "P1"), "i32"), "nw_ptr": f, "eps": "fp32",
                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(("S", "HD", "OFF", "HALF"), "i32"),
-                 "xn_ptr": o, "PE": "i32",
                  **dict.fromkeys(("BLOCK_O", "BLOCK_D", "TWO", "BF16", "PDL", *extra), "constexpr")}
     constants = {"BLOCK_O": block_o, "BLOCK_D": block_d, "TWO": bool(two), "BF16": bool(bf16), "PDL": bool(pdl),
                  **extra}
-    if extra.get("ENTRY"):  # a window entry of 512 channels, 32 rotated pairs, beside
-        signature.update({"e_x": f, "e_nw": f, "e_eps": "fp32", "e_cos": "*fp32", "e_sin": "*fp32", "e_data": "*u8",
-                          "e_rpos": "*i64", "e_pos": "*i64", **dict.fromkeys(("e_cap", "e_sx", "e_sdb", "e_sdn"), "i32"),
-                          **dict.fromkeys(("ED", "EHALF", "EBLOCK", "EFMAX", "EBF16"), "constexpr")})
-        constants.update({"ED": 512, "EHALF": 32, "EBLOCK": 32, "EFMAX": 448.0, "EBF16": bool(bf16)})
     r = compile_for_hopper([{"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
                              "constants": constants, "options": {"launch_pdl": True} if pdl else {}}], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

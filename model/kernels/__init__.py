@@ -23,8 +23,7 @@ and, for one decode step (one query per batch row):
   records; ``window_at`` = (ring positions, query position, span) in place of the mask.
 - ``pack_window_at(kv, data, ring_pos, pos)``: a step's window entry packed into its ring slot;
   ``window_entry(kv, norm_weight, eps, cos, sin, data, ring_pos, pos)``: the entry made from
-  its K=V latent (norm, RoPE, FP8) and packed there, one launch (or programs of a GEMV's
-  launch: ``gemv``'s ``entry``); twin ``window_entry_ref``.
+  its K=V latent (norm, RoPE, FP8) and packed there, one launch.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale, rows=None)`` -> [B, N] fp32:
   ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, or a one-element
   device tensor that a CUDA graph can hold); with ``rows`` [B, M], the scores of those keys
@@ -74,8 +73,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
-           "topk_rows", "topk_rows_ref", "window_entry", "window_entry_ref", "entry_fits",
-           "gemv_entry_runs"]
+           "topk_rows", "topk_rows_ref", "window_entry"]
 
 
 def _interpreting() -> bool:
@@ -182,37 +180,32 @@ def gemv_runs(x: torch.Tensor, *layers: torch.nn.Module) -> bool:
 
 
 def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
-         rope_out=None, keep: bool = False, entry=None) -> tuple[torch.Tensor, ...]:
+         rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, w)`` for each of one or two weights, in one launch (``model.kernels.matvec``),
     for a caller that asked :func:`gemv_runs`; ``groups`` > 1: ``Attention``'s grouped output
     projection. ``norm`` = (weight, eps): of ``rms_norm(x, weight, eps)`` instead of x;
     ``rope_in`` / ``rope_out`` = (cos, sin, head_dim): of ``rope`` of x seen as heads of
     head_dim channels / the output so rotated (one weight with these); ``keep`` (with ``norm``):
-    the normalised x returned after the outputs, for its other readers; ``entry`` = the
-    arguments of :func:`window_entry`, whose rows the caller checked with
-    :func:`entry_fits`: that decode step's window entry written besides, by programs of the
-    same launch. Agrees with cuBLAS to rounding (another summation order); the norm's and the
-    rotations' own roundings are those of :func:`rms_norm` and :func:`rope`. A kernel that
-    cannot be built warns once and the twin (:func:`gemv_ref`) runs from then on."""
+    the normalised x returned after the outputs, for its other readers. Agrees with cuBLAS to
+    rounding (another summation order); the norm's and the rotations' own roundings are
+    those of :func:`rms_norm` and :func:`rope`. A kernel that cannot be built warns once and
+    the twin (:func:`gemv_ref`) runs from then on."""
     from model.kernels import matvec as kernel
 
-    options = dict(groups=groups, norm=norm, rope_in=rope_in, rope_out=rope_out, keep=keep, entry=entry)
+    options = dict(groups=groups, norm=norm, rope_in=rope_in, rope_out=rope_out, keep=keep)
     return _guarded("GEMV kernel", functools.partial(kernel.gemv, **options), functools.partial(gemv_ref, **options),
                     x, *weights)
 
 
 def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
-             rope_out=None, keep: bool = False, entry=None) -> tuple[torch.Tensor, ...]:
+             rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """:func:`gemv`'s twin: ``F.linear``, or the grouped einsum of ``Attention._grouped_wo_a``,
-    after ``rms_norm_ref`` / ``rope_ref`` of x and before ``rope_ref`` of the output; the
-    entry by :func:`window_entry_ref`."""
+    after ``rms_norm_ref`` / ``rope_ref`` of x and before ``rope_ref`` of the output."""
 
     def heads(t: torch.Tensor, rope) -> torch.Tensor:
         cos, sin, hd = rope
         return rope_ref(t.reshape(-1, cos.shape[0], t.shape[-1] // hd, hd), cos, sin).reshape(t.shape)
 
-    if entry is not None:
-        window_entry_ref(*entry)
     if norm is not None:
         x = rms_norm_ref(x, *norm)
     if rope_in is not None:
@@ -482,43 +475,16 @@ def window_entry(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
     """One decode step's window entry made and written in one launch, from its K=V latent
     ``kv`` [B, 1, D]: ``pack_window_at(fake_quant_fp8(rope(rms_norm(kv, norm_weight, eps), cos,
     sin)), data, ring_pos, pos)`` (``Attention.decode_step``), where torch's kernels or ours
-    took four. True where the kernel ran (:func:`entry_fits`); False, and nothing written,
-    where it does not or cannot be built: the caller runs the four. Its norm agrees with
-    :func:`rms_norm`'s to rounding; the rest as the four round."""
-    if not entry_fits(kv, norm_weight):
+    took four. True where the kernel ran (:func:`enabled`, rows the pack kernel takes);
+    False, and nothing written, where it does not or cannot be built: the caller runs the
+    four. Its norm agrees with :func:`rms_norm`'s to rounding; the rest as the four round."""
+    if not (pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK) and _kernel_runs("window entry", kv)
+            and kv.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == kv.dtype):
         return False
     from model.kernels import pack
 
     return _guarded("window entry", lambda t: pack.window_entry(t, norm_weight, eps, cos, sin, data, ring_pos, pos)
                     or True, lambda t: False, kv)
-
-
-def entry_fits(kv: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    """Whether the window-entry kernel takes this latent (:func:`window_entry`, or a GEMV's
-    ``entry``): :func:`enabled` for it, rows the pack kernel takes, a float dtype the norm's
-    weight shares."""
-    return (pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK) and _kernel_runs("window entry", kv)
-            and kv.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == kv.dtype)
-
-
-def gemv_entry_runs(kv: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-    """Whether a decode step's window entry goes into a GEMV's launch (:func:`gemv`'s
-    ``entry``): :func:`entry_fits` and the knob ``matvec.ENTRY``."""
-    if not entry_fits(kv, norm_weight):
-        return False
-    from model.kernels import matvec
-
-    return matvec.ENTRY
-
-
-def window_entry_ref(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                     data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
-    """:func:`window_entry`'s twin, in torch: the norm, RoPE and FP8 rounding of the twins,
-    the bytes of ``model.quant.pack_window`` at slot pos % cap (graph-safe: ``pos`` stays a tensor)."""
-    value = quant.fake_quant_fp8(rope_ref(rms_norm_ref(kv, norm_weight, eps), cos, sin))
-    slot = pos % ring_pos.shape[0]
-    data[:, slot] = quant.pack_window(value)
-    ring_pos[slot] = pos
 
 
 def pow2_blocks(dim: int, block: int) -> bool:

@@ -35,25 +35,18 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, chained, unfused
-from model.kernels.pack import _window_entry_row, entry_args
 
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
 TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
-# a decode step's window entry made by programs of the query's GEMV launch (``gemv``'s ``entry``)
-# rather than by a launch of its own between that GEMV and the attention
-ENTRY = True
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P1,
-                 nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF, xn_ptr, PE,
-                 e_x, e_nw, e_eps, e_cos, e_sin, e_data, e_rpos, e_pos, e_cap, e_sx, e_sdb, e_sdn,
+                 nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF, xn_ptr,
                  BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
                  NORM: tl.constexpr = False, ROPE_IN: tl.constexpr = False, ROPE_OUT: tl.constexpr = False,
-                 KEEP: tl.constexpr = False, ENTRY: tl.constexpr = False, ED: tl.constexpr = 1,
-                 EHALF: tl.constexpr = 0, EBLOCK: tl.constexpr = 1, EFMAX: tl.constexpr = 1.0,
-                 EBF16: tl.constexpr = False, PDL: tl.constexpr = False):
+                 KEEP: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
     second, for every row of x. Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG);
     two weights come only without groups (DG == D), so both weights' tiles have one shape.
@@ -61,64 +54,55 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     with KEEP the normalised rows written to ``xn`` by program 0 (for x's later readers);
     ROPE_IN / ROPE_OUT: x's / the output's heads of HD channels rotated (as
     ``rotary._rope_kernel``: channels from OFF on, in adjacent pairs, by row n's cos / sin at
-    n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG). ENTRY: programs
-    0 .. PE - 1 each make row p's window entry (``pack._window_entry_row`` of the ``e_``
-    arguments), the GEMV's programs follow: work that would be a launch of its own."""
+    n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG)."""
     p = tl.program_id(0)
-    if ENTRY and p < PE:  # a decode step's window entry (``pack``), scheduled first: its chain is the longer
-        _chain(PDL)
-        _window_entry_row(p.to(tl.int64), e_x, e_nw, e_eps, e_cos, e_sin, e_data, e_rpos, e_pos, e_cap, e_sx,
-                          e_sdb, e_sdn, ED, EHALF, EBLOCK, EFMAX, EBF16)
+    if TWO and p >= P1:
+        w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
+        x_at = x_ptr
     else:
-        if ENTRY:
-            p -= PE
-        if TWO and p >= P1:
-            w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
-            x_at = x_ptr
-        else:
-            w_at, out_at, o0, rows = w_ptr, out_ptr, p * BLOCK_O, O
-            x_at = x_ptr + (o0 // OG) * DG  # a block never spans two groups
-        o = o0 + tl.arange(0, BLOCK_O)
-        o_ok = o < rows
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < DG
-        w_rows = w_at + o[:, None].to(tl.int64) * DG
-        w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)  # before the wait: weights are never written
-        _chain(PDL)
-        n = 0
-        while n < N:
-            xs = tl.load(x_at + n * D + d, mask=d_ok, other=0.0).to(tl.float32)
-            if NORM:
-                xs = _rms_normed(xs, tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32), D, eps, BF16)
-                if KEEP:
-                    if p == 0:
-                        _store(xn_ptr + n * D + d, xs, d_ok, BF16)
-            if ROPE_IN:
-                hc = d % HD
-                rot = d_ok & (hc >= OFF)
-                partner = tl.load(x_at + n * D + (d ^ 1), mask=rot, other=0.0).to(tl.float32)
-                cs = tl.load(cos_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
-                sn = tl.load(sin_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
-                xs = _round(tl.where(rot, _turned(xs, partner, (hc - OFF) % 2 == 0, cs, sn), xs), BF16)
-            acc = tl.sum(w * xs[None, :], 1)
-            d0 = BLOCK_D
-            while d0 < DG:  # inputs wider than BLOCK_D_MAX: the rest in chunks
-                dd = d0 + d
-                xs = tl.load(x_at + n * D + dd, mask=dd < DG, other=0.0).to(tl.float32)
-                wd = tl.load(w_rows + dd[None, :], mask=o_ok[:, None] & (dd < DG)[None, :], other=0.0)
-                acc += tl.sum(wd.to(tl.float32) * xs[None, :], 1)
-                d0 += BLOCK_D
-            if ROPE_OUT:  # the output's pairs lie in one program: BLOCK_O is even
-                e, od = tl.split(tl.reshape(_round(acc, BF16), [BLOCK_O // 2, 2]))
-                pc = (o0 + 2 * tl.arange(0, BLOCK_O // 2)) % HD  # each pair's even channel in its head
-                rot = pc >= OFF
-                cs = tl.load(cos_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
-                sn = tl.load(sin_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
-                acc = tl.reshape(tl.join(tl.where(rot, _turned(e, od, True, cs, sn), e),
-                                         tl.where(rot, _turned(od, e, False, cs, sn), od)), [BLOCK_O])
-            _store(out_at + n * rows + o, acc, o_ok, BF16)
-            n += 1
+        w_at, out_at, o0, rows = w_ptr, out_ptr, p * BLOCK_O, O
+        x_at = x_ptr + (o0 // OG) * DG  # a block never spans two groups
+    o = o0 + tl.arange(0, BLOCK_O)
+    o_ok = o < rows
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < DG
+    w_rows = w_at + o[:, None].to(tl.int64) * DG
+    w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0,
+                eviction_policy="evict_first").to(tl.float32)  # before the wait: weights are never written
+    _chain(PDL)
+    n = 0
+    while n < N:
+        xs = tl.load(x_at + n * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        if NORM:
+            xs = _rms_normed(xs, tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32), D, eps, BF16)
+            if KEEP:
+                if p == 0:
+                    _store(xn_ptr + n * D + d, xs, d_ok, BF16)
+        if ROPE_IN:
+            hc = d % HD
+            rot = d_ok & (hc >= OFF)
+            partner = tl.load(x_at + n * D + (d ^ 1), mask=rot, other=0.0).to(tl.float32)
+            cs = tl.load(cos_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
+            sn = tl.load(sin_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
+            xs = _round(tl.where(rot, _turned(xs, partner, (hc - OFF) % 2 == 0, cs, sn), xs), BF16)
+        acc = tl.sum(w * xs[None, :], 1)
+        d0 = BLOCK_D
+        while d0 < DG:  # inputs wider than BLOCK_D_MAX: the rest in chunks
+            dd = d0 + d
+            xs = tl.load(x_at + n * D + dd, mask=dd < DG, other=0.0).to(tl.float32)
+            wd = tl.load(w_rows + dd[None, :], mask=o_ok[:, None] & (dd < DG)[None, :], other=0.0)
+            acc += tl.sum(wd.to(tl.float32) * xs[None, :], 1)
+            d0 += BLOCK_D
+        if ROPE_OUT:  # the output's pairs lie in one program: BLOCK_O is even
+            e, od = tl.split(tl.reshape(_round(acc, BF16), [BLOCK_O // 2, 2]))
+            pc = (o0 + 2 * tl.arange(0, BLOCK_O // 2)) % HD  # each pair's even channel in its head
+            rot = pc >= OFF
+            cs = tl.load(cos_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
+            sn = tl.load(sin_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
+            acc = tl.reshape(tl.join(tl.where(rot, _turned(e, od, True, cs, sn), e),
+                                     tl.where(rot, _turned(od, e, False, cs, sn), od)), [BLOCK_O])
+        _store(out_at + n * rows + o, acc, o_ok, BF16)
+        n += 1
 
 
 def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whole: bool = False) -> tuple[int, int]:
@@ -135,16 +119,14 @@ def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whol
 
 
 def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
-         rope_out=None, keep: bool = False, entry=None) -> tuple[torch.Tensor, ...]:
+         rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """``x`` [..., D] (fp32 or bf16) against one or two weights [O, D] of its dtype -> one
     output [..., O] each (then, with ``keep`` and ``norm``, x normalised). With ``groups`` g
     (one weight [g * r, D / g]): output group j is weight rows [j * r, (j + 1) * r) against
     x's channels [j * D / g, (j + 1) * D / g).
     ``norm`` = (weight [D], eps): x RMS-normalised first (``rms_norm``; without groups);
     ``rope_in`` / ``rope_out`` = (cos, sin [S, r], head_dim): x's / the output's heads rotated
-    (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these).
-    ``entry`` = ``pack.window_entry``'s arguments: that decode step's window entry made by
-    programs of this launch besides (its latent must not be an output of this launch)."""
+    (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these)."""
     assert 1 <= len(weights) <= 2 and (groups == 1 or len(weights) == 1)
     assert x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == x.dtype and w.dim() == 2 for w in weights)
     assert len(weights) == 1 or not (rope_in or rope_out)
@@ -180,15 +162,9 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     assert norm is None or (nw.shape == (D,) and nw.dtype == x.dtype)
     if keep:
         outs.append(torch.empty_like(rows))
-    if entry is not None:
-        e_args, e_sizes = entry_args(*entry)
-        entries, e_sizes = entry[0].shape[0], {"E" + k: v for k, v in e_sizes.items()}
-    else:  # unread: any pointers, the sizes' defaults
-        e_args, entries, e_sizes = (rows, rows, 0.0, rows, rows, rows, rows, rows, 1, 0, 0, 0), 0, {}
-    _gemv_kernel[(p1 + p2 + entries,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
-                                       nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]), entries,
-                                       *e_args, BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16,
-                                       NORM=norm is not None, ROPE_IN=rope_in is not None,
-                                       ROPE_OUT=rope_out is not None, KEEP=keep, ENTRY=entry is not None,
-                                       **e_sizes, num_warps=GEMV_WARPS, **unfused(), **chained(rows))
+    _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
+                             nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]),
+                             BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
+                             ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, KEEP=keep,
+                             num_warps=GEMV_WARPS, **unfused(), **chained(rows))
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)

@@ -77,10 +77,6 @@ SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # while the up kernel still streams, hold their tiles and take the SMs the up kernel's programs
 # wait for. Kept as a knob: without the channel loop it is the form Triton's interpreter runs
 DOWN_EARLY = False
-# the down sum's programs each one output channel with every slot's whole row of I (one load: 8
-# padded slots x 1,024 padded channels x 2 B = 16 KB at `small`), where the tile above loops over
-# I in 256-channel steps for 4 channels (DOWN_EARLY's whole rows for 4 channels: 64 KB)
-DOWN_WHOLE = False
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
 # per expert and block of rows, the tokens' block through tensor cores; untuned guesses
 GROUPED_TOKENS = 4
@@ -494,11 +490,10 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
     (N, K), (D, I) = chosen.shape, s2.shape
     bf16, out_bf16 = h.dtype == torch.bfloat16, out.dtype == torch.bfloat16
     assert h.shape == (N * K + N, I) and w2.shape[1:] == (D, I) and out.shape == (N, D)
-    block_o = 1 if DOWN_WHOLE else SLOTS_BLOCK_O
-    block_i = triton.next_power_of_2(I) if DOWN_EARLY or DOWN_WHOLE else SLOTS_BLOCK_I
-    _down_slots_kernel[(N, triton.cdiv(D, block_o))](
+    _down_slots_kernel[(N, triton.cdiv(D, SLOTS_BLOCK_O))](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
-        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
+        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
+        BLOCK_I=triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
         EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **chained(h))
     return out
 

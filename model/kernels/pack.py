@@ -207,21 +207,12 @@ def pack_window_at(x: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, 
 def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_ptr, pos_ptr, cap, s_x, s_db, s_dn,
                          D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
                          BF16: tl.constexpr, PDL: tl.constexpr = False):
-    """Row b of one decode step's K=V latent to its window entry (:func:`_window_entry_row`)."""
-    _chain(PDL)
-    _window_entry_row(tl.program_id(0).to(tl.int64), x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_ptr, pos_ptr,
-                      cap, s_x, s_db, s_dn, D, HALF, BLOCK, FMAX, BF16)
-
-
-@triton.jit
-def _window_entry_row(b, x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_ptr, pos_ptr, cap, s_x, s_db, s_dn,
-                      D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
-                      BF16: tl.constexpr):
     """Row b of one decode step's K=V latent to its window entry in its ring slot, in
     registers: the RMSNorm (``norm._rms_norm_kernel``'s roundings), the RoPE of the trailing
     HALF pairs (``rotary._rope_kernel``'s), the FP8 values (``fake_quant_fp8``), their bytes
-    (``_pack_window_at_kernel``); row 0 also records the slot's position. Also run by the
-    extra programs of a GEMV launch (``matvec``'s ``entry``)."""
+    (``_pack_window_at_kernel``); program 0 also records the slot's position."""
+    _chain(PDL)
+    b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, D)
     h = _rms_normed(tl.load(x_ptr + b * s_x + c).to(tl.float32), tl.load(nw_ptr + c).to(tl.float32), D, eps, BF16)
     e, o = tl.split(tl.reshape(h, [D // 2, 2]))
@@ -251,14 +242,6 @@ def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: to
     """x [B, 1, D] (the K=V latent of one decode step, fp32 or bf16) normalised by
     ``norm_weight``, rotated by cos / sin [1, r], rounded to FP8 and packed into ring rows
     ``data`` [B, cap, D + D/32] at slot pos % cap; ``ring_pos`` [cap] told."""
-    args, sizes = entry_args(x, norm_weight, eps, cos, sin, data, ring_pos, pos)
-    _window_entry_kernel[(x.shape[0],)](*args, **sizes, num_warps=4, **unfused(), **chained(args[0]))
-
-
-def entry_args(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-               data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> tuple[tuple, dict]:
-    """The arguments of :func:`_window_entry_row` for :func:`window_entry`'s inputs, checked:
-    (pointers and runtime sizes, the constexpr sizes by name)."""
     B, S, D = x.shape
     assert S == 1 and pos.numel() == 1 and pos.dtype == ring_pos.dtype == torch.int64
     assert data.dtype == torch.uint8 and data.shape == (B, ring_pos.shape[0], D + D // WINDOW_BLOCK)
@@ -266,9 +249,10 @@ def entry_args(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torc
     assert x.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == x.dtype
     assert cos.shape == sin.shape and cos.shape[0] == 1 and 2 * cos.shape[1] <= D and cos.dtype == torch.float32
     flat = _rows(x, WINDOW_BLOCK)
-    return ((flat, norm_weight.contiguous(), float(eps), cos.contiguous(), sin.contiguous(), data, ring_pos, pos,
-             ring_pos.shape[0], flat.stride(0), data.stride(0), data.stride(1)),
-            dict(D=D, HALF=cos.shape[1], BLOCK=WINDOW_BLOCK, FMAX=FP8_MAX, BF16=x.dtype == torch.bfloat16))
+    _window_entry_kernel[(B,)](flat, norm_weight.contiguous(), float(eps), cos.contiguous(), sin.contiguous(), data,
+                               ring_pos, pos, ring_pos.shape[0], flat.stride(0), data.stride(0), data.stride(1), D=D,
+                               HALF=cos.shape[1], BLOCK=WINDOW_BLOCK, FMAX=FP8_MAX, BF16=x.dtype == torch.bfloat16,
+                               num_warps=4, **unfused(), **chained(flat))
 
 
 def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = False) -> torch.Tensor:
