@@ -93,11 +93,10 @@ def _interpretable_defaults(monkeypatch):
 
 
 def use_form(form: str, monkeypatch) -> None:
-    """The experts' kernels by (token, slot) pair — "by-pair": the down sum slot by slot, the
-    gate's and up kernel's channel loops, the gate's top-k a launch of its own; "by-pair-slots":
-    the defaults (every slot's rows at once, ``DOWN_SLOTS``; the gate's and up kernel's weights
-    asked for before the wait, ``GATE_EARLY`` / ``UP_EARLY``; the top-k by the last gate-logits
-    program, ``GATE_TAIL``); "by-pair-early": the down sum's too (``DOWN_EARLY``, the
+    """The experts' kernels by (token, slot) pair — "by-pair": the down sum slot by slot and
+    the gate's and up kernel's channel loops; "by-pair-slots": the defaults (every slot's rows
+    at once, ``DOWN_SLOTS``; the gate's and up kernel's weights asked for before the wait,
+    ``GATE_EARLY`` / ``UP_EARLY``); "by-pair-early": the down sum's too (``DOWN_EARLY``, the
     form the interpreter runs whole) — or grouped by expert, whatever the token count."""
     from model.kernels import moe as kmoe
 
@@ -105,7 +104,7 @@ def use_form(form: str, monkeypatch) -> None:
     monkeypatch.setattr(kmoe, "DOWN_SLOTS", form in ("by-pair-slots", "by-pair-early"))
     early = {"by-pair": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
     if early is not None:
-        for knob in ("GATE_EARLY", "GATE_TAIL", "UP_EARLY", "DOWN_EARLY"):
+        for knob in ("GATE_EARLY", "UP_EARLY", "DOWN_EARLY"):
             monkeypatch.setattr(kmoe, knob, early)
 
 
@@ -217,25 +216,6 @@ def test_moe_kernel_normalises_a_site_input_left_to_it(form, monkeypatch):
     assert not torch.allclose(decode_call(moe, raw), want, rtol=0.05, atol=0.05 * want.abs().max().item())
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_gate_top_k_by_the_last_logits_program_matches_its_own_launch(n, monkeypatch):
-    """``GATE_TAIL``: the top-k made by the last of each token's gate-logits programs to
-    finish gives the MoE of the top-k's own launch (the same experts, so outputs equal to the
-    last rounding), call after call: every arrival count is back at zero after each launch."""
-    from model.kernels import fused
-    from model.kernels import moe as kmoe
-
-    moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=7, hidden_size=512)
-    for step in range(3):
-        x = torch.randn(n, 512, generator=torch.Generator().manual_seed(10 + step)).to(DEVICE, torch.bfloat16)
-        monkeypatch.setattr(kmoe, "GATE_TAIL", False)
-        want = decode_call(moe, x)
-        monkeypatch.setattr(kmoe, "GATE_TAIL", True)
-        got = decode_call(moe, x)
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -8, atol=2 ** -8 * want.float().abs().max().item())
-        assert not fused.arrivals(x.device, n).any()
-
-
 def test_moe_kernel_splits_the_gate_over_channel_chunks():
     """512 channels: the gate's logits are summed from 4 chunks of 128."""
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=5, hidden_size=512)
@@ -334,27 +314,6 @@ def test_up_kernel_compiles_for_hopper(early, block_i, block_d, tmp_path):
                  "PDL": True}
     r = compile_for_hopper([{"module": "model.kernels.moe", "name": "_up_kernel", "signature": signature,
                              "constants": constants, "options": {"launch_pdl": True, "num_warps": 4}}], tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
-
-
-@pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
-                    reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
-@pytest.mark.parametrize("tail", [False, True])
-def test_gate_logits_kernel_compiles_for_hopper(tail, tmp_path):
-    """The gate-logits kernel at `small`'s decode shape (64 experts, 2,048 channels in 32
-    chunks, the site's norm in it, bf16) for sm_90 as a dependent launch, with and without
-    ``GATE_TAIL``'s top-k by the last program (its arrival: a barrier and a GPU-scope atomic,
-    PTX the interpreter never runs)."""
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "part_ptr": "*fp32", **dict.fromkeys(("E", "D", "CHUNK", "SPLITS"), "i32"),
-                 "nw_ptr": "*bf16", "eps": "fp32", "xn_ptr": "*i16", "count_ptr": "*i32", "bias_ptr": "*fp32",
-                 "wout_ptr": "*fp32", "iout_ptr": "*i64", "temp": "fp32", "scale": "fp32",
-                 **dict.fromkeys(("BLOCK_E", "BLOCK_D", "EARLY", "NORM", "BLOCK_X", "BF16", "TAIL", "K", "K_P2",
-                                  "SPLITS_P2", "SCORE", "RENORM", "PDL"), "constexpr")}
-    constants = {"BLOCK_E": 64, "BLOCK_D": 64, "EARLY": True, "NORM": True, "BLOCK_X": 2048, "BF16": True, "TAIL": tail,
-                 "K": 6, "K_P2": 8, "SPLITS_P2": 32, "SCORE": 0, "RENORM": True, "PDL": True}
-    r = compile_for_hopper([{"module": "model.kernels.moe", "name": "_gate_logits_kernel", "signature": signature,
-                             "constants": constants, "options": {"launch_pdl": True, "num_warps": 4,
-                                                                 "enable_fp_fusion": False}}], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 

@@ -179,39 +179,6 @@ def _chain(PDL: tl.constexpr):
 
 
 @triton.jit
-def _arrived_last(count_ptr, total):
-    """Whether this program is the last of ``total`` to arrive at ``count`` (an int32 zero
-    before the first arrives; set back to zero by the last, so the next launch finds it so):
-    the one to finish the launch's work on what the others wrote, where a launch of its own
-    would wait for all of them. The program's writes are done (a barrier of its threads)
-    before its arrival, which releases them to the whole GPU; the last one's arrival acquires
-    the others' (its reads of them then go past the SM's L1: ``.cg``)."""
-    tl.debug_barrier()
-    last = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu") == total - 1
-    if last:
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
-    return last
-
-
-_ARRIVALS: dict = {}
-_OUTGROWN: list = []  # counts replaced by larger ones: a captured graph may still count on them
-
-
-def arrivals(device: torch.device, n: int) -> torch.Tensor:
-    """The arrival counts of :func:`_arrived_last` on ``device``, at least ``n`` of them: int32
-    zeros made once (each launch that counts leaves them zero), shared by the launches of a
-    stream, which run one after another. Made outside a graph's capture (its warm-up run)."""
-    counts = _ARRIVALS.get(device)
-    if counts is None or counts.numel() < n:
-        assert not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()), \
-            "arrival counts are made outside a capture"
-        if counts is not None:
-            _OUTGROWN.append(counts)
-        counts = _ARRIVALS[device] = torch.zeros(max(n, 64), dtype=torch.int32, device=device)
-    return counts
-
-
-@triton.jit
 def _fp4_rows(row_ptr, cols, mask, D: tl.constexpr, BLOCK: tl.constexpr):
     """Rows of packed e2m1 pairs (even channel in the low nibble) + per-BLOCK e4m3 scale bytes:
     the main records (the index keys' own decoding is the indexer's)."""

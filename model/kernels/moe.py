@@ -37,7 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _arrived_last, _chain, _rms_apply, _rms_factor, _round, _store, arrivals, chained, unfused
+from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -45,9 +45,6 @@ GATE_SPLITS = 32  # programs per token that share the gate's weight read
 # launch's wait. Timed on the H200 (session 27, `small`, batch 1, 128K, bench_knobs, best of two
 # alternated rounds): a step 3.716 -> 3.624 ms
 GATE_EARLY = True
-# the gate's top-k made by the last gate-logits program of each token to finish, where
-# ``_gate_kernel`` is a launch of its own between the logits and the up kernel
-GATE_TAIL = True
 # tile sizes of the expert kernels: rows of w1 / w3 per up program and channels per load;
 # output channels per down program and intermediate channels per load; warps of each.
 # Chosen by scripts/kernel_sweep.py on the H200 at `small`, batch 1: a whole moe_decode took
@@ -104,20 +101,15 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
 
 @triton.jit
 def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS, nw_ptr, eps, xn_ptr,
-                        count_ptr, bias_ptr, wout_ptr, iout_ptr, temp, scale,
                         BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr = False,
                         NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1, BF16: tl.constexpr = False,
-                        TAIL: tl.constexpr = False, K: tl.constexpr = 1, K_P2: tl.constexpr = 1,
-                        SPLITS_P2: tl.constexpr = 1, SCORE: tl.constexpr = 0, RENORM: tl.constexpr = False,
                         PDL: tl.constexpr = False):
     """Partial gate logits of token t over channel chunk c: part[t, c, :E] (the gate's
     weight is read by many programs at once rather than by one). EARLY (CHUNK == BLOCK_D, one
     load a program): the weight's chunk asked for before the dependent launch's wait. NORM
     (BLOCK_X >= D): x is an mHC site's input before its RMSNorm by ``nw``: every program takes
     the row's factor from the whole row and normalises its chunk with it; program 0 writes the
-    normalised row to ``xn`` (the same bits: ``fused._rms_apply``) for the expert kernels.
-    TAIL: the program of token t that finishes last (``fused._arrived_last`` on ``count[t]``)
-    picks its experts (:func:`_gate_pick`), where ``_gate_kernel`` is a launch of its own."""
+    normalised row to ``xn`` (the same bits: ``fused._rms_apply``) for the expert kernels."""
     t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -143,10 +135,6 @@ def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS, nw_ptr, eps
             w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_ok[:, None] & (d < D)[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
     tl.store(part_ptr + (t * SPLITS + c) * E + e, acc, mask=e_ok)
-    if TAIL:
-        if _arrived_last(count_ptr + t, SPLITS):
-            _gate_pick(part_ptr, bias_ptr, wout_ptr, iout_ptr, t, E, SPLITS, temp, scale, K, K_P2, BLOCK_E,
-                       SPLITS_P2, SCORE, RENORM, True)
 
 
 @triton.jit
@@ -163,27 +151,12 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
                  K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS_P2: tl.constexpr,
                  SCORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
     _chain(PDL)
-    _gate_pick(part_ptr, bias_ptr, wout_ptr, iout_ptr, tl.program_id(0).to(tl.int64), E, SPLITS, temp, scale, K, K_P2,
-               BLOCK_E, SPLITS_P2, SCORE, NORM, False)
-
-
-@triton.jit
-def _gate_pick(part_ptr, bias_ptr, wout_ptr, iout_ptr, t, E, SPLITS, temp, scale,
-               K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS_P2: tl.constexpr,
-               SCORE: tl.constexpr, NORM: tl.constexpr, L2: tl.constexpr):
-    """Token t's experts from its partial logits: the partial sums added in chunk order, the
-    score function, top-k on score + bias (ties to the lower expert id), the chosen scores
-    normalised (NORM) and scaled. L2: the partials read past the SM's L1 (other programs of
-    the same launch wrote them)."""
+    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     c = tl.arange(0, SPLITS_P2)
-    at = part_ptr + (t * SPLITS + c[:, None]) * E + e[None, :]
-    m = (c < SPLITS)[:, None] & e_ok[None, :]
-    if L2:
-        part = tl.load(at, mask=m, other=0.0, cache_modifier=".cg")
-    else:
-        part = tl.load(at, mask=m, other=0.0)
+    part = tl.load(part_ptr + (t * SPLITS + c[:, None]) * E + e[None, :], mask=(c < SPLITS)[:, None] & e_ok[None, :],
+                   other=0.0)
     logit = tl.sum(part, 0) / temp
     if SCORE == 0:  # sqrt(softplus), softplus with torch's threshold of 20
         ex = tl.exp(logit)
@@ -532,20 +505,15 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         normed = dict(NORM=True, BLOCK_X=triton.next_power_of_2(D), BF16=bf16, **unfused())
     else:
         nw, eps, xn, normed = x, 0.0, x, {}
-    pick = dict(K=top_k, K_P2=triton.next_power_of_2(top_k), SPLITS_P2=triton.next_power_of_2(splits),
-                SCORE=SCORING[scoring])
-    renorm = bool(norm and top_k > 1)
-    count = arrivals(x.device, N) if GATE_TAIL else part  # unread without TAIL
     _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, nw, eps,
                                      xn.view(torch.int16) if bf16 else xn,  # unread without NORM
-                                     count, bias, weights, chosen, float(temp), float(scale),
                                      BLOCK_E=block_e, BLOCK_D=block_d, EARLY=GATE_EARLY and chunk == block_d,
-                                     num_warps=4, **normed, TAIL=GATE_TAIL, RENORM=renorm,
-                                     **(pick if GATE_TAIL else {}), **chained(x))
+                                     num_warps=4, **normed, **chained(x))
     x = xn  # the expert kernels read the normalised rows
-    if not GATE_TAIL:
-        _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale), BLOCK_E=block_e,
-                           NORM=renorm, num_warps=4, **pick, **chained(x))
+    _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
+                       K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+                       SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
+                       NORM=bool(norm and top_k > 1), num_warps=4, **chained(x))
     nk = N * top_k
     h = torch.empty(nk + N, I, dtype=x.dtype, device=x.device)
     h_arg = h.view(torch.int16) if bf16 else h
