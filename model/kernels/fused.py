@@ -44,15 +44,14 @@ import triton.language as tl
 BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
 BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
 ATTN_WARPS = 4  # one block a program, 2D bf16 dots: 10.5 us a call (+ merge) against 10.6 with 8 (session 24)
-# keys decoded as their even and odd channels apart ([BLOCK_N, D/2] each, straight to bf16, from
-# the bytes as they lie: a record byte holds channels 2j and 2j + 1), where the whole-row form widens
-# every byte and its block's scale byte to int32 [BLOCK_N, D] (255 registers a thread and ~700
-# bytes of spills per thread for sm_90, ptxas)
-ATTN_PAIRS = True
+# (session 28, a step at 128K on the H200, bench_knobs: 8 warps 3.431 ms against 3.455, inside the noise;
+# keys decoded as even / odd channel halves straight to bf16 (ptxas: spills 700 -> 480 B a thread)
+# 3.626, slower: the row form's spills are not what bounds the kernel)
 INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
 MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
+# (session 28: 2 blocks a split made a step at 128K 9.6% slower, 3.397 -> 3.722 ms, bench_knobs)
 SPLIT_WAVES = 3  # programs per SM the splits aim for; matters from batch ~8 (kernel_sweep --only splits,
 # small, batch 16, 8 warps: 77.6 us a call with 1, 60.6 with 2, 59.1 with 3, 61.0 with 4; batch 4: 22.0-22.5 us for all)
 
@@ -261,41 +260,6 @@ def _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K
     return kv, valid
 
 
-@triton.jit
-def _key_pairs(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb, s_wn, s_vb, s_rb, s_rn,
-               s_ib, D: tl.constexpr, BLOCK_N: tl.constexpr, FROM_POS: tl.constexpr):
-    """:func:`_key_block` as (even channels, odd channels, valid): bf16 [BLOCK_N, D/2] each,
-    decoded from the bytes as they lie — a window row's FP8 bytes in channel order with a
-    ue8m0 byte per 32 channels (16 pairs), a record's e2m1 pairs (channel 2j in byte j's low
-    nibble) with an e4m3 byte per 16 channels (8 pairs). The same values (exact in bf16)."""
-    pair = tl.arange(0, D // 2)
-    if blk < nW:
-        n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
-        if FROM_POS:
-            at = tl.load(valid_ptr + n, mask=n < W, other=-1)
-            valid = (at >= 0) & (at <= cur) & (at > cur - span)
-        else:
-            valid = tl.load(valid_ptr + b64 * s_vb + n, mask=n < W, other=0) != 0
-        row = win_ptr + b64 * s_wb + n.to(tl.int64)[:, None] * s_wn
-        seen = valid[:, None]
-        w_sb = _ue8m0(tl.load(row + D + tl.arange(0, D // 32)[None, :], mask=seen, other=0).to(tl.int32))[:, :, None]
-        w_even = tl.load(row + 2 * pair[None, :], mask=seen, other=0).to(tl.int32)
-        w_odd = tl.load(row + 2 * pair[None, :] + 1, mask=seen, other=0).to(tl.int32)
-        even = tl.reshape(tl.reshape(_e4m3(w_even), (BLOCK_N, D // 32, 16)) * w_sb, (BLOCK_N, D // 2))
-        odd = tl.reshape(tl.reshape(_e4m3(w_odd), (BLOCK_N, D // 32, 16)) * w_sb, (BLOCK_N, D // 2))
-    else:
-        k = (blk - nW) * BLOCK_N + tl.arange(0, BLOCK_N)
-        idx = tl.load(idx_ptr + b64 * s_ib + k, mask=k < K, other=-1).to(tl.int64)
-        valid = (idx >= 0) & (idx < N)  # the bound only keeps a bad index from reading out of range
-        row = rec_ptr + b64 * s_rb + tl.where(valid, idx, 0)[:, None] * s_rn
-        seen = valid[:, None]
-        r_sb = _e4m3(tl.load(row + D // 2 + tl.arange(0, D // 16)[None, :], mask=seen, other=0).to(tl.int32))[:, :, None]
-        byte = tl.reshape(tl.load(row + pair[None, :], mask=seen, other=0).to(tl.int32), (BLOCK_N, D // 16, 8))
-        even = tl.reshape(_e2m1(byte & 0xF) * r_sb, (BLOCK_N, D // 2))
-        odd = tl.reshape(_e2m1(byte >> 4) * r_sb, (BLOCK_N, D // 2))
-    return even.to(tl.bfloat16), odd.to(tl.bfloat16), valid
-
-
 # decode-varying sizes: one compile
 @triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span", "nW", "NB"])
 def _sparse_attention_kernel(
@@ -303,7 +267,7 @@ def _sparse_attention_kernel(
     H, W, N, K, SPLITS, scale, span, nW, NB,
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
-    FROM_POS: tl.constexpr, PAIRS: tl.constexpr = False, PDL: tl.constexpr = False,
+    FROM_POS: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Partial softmax sums of one (row, head group, split) over blocks split, split +
     SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
@@ -311,71 +275,7 @@ def _sparse_attention_kernel(
     positions (``valid_ptr``: int64 [W], shared by the rows) against the query's (``cur_ptr``,
     one element) and the window ``span``: -1 < slot position <= query, within the last span.
     Both dots run on bf16 tensor cores, summed in fp32: the query in ``Q_PARTS`` bf16 parts
-    (1: a bf16 query; 3: every bit of an fp32 one), the probabilities in three, the keys exact.
-    PAIRS: the keys, the query and the sums as their even and odd channels apart
-    (:func:`_key_pairs`), the query's dot over both halves."""
-    if PAIRS:
-        _attention_pairs(q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
-                         H, W, N, K, SPLITS, scale, span, nW, NB, s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-                         D, BLOCK_H, BLOCK_N, Q_PARTS, FROM_POS, PDL)
-    else:
-        _attention_rows(q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
-                        H, W, N, K, SPLITS, scale, span, nW, NB, s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-                        D, BLOCK_H, BLOCK_N, Q_PARTS, FROM_POS, PDL)
-
-
-@triton.jit
-def _attention_pairs(q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
-                     H, W, N, K, SPLITS, scale, span, nW, NB, s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-                     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
-                     FROM_POS: tl.constexpr, PDL: tl.constexpr):
-    """The PAIRS form of ``_sparse_attention_kernel``'s program."""
-    _chain(PDL)
-    b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    b64 = b.to(tl.int64)
-    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < H
-    pair = tl.arange(0, D // 2)
-    q_row = q_ptr + b64 * s_qb + heads[:, None] * s_qh + 2 * pair[None, :]
-    e_hi, e_mid, e_lo = _bf16_parts(tl.load(q_row, mask=head_ok[:, None], other=0.0).to(tl.float32), Q_PARTS)
-    o_hi, o_mid, o_lo = _bf16_parts(tl.load(q_row + 1, mask=head_ok[:, None], other=0.0).to(tl.float32), Q_PARTS)
-    m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)  # as the row form: from the sink
-    l = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc_e = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
-    acc_o = tl.zeros([BLOCK_H, D // 2], dtype=tl.float32)
-    cur = 0
-    if FROM_POS:
-        cur = tl.load(cur_ptr)
-    blk = split
-    while blk < NB:
-        ke, ko, valid = _key_pairs(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb,
-                                   s_wn, s_vb, s_rb, s_rn, s_ib, D, BLOCK_N, FROM_POS)
-        blk += SPLITS
-        s = _parts_dot(e_hi, e_mid, e_lo, tl.trans(ke), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_PARTS)
-        s = _parts_dot(o_hi, o_mid, o_lo, tl.trans(ko), s, Q_PARTS)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l = l * alpha + tl.sum(p, 1)
-        m = m_new
-        p_hi, p_mid, p_lo = _bf16_parts(p, 3)
-        acc_e = _parts_dot(p_hi, p_mid, p_lo, ke, acc_e * alpha[:, None], 3)
-        acc_o = _parts_dot(p_hi, p_mid, p_lo, ko, acc_o * alpha[:, None], 3)
-
-    part = (b64 * SPLITS + split) * H + heads  # partials are [B, SPLITS, H(, D)]
-    tl.store(m_ptr + part, m, mask=head_ok)
-    tl.store(l_ptr + part, l, mask=head_ok)
-    tl.store(acc_ptr + part[:, None] * D + tl.arange(0, D)[None, :],
-             tl.reshape(tl.join(acc_e, acc_o), (BLOCK_H, D)), mask=head_ok[:, None])
-
-
-@triton.jit
-def _attention_rows(q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
-                    H, W, N, K, SPLITS, scale, span, nW, NB, s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-                    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
-                    FROM_POS: tl.constexpr, PDL: tl.constexpr):
-    """The whole-row form of ``_sparse_attention_kernel``'s program."""
+    (1: a bf16 query; 3: every bit of an fp32 one), the probabilities in three, the keys exact."""
     _chain(PDL)
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
@@ -482,7 +382,7 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
         D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
-        FROM_POS=window_at is not None, PAIRS=ATTN_PAIRS, num_warps=ATTN_WARPS, **chained(q))
+        FROM_POS=window_at is not None, num_warps=ATTN_WARPS, **chained(q))
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
     out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)

@@ -39,6 +39,8 @@ from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, ch
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
 TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
+# (session 28, a step at 128K, bench_knobs: 8 KB tiles +3.0%; the window entry made by programs of the
+# query's GEMV launch rather than a launch of its own +1.8% / +1.5%: neither kept)
 
 
 @triton.jit
