@@ -409,11 +409,13 @@ def test_sparse_attention_kernel_bf16_query(peak) -> None:
 
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
-def test_sparse_attention_kernel_compiles_for_hopper(tmp_path) -> None:
+@pytest.mark.parametrize("probe", [0, 1, 2, 4, 8])
+def test_sparse_attention_kernel_compiles_for_hopper(probe, tmp_path) -> None:
     """The attention kernel at the model's decode shape (512 channels, 16 heads, a bf16 query,
     the window tested by position) for sm_90 as a dependent launch: the compiler types both
     key branches of ``_key_block`` (the interpreter runs one at a time) and builds the PTX of
-    the dependent launch."""
+    the dependent launch; so too each timing probe (``ATTN_PROBE``: a stage left out), which
+    only the GPU runs (``kernel_sweep.py --only attention-probe``)."""
     from tests.hopper import compile_for_hopper
 
     signature = {"q_ptr": "*bf16", "win_ptr": "*u8", "valid_ptr": "*i64", "rec_ptr": "*u8", "idx_ptr": "*i64",
@@ -421,8 +423,8 @@ def test_sparse_attention_kernel_compiles_for_hopper(tmp_path) -> None:
                  **dict.fromkeys(("H", "W", "N", "K", "SPLITS"), "i32"), "scale": "fp32",
                  **dict.fromkeys(("span", "nW", "NB", "s_qb", "s_qh", "s_wb", "s_wn", "s_vb", "s_rb", "s_rn", "s_ib"),
                                  "i32"),
-                 **dict.fromkeys(("D", "BLOCK_H", "BLOCK_N", "Q_PARTS", "FROM_POS", "PDL"), "constexpr")}
-    constants = {"D": 512, "BLOCK_H": 16, "BLOCK_N": 16, "Q_PARTS": 1, "FROM_POS": True, "PDL": True}
+                 **dict.fromkeys(("D", "BLOCK_H", "BLOCK_N", "Q_PARTS", "FROM_POS", "PROBE", "PDL"), "constexpr")}
+    constants = {"D": 512, "BLOCK_H": 16, "BLOCK_N": 16, "Q_PARTS": 1, "FROM_POS": True, "PROBE": probe, "PDL": True}
     r = compile_for_hopper([{"module": "model.kernels.fused", "name": "_sparse_attention_kernel",
                              "signature": signature, "constants": constants,
                              "options": {"launch_pdl": True, "num_warps": 4}}], tmp_path)
