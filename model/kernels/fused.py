@@ -51,11 +51,11 @@ INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
 MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
+# (session 28: 2 blocks a split made a step at 128K 9.6% slower, 3.397 -> 3.722 ms, bench_knobs)
 # a timing probe, never on in a run (the attention's output is then wrong): a bit mask of the
 # attention's stages to leave out (``_sparse_attention_kernel``'s PROBE), for ``gpu_bench --knobs
 # fused.ATTN_PROBE=1`` (a step) or ``kernel_sweep.py --only attention-probe`` (the kernel alone)
 ATTN_PROBE = 0
-# (session 28: 2 blocks a split made a step at 128K 9.6% slower, 3.397 -> 3.722 ms, bench_knobs)
 SPLIT_WAVES = 3  # programs per SM the splits aim for; matters from batch ~8 (kernel_sweep --only splits,
 # small, batch 16, 8 warps: 77.6 us a call with 1, 60.6 with 2, 59.1 with 3, 61.0 with 4; batch 4: 22.0-22.5 us for all)
 
