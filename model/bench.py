@@ -259,12 +259,14 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     boolean module constant of ``model.kernels``, off = False; or one given a value, off = the
     module's own) all off, each alone on, and all on, after one prefill: between variants the
     step's graphs are dropped and captured again, and the variants alternate for ``rounds``
-    rounds (each one's best kept), so a figure is a ratio taken in one process. The knobs are
-    left as they were."""
+    rounds (each one's best kept), so a figure is a ratio taken in one process. One constant
+    may come with several values (``fused.ATTN_PROBE=1,fused.ATTN_PROBE=2``): each is a variant
+    of its own, and then there is no "all on". The knobs are left as they were."""
     where = [kernel_knob(k) for k in knobs]
     saved = [getattr(module, name) for module, name, _ in where]
     off = [value if "=" in knob else False for knob, value in zip(knobs, saved)]
-    variants = {"all_off": (), **{k: (k,) for k in knobs}, "all_on": tuple(knobs)}
+    repeated = len({(module.__name__, name) for module, name, _ in where}) < len(where)
+    variants = {"all_off": (), **{k: (k,) for k in knobs}, **({} if repeated else {"all_on": tuple(knobs)})}
     engine = Engine(model, mode="ced", chunk=chunk)
     state = engine.new_state(batch=1)
     engine.prefill(state, prompt_ids(model, ctx))
@@ -273,8 +275,11 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     try:
         for _ in range(rounds):
             for label, on in variants.items():
-                for (module, name, value), knob, default in zip(where, knobs, off):
-                    setattr(module, name, value if knob in on else default)
+                for (module, name, _), default in zip(where, off):  # every constant off, then those on
+                    setattr(module, name, default)
+                for (module, name, value), knob in zip(where, knobs):
+                    if knob in on:
+                        setattr(module, name, value)
                 model.reset_graphs()
                 for _ in range(WARMUP_STEPS):
                     engine.decode(state, token)

@@ -236,6 +236,11 @@ def test_bench_knobs_times_each_variant_and_restores_the_knobs(monkeypatch):
     # a boolean knob is off as False; one given a value, off as the module had it
     assert seen == {(False, False, 16), (True, False, 16), (False, True, 16), (False, False, 8), (True, True, 8)}
     assert (fake.A, fake.B, fake.N) == (False, True, 16)
+    # one constant at several values: a variant each, no "all on"
+    seen.clear()
+    out = bench_knobs(load("tiny"), 32, ["fake_knobs.N=8", "fake_knobs.N=4"], rounds=1, steps=2)
+    assert set(out["step_ms"]) == {"all_off", "fake_knobs.N=8", "fake_knobs.N=4"}
+    assert {n for _, _, n in seen} == {16, 8, 4} and fake.N == 16
 
 
 def test_bench_linears_prints_the_ratio():
