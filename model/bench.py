@@ -485,7 +485,6 @@ def profile_summary(prof, cuda: bool, steps: int, top: int = 12) -> dict:
         entry[0] += 1
         entry[1] += us
     busy = sum(t for _, t in total.values())
-    ranked = sorted(total.items(), key=lambda kv: -kv[1][1])[:top]
     gaps = {}
     if cuda and events:  # the idle device time between one kernel's end and the next one's start
         spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
@@ -499,16 +498,23 @@ def profile_summary(prof, cuda: bool, steps: int, top: int = 12) -> dict:
         gaps.update(span_advances(spans, steps, top))
     return {"steps": steps, "unit": "kernel" if cuda else "operator",
             "launches_per_step": len(events) / steps, "busy_ms_per_step": busy / 1e3 / steps, **gaps,
-            "top": [{"name": name[:90], "calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps,
-                     "share": us / busy if busy else 0.0} for name, (n, us) in ranked]}
+            "top": _ranked(total, steps, top, busy)}
+
+
+def _ranked(total: dict, steps: int, top: int, whole: float) -> list[dict]:
+    """The ``top`` names of ``total`` (name -> [calls, µs] over ``steps`` steps) by time, per
+    step, each with its share of ``whole`` µs."""
+    ranked = sorted(total.items(), key=lambda kv: -kv[1][1])[:top]
+    return [{"name": name[:90], "calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps,
+             "share": us / whole if whole else 0.0} for name, (n, us) in ranked]
 
 
 HOST_GAP_US = 20.0  # an idle device longer than this between kernels waited on the host
 
 
 def span_advances(spans: list, steps: int, top: int) -> dict:
-    """Each kernel's share of a step's span, from (start, end, name) in µs sorted by start:
-    walking the ends in order, how far the last end moved when this kernel ended (where
+    """Each kernel's share of a step's span, from its (start, end, name) in µs: walking the
+    ends in order, how far the last end moved when this kernel ended (where
     kernels overlap — dependent launches wait inside the kernel, a split runs beside — the
     busy time counts the overlap twice, this does not). An idle device longer than
     HOST_GAP_US before a kernel's start counts as the host's, not the kernel's. -> ms per
@@ -524,7 +530,5 @@ def span_advances(spans: list, steps: int, top: int) -> dict:
         entry[1] += max(0.0, end - last)
         last = max(last, end)
     total = sum(us for _, us in advance.values())
-    ranked = sorted(advance.items(), key=lambda kv: -kv[1][1])[:top]
     return {"advance_ms_per_step": total / 1e3 / steps, "host_gaps_ms_per_step": host / 1e3 / steps,
-            "top_advance": [{"name": name[:90], "calls_per_step": n / steps, "ms_per_step": us / 1e3 / steps,
-                             "share": us / total if total else 0.0} for name, (n, us) in ranked]}
+            "top_advance": _ranked(advance, steps, top, total)}

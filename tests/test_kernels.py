@@ -28,6 +28,7 @@ from model.kernels import (hc_split, hc_split_ref, indexer_scores, indexer_score
 from model.loading import build
 from model.model import apply_rope
 from model.quant import INDEX_BLOCK, fake_quant_fp4, main_record_bytes, pack_index, pack_main, pack_window
+from tests.interpreted import interpretable
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -168,11 +169,10 @@ def test_decode_steps_on_the_twins_match_the_reference_path(norm_later, monkeypa
     import model.model as mm
 
     if triton_available():
-        from model.kernels import moe, streams
+        from model.kernels import streams
 
         monkeypatch.setattr(streams, "NORM_LATER", norm_later)
-        if os.environ.get("TRITON_INTERPRET") == "1":  # the MoE form the interpreter runs (test_moe_kernel.py)
-            monkeypatch.setattr(moe, "DOWN_EARLY", True)
+    interpretable(monkeypatch)  # the MoE kernels, not their twin, under the interpreter
     monkeypatch.setenv("DSAGENT_GRAPHS", "0")
     net = tiny_net().to(DEVICE)
     ids = torch.randint(3, net.args.vocab_size, (2, 153), generator=torch.Generator().manual_seed(6)).to(DEVICE)

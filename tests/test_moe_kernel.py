@@ -19,6 +19,7 @@ import model.kernels as kernels
 from model.args import ModelArgs
 from model.moe import MoE
 from tests.hopper import compile_for_hopper
+from tests.interpreted import interpretable
 
 ON_CUDA = torch.cuda.is_available()
 INTERPRETED = not ON_CUDA  # the kernels run under TRITON_INTERPRET=1 where they run at all
@@ -74,17 +75,6 @@ def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
 # under the interpreter only the form without channel loops (its ``range`` over a runtime width is
 # not the interpreter's): every kernel of it runs there, and the others on the GPU
 FORMS = ["by-pair", "by-pair-slots", "by-pair-early", "by-expert"] if ON_CUDA else ["by-pair-early"]
-
-
-def interpretable(monkeypatch) -> None:
-    """Under the interpreter the down sum takes its early form (``DOWN_EARLY``), the one the
-    interpreter runs, so the tests of the defaults run the kernels there rather than the twin;
-    and no test inherits another's fallback to the twin (``kernels._FAILED``)."""
-    if INTERPRETED:
-        from model.kernels import moe as kmoe
-
-        monkeypatch.setattr(kmoe, "DOWN_EARLY", True)
-    monkeypatch.setattr(kernels, "_FAILED", {})
 
 
 @pytest.fixture(autouse=True)

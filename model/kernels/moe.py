@@ -451,12 +451,10 @@ def up_tile(D: int, elem_bytes: int) -> tuple[bool, int, int]:
     within ``UP_EARLY_TILE_BYTES``; where one row does not fit, or without ``UP_EARLY``, the
     channel loop's tile."""
     width = triton.next_power_of_2(D)
-    rows = UP_EARLY_BLOCK_I
-    while rows > 1 and 2 * rows * width * elem_bytes > UP_EARLY_TILE_BYTES:
+    rows = UP_EARLY_BLOCK_I if UP_EARLY else 0
+    while rows and 2 * rows * width * elem_bytes > UP_EARLY_TILE_BYTES:
         rows //= 2
-    if UP_EARLY and 2 * rows * width * elem_bytes <= UP_EARLY_TILE_BYTES:
-        return True, rows, width
-    return False, UP_BLOCK_I, UP_BLOCK_D
+    return (True, rows, width) if rows else (False, UP_BLOCK_I, UP_BLOCK_D)
 
 
 def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torch.Tensor,
