@@ -131,7 +131,8 @@ def main() -> None:
         attn, index = kbench._inputs(shapes, DEVICE)
         if "attention" in only:
             emit({"kernel": "attention-shapes", **shapes})
-            sweep(fused, {"BLOCK_N": [16, 32, 64], "ATTN_WARPS": [4, 8], "MIN_BLOCKS_PER_SPLIT": [1, 2, 4]},
+            sweep(fused, {"ATTN_BLOCKWISE": [True, False], "BLOCK_N": [16, 32], "ATTN_WARPS": [4, 8],
+                          "MIN_BLOCKS_PER_SPLIT": [1, 2]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention")
         if "attention-probe" in only:  # the attention's stages timed apart: each left out (fused.ATTN_PROBE), then
             # all but the loop's bookkeeping; the outputs are wrong by design, so no check

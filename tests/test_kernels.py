@@ -407,15 +407,51 @@ def test_sparse_attention_kernel_bf16_query(peak) -> None:
     assert out.dtype == torch.bfloat16 and torch.equal(out, want.bfloat16())
 
 
+@needs_kernel
+@pytest.mark.parametrize("warps", [4, 8])
+def test_sparse_attention_blockwise_keys_are_the_rows(warps, monkeypatch) -> None:
+    """The keys decoded a block at a time (``ATTN_BLOCKWISE``: a scale byte once per block, a
+    record's codes as int32 words, the window's e4m3 bytes by the hardware's conversion) are
+    the whole-row form's, over every byte: window rows hold each e4m3 code but the two NaNs
+    under ue8m0 scales of 2^-12..2^12, records each byte of e2m1 pairs under e4m3 scales
+    from the subnormal 2^-9 up. Each kind of key alone (the other left out), a query so
+    small that the probabilities are even, so every key's value reaches the output: the two
+    forms' outputs agree bit for bit."""
+    from model.kernels import fused
+
+    D, H = 512, 16
+    g = torch.Generator().manual_seed(7)
+    codes = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    window = torch.empty(2, 64, D + D // 32, dtype=torch.uint8)
+    window[..., :D] = codes[torch.randint(0, len(codes), (2, 64, D), generator=g)]
+    window[..., D:] = torch.randint(127 - 12, 127 + 13, (2, 64, D // 32), generator=g).to(torch.uint8)
+    records = torch.empty(2, 96, D // 2 + D // 16, dtype=torch.uint8)
+    records[..., : D // 2] = torch.arange(256, dtype=torch.uint8).repeat(2, 96, 1)[..., torch.randperm(256, generator=g)]
+    records[..., D // 2:] = torch.randint(0x01, 0x60, (2, 96, D // 16), generator=g).to(torch.uint8)
+    idx = torch.stack([torch.randperm(96, generator=g)[:64] for _ in range(2)])
+    idx[:, 3::7] = -1
+    q, sink = torch.randn(2, H, D, generator=g) * 1e-9, torch.randn(H, generator=g)
+    monkeypatch.setattr(fused, "ATTN_WARPS", warps)
+    for valid, picked in ((torch.rand(2, 64, generator=g) < 0.8, torch.full_like(idx, -1)),  # the window's keys
+                          (torch.zeros(2, 64, dtype=torch.bool), idx)):  # the records'
+        inputs = on_device([q, window, valid, records, picked, sink, D ** -0.5])
+        monkeypatch.setattr(fused, "ATTN_BLOCKWISE", False)
+        rows = sparse_attention(*inputs)
+        monkeypatch.setattr(fused, "ATTN_BLOCKWISE", True)
+        assert torch.equal(sparse_attention(*inputs), rows)
+        assert_out_close(rows, sparse_attention_ref(*inputs), rtol=2e-4)
+
+
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
-@pytest.mark.parametrize("probe", [0, 1, 2, 4, 8])
-def test_sparse_attention_kernel_compiles_for_hopper(probe, tmp_path) -> None:
+@pytest.mark.parametrize("probe,blockwise", [(0, False), (0, True), (1, True), (2, True), (4, True), (8, True)])
+def test_sparse_attention_kernel_compiles_for_hopper(probe, blockwise, tmp_path) -> None:
     """The attention kernel at the model's decode shape (512 channels, 16 heads, a bf16 query,
     the window tested by position) for sm_90 as a dependent launch: the compiler types both
     key branches of ``_key_block`` (the interpreter runs one at a time) and builds the PTX of
-    the dependent launch; so too each timing probe (``ATTN_PROBE``: a stage left out), which
-    only the GPU runs (``kernel_sweep.py --only attention-probe``)."""
+    the dependent launch, with either key decode (``ATTN_BLOCKWISE``); so too each timing probe
+    (``ATTN_PROBE``: a stage left out), which only the GPU runs (``kernel_sweep.py --only
+    attention-probe``)."""
     from tests.hopper import compile_for_hopper
 
     signature = {"q_ptr": "*bf16", "win_ptr": "*u8", "valid_ptr": "*i64", "rec_ptr": "*u8", "idx_ptr": "*i64",
@@ -423,11 +459,13 @@ def test_sparse_attention_kernel_compiles_for_hopper(probe, tmp_path) -> None:
                  **dict.fromkeys(("H", "W", "N", "K", "SPLITS"), "i32"), "scale": "fp32",
                  **dict.fromkeys(("span", "nW", "NB", "s_qb", "s_qh", "s_wb", "s_wn", "s_vb", "s_rb", "s_rn", "s_ib"),
                                  "i32"),
-                 **dict.fromkeys(("D", "BLOCK_H", "BLOCK_N", "Q_PARTS", "FROM_POS", "PROBE", "PDL"), "constexpr")}
-    constants = {"D": 512, "BLOCK_H": 16, "BLOCK_N": 16, "Q_PARTS": 1, "FROM_POS": True, "PROBE": probe, "PDL": True}
+                 **dict.fromkeys(("D", "BLOCK_H", "BLOCK_N", "Q_PARTS", "FROM_POS", "PROBE", "BLOCKWISE", "PDL"),
+                                 "constexpr")}
+    constants = {"D": 512, "BLOCK_H": 16, "BLOCK_N": 16, "Q_PARTS": 1, "FROM_POS": True, "PROBE": probe,
+                 "BLOCKWISE": blockwise, "PDL": True}
     r = compile_for_hopper([{"module": "model.kernels.fused", "name": "_sparse_attention_kernel",
                              "signature": signature, "constants": constants,
-                             "options": {"launch_pdl": True, "num_warps": 4}}], tmp_path)
+                             "options": {"launch_pdl": True, "num_warps": 8}}], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
@@ -539,10 +577,11 @@ def test_model_mixes_run_the_mhc_kernel_outside_autograd(monkeypatch) -> None:
     kernel after torch's projection; with a gradient wanted (training): the twins."""
     from model.kernels import fused, streams
 
+    interpretable(monkeypatch)  # the MoE kernels, not their twin, under the interpreter
     calls = []
     for module, name in ((fused, "hc_split"), (streams, "hc_site")):
         real = getattr(module, name)
-        monkeypatch.setattr(module, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+        monkeypatch.setattr(module, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     net = tiny_net().to(DEVICE)
     g = torch.Generator().manual_seed(1)
     sites = 2 * net.args.num_hidden_layers  # both sites of every layer

@@ -43,10 +43,10 @@ import triton.language as tl
 
 BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
 BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
-ATTN_WARPS = 4  # one block a program, 2D bf16 dots: 10.5 us a call (+ merge) against 10.6 with 8 (session 24)
-# (session 28, a step at 128K on the H200, bench_knobs: 8 warps 3.431 ms against 3.455, inside the noise;
-# keys decoded as even / odd channel halves straight to bf16 (ptxas: spills 700 -> 480 B a thread)
-# 3.626, slower: the row form's spills are not what bounds the kernel)
+ATTN_WARPS = 8  # with the keys decoded blockwise (session 29, H200, `small`, 128K, bench_knobs, two
+# alternated rounds): a step 3.307 ms with 4 warps, 3.258 with 8 (the whole-row decode: 3.369 with 4,
+# 3.461 with 8); the kernel alone (+ merge, kernel_sweep) 7.78 -> 7.31 us. ptxas for sm_90: 8 warps, no spills
+# (session 28: keys decoded as even / odd channel halves straight to bf16, 3.455 -> 3.626 ms, not kept)
 INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
@@ -56,6 +56,17 @@ MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: la
 # attention's stages to leave out (``_sparse_attention_kernel``'s PROBE), for ``gpu_bench --knobs
 # fused.ATTN_PROBE=1`` (a step) or ``kernel_sweep.py --only attention-probe`` (the kernel alone)
 ATTN_PROBE = 0
+# the keys decoded a block of channels at a time (``_key_rows``; head dims from 64): each row's scale
+# bytes read and decoded once a block (32 a record, 16 a window row) and broadcast over its channels,
+# a record's codes read as int32 words of eight nibbles, the window's e4m3 bytes converted by the
+# hardware, where the whole-row form reads and decodes one scale byte and one code byte per channel.
+# ptxas for sm_90 (4 warps): 3,672 -> 2,160 instructions; session 29 on the H200 (`small`, 128K,
+# bench_knobs, two alternated rounds): a step 3.369 -> 3.307 ms; the kernel alone 9.82 -> 7.78 us.
+# Stages then (kernel_sweep --only attention-probe): leaving the keys' bytes and decode out no
+# longer shortens the kernel (7.67 -> 7.62 us); the query's dot does (-1.5 us), the partials' store -0.8
+ATTN_BLOCKWISE = True
+# (session 29: the query and the sink read before the dependent launch's wait — the query is made two
+# launches or more before the attention — 3.213 -> 3.197 ms a step at 128K, -0.5%: not kept)
 SPLIT_WAVES = 3  # programs per SM the splits aim for; matters from batch ~8 (kernel_sweep --only splits,
 # small, batch 16, 8 warps: 77.6 us a call with 1, 60.6 with 2, 59.1 with 3, 61.0 with 4; batch 4: 22.0-22.5 us for all)
 
@@ -74,12 +85,11 @@ def _e4m3(b):
 
 @triton.jit
 def _e2m1(c):
-    """int32 4-bit codes (sign in bit 3) -> fp32 on {0, .5, 1, 1.5, 2, 3, 4, 6}."""
-    exp = (c >> 1) & 0x3
-    man = c & 0x1
-    normal = (((exp + 126) << 23) | (man << 22)).to(tl.float32, bitcast=True)
-    mag = tl.where(exp == 0, man.to(tl.float32) * 0.5, normal)
-    return tl.where((c & 0x8) != 0, -mag, mag)
+    """int32 4-bit codes (sign in bit 3) -> fp32 on {0, .5, 1, 1.5, 2, 3, 4, 6}: the
+    magnitude's three bits set as an fp32's exponent and first mantissa bit, the sign as its
+    sign, times 2^126 (codes 0 and 1 are subnormals there: exact, the multiply keeps them)."""
+    bits = ((c & 0x7) << 22) | ((c & 0x8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
 
 
 @triton.jit
@@ -238,7 +248,8 @@ def _parts_dot(a_hi, a_mid, a_lo, b, acc, PARTS: tl.constexpr):
 
 @triton.jit
 def _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb, s_wn, s_vb, s_rb, s_rn,
-               s_ib, D: tl.constexpr, BLOCK_N: tl.constexpr, FROM_POS: tl.constexpr, READ: tl.constexpr = True):
+               s_ib, D: tl.constexpr, BLOCK_N: tl.constexpr, FROM_POS: tl.constexpr, READ: tl.constexpr = True,
+               BLOCKWISE: tl.constexpr = False):
     """Block ``blk`` of a row's keys (= values) as fp32 [BLOCK_N, D] and which are valid:
     window blocks first (``nW`` of them: FP8 slots of the ring), then the selected FP4
     records. Every value is exact in bf16 (e4m3 x 2^k: 4 significant bits; e2m1 x e4m3: at
@@ -252,7 +263,9 @@ def _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K
         else:
             valid = tl.load(valid_ptr + b64 * s_vb + n, mask=n < W, other=0) != 0
         row = win_ptr + b64 * s_wb + n.to(tl.int64)[:, None] * s_wn
-        if READ:
+        if READ and BLOCKWISE:
+            kv = _key_rows(row, valid[:, None], True, D, BLOCK_N)
+        elif READ:
             data = tl.load(row + cols[None, :], mask=valid[:, None], other=0).to(tl.int32)
             sb = tl.load(row + D + cols[None, :] // 32, mask=valid[:, None], other=0).to(tl.int32)
             kv = _e4m3(data) * _ue8m0(sb)
@@ -263,11 +276,37 @@ def _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K
         idx = tl.load(idx_ptr + b64 * s_ib + k, mask=k < K, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < N)  # the bound only keeps a bad index from reading out of range
         row = rec_ptr + b64 * s_rb + tl.where(valid, idx, 0)[:, None] * s_rn
-        if READ:
+        if READ and BLOCKWISE:
+            kv = _key_rows(row, valid[:, None], False, D, BLOCK_N)
+        elif READ:
             kv = _fp4_rows(row, cols[None, :], valid[:, None], D, 16)
         else:
             kv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     return kv, valid
+
+
+@triton.jit
+def _key_rows(row, seen, FP8: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows of keys as fp32 [BLOCK_N, D], a block of channels at a time: a window row (FP8:
+    D e4m3 bytes, a ue8m0 byte per 32 channels) or a record (D / 2 bytes of e2m1 pairs, the
+    even channel in the low nibble, an e4m3 byte per 16 channels). Each scale byte is read
+    and decoded once, then broadcast over its block; a record's codes are read as int32
+    words of eight. The values are :func:`_key_block`'s."""
+    if FP8:
+        sb = _ue8m0(tl.load(row + D + tl.arange(0, D // 32)[None, :], mask=seen, other=0).to(tl.int32))
+        data = tl.load(row + tl.arange(0, D)[None, :], mask=seen, other=0)
+        kv = tl.reshape(data.to(tl.float8e4nv, bitcast=True).to(tl.float32), (BLOCK_N, D // 32, 32)) * sb[:, :, None]
+        return tl.reshape(kv, (BLOCK_N, D))
+    sb = _e4m3(tl.load(row + D // 2 + tl.arange(0, D // 16)[None, :], mask=seen, other=0).to(tl.int32))
+    sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, D // 16, 2)), (BLOCK_N, D // 8))  # a word's
+    words = tl.load(row.to(tl.pointer_type(tl.int32)) + tl.arange(0, D // 8)[None, :], mask=seen, other=0)
+    # nibble k of word w is channel 8w + k: joined so that k = 4i + 2j + l lies at [w, i, j, l]
+    a0 = tl.join(_e2m1(words & 0xF), _e2m1((words >> 16) & 0xF))
+    a1 = tl.join(_e2m1((words >> 4) & 0xF), _e2m1((words >> 20) & 0xF))
+    a2 = tl.join(_e2m1((words >> 8) & 0xF), _e2m1((words >> 24) & 0xF))
+    a3 = tl.join(_e2m1((words >> 12) & 0xF), _e2m1((words >> 28) & 0xF))
+    kv = tl.join(tl.join(a0, a2), tl.join(a1, a3)) * sb[:, :, None, None, None]
+    return tl.reshape(kv, (BLOCK_N, D))
 
 
 # decode-varying sizes: one compile
@@ -277,7 +316,7 @@ def _sparse_attention_kernel(
     H, W, N, K, SPLITS, scale, span, nW, NB,
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
-    FROM_POS: tl.constexpr, PROBE: tl.constexpr = 0, PDL: tl.constexpr = False,
+    FROM_POS: tl.constexpr, PROBE: tl.constexpr = 0, BLOCKWISE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Partial softmax sums of one (row, head group, split) over blocks split, split +
     SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
@@ -309,7 +348,7 @@ def _sparse_attention_kernel(
     blk = split
     while blk < NB:
         kv, valid = _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb, s_wn,
-                               s_vb, s_rb, s_rn, s_ib, D, BLOCK_N, FROM_POS, (PROBE & 1) == 0)
+                               s_vb, s_rb, s_rn, s_ib, D, BLOCK_N, FROM_POS, (PROBE & 1) == 0, BLOCKWISE)
         if PROBE & 1:  # the keys' bytes left unread: a stand-in that depends on which are valid
             kv += valid[:, None].to(tl.float32)
         blk += SPLITS
@@ -406,7 +445,8 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
         D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
-        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q))
+        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q),
+        BLOCKWISE=ATTN_BLOCKWISE and D >= 64)  # from 64 a record's 9 D / 16 bytes hold whole int32 words
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
     out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
