@@ -64,3 +64,12 @@ def test_ptxas_reports_registers_and_spills(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     line = next(x for x in r.stdout.splitlines() if x.startswith("_branches "))
     assert "bytes spill stores" in line and "Used " in line and " registers" in line, line
+
+
+def test_sass_census_counts_a_builds_instructions(tmp_path):
+    """``DSAGENT_SASS=1``: each build's SASS counted (instructions, spill stores, opcodes)."""
+    r = check(tmp_path, 4, 4, DSAGENT_SASS="1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    line = next(x for x in r.stdout.splitlines() if x.startswith("_branches ") and " SASS " in x)
+    count = int(line.split(" SASS ")[1].split()[0])
+    assert count > 0 and "spill stores" in line and "EXIT" in line, line

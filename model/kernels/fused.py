@@ -60,7 +60,7 @@ ATTN_PROBE = 0
 # bytes read and decoded once a block (32 a record, 16 a window row) and broadcast over its channels,
 # a record's codes read as int32 words of eight nibbles, the window's e4m3 bytes converted by the
 # hardware, where the whole-row form reads and decodes one scale byte and one code byte per channel.
-# ptxas for sm_90 (4 warps): 3,672 -> 2,160 instructions; session 29 on the H200 (`small`, 128K,
+# sm_90 SASS (4 warps, static count): 3,672 -> 2,160 instructions; session 29 on the H200 (`small`, 128K,
 # bench_knobs, two alternated rounds): a step 3.369 -> 3.307 ms; the kernel alone 9.82 -> 7.78 us.
 # Stages then (kernel_sweep --only attention-probe): leaving the keys' bytes and decode out no
 # longer shortens the kernel (7.67 -> 7.62 us); the query's dot does (-1.5 us), the partials' store -0.8
