@@ -73,3 +73,15 @@ def test_sass_census_counts_a_builds_instructions(tmp_path):
     line = next(x for x in r.stdout.splitlines() if x.startswith("_branches ") and " SASS " in x)
     count = int(line.split(" SASS ")[1].split()[0])
     assert count > 0 and "spill stores" in line and "EXIT" in line, line
+
+
+def test_sass_census_of_the_decode_kernels_at_a_presets_shapes():
+    """``scripts/sass_census.py``: the attention and a layer's GEMVs launched once under the
+    interpreter at the preset's decode shapes, then each build's SASS counted."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_census.py"), "--preset", "tiny"], env=env,
+                       capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = [x for x in r.stdout.splitlines() if " SASS " in x]
+    assert any(x.startswith("_sparse_attention_kernel ") and "'launch_pdl': True" in x for x in lines), r.stdout
+    assert sum(x.startswith("_gemv_kernel ") and "'launch_pdl': True" in x for x in lines) == 4, r.stdout

@@ -1,0 +1,100 @@
+"""Count the SASS of the decode kernels at a preset's shapes, on the CPU (Triton for sm_90).
+
+    TRITON_INTERPRET=1 PYTHONPATH=<triton>:. python3 scripts/sass_census.py [--preset small]
+        [--only attention,gemv] [--set fused.ATTN_BLOCKWISE=False,fused.ATTN_WARPS=4]
+
+The kernels' own launch functions run once under Triton's interpreter on random inputs of a
+decode step's shapes (the attention over a window and the pool's selected records; a layer's
+GEMVs: the query's and K=V latent's projections with the site's norm, the query's with its
+norm and RoPE, the grouped output projection with the de-rotation, the last projection), so
+each launch is specialised as the model's is — constexprs, warps, the arguments a GPU takes
+as multiples of 16. Then ``gpu_compile_check.py --compile`` builds each for sm_90 with
+``DSAGENT_SASS=1``: instructions (a static count, every branch), spill stores and the
+commonest opcodes a launch. ``--set`` changes kernel constants first (``model.bench.kernel_knob``
+form), to count a variant. A guide to where a kernel's serial chain is instructions, not a
+timing: the attention's key decode was found so (session 29).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_compile_check import record  # noqa: E402
+from model.args import ModelArgs  # noqa: E402
+from model.bench import kernel_knob  # noqa: E402
+from model.kernels import bench as kbench  # noqa: E402
+
+
+def attention_launches(args: ModelArgs) -> None:
+    from model.kernels import fused
+
+    attn, _ = kbench._inputs(kbench.decode_shapes(args), "cpu")
+    q, window, valid, records, idx, sink, scale = attn
+    W = window.shape[1]
+    at = torch.arange(W, dtype=torch.long)  # every slot live, the query after them: the model's FROM_POS form
+    fused.sparse_attention(q, window, None, records, idx, sink.bfloat16(), scale, out_dtype=torch.bfloat16,
+                           window_at=(at, torch.tensor([W - 1]), args.sliding_window))
+
+
+def gemv_launches(args: ModelArgs) -> None:
+    from model.kernels import matvec
+
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).bfloat16()
+
+    D, R, H, HD = args.hidden_size, args.q_lora_rank, args.num_attention_heads, args.head_dim
+    groups, rank = args.o_groups, args.o_lora_rank
+    half = args.qk_rope_head_dim // 2
+    cos, sin = torch.rand(1, half), torch.rand(1, half)
+    x = w(1, 1, D)
+    matvec.gemv(x, w(R, D), w(R, D), norm=(w(D), 1e-6), keep=True)
+    matvec.gemv(w(1, 1, R), w(H * HD, R), norm=(w(R), 1e-6), rope_out=(cos, sin, HD), keep=True)
+    matvec.gemv(w(1, 1, H * HD), w(groups * rank, H * HD // groups), groups=groups, rope_in=(cos, -sin, HD))
+    matvec.gemv(w(1, 1, groups * rank), w(D, groups * rank))
+
+
+KINDS = {"attention": attention_launches, "gemv": gemv_launches}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--preset", default="small")
+    p.add_argument("--only", default=",".join(KINDS))
+    p.add_argument("--set", default="", help="kernel constants changed first (fused.ATTN_WARPS=4,...)")
+    a = p.parse_args()
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run under TRITON_INTERPRET=1: the launches are recorded in the interpreter")
+    for knob in filter(None, a.set.split(",")):
+        module, name, value = kernel_knob(knob)
+        setattr(module, name, value)
+    args = ModelArgs.preset(a.preset)
+    launches: list = []
+    record(launches)
+    for kind in a.only.split(","):
+        KINDS[kind](args)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(launches, f, default=str)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["DSAGENT_SASS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    code = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), "--compile", f.name],
+                          env=env).returncode
+    os.unlink(f.name)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
