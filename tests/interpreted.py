@@ -4,8 +4,8 @@
 early form (``moe.DOWN_EARLY``), the one form of it the interpreter runs (the looped one's
 ``range`` over a runtime width is not the interpreter's), so a test of the defaults runs the
 MoE kernels there rather than their torch twin; and, everywhere, no test inherits another's
-fallback to a twin (``kernels._FAILED``). Used by the MoE kernel tests and the fused-twins
-model test.
+fallback to a twin (``kernels._FAILED``). Used by the MoE kernel tests, the fused-twins
+model test and the mHC model test.
 """
 from __future__ import annotations
 
