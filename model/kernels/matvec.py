@@ -60,9 +60,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     p = tl.program_id(0)
     if TWO and p >= P1:
         w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
-        x_at = x_ptr
     else:
         w_at, out_at, o0, rows = w_ptr, out_ptr, p * BLOCK_O, O
+    if TWO:  # two weights come only without groups: x whole for both (outside the branch above,
+        x_at = x_ptr  # so its loads keep x's alignment and go 16 bytes at a time)
+    else:
         x_at = x_ptr + (o0 // OG) * DG  # a block never spans two groups
     o = o0 + tl.arange(0, BLOCK_O)
     o_ok = o < rows
