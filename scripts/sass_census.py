@@ -1,12 +1,13 @@
 """Count the SASS of the decode kernels at a preset's shapes, on the CPU (Triton for sm_90).
 
     TRITON_INTERPRET=1 PYTHONPATH=<triton>:. python3 scripts/sass_census.py [--preset small]
-        [--only attention,gemv] [--set fused.ATTN_BLOCKWISE=False,fused.ATTN_WARPS=4]
+        [--only attention,gemv,indexer,select,site] [--set fused.ATTN_BLOCKWISE=False,fused.ATTN_WARPS=4]
 
 The kernels' own launch functions run once under Triton's interpreter on random inputs of a
 decode step's shapes (the attention over a window and the pool's selected records; a layer's
 GEMVs: the query's and K=V latent's projections with the site's norm, the query's with its
-norm and RoPE, the grouped output projection with the de-rotation, the last projection), so
+norm and RoPE, the grouped output projection with the de-rotation, the last projection; the
+indexer's scores and the top-k over the pool; one mHC site), so
 each launch is specialised as the model's is — constexprs, warps, the arguments a GPU takes
 as multiples of 16. Then ``gpu_compile_check.py --compile`` builds each for sm_90 with
 ``DSAGENT_SASS=1``: instructions (a static count, every branch), spill stores and the
@@ -66,7 +67,40 @@ def gemv_launches(args: ModelArgs) -> None:
     matvec.gemv(w(1, 1, groups * rank), w(D, groups * rank))
 
 
-KINDS = {"attention": attention_launches, "gemv": gemv_launches}
+def indexer_launches(args: ModelArgs) -> None:
+    from model.kernels import fused
+
+    _, index = kbench._inputs(kbench.decode_shapes(args), "cpu")
+    fused.indexer_scores(index[0].bfloat16(), *index[1:])  # a decode step's query is bf16
+
+
+def select_launches(args: ModelArgs) -> None:
+    """The top-k of the pool's records (a Reindex layer's selection)."""
+    from model.kernels import select
+
+    n = args.candidate_topk_blocks * args.candidate_block_size
+    scores = torch.randn(1, n, generator=torch.Generator().manual_seed(0))
+    select.topk_rows(scores, args.index_topk)
+
+
+def site_launches(args: ModelArgs) -> None:
+    """One mHC site of a decode step with the layer before's expand folded in and its norm
+    left to x's consumer (as ``Block.whole_layer`` calls it)."""
+    from model.kernels import streams
+
+    g = torch.Generator().manual_seed(0)
+    hc, D = args.hc_mult, args.hidden_size
+    m = (2 + hc) * hc
+    expand = (torch.randn(1, D, generator=g).bfloat16(), torch.rand(1, hc, generator=g),
+              torch.rand(1, hc, hc, generator=g))
+    streams.hc_site(torch.randn(1, hc, D, generator=g).bfloat16(), torch.rand(1, hc, generator=g),
+                    torch.randn(m, hc * D, generator=g) * (hc * D) ** -0.5, torch.ones(3), torch.zeros(m),
+                    torch.ones(D).bfloat16(), 1e-6, 1e-6, args.hc_sinkhorn_iters, args.hc_eps, expand=expand,
+                    norm_later=True)
+
+
+KINDS = {"attention": attention_launches, "gemv": gemv_launches, "indexer": indexer_launches,
+         "select": select_launches, "site": site_launches}
 
 
 def main() -> None:
