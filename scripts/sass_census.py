@@ -1,13 +1,13 @@
 """Count the SASS of the decode kernels at a preset's shapes, on the CPU (Triton for sm_90).
 
     TRITON_INTERPRET=1 PYTHONPATH=<triton>:. python3 scripts/sass_census.py [--preset small]
-        [--only attention,gemv,indexer,select,site] [--set fused.ATTN_BLOCKWISE=False,fused.ATTN_WARPS=4]
+        [--only attention,gemv,indexer,select,site,moe] [--set fused.ATTN_BLOCKWISE=False,fused.ATTN_WARPS=4]
 
 The kernels' own launch functions run once under Triton's interpreter on random inputs of a
 decode step's shapes (the attention over a window and the pool's selected records; a layer's
 GEMVs: the query's and K=V latent's projections with the site's norm, the query's with its
 norm and RoPE, the grouped output projection with the de-rotation, the last projection; the
-indexer's scores and the top-k over the pool; one mHC site), so
+indexer's scores and the top-k over the pool; one mHC site; a token's MoE), so
 each launch is specialised as the model's is — constexprs, warps, the arguments a GPU takes
 as multiples of 16. Then ``gpu_compile_check.py --compile`` builds each for sm_90 with
 ``DSAGENT_SASS=1``: instructions (a static count, every branch), spill stores and the
@@ -99,8 +99,38 @@ def site_launches(args: ModelArgs) -> None:
                     norm_later=True)
 
 
+def moe_launches(args: ModelArgs) -> None:
+    """A decode token's MoE (gate logits with the site's norm, gate, up, down). The down sum
+    is recorded in its early form (``DOWN_EARLY``), the one form of it the interpreter runs,
+    then counted as the committed one: the loop over ``SLOTS_BLOCK_I`` channels."""
+    from model.kernels import moe
+
+    g = torch.Generator().manual_seed(0)
+    D, E, I = args.hidden_size, args.n_routed_experts, args.moe_intermediate_size
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).bfloat16()
+
+    early, moe.DOWN_EARLY = moe.DOWN_EARLY, True
+    try:
+        moe.moe_decode(w(1, D), w(E, D), torch.zeros(E), w(E, I, D), w(E, I, D), w(E, D, I), w(I, D), w(I, D),
+                       w(D, I), top_k=args.num_experts_per_tok, scoring="sqrtsoftplus", temp=1.0, norm=True,
+                       scale=1.0, limit=10.0, out_dtype=torch.bfloat16, x_norm=(w(D), 1e-6))
+    finally:
+        moe.DOWN_EARLY = early
+
+
+def committed_down(launch: dict) -> dict:
+    """A recorded early down-sum launch as the committed form builds it."""
+    from model.kernels import moe
+
+    if launch["name"] != "_down_slots_kernel" or moe.DOWN_EARLY:
+        return launch
+    return {**launch, "constants": {**launch["constants"], "EARLY": False, "BLOCK_I": moe.SLOTS_BLOCK_I}}
+
+
 KINDS = {"attention": attention_launches, "gemv": gemv_launches, "indexer": indexer_launches,
-         "select": select_launches, "site": site_launches}
+         "select": select_launches, "site": site_launches, "moe": moe_launches}
 
 
 def main() -> None:
@@ -120,7 +150,7 @@ def main() -> None:
     for kind in a.only.split(","):
         KINDS[kind](args)
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(launches, f, default=str)
+        json.dump([committed_down(launch) for launch in launches], f, default=str)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["DSAGENT_SASS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))

@@ -76,9 +76,9 @@ def test_sass_census_counts_a_builds_instructions(tmp_path):
 
 
 def test_sass_census_of_the_decode_kernels_at_a_presets_shapes():
-    """``scripts/sass_census.py``: the attention, a layer's GEMVs, the indexer, the top-k and
-    an mHC site launched once under the interpreter at the preset's decode shapes, then each
-    build's SASS counted."""
+    """``scripts/sass_census.py``: the attention, a layer's GEMVs, the indexer, the top-k, an
+    mHC site and a token's MoE launched once under the interpreter at the preset's decode
+    shapes, then each build's SASS counted."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     r = subprocess.run([sys.executable, str(ROOT / "scripts" / "sass_census.py"), "--preset", "tiny"], env=env,
                        capture_output=True, text=True, timeout=900, cwd=ROOT)
@@ -86,5 +86,6 @@ def test_sass_census_of_the_decode_kernels_at_a_presets_shapes():
     lines = [x for x in r.stdout.splitlines() if " SASS " in x]
     assert any(x.startswith("_sparse_attention_kernel ") and "'launch_pdl': True" in x for x in lines), r.stdout
     assert sum(x.startswith("_gemv_kernel ") and "'launch_pdl': True" in x for x in lines) == 4, r.stdout
-    for kernel in ("_indexer_kernel", "_pass_kernel", "_site_dots_kernel", "_site_finish_kernel"):
+    for kernel in ("_indexer_kernel", "_pass_kernel", "_site_dots_kernel", "_site_finish_kernel", "_gate_kernel",
+                   "_up_kernel", "_down_slots_kernel"):
         assert any(x.startswith(kernel + " ") for x in lines), (kernel, r.stdout)
