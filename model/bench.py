@@ -261,12 +261,15 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     step's graphs are dropped and captured again, and the variants alternate for ``rounds``
     rounds (each one's best kept), so a figure is a ratio taken in one process. One constant
     may come with several values (``fused.ATTN_PROBE=1,fused.ATTN_PROBE=2``): each is a variant
-    of its own, and then there is no "all on". The knobs are left as they were."""
+    of its own, and then there is no "all on". A last variant, "control", is all off again,
+    timed at the end of each round: its ratio to "all off" is the bench's own noise (session 29
+    read 0.2% that way, by hand, beside effects of 0.5-1.4%). The knobs are left as they were."""
     where = [kernel_knob(k) for k in knobs]
     saved = [getattr(module, name) for module, name, _ in where]
     off = [value if "=" in knob else False for knob, value in zip(knobs, saved)]
     repeated = len({(module.__name__, name) for module, name, _ in where}) < len(where)
-    variants = {"all_off": (), **{k: (k,) for k in knobs}, **({} if repeated else {"all_on": tuple(knobs)})}
+    variants = {"all_off": (), **{k: (k,) for k in knobs}, **({} if repeated else {"all_on": tuple(knobs)}),
+                "control": ()}
     engine = Engine(model, mode="ced", chunk=chunk)
     state = engine.new_state(batch=1)
     engine.prefill(state, prompt_ids(model, ctx))

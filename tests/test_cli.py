@@ -219,7 +219,8 @@ def test_bench_knobs_times_each_variant_and_restores_the_knobs(monkeypatch):
     """``bench_knobs`` (``gpu_bench.py --knobs``) on the CPU's tiny preset, with three knobs of a
     stand-in module under ``model.kernels`` (two boolean, one given a value): every variant
     timed with its knobs set as named
-    while its steps run, the graphs dropped before each, the knobs as they were afterwards."""
+    while its steps run (the control: all off again), the graphs dropped before each, the
+    knobs as they were afterwards."""
     from model import load
     from model.bench import bench_knobs
     from model.engine import Engine
@@ -231,7 +232,7 @@ def test_bench_knobs_times_each_variant_and_restores_the_knobs(monkeypatch):
     monkeypatch.setattr(Engine, "decode",
                         lambda self, *a, **k: seen.add((fake.A, fake.B, fake.N)) or decode(self, *a, **k))
     out = bench_knobs(load("tiny"), 32, ["fake_knobs.A", "fake_knobs.B", "fake_knobs.N=8"], rounds=1, steps=2)
-    assert set(out["step_ms"]) == {"all_off", "fake_knobs.A", "fake_knobs.B", "fake_knobs.N=8", "all_on"}
+    assert set(out["step_ms"]) == {"all_off", "fake_knobs.A", "fake_knobs.B", "fake_knobs.N=8", "all_on", "control"}
     assert all(v > 0 for v in out["step_ms"].values()) and set(out["over_all_off"]) == set(out["step_ms"]) - {"all_off"}
     # a boolean knob is off as False; one given a value, off as the module had it
     assert seen == {(False, False, 16), (True, False, 16), (False, True, 16), (False, False, 8), (True, True, 8)}
@@ -239,7 +240,7 @@ def test_bench_knobs_times_each_variant_and_restores_the_knobs(monkeypatch):
     # one constant at several values: a variant each, no "all on"
     seen.clear()
     out = bench_knobs(load("tiny"), 32, ["fake_knobs.N=8", "fake_knobs.N=4"], rounds=1, steps=2)
-    assert set(out["step_ms"]) == {"all_off", "fake_knobs.N=8", "fake_knobs.N=4"}
+    assert set(out["step_ms"]) == {"all_off", "fake_knobs.N=8", "fake_knobs.N=4", "control"}
     assert {n for _, _, n in seen} == {16, 8, 4} and fake.N == 16
 
 
