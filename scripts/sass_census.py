@@ -1,7 +1,8 @@
 """Count the SASS of the decode kernels at a preset's shapes, on the CPU (Triton for sm_90).
 
     TRITON_INTERPRET=1 PYTHONPATH=<triton>:. python3 scripts/sass_census.py [--preset small]
-        [--only attention,gemv,indexer,select,site,moe] [--set fused.ATTN_BLOCKWISE=False,fused.ATTN_WARPS=4]
+        [--only attention,gemv,indexer,select,site,moe]
+        [--set fused.ATTN_BLOCKWISE=False,fused.ATTN_WARPS=4]
 
 The kernels' own launch functions run once under Triton's interpreter on random inputs of a
 decode step's shapes (the attention over a window and the pool's selected records; a layer's

@@ -426,7 +426,8 @@ def test_sparse_attention_blockwise_keys_are_the_rows(warps, monkeypatch) -> Non
     window[..., :D] = codes[torch.randint(0, len(codes), (2, 64, D), generator=g)]
     window[..., D:] = torch.randint(127 - 12, 127 + 13, (2, 64, D // 32), generator=g).to(torch.uint8)
     records = torch.empty(2, 96, D // 2 + D // 16, dtype=torch.uint8)
-    records[..., : D // 2] = torch.arange(256, dtype=torch.uint8).repeat(2, 96, 1)[..., torch.randperm(256, generator=g)]
+    every_byte = torch.arange(256, dtype=torch.uint8)[torch.randperm(256, generator=g)]
+    records[..., : D // 2] = every_byte.repeat(2, 96, 1)
     records[..., D // 2:] = torch.randint(0x01, 0x60, (2, 96, D // 16), generator=g).to(torch.uint8)
     idx = torch.stack([torch.randperm(96, generator=g)[:64] for _ in range(2)])
     idx[:, 3::7] = -1
