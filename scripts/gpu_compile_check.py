@@ -103,6 +103,17 @@ def record(out: list, around=contextlib.nullcontext):
     return lambda: setattr(InterpretedFunction, "run", real)
 
 
+def compile_apart(launches: list, path: Path, env: dict | None = None, **run) -> subprocess.CompletedProcess:
+    """``--compile`` of ``launches`` (written to ``path`` as JSON) in a process without the
+    interpreter, this repo on its path: Triton's GPU compiler for sm_90. ``env``: more of its
+    environment (``DSAGENT_SASS``, ...); ``run``: ``subprocess.run``'s options. The finished process."""
+    path.write_text(json.dumps(launches, default=str))
+    clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    clean["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), clean.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, str(Path(__file__).resolve()), "--compile", str(path)],
+                          env={**clean, **(env or {})}, **run)
+
+
 def compile_all(path: str) -> int:
     """Compile each distinct recorded launch for sm_90; print the failures; their count."""
     import triton
@@ -197,12 +208,8 @@ def main() -> None:
     launches: list = []
     record(launches)
     code = pytest.main(sys.argv[1:] or [*TESTS, "-q", "-x"])
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(launches, f, default=str)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    built = subprocess.run([sys.executable, __file__, "--compile", f.name], env=env).returncode
-    os.unlink(f.name)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = compile_apart(launches, Path(tmp) / "launches.json").returncode
     sys.exit(1 if code or built else 0)
 
 

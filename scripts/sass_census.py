@@ -19,9 +19,7 @@ timing: the attention's key decode was found so (session 29).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -32,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_compile_check import record  # noqa: E402
+from gpu_compile_check import compile_apart, record  # noqa: E402
 from model.args import ModelArgs  # noqa: E402
 from model.bench import kernel_knob  # noqa: E402
 from model.kernels import bench as kbench  # noqa: E402
@@ -150,15 +148,10 @@ def main() -> None:
     record(launches)
     for kind in a.only.split(","):
         KINDS[kind](args)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump([committed_down(launch) for launch in launches], f, default=str)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["DSAGENT_SASS"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    code = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_compile_check.py"), "--compile", f.name],
-                          env=env).returncode
-    os.unlink(f.name)
-    sys.exit(code)
+    with tempfile.TemporaryDirectory() as tmp:
+        built = compile_apart([committed_down(launch) for launch in launches], Path(tmp) / "launches.json",
+                              env={"DSAGENT_SASS": "1"})
+    sys.exit(built.returncode)
 
 
 if __name__ == "__main__":

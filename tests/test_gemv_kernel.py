@@ -290,16 +290,22 @@ def test_gemv_kernel_compiles_for_hopper(block_o, block_d, two, bf16, pdl, extra
     failed on the GPU only); with ``pdl``, as a dependent launch (PTX the interpreter never
     runs), the weight's load placed before the wait; the query's norm and RoPE and the output's
     de-rotation in it (``extra``)."""
-    f, o = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
+    constants = {"BLOCK_O": block_o, "BLOCK_D": block_d, "TWO": bool(two), "BF16": bool(bf16), "PDL": bool(pdl),
+                 **extra}
+    r = compile_for_hopper([gemv_launch(constants, {"launch_pdl": True} if pdl else {})], tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+
+
+def gemv_launch(constants: dict, options: dict) -> dict:
+    """``_gemv_kernel``'s launch for ``compile_for_hopper``: its signature (bf16 or fp32 by
+    ``BF16``), the constexprs named in ``constants``."""
+    f, o = ("*bf16", "*i16") if constants["BF16"] else ("*fp32", "*fp32")
     signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o,
                  **dict.fromkeys(("N", "O", "O2", "D", "DG", "OG", "P1"), "i32"), "nw_ptr": f, "eps": "fp32",
                  "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(("S", "HD", "OFF", "HALF"), "i32"),
-                 **dict.fromkeys(("BLOCK_O", "BLOCK_D", "TWO", "BF16", "PDL", *extra), "constexpr")}
-    constants = {"BLOCK_O": block_o, "BLOCK_D": block_d, "TWO": bool(two), "BF16": bool(bf16), "PDL": bool(pdl),
-                 **extra}
-    r = compile_for_hopper([{"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
-                             "constants": constants, "options": {"launch_pdl": True} if pdl else {}}], tmp_path)
-    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+                 "xn_ptr": o, **dict.fromkeys(constants, "constexpr")}
+    return {"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature, "constants": constants,
+            "options": options}
 
 
 @pytest.mark.skipif(not ON_CUDA or not kernels.triton_available(), reason="the register cap is a GPU launch option")
@@ -328,16 +334,9 @@ def test_gemv_under_a_register_cap_is_the_same(cap, monkeypatch):
 def test_gemv_kernel_compiles_for_hopper_under_a_register_cap(cap, tmp_path):
     """The GEMVs that take more than 128 registers (the de-rotating grouped one, the query's
     with its norm and RoPE) build for sm_90 under ``maxnreg`` (``MAXNREG``)."""
-    signature = {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*i16", "w2_ptr": "*bf16", "out2_ptr": "*i16",
-                 **dict.fromkeys(("N", "O", "O2", "D", "DG", "OG", "P1"), "i32"), "nw_ptr": "*bf16", "eps": "fp32",
-                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(("S", "HD", "OFF", "HALF"), "i32"),
-                 "xn_ptr": "*i16",
-                 **dict.fromkeys(("BLOCK_O", "BLOCK_D", "TWO", "BF16", "NORM", "ROPE_IN", "ROPE_OUT", "KEEP", "PDL"),
-                                 "constexpr")}
     kinds = [dict(BLOCK_O=4, BLOCK_D=2048, ROPE_IN=True, NORM=False, ROPE_OUT=False, KEEP=False),
              dict(BLOCK_O=16, BLOCK_D=512, ROPE_IN=False, NORM=True, ROPE_OUT=True, KEEP=True)]
-    r = compile_for_hopper([{"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
-                             "constants": {**kind, "TWO": False, "BF16": True, "PDL": True},
-                             "options": {"launch_pdl": True, "num_warps": 4, "maxnreg": cap}} for kind in kinds],
+    r = compile_for_hopper([gemv_launch({**kind, "TWO": False, "BF16": True, "PDL": True},
+                                        {"launch_pdl": True, "num_warps": 4, "maxnreg": cap}) for kind in kinds],
                            tmp_path)
     assert r.returncode == 0 and "2 distinct launches compiled for sm_90, 0 failed" in r.stdout, r.stdout + r.stderr

@@ -75,7 +75,8 @@ SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # wait for. Kept as a knob: without the channel loop it is the form Triton's interpreter runs
 DOWN_EARLY = False
 # Tried in session 28 (a step at 128K, bench_knobs, two alternated rounds each): one output channel a
-# down program with every slot's whole row of I in one load (80 registers where this tile takes 178)
+# down program with every slot's whole row of I in one load (80 registers where this tile took 178 —
+# builds without the GPU's 16-byte specialisation; 40 as the GPU builds it, session 29)
 # +3.6%; the gate's top-k made by the last gate-logits program of each token (an arrival count),
 # one launch a layer fewer, +0.2% / -1.6% / +0.7% in three runs: no gain. Neither kept
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
