@@ -2,7 +2,7 @@
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
        [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--profile 16384]
-       [--knobs moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2 --knobs-ctx 131072] [--set moe.DOWN_EARLY,...]
+       [--knobs moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2 --knobs-ctx 131072 --knobs-rounds 2] [--set moe.DOWN_EARLY,...]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
 """
@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--knobs", default="", help="kernel knobs (moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2,...) timed "
                                                "off, alone and all on")
     p.add_argument("--knobs-ctx", default="131072", help="contexts of --knobs")
+    p.add_argument("--knobs-rounds", type=int, default=2, help="alternated rounds of --knobs (each variant's best kept)")
     p.add_argument("--set", default="", help="kernel knobs turned on before every bench (moe.DOWN_EARLY,...)")
     a = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -76,7 +77,7 @@ def main() -> None:
             for b in map(int, a.paths_batch.split(",")):
                 emit(bench_paths(model, n, batch=b))
         for n in map(int, filter(None, a.knobs_ctx.split(","))) if a.knobs else ():
-            emit(bench_knobs(model, n, a.knobs.split(",")))
+            emit(bench_knobs(model, n, a.knobs.split(","), rounds=a.knobs_rounds))
         for n in map(int, filter(None, a.host.split(","))):
             emit(bench_host(model, n))
         for n in map(int, filter(None, a.profile.split(","))):

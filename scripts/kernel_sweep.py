@@ -217,6 +217,8 @@ def main() -> None:
                 emit({"kernel": f"gemv: {name}", "weight_bytes": sum(w.numel() * 2 for w in ws),
                       "cublas_us": round(graphed_us(cycled(kernels.gemv_ref, name)), 2),
                       "gemv_us": round(graphed_us(cycled(matvec.gemv, name)), 2),
+                      # the same weight every call: it sits in the L2 (the ceiling a prefetch could reach)
+                      "gemv_hot_us": round(graphed_us(lambda: matvec.gemv(xs, *ws, groups=groups)[0]), 2),
                       "max_abs_diff": max((p - q).float().abs().max().item() for p, q in zip(
                           kernels.gemv_ref(xs, *ws, groups=groups), matvec.gemv(xs, *ws, groups=groups)))})
             emit({"kernel": "gemv: a layer's six calls", "cublas_us": round(graphed_us(cycled(kernels.gemv_ref)), 2),
