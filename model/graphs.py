@@ -85,7 +85,6 @@ class SegmentGraphs:
                 entry = self._graphs[key] = (version, *self._capture(fn, inputs))
             except RuntimeError as e:  # torch.AcceleratorError is one
                 kernels.mhc_forget()  # mHC splits the failed capture put on a side stream: never run
-                kernels.prefetch_forget()
                 self.failed = f"{type(e).__name__}: {e}"
                 warnings.warn(f"CUDA graph capture failed ({self.failed[:200]}); decoding eagerly",
                               RuntimeWarning, stacklevel=2)

@@ -755,21 +755,10 @@ class Block(nn.Module):
         streams, a_pre, a_post, a_comb, x, norm = self.site("attn", streams, pre, expand=expand, overlap=True,
                                                             norm_later=True)
         x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm)
-        kernels.prefetch_l2("output", *self.prefetched("output"))  # read after the attention's chain of small kernels
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
         return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask,
                                  overlap=True), *written)
-
-    def prefetched(self, part: str) -> tuple[torch.Tensor, ...]:
-        """The weights a decode step reads next, for ``kernels.prefetch_l2``: "input" the
-        attention site's and projections' (asked for while the site's small kernels run),
-        "output" the output projection's, the FFN site's and the gate's (while the attention's run)."""
-        if part == "input":
-            index = self.attn.indexer
-            return (self.hc_attn_fn, self.attn.wq_a.weight, self.attn.wkv.weight, self.attn.wq_b.weight,
-                    *(() if index is None else (index.wq_b.weight, index.weights_proj.weight)))
-        return self.attn.wo_a.weight, self.attn.wo_b.weight, self.hc_ffn_fn, self.ffn.gate.weight
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -973,7 +962,7 @@ class Transformer(nn.Module):
         shared, taps = {}, []  # what each layer writes for the later ones: the top-k, the candidate pool
         pending = None  # the layer before's FFN output, added by the next attention site's kernel
         with shared_rope_angles():
-            for i, (b, e) in enumerate(zip(blocks, emits)):
+            for b, e in zip(blocks, emits):
                 if pending is not None and ((b.engram is not None and hash_ids) or b.layer in tapped):
                     streams, pending = expand_output(streams, pending), None
                 streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask)
@@ -983,12 +972,9 @@ class Transformer(nn.Module):
                                                                 cache=cache, emits=e, image_mask=image_mask,
                                                                 expand=pending)
                 shared.update(zip(("topk", "candidates"), written))
-                if i + 1 < len(blocks):  # asked for while the next site's small kernels run
-                    kernels.prefetch_l2("input", *blocks[i + 1].prefetched("input"))
         if pending is not None:
             streams = expand_output(streams, pending)
         kernels.mhc_join()  # the last site's split, where it ran beside: pre is an output
-        kernels.prefetch_join()
         return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

@@ -306,37 +306,3 @@ def gemv_launch(constants: dict, options: dict) -> dict:
                  "xn_ptr": o, **dict.fromkeys(constants, "constexpr")}
     return {"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature, "constants": constants,
             "options": options}
-
-
-@pytest.mark.skipif(not ON_CUDA or not kernels.triton_available(), reason="the register cap is a GPU launch option")
-@pytest.mark.parametrize("cap", [128, 168])
-def test_gemv_under_a_register_cap_is_the_same(cap, monkeypatch):
-    """``MAXNREG`` (a cap on a program's registers, so more programs hold their tiles at
-    once; ptxas may spill under it): the de-rotating grouped GEMV and the query's GEMV with
-    its norm and RoPE at `small`'s widths give the uncapped outputs bit for bit."""
-    from model.kernels import matvec
-
-    x, w = rand(1, 1, 16 * 512, seed=31, dtype=torch.bfloat16), rand(4 * 512, 4 * 512, seed=32, dtype=torch.bfloat16)
-    q, wq = rand(1, 1, 512, seed=33, dtype=torch.bfloat16), rand(16 * 512, 512, seed=34, dtype=torch.bfloat16)
-    nw = rand(512, seed=35, dtype=torch.bfloat16)
-    cos, sin = angles(1, 32, seed=36)
-    runs = [lambda: matvec.gemv(x, w, groups=4, rope_in=(cos, -sin, 512)),
-            lambda: matvec.gemv(q, wq, norm=(nw, 1e-6), rope_out=(cos, sin, 512), keep=True)]
-    want = [run() for run in runs]
-    monkeypatch.setattr(matvec, "MAXNREG", cap)
-    for run, ref in zip(runs, want):
-        assert all(torch.equal(a, b) for a, b in zip(run(), ref))
-
-
-@pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
-                    reason="needs Triton installed; on a GPU the kernel itself runs under the cap above")
-@pytest.mark.parametrize("cap", [128, 168])
-def test_gemv_kernel_compiles_for_hopper_under_a_register_cap(cap, tmp_path):
-    """The GEMVs that take more than 128 registers (the de-rotating grouped one, the query's
-    with its norm and RoPE) build for sm_90 under ``maxnreg`` (``MAXNREG``)."""
-    kinds = [dict(BLOCK_O=4, BLOCK_D=2048, ROPE_IN=True, NORM=False, ROPE_OUT=False, KEEP=False),
-             dict(BLOCK_O=16, BLOCK_D=512, ROPE_IN=False, NORM=True, ROPE_OUT=True, KEEP=True)]
-    r = compile_for_hopper([gemv_launch({**kind, "TWO": False, "BF16": True, "PDL": True},
-                                        {"launch_pdl": True, "num_warps": 4, "maxnreg": cap}) for kind in kinds],
-                           tmp_path)
-    assert r.returncode == 0 and "2 distinct launches compiled for sm_90, 0 failed" in r.stdout, r.stdout + r.stderr

@@ -73,7 +73,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
-           "topk_rows", "topk_rows_ref", "window_entry", "prefetch_l2", "prefetch_join", "prefetch_forget"]
+           "topk_rows", "topk_rows_ref", "window_entry"]
 
 
 def _interpreting() -> bool:
@@ -359,35 +359,6 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
         return (*out, later and "mHC site kernel" not in _FAILED) if norm_later else out
     out = hc_site_parts(*args)
     return (*out, False) if norm_later else out
-
-
-def prefetch_l2(part: str, *weights: torch.Tensor) -> None:
-    """Ask the GPU's L2 for ``weights``' bytes beside the current stream, once its work so far
-    is done (``model.kernels.prefetch``), where that kernel runs, ``prefetch.ENABLED`` and
-    ``part`` (the caller's name for them) is in ``prefetch.PARTS``: a CUDA device of compute
-    capability 9 or later (not the interpreter). A hint: nothing any kernel computes changes.
-    :func:`prefetch_join` before a graph's capture ends."""
-    x = weights[0]
-    if not x.is_cuda or not _kernel_runs("L2 prefetch", x) or torch.cuda.get_device_capability(x.device)[0] < 9:
-        return
-    from model.kernels import prefetch as kernel
-
-    if kernel.ENABLED and part in kernel.PARTS.split():
-        _guarded("L2 prefetch", lambda *w: kernel.prefetch_l2(*w), lambda *w: None, *weights)
-
-
-def prefetch_join() -> None:
-    """The current stream waits for :func:`prefetch_l2`'s launches (none pending: nothing)."""
-    kernel = sys.modules.get("model.kernels.prefetch")
-    if kernel is not None:
-        kernel.join()
-
-
-def prefetch_forget() -> None:
-    """Drop :func:`prefetch_l2`'s pending launches unjoined (a failed capture never ran them)."""
-    kernel = sys.modules.get("model.kernels.prefetch")
-    if kernel is not None:
-        kernel.forget()
 
 
 def mhc_join() -> None:

@@ -41,14 +41,13 @@ from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, ch
 TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 # (session 28, a step at 128K, bench_knobs: 8 KB tiles +3.0%; the window entry made by programs of the
 # query's GEMV launch rather than a launch of its own +1.8% / +1.5%: neither kept)
-# a cap on a program's registers (the launch's ``maxnreg``; 0: none), so that more programs hold
-# their tiles at once: an SM's 64K registers hold 4 programs of 128 (a weight's 512 programs all
-# resident), 3 of 168, 2 of 218. Uncapped (ptxas for sm_90, `small`, scripts/sass_census.py): the
-# grouped output projection with its de-rotation 218 (264 of its 512 programs resident: the rest
-# load their tiles only after the first wave is done), the query's with its norm and RoPE 168
-# (396 of 512), the others 128 or fewer. Capped at 168 neither spills; at 128 they spill 192 / 68
-# bytes a thread. Built in session 29, not yet timed: ``--knobs matvec.MAXNREG=168,matvec.MAXNREG=128``
-MAXNREG = 0
+# (session 30, a step at 128K, bench_knobs, two rounds, its control variant 0.977 of "all off"): the
+# launch's ``maxnreg`` capping a program's registers at 168 / 128 (so that all 512 programs of an 8 MB
+# weight hold their tiles at once: uncapped, the de-rotating ``wo_a`` GEMV takes 218 registers and
+# 264 of its programs fit, the query's 168 and 396) 0.995 / 0.973; the layer's weights asked into the
+# L2 beside the step (``cp.async.bulk.prefetch.L2`` on a stream of their own, while the chains of
+# small kernels run) 0.975, then 1.025 against a control of 1.020 in four rounds — the GEMVs'
+# share of the step fell 0.650 -> 0.557 ms, the prefetch kernels took it back. Neither kept
 
 
 @triton.jit
@@ -178,6 +177,5 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
                              nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]),
                              BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
                              ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, KEEP=keep,
-                             num_warps=GEMV_WARPS, **unfused(), **chained(rows),
-                             **({"maxnreg": MAXNREG} if MAXNREG and rows.is_cuda else {}))
+                             num_warps=GEMV_WARPS, **unfused(), **chained(rows))
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)
