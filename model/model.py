@@ -154,14 +154,26 @@ class Step:
 
 
 class Ropes(nn.Module):
-    """The main (window-only layers) and compress (ratio > 0 layers, YaRN) tables."""
+    """The main (window-only layers) and compress (ratio > 0 layers, YaRN) tables, fp32 in a
+    model of any dtype: rounded to bf16 (up to 2^-9 relative) the main table's angles are
+    off by up to 0.44 rad at position 1,000, 1.8 at 4,096 and 57 at 131,072."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        rd = args.qk_rope_head_dim
-        self.register_buffer("main", rope_inv_freq(rd, args.rope_theta), persistent=False)
-        yarn = args.rope_scaling if (args.rope_scaling or {}).get("rope_type", "yarn") == "yarn" else None
-        self.register_buffer("compress", rope_inv_freq(rd, args.compress_rope_theta, yarn), persistent=False)
+        self.args = args
+        for name, table in self._tables().items():
+            self.register_buffer(name, table, persistent=False)
+
+    def _tables(self) -> dict[str, torch.Tensor]:
+        a, rd = self.args, self.args.qk_rope_head_dim
+        yarn = a.rope_scaling if (a.rope_scaling or {}).get("rope_type", "yarn") == "yarn" else None
+        return {"main": rope_inv_freq(rd, a.rope_theta), "compress": rope_inv_freq(rd, a.compress_rope_theta, yarn)}
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # moved (and cast): made again in fp32 where they now live
+        for name, table in self._tables().items():
+            setattr(self, name, table.to(self.main.device))
+        return self
 
 
 # ----------------------------------------------------------------------------- CSA2 sources

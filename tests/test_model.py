@@ -437,3 +437,21 @@ def test_engram_rows_must_equal_the_prime_sums() -> None:
 
 def test_config_round_trip() -> None:
     assert ModelArgs.from_config(json.loads(json.dumps(TINY.to_config()))) == TINY
+
+
+def test_rope_tables_stay_fp32_in_a_bf16_model():
+    """The RoPE frequency tables are buffers, which a cast to bf16 would round (the main
+    table's angles then off by up to 1.8 rad at position 4,096); the model keeps them fp32,
+    equal to an fp32 model's, through the cast and back, so its angles at long positions are
+    the reference's."""
+    from model.model import rope_angles
+
+    args = ModelArgs.preset("tiny")
+    half = build(args, seed=1, dtype=torch.bfloat16)
+    full = build(args, seed=1)
+    for name in ("main", "compress"):
+        assert getattr(half.ropes, name).dtype == torch.float32
+        assert torch.equal(getattr(half.ropes, name), getattr(full.ropes, name)), name
+    far = torch.tensor([100_000])
+    assert torch.equal(rope_angles(far, half.ropes.compress).cos, rope_angles(far, full.ropes.compress).cos)
+    assert torch.equal(half.float().ropes.main, full.ropes.main)
