@@ -261,7 +261,9 @@ class Indexer(nn.Module):
         return kv.pack_index(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq))
 
     def query(self, x, q_res, pos: torch.Tensor, inv_freq, kv: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP4 queries [B, S, h, d] and head weights [B, S, h] (reads no cache)."""
+        """FP4 queries [B, S, h, d] and head weights [B, S, h] (reads no cache), the weights
+        as ``weights_proj`` gives them: their scale, n_heads^-0.5, is the scores' (a decode
+        step's kernel applies it as it reads them)."""
         B, S, _ = x.shape
         if kernels.gemv_runs(q_res, self.wq_b):  # a decode step's few rows: the RoPE inside the GEMV
             angles = rope_angles(pos, inv_freq)
@@ -270,7 +272,7 @@ class Indexer(nn.Module):
         else:
             q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv_freq)
         q = kv.index_query(q)
-        return q, linear(self.weights_proj, x).float() * self.n_heads ** -0.5
+        return q, linear(self.weights_proj, x)
 
     def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq, kv: KVFormat, qw=None) -> torch.Tensor:
         """[B, S, n] index scores; -inf where a record is not yet visible to the query.
@@ -278,7 +280,7 @@ class Indexer(nn.Module):
         pos = step.positions(x.device)
         q, w = qw or self.query(x, q_res, pos, inv_freq, kv)
         s = torch.einsum("bshd,bnd->bshn", q.float(), keys).relu_() * self.head_dim ** -0.5
-        s = (s * w.unsqueeze(-1)).sum(dim=2)
+        s = (s * (w.float() * self.n_heads ** -0.5).unsqueeze(-1)).sum(dim=2)
         visible = torch.arange(keys.shape[1], device=x.device) < ((pos + 1) // self.args.ratios[self.layer])[:, None]
         return s.masked_fill(~visible, float("-inf"))
 
@@ -290,13 +292,15 @@ class Indexer(nn.Module):
         whose records alone a layer that honours it scores — what :meth:`select`'s mask
         picks). ``qw``: this step's :meth:`query` when already computed."""
         q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
-        lens = (pos + 1) // self.args.ratios[self.layer]
+        ratio = self.args.ratios[self.layer]
         pool = candidates if self.args.uses_candidates(self.layer) else None  # scored alone, then mapped back
-        # q holds FP4 values, exact in its own dtype: a bf16 query is one bf16 operand to the kernel's dots
-        s = kernels.indexer_scores(q[:, 0], w[:, 0], src.index, lens, self.head_dim ** -0.5,
-                                   None if pool is None else pool[:, 0])[:, None]
+        # q holds FP4 values, exact in its own dtype: a bf16 query is one bf16 operand to the kernel's dots;
+        # the records seen and the weights' scale are the kernel's to apply (two launches fewer each)
+        s = kernels.indexer_scores(q[:, 0], w[:, 0], src.index, (pos, ratio), self.head_dim ** -0.5,
+                                   None if pool is None else pool[:, 0], weight_scale=self.n_heads ** -0.5)[:, None]
         if self.layer == self.args.candidate_source_layer_id:
-            candidates = candidate_rows(s, lens, self.args.candidate_topk_blocks, self.args.candidate_block_size)
+            candidates = candidate_rows(s, (pos + 1) // ratio, self.args.candidate_topk_blocks,
+                                        self.args.candidate_block_size)
         # top_records' choice, in record order, -1 after (a buffer of fewer records than top-k too)
         k = self.args.index_topk
         indices = kernels.topk_rows(s[:, 0], k, None if pool is None else pool[:, 0], width=k)[:, None]
@@ -528,7 +532,7 @@ class Attention(nn.Module):
         query when already computed."""
         ring = cache.windows[self.layer]
         self._write_entry(kv, pos, ring, cache.kv, ropes)
-        if self.compressor is not None:
+        if self.compressor is not None and not self._compress_step(x, pos, cache.sources[self.layer], emits, ropes):
             src = cache.sources[self.layer]
             made = self.compressor.step(x, pos, src, emits)
             if made is not None:
@@ -542,6 +546,17 @@ class Attention(nn.Module):
             written = (topk, pool) if self.layer == self.args.candidate_source_layer_id else (topk,)
         records = None if topk is None else cache.sources[self.args.kv_source(self.layer)].records
         return self.fused_attend(q, pos, ring, records, topk), written
+
+    def _compress_step(self, x, pos: torch.Tensor, src: SourceKV, emits: bool, ropes: Ropes) -> bool:
+        """The compressor's part of :meth:`decode_step` in four launches (``kernels.compress_step``):
+        what :meth:`Compressor.step` and the record's and index key's packs do. False where
+        those kernels do not run; the caller then runs them."""
+        comp, index = self.compressor, self.indexer
+        weights = (comp.wkv.weight,) if comp.wgate is None else comp._step_weights()
+        return kernels.compress_step(x, weights, (comp.norm.weight, comp.norm.eps),
+                                     (src.hist_kv, src.hist_gate, src.hist_pos), src.records, src.index,
+                                     index.wk.weight, (index.k_norm.weight, index.k_norm.eps), ropes.compress, pos,
+                                     comp.ratio, emits)
 
     def rope_table(self, ropes: Ropes) -> torch.Tensor:
         """The frequency table this layer rotates by: YaRN's compress table where it has a KV

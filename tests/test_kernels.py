@@ -515,6 +515,13 @@ def test_indexer_kernel(B, HI, N) -> None:
         held = torch.tensor([n_visible], device=q.device)  # the count as a graphed step passes it
         assert torch.equal(indexer_scores(q, w, keys, held, 128 ** -0.5), out)
         assert torch.equal(indexer_scores_ref(q, w, keys, held, 128 ** -0.5), ref)
+        for ratio in (1, 2):  # a decode step's position, the count made from it, and its weights' scale
+            pos = torch.tensor([ratio * (n_visible + 1) - 2], device=q.device)  # (pos + 1) // ratio == n_visible
+            scaled = indexer_scores(q, w * HI ** 0.5, keys, (pos, ratio), 128 ** -0.5, weight_scale=HI ** -0.5)
+            assert torch.equal(scaled, indexer_scores(q, (w * HI ** 0.5) * HI ** -0.5, keys, n_visible, 128 ** -0.5))
+            assert torch.equal(indexer_scores_ref(q, w * HI ** 0.5, keys, (pos, ratio), 128 ** -0.5,
+                                                  weight_scale=HI ** -0.5),
+                               indexer_scores_ref(q, (w * HI ** 0.5) * HI ** -0.5, keys, n_visible, 128 ** -0.5))
 
 
 @needs_kernel
@@ -818,3 +825,48 @@ def test_kv_formats_pack_through_the_dispatcher() -> None:
     assert torch.equal(KVFormat.PACKED.pack_main(x), quant.pack_main(x))
     assert torch.equal(KVFormat.PACKED.pack_window(x), quant.pack_window(x))
     assert torch.equal(KVFormat.PACKED.pack_index(x[:, :128]), quant.pack_index(x[:, :128]))
+
+
+@needs_kernel
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_compressor_step_is_made_in_four_launches(ratio, dtype) -> None:
+    """``kernels.compress_step`` (the projections' GEMV, the ring, the pooled latent and its
+    record, the index key's GEMV and its key: four launches) leaves a KV source as
+    ``Compressor.step`` and the packs of ``Attention.decode_step`` leave it, over steps at
+    every phase of a group: the history ring's positions bit for bit, its projections to
+    rounding (the GEMV sums in another order); the records and index keys whose bytes
+    nearly all agree (the GEMVs, the pool's exp and the norms' sums round otherwise, so a
+    value on an FP4 boundary may flip), their values to half an FP4 step of the largest."""
+    from model import quant
+    from model.cache import SourceKV
+    from model.model import Ropes, apply_rope
+
+    args = ModelArgs.preset("tiny").replace(compress_ratios=(0, 0) + (ratio,) * 4 + (1,) * 4)
+    attn = build(args, seed=5, device=DEVICE, dtype=dtype).eval().layers[2].attn
+    comp, index, ropes = attn.compressor, attn.indexer, Ropes(args).to(DEVICE)
+    sources = [SourceKV(2, ratio, args.head_dim, args.index_head_dim, DEVICE) for _ in range(2)]
+    x = torch.randn(2, 9, args.hidden_size, generator=torch.Generator().manual_seed(ratio)).to(DEVICE, dtype)
+    with torch.no_grad():
+        for t in range(9):
+            pos, emits = torch.tensor([t], device=DEVICE), (t + 1) % ratio == 0
+            for src in sources:
+                src.reserve(t)
+            assert attn._compress_step(x[:, t:t + 1], pos, sources[0], emits, ropes)
+            made = comp.step(x[:, t:t + 1], pos, sources[1], emits)
+            if made is not None:
+                latent, first = made
+                sources[1].write_at(first // ratio, quant.pack_main(apply_rope(latent, first, ropes.compress)),
+                                    index.keys(latent, first, ropes.compress, quant.KVFormat.PACKED))
+            for src in sources:
+                src.stepped(t)
+    ours, theirs = sources
+    assert torch.equal(ours.hist_pos, theirs.hist_pos)
+    for name in ("hist_kv", "hist_gate"):  # the GEMV sums in another order than torch's linear
+        torch.testing.assert_close(getattr(ours, name), getattr(theirs, name), rtol=1e-5, atol=1e-5)
+    n = 9 // ratio
+    for name, unpack, dim in (("records", quant.unpack_main, args.head_dim),
+                              ("index", quant.unpack_index, args.index_head_dim)):
+        got, want = getattr(ours, name)[:, :n], getattr(theirs, name)[:, :n]
+        assert want.any() and (got != want).float().mean().item() < 0.02, name
+        torch.testing.assert_close(unpack(got, dim), unpack(want, dim), rtol=0.0, atol=0.5 * unpack(want, dim).abs().max().item() / 6)

@@ -24,10 +24,10 @@ and, for one decode step (one query per batch row):
 - ``pack_window_at(kv, data, ring_pos, pos)``: a step's window entry packed into its ring slot;
   ``window_entry(kv, norm_weight, eps, cos, sin, data, ring_pos, pos)``: the entry made from
   its K=V latent (norm, RoPE, FP8) and packed there, one launch.
-- ``indexer_scores(q, weights, keys, n_visible, head_scale, rows=None)`` -> [B, N] fp32:
-  ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, or a one-element
-  device tensor that a CUDA graph can hold); with ``rows`` [B, M], the scores of those keys
-  alone (a candidate pool's records).
+- ``indexer_scores(q, weights, keys, n_visible, head_scale, rows=None, weight_scale=1.0)`` -> [B, N] fp32:
+  ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, a one-element
+  device tensor that a CUDA graph can hold, or (position, ratio)); with ``rows`` [B, M], the
+  scores of those keys alone (a candidate pool's records).
 - ``topk_rows(scores, k, rows=None, width=None)`` -> int64 [R, width]: the positions (or
   ``rows``' entries) of each row's k largest scores, the choice of the model's
   ``stable_topk`` (ties to the lower position, -inf never), in ascending order, -1 after
@@ -73,7 +73,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
-           "topk_rows", "topk_rows_ref", "window_entry"]
+           "topk_rows", "topk_rows_ref", "window_entry", "compress_step"]
 
 
 def _interpreting() -> bool:
@@ -122,15 +122,16 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
     return sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale).to(out_dtype)
 
 
-def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int | torch.Tensor,
-                   head_scale: float, rows: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible, head_scale: float,
+                   rows: torch.Tensor | None = None, weight_scale: float = 1.0) -> torch.Tensor:
     """Index scores [B, N] of one decode step, or [B, M] of the keys at ``rows`` [B, M] (-1:
-    none); see :func:`model.kernels.reference.indexer_scores_ref`."""
+    none); see :func:`model.kernels.reference.indexer_scores_ref` (``n_visible`` a count, or
+    (position, ratio), which the kernel turns into the count itself)."""
     if _use_triton(q):
         from model.kernels import fused
 
-        return fused.indexer_scores(q, weights, keys, n_visible, head_scale, rows)
-    return indexer_scores_ref(q, weights, keys, n_visible, head_scale, rows)
+        return fused.indexer_scores(q, weights, keys, n_visible, head_scale, rows, weight_scale)
+    return indexer_scores_ref(q, weights, keys, n_visible, head_scale, rows, weight_scale)
 
 
 def topk_rows(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
@@ -485,6 +486,39 @@ def window_entry(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
 
     return _guarded("window entry", lambda t: pack.window_entry(t, norm_weight, eps, cos, sin, data, ring_pos, pos)
                     or True, lambda t: False, kv)
+
+
+def compress_step(x: torch.Tensor, weights: tuple, norm: tuple, hist: tuple, records: torch.Tensor,
+                  index: torch.Tensor, wk: torch.Tensor, k_norm: tuple, inv_freq: torch.Tensor, pos: torch.Tensor,
+                  ratio: int, emit: bool) -> bool:
+    """A KV source's compressor in one decode step at ``pos`` [1] on ``x`` [B, 1, D], written
+    into the source's buffers (``Attention.decode_step``): its projections by ``weights`` —
+    (wkv,) at ratio 1, fp32 (wkv, wgate) of ``x.float()`` above — in one GEMV launch; at ratio >
+    1 kept in the history ring ``hist`` = (hist_kv, hist_gate, hist_pos); when ``emit`` (its
+    group completes) the group's latent pooled and normalised by ``norm`` = (weight, eps), its
+    record (RoPE by ``inv_freq`` at the group's first position, FP4) into ``records``, and its
+    index key (``wk``, ``k_norm``, RoPE, FP4) into ``index`` — four launches in all
+    (``model.kernels.pack``'s ``compress_step``, the GEMV, ``index_entry``) where torch took ~30.
+    True where they ran; False, and nothing written, where they do not (the caller runs
+    ``Compressor.step`` and the packs, its twin). The pool's exp, the norms' sums and the GEMVs'
+    orders agree with torch's to rounding, so a record's bytes may differ where a value sits
+    on an FP4 boundary."""
+    if not (_kernel_runs("compressor step", x) and 1 <= ratio <= 16 and records.dtype == index.dtype == torch.uint8
+            and x.shape[1] == 1 and gemv_runs(x)):
+        return False
+    from model.kernels import pack
+
+    if not pack.COMPRESS_STEP:
+        return False
+
+    def run(x):
+        kv, *gate = gemv(x if ratio == 1 else x.float(), *weights)
+        latent = pack.compress_step(kv, gate[0] if gate else None, hist, pos, *norm, inv_freq, records, ratio, emit)
+        if latent is not None:
+            pack.index_entry(gemv(latent, wk)[0], *k_norm, inv_freq, index, pos, ratio)
+        return True
+
+    return _guarded("compressor step", run, lambda t: False, x)
 
 
 def pow2_blocks(dim: int, block: int) -> bool:

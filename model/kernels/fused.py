@@ -462,15 +462,19 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
 @triton.jit(do_not_specialize=["N", "NK", "n_visible", "s_ob", "s_rb"])
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, rows_ptr, HI, N, NK, n_visible, head_scale,
                     s_qb, s_qh, s_wb, s_kb, s_kn, s_ob, s_rb,
-                    DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr, VIS_PTR: tl.constexpr,
-                    ROWS: tl.constexpr, Q_PARTS: tl.constexpr, PDL: tl.constexpr = False):
+                    w_scale, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
+                    VIS_PTR: tl.constexpr, VIS_RATIO: tl.constexpr, ROWS: tl.constexpr, Q_PARTS: tl.constexpr,
+                    PDL: tl.constexpr = False):
     """Scores of one row's BLOCK_N keys (with ``ROWS``: of the keys at ``rows_ptr``'s next
     BLOCK_N entries, -1 none, out of the NK there are): the query's heads (bf16 parts,
-    :func:`_bf16_parts`) against FP4 keys decoded to bf16, on tensor cores; ReLU, weighted
-    sum over the heads."""
+    :func:`_bf16_parts`) against FP4 keys decoded to bf16, on tensor cores; ReLU, sum over
+    the heads weighted by w · w_scale. The keys seen: ``n_visible``, or with VIS_PTR the count
+    at ``vis_ptr`` (a graphed decode step), or with VIS_RATIO the position there + 1 over it."""
     _chain(PDL)
     b, blk = tl.program_id(0), tl.program_id(1)
-    if VIS_PTR:  # the count is a device tensor (a graphed decode step)
+    if VIS_RATIO:
+        limit = (tl.load(vis_ptr) + 1) // VIS_RATIO
+    elif VIS_PTR:
         limit = tl.load(vis_ptr)
     else:
         limit = n_visible
@@ -483,7 +487,7 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, rows_ptr, HI, N, NK
     q_row = q_ptr + b64 * s_qb + heads[:, None] * s_qh + 2 * pair[None, :]
     e_hi, e_mid, e_lo = _bf16_parts(tl.load(q_row, mask=head_ok[:, None], other=0.0).to(tl.float32), Q_PARTS)
     o_hi, o_mid, o_lo = _bf16_parts(tl.load(q_row + 1, mask=head_ok[:, None], other=0.0).to(tl.float32), Q_PARTS)
-    w = tl.load(w_ptr + b64 * s_wb + heads, mask=head_ok, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + b64 * s_wb + heads, mask=head_ok, other=0.0).to(tl.float32) * w_scale
     n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
     live = n < N
     at = n.to(tl.int64)
@@ -504,8 +508,8 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, rows_ptr, HI, N, NK
     tl.store(out_ptr + b64 * s_ob + n, score, mask=live)
 
 
-def indexer_scores(q, weights, keys, n_visible: int | torch.Tensor, head_scale: float,
-                   rows: torch.Tensor | None = None) -> torch.Tensor:
+def indexer_scores(q, weights, keys, n_visible, head_scale: float, rows: torch.Tensor | None = None,
+                   weight_scale: float = 1.0) -> torch.Tensor:
     B, HI, DI = q.shape
     NK = keys.shape[1]
     assert DI >= 64 and DI & (DI - 1) == 0, f"index_head_dim {DI} must be a power of two >= 64"
@@ -520,13 +524,15 @@ def indexer_scores(q, weights, keys, n_visible: int | torch.Tensor, head_scale: 
     if rows is not None:
         assert rows.shape[0] == B
         rows = rows.contiguous()
+    n_visible, ratio = n_visible if isinstance(n_visible, tuple) else (n_visible, 0)
     on_device = isinstance(n_visible, torch.Tensor)
     _indexer_kernel[(B, triton.cdiv(N, INDEX_BLOCK_N))](
         q, weights, keys, out, n_visible if on_device else out, out if rows is None else rows, HI, N, NK,
         0 if on_device else int(n_visible), float(head_scale), q.stride(0), q.stride(1), weights.stride(0),
-        keys.stride(0), keys.stride(1), out.stride(0), 0 if rows is None else rows.stride(0),
+        keys.stride(0), keys.stride(1), out.stride(0), 0 if rows is None else rows.stride(0), float(weight_scale),
         DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_N=INDEX_BLOCK_N, VIS_PTR=on_device,
-        ROWS=rows is not None, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3, num_warps=INDEX_WARPS, **chained(q))
+        VIS_RATIO=ratio, ROWS=rows is not None, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
+        num_warps=INDEX_WARPS, **chained(q))
     return out
 
 

@@ -24,13 +24,14 @@ import triton
 import triton.language as tl
 
 from model.kernels import pow2_blocks
-from model.kernels.fused import _chain, _e2m1, _e4m3, _rms_normed, _round, _turned, chained, unfused
+from model.kernels.fused import _chain, _e2m1, _e4m3, _rms_normed, _round, _store, _turned, chained, unfused
 from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
 
 # e2m1 thresholds as model.quant.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
 # rounds down (to the even code), so the threshold is the next float above the midpoint
 _MID = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
 _T = [float(np.nextafter(m, np.float32(np.inf)) if i % 2 == 0 else m) for i, m in enumerate(_MID)]
+_T0, _T1, _T2, _T3, _T4, _T5, _T6 = (tl.constexpr(t) for t in _T)
 
 
 @triton.jit
@@ -64,12 +65,11 @@ def _e4m3_encode(y):
 
 
 @triton.jit
-def _e2m1_encode(y, T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr,
-          T5: tl.constexpr, T6: tl.constexpr):
+def _e2m1_encode(y):
     """Pre-clamped fp32 -> 4-bit code (sign in bit 3), as ``model.quant.e2m1_encode``."""
     a = tl.abs(y)
-    code = ((a >= T0).to(tl.int32) + (a >= T1).to(tl.int32) + (a >= T2).to(tl.int32) + (a >= T3).to(tl.int32)
-            + (a >= T4).to(tl.int32) + (a >= T5).to(tl.int32) + (a >= T6).to(tl.int32))
+    code = ((a >= _T0).to(tl.int32) + (a >= _T1).to(tl.int32) + (a >= _T2).to(tl.int32) + (a >= _T3).to(tl.int32)
+            + (a >= _T4).to(tl.int32) + (a >= _T5).to(tl.int32) + (a >= _T6).to(tl.int32))
     return code | (((y.to(tl.int32, bitcast=True) >> 28) & 0x8))
 
 
@@ -110,17 +110,11 @@ def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.con
 
 
 @triton.jit
-def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALES: tl.constexpr,
-                     T0: tl.constexpr, T1: tl.constexpr, T2: tl.constexpr, T3: tl.constexpr, T4: tl.constexpr,
-                     T5: tl.constexpr, T6: tl.constexpr, VALUES: tl.constexpr = False, PDL: tl.constexpr = False):
-    """One row to its bytes, or (VALUES) to the values those bytes decode to, in out's dtype."""
-    _chain(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    NB: tl.constexpr = D // BLOCK
-    HALF: tl.constexpr = BLOCK // 2
-    pair = tl.arange(0, NB)[:, None] * HALF + tl.arange(0, HALF)[None, :]  # output byte index
-    even = tl.load(x_ptr + row * s_x + 2 * pair).to(tl.float32)
-    odd = tl.load(x_ptr + row * s_x + 2 * pair + 1).to(tl.float32)
+def _fp4_blocks(even, odd, E4M3_SCALES: tl.constexpr):
+    """A row's even and odd channels as blocks [NB, BLOCK/2] (fp32) -> (their e2m1 codes, even
+    and odd, sign in bit 3; each block's scale byte; the scale's value), as ``model.quant``'s
+    ``pack_main`` (E4M3_SCALES: e4m3 scales of amax / 6) and ``pack_index`` (ue8m0: powers of
+    two) make them."""
     amax = tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1))
     if E4M3_SCALES:
         sb = _e4m3_encode(tl.math.div_rn(tl.maximum(amax, 6.0 * 0.001953125), tl.full(amax.shape, 6.0, tl.float32)))
@@ -131,9 +125,34 @@ def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.conste
         scale, sb = _pow2_ceil(tl.maximum(amax, 6.0 * 1.1754943508222875e-38) * (1.0 / 6.0))
         inv = ((254 - sb) << 23).to(tl.float32, bitcast=True)
         ye, yo = even * inv[:, None], odd * inv[:, None]
-    ye = tl.minimum(tl.maximum(ye, -6.0), 6.0)
-    yo = tl.minimum(tl.maximum(yo, -6.0), 6.0)
-    ce, co = _e2m1_encode(ye, T0, T1, T2, T3, T4, T5, T6), _e2m1_encode(yo, T0, T1, T2, T3, T4, T5, T6)
+    ce = _e2m1_encode(tl.minimum(tl.maximum(ye, -6.0), 6.0))
+    co = _e2m1_encode(tl.minimum(tl.maximum(yo, -6.0), 6.0))
+    return ce, co, sb, scale
+
+
+@triton.jit
+def _store_fp4(row_ptr, even, odd, D: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALES: tl.constexpr):
+    """A row's even and odd channels [D/2] (fp32) packed at ``row_ptr``: D/2 bytes of e2m1
+    pairs (the even channel in the low nibble), then a scale byte per BLOCK channels."""
+    NB: tl.constexpr = D // BLOCK
+    ce, co, sb, _ = _fp4_blocks(tl.reshape(even, [NB, BLOCK // 2]), tl.reshape(odd, [NB, BLOCK // 2]), E4M3_SCALES)
+    pair = tl.arange(0, NB)[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+    tl.store(row_ptr + pair, (ce | (co << 4)).to(tl.uint8))
+    tl.store(row_ptr + D // 2 + tl.arange(0, NB), sb.to(tl.uint8))
+
+
+@triton.jit
+def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.constexpr, E4M3_SCALES: tl.constexpr,
+                     VALUES: tl.constexpr = False, PDL: tl.constexpr = False):
+    """One row to its bytes, or (VALUES) to the values those bytes decode to, in out's dtype."""
+    _chain(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    NB: tl.constexpr = D // BLOCK
+    HALF: tl.constexpr = BLOCK // 2
+    pair = tl.arange(0, NB)[:, None] * HALF + tl.arange(0, HALF)[None, :]  # output byte index
+    even = tl.load(x_ptr + row * s_x + 2 * pair).to(tl.float32)
+    odd = tl.load(x_ptr + row * s_x + 2 * pair + 1).to(tl.float32)
+    ce, co, sb, scale = _fp4_blocks(even, odd, E4M3_SCALES)
     if VALUES:  # e2m1 (2 significant bits) times an e4m3 or power-of-two scale: exact
         ve = _signed(_e2m1(ce & 0x7) * scale[:, None], (ce & 0x8) != 0)
         vo = _signed(_e2m1(co & 0x7) * scale[:, None], (co & 0x8) != 0)
@@ -255,6 +274,121 @@ def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: to
                                num_warps=4, **unfused(), **chained(flat))
 
 
+# a compressor's decode step in four launches (``model.kernels.compress_step``); off: torch's ~30,
+# for ``gpu_bench.py --knobs pack.COMPRESS_STEP=False``
+COMPRESS_STEP = True
+
+
+@triton.jit
+def _rotated(h, inv_ptr, first, D: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr):
+    """Row ``h`` [D] (fp32 values of the row's dtype) as ``apply_rope`` at position ``first``
+    turns its trailing HALF pairs: the angles first · inv_freq, their cos and sin in fp32 as
+    ``RopeAngles`` makes them, each channel rounded to the dtype. -> (even, odd) channels [D/2]."""
+    e, o = tl.split(tl.reshape(h, [D // 2, 2]))
+    pc = 2 * tl.arange(0, D // 2)  # each pair's even channel
+    rot = pc >= D - 2 * HALF
+    angle = first.to(tl.float32) * tl.load(inv_ptr + (pc - (D - 2 * HALF)) // 2, mask=rot, other=0.0)
+    cs, sn = tl.cos(angle), tl.sin(angle)
+    e, o = tl.where(rot, _turned(e, o, True, cs, sn), e), tl.where(rot, _turned(o, e, False, cs, sn), o)
+    return _round(e, BF16), _round(o, BF16)
+
+
+@triton.jit(do_not_specialize=["cap"])
+def _compress_step_kernel(kv_ptr, gate_ptr, hkv_ptr, hgate_ptr, hpos_ptr, pos_ptr, cap, s_hb, s_hn, nw_ptr, eps,
+                          inv_ptr, lat_ptr, rec_ptr, s_rb, s_rn, D: tl.constexpr, RATIO: tl.constexpr,
+                          R_P2: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, EMIT: tl.constexpr,
+                          BF16: tl.constexpr, PDL: tl.constexpr = False):
+    """Row b of a compressor's decode step at position p. RATIO > 1: this step's projections
+    kv / gate (fp32) kept in the history ring at slot p % cap (program 0 tells ``hpos``);
+    with EMIT (the group [p - RATIO + 1, p] completes) the group's softmax-gated sum from
+    the ring, as ``Compressor._pool`` (rounded to the dtype, then ``norm``). RATIO == 1: kv
+    (the dtype's ``wkv(x)``) normalised. Then, with EMIT, that latent to ``lat`` (the index
+    key's input) and its record — RoPE at the group's first position, FP4 as ``pack_main`` —
+    into row (first // RATIO) of ``rec``."""
+    _chain(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, D)
+    p = tl.load(pos_ptr)
+    first = p - (RATIO - 1)
+    if RATIO > 1:
+        slot = p % cap
+        tl.store(hkv_ptr + b * s_hb + slot * s_hn + c, tl.load(kv_ptr + b * D + c))
+        tl.store(hgate_ptr + b * s_hb + slot * s_hn + c, tl.load(gate_ptr + b * D + c))
+        if b == 0:
+            tl.store(hpos_ptr + slot, p)
+    if EMIT:
+        if RATIO > 1:
+            tl.debug_barrier()  # the ring's row written above, read back below by other threads
+            r = tl.arange(0, R_P2)
+            rows = b * s_hb + ((first + r) % cap)[:, None] * s_hn + c[None, :]
+            live = (r < RATIO)[:, None]
+            g = tl.load(hgate_ptr + rows, mask=live, other=float("-inf"))
+            e = tl.exp(g - tl.max(g, 0)[None, :])
+            weight = e / tl.sum(e, 0)[None, :]
+            h = _round(tl.sum(tl.load(hkv_ptr + rows, mask=live, other=0.0) * weight, 0), BF16)
+        else:
+            h = tl.load(kv_ptr + b * D + c).to(tl.float32)
+        h = _rms_normed(h, tl.load(nw_ptr + c).to(tl.float32), D, eps, BF16)
+        _store(lat_ptr + b * D + c, h, c < D, BF16)
+        even, odd = _rotated(h, inv_ptr, first, D, HALF, BF16)
+        _store_fp4(rec_ptr + b * s_rb + (first // RATIO) * s_rn, even, odd, D, BLOCK, True)
+
+
+@triton.jit
+def _index_entry_kernel(k_ptr, nw_ptr, eps, inv_ptr, pos_ptr, idx_ptr, s_ib, s_in, D: tl.constexpr,
+                        RATIO: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, BF16: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Row b of the index key of the group completing at position p: ``wk``'s output k
+    normalised (``k_norm``), turned at the group's first position, FP4 as ``pack_index``,
+    into row (first // RATIO) of ``idx``."""
+    _chain(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, D)
+    first = tl.load(pos_ptr) - (RATIO - 1)
+    h = _rms_normed(tl.load(k_ptr + b * D + c).to(tl.float32), tl.load(nw_ptr + c).to(tl.float32), D, eps, BF16)
+    even, odd = _rotated(h, inv_ptr, first, D, HALF, BF16)
+    _store_fp4(idx_ptr + b * s_ib + (first // RATIO) * s_in, even, odd, D, BLOCK, False)
+
+
+def compress_step(kv: torch.Tensor, gate: torch.Tensor | None, hist: tuple, pos: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, records: torch.Tensor,
+                  ratio: int, emit: bool) -> torch.Tensor | None:
+    """One decode step of a compressor (``_compress_step_kernel``, one launch): ``kv`` / ``gate``
+    [B, 1, D] this step's projections (fp32; ratio 1: ``wkv(x)`` in x's dtype, gate None),
+    ``hist`` = (hist_kv, hist_gate, hist_pos) the source's ring, ``records`` its packed rows.
+    -> the group's latent [B, 1, D] (normalised, before RoPE; x's dtype) when ``emit``, else None."""
+    B, _, D = kv.shape
+    assert kv.shape[1] == 1 and pos.numel() == 1 and pos.dtype == torch.int64 and kv.is_contiguous()
+    assert records.dtype == torch.uint8 and records.shape[2] == D // 2 + D // RECORD_BLOCK and records.stride(2) == 1
+    assert (gate is None) == (ratio == 1) and inv_freq.dtype == torch.float32
+    hkv, hgate, hpos = hist if ratio > 1 else (kv, kv, pos)  # unread at ratio 1
+    if ratio > 1:
+        assert gate.is_contiguous() and kv.dtype == gate.dtype == hkv.dtype == torch.float32 and hkv.stride(2) == 1
+        assert hkv.stride() == hgate.stride() and hpos.shape[0] == hkv.shape[1] >= ratio
+    dtype = norm_weight.dtype
+    bf16 = dtype == torch.bfloat16
+    latent = torch.empty(B, 1, D, dtype=dtype, device=kv.device)
+    _compress_step_kernel[(B,)](kv, kv if gate is None else gate, hkv, hgate, hpos, pos, hpos.shape[0], hkv.stride(0),
+                                hkv.stride(1), norm_weight, float(eps), inv_freq, latent.view(torch.int16) if bf16
+                                else latent, records, records.stride(0), records.stride(1), D=D, RATIO=ratio,
+                                R_P2=triton.next_power_of_2(ratio), HALF=inv_freq.shape[0], BLOCK=RECORD_BLOCK,
+                                EMIT=emit, BF16=bf16, num_warps=4, **unfused(), **chained(kv))
+    return latent if emit else None
+
+
+def index_entry(k: torch.Tensor, norm_weight: torch.Tensor, eps: float, inv_freq: torch.Tensor, index: torch.Tensor,
+                pos: torch.Tensor, ratio: int) -> None:
+    """The index key of the group completing at ``pos`` (``_index_entry_kernel``, one launch):
+    ``k`` [B, 1, d] = ``wk`` of the group's latent, into ``index``'s packed rows."""
+    B, _, D = k.shape
+    assert k.shape[1] == 1 and k.is_contiguous() and k.dtype == norm_weight.dtype and pos.dtype == torch.int64
+    assert index.dtype == torch.uint8 and index.shape[2] == D // 2 + D // INDEX_BLOCK and index.stride(2) == 1
+    _index_entry_kernel[(B,)](k, norm_weight, float(eps),
+                              inv_freq, pos, index, index.stride(0), index.stride(1), D=D, RATIO=ratio,
+                              HALF=inv_freq.shape[0], BLOCK=INDEX_BLOCK, BF16=k.dtype == torch.bfloat16,
+                              num_warps=4, **unfused(), **chained(k))
+
+
 def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = False) -> torch.Tensor:
     assert FP4_MAX == 6.0
     flat, D = _rows(x, block), x.shape[-1]
@@ -264,8 +398,7 @@ def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = Fal
         out = torch.empty(flat.shape[0], D // 2 + D // block, dtype=torch.uint8, device=x.device)
     if flat.shape[0]:
         _pack_fp4_kernel[(flat.shape[0],)](flat, out, flat.stride(0), out.stride(0), D=D, BLOCK=block,
-                                           E4M3_SCALES=e4m3_scales, T0=_T[0], T1=_T[1], T2=_T[2], T3=_T[3],
-                                           T4=_T[4], T5=_T[5], T6=_T[6], VALUES=values, **chained(flat))
+                                           E4M3_SCALES=e4m3_scales, VALUES=values, **chained(flat))
     return out.view(*x.shape[:-1], out.shape[-1])
 
 

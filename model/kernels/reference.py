@@ -63,17 +63,20 @@ def _selected_records(records: torch.Tensor, record_idx: torch.Tensor, dim: int)
     return unpack_main(rows, dim)
 
 
-def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible: int | torch.Tensor,
-                       head_scale: float, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """Scores [B, N] fp32: sum_h weights[b, h] * relu(q[b, h] . key[b, n]) * head_scale,
-    -inf at n >= n_visible (an int or a one-element tensor).
+def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible, head_scale: float,
+                       rows: torch.Tensor | None = None, weight_scale: float = 1.0) -> torch.Tensor:
+    """Scores [B, N] fp32: sum_h w[b, h] * relu(q[b, h] . key[b, n]) * head_scale, with w =
+    ``weights.float() * weight_scale``; -inf at n >= n_visible: an int or a one-element
+    tensor, or (position [1], ratio): the records that position sees, (position + 1) // ratio.
 
     q [B, Hi, d] float (already FP4-fake-quantised, as ``KVFormat.index_query`` makes it);
-    weights [B, Hi] float: ``weights_proj(x) * n_heads**-0.5``; keys uint8 [B, N, d/2 + d/32]
-    (FP4 index keys); head_scale: ``head_dim**-0.5``. ``rows`` [B, M] (int, -1 = none): the
-    scores [B, M] of those keys alone, -inf at -1 and at rows >= n_visible (a candidate
-    pool's records). Top-k is the caller's (torch).
+    weights [B, Hi]: ``weights_proj(x)``, and weight_scale ``n_heads**-0.5``; keys uint8 [B,
+    N, d/2 + d/32] (FP4 index keys); head_scale: ``head_dim**-0.5``. ``rows`` [B, M] (int, -1
+    = none): the scores [B, M] of those keys alone, -inf at -1 and at rows >= n_visible (a
+    candidate pool's records). Top-k is the caller's (torch).
     """
+    if isinstance(n_visible, tuple):
+        n_visible = (n_visible[0] + 1) // n_visible[1]
     (B, _, d), N = q.shape, keys.shape[1]
     if rows is not None:
         keys = keys.gather(1, rows.long().clamp(0, max(N - 1, 0))[..., None].expand(-1, -1, keys.shape[-1])) \
@@ -85,7 +88,7 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
         return torch.zeros(B, 0, device=keys.device)
     k = unpack_index(keys, d)  # (B, N, d)
     s = torch.einsum("bhd,bnd->bhn", q.float(), k).relu_() * head_scale
-    s = (s * weights.float().unsqueeze(-1)).sum(dim=1)
+    s = (s * (weights.float() * weight_scale).unsqueeze(-1)).sum(dim=1)
     return s.masked_fill(~((at >= 0) & (at < n_visible)), float("-inf"))
 
 
