@@ -24,6 +24,9 @@ and, for one decode step (one query per batch row):
 - ``pack_window_at(kv, data, ring_pos, pos)``: a step's window entry packed into its ring slot;
   ``window_entry(kv, norm_weight, eps, cos, sin, data, ring_pos, pos)``: the entry made from
   its K=V latent (norm, RoPE, FP8) and packed there, one launch.
+- ``compress_step(x, weights, norm, hist, records, index, wk, k_norm, inv_freq, pos, ratio,
+  emit)``: a KV source's compressor in a decode step, its history ring, record and index key
+  written in four launches (``model.kernels.pack``), or False and the caller runs the torch path.
 - ``indexer_scores(q, weights, keys, n_visible, head_scale, rows=None, weight_scale=1.0)`` -> [B, N] fp32:
   ``Indexer.scores`` for S=1 on FP4 index keys (``n_visible`` an int, a one-element
   device tensor that a CUDA graph can hold, or (position, ratio)); with ``rows`` [B, M], the

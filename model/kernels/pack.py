@@ -7,7 +7,10 @@ pairs + one ue8m0 byte per 32: 68 B at d=128), one program per row. Their twins 
 requires equal bytes. The same kernels give ``fake_quant_fp8`` / ``fake_quant_fp4``: the
 quantised values themselves, decoded in registers (twins: ``model.quant``'s of the same
 names; every such value is exact in fp32 and bf16, so these are bit-exact too) — one launch
-where torch runs ~18 for the window's FP8 and ~25 for the indexer query's FP4.
+where torch runs ~18 for the window's FP8 and ~25 for the indexer query's FP4. A decode step's
+rows made and packed in place in one launch each: ``window_entry`` (the window's), and a KV
+source's compressor in ``compress_step`` (its history ring, pooled latent and record) and
+``index_entry`` (its index key), whose twins are ``Compressor.step`` and the packs above.
 
 How the bytes stay exact: every rounding is done on integer bits, never by float
 arithmetic the compiler could contract — power-of-two scales are read off and built from
