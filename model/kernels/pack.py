@@ -155,15 +155,14 @@ def _pack_fp4_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.conste
     pair = tl.arange(0, NB)[:, None] * HALF + tl.arange(0, HALF)[None, :]  # output byte index
     even = tl.load(x_ptr + row * s_x + 2 * pair).to(tl.float32)
     odd = tl.load(x_ptr + row * s_x + 2 * pair + 1).to(tl.float32)
-    ce, co, sb, scale = _fp4_blocks(even, odd, E4M3_SCALES)
     if VALUES:  # e2m1 (2 significant bits) times an e4m3 or power-of-two scale: exact
+        ce, co, _, scale = _fp4_blocks(even, odd, E4M3_SCALES)
         ve = _signed(_e2m1(ce & 0x7) * scale[:, None], (ce & 0x8) != 0)
         vo = _signed(_e2m1(co & 0x7) * scale[:, None], (co & 0x8) != 0)
         tl.store(out_ptr + row * s_o + 2 * pair, ve.to(out_ptr.dtype.element_ty))
         tl.store(out_ptr + row * s_o + 2 * pair + 1, vo.to(out_ptr.dtype.element_ty))
     else:
-        tl.store(out_ptr + row * s_o + pair, (ce | (co << 4)).to(tl.uint8))
-        tl.store(out_ptr + row * s_o + D // 2 + tl.arange(0, NB), sb.to(tl.uint8))
+        _store_fp4(out_ptr + row * s_o, tl.reshape(even, [D // 2]), tl.reshape(odd, [D // 2]), D, BLOCK, E4M3_SCALES)
 
 
 def _rows(x: torch.Tensor, block: int) -> torch.Tensor:
