@@ -212,7 +212,7 @@ class Compressor(nn.Module):
         """Latents [B, G, D] of groups [B, G, ratio, D]: the softmax-gated sum, normalised."""
         return self.norm((kv * gate.softmax(dim=2)).sum(dim=2).to(dtype))
 
-    def _step_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def step_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``wkv`` and ``wgate`` in fp32 for :meth:`step`: cast once, not every step (the casts
         took ~50 us of a `small` step on the H200, session 24), again when either weight
         changes (in place or moved); the same values :meth:`forward` multiplies by (fp32
@@ -235,7 +235,7 @@ class Compressor(nn.Module):
         if self.wgate is None:
             return self.norm(self.wkv(x)), pos
         h = x.float()
-        src.remember_at(*(F.linear(h, w) for w in self._step_weights()), pos)
+        src.remember_at(*(F.linear(h, w) for w in self.step_weights()), pos)
         if not emits:
             return None
         first = pos - (self.ratio - 1)
@@ -552,7 +552,7 @@ class Attention(nn.Module):
         what :meth:`Compressor.step` and the record's and index key's packs do. False where
         those kernels do not run; the caller then runs them."""
         comp, index = self.compressor, self.indexer
-        weights = (comp.wkv.weight,) if comp.wgate is None else comp._step_weights()
+        weights = (comp.wkv.weight,) if comp.wgate is None else comp.step_weights()
         return kernels.compress_step(x, weights, (comp.norm.weight, comp.norm.eps),
                                      (src.hist_kv, src.hist_gate, src.hist_pos), src.records, src.index,
                                      index.wk.weight, (index.k_norm.weight, index.k_norm.eps), ropes.compress, pos,

@@ -385,10 +385,9 @@ def index_entry(k: torch.Tensor, norm_weight: torch.Tensor, eps: float, inv_freq
     B, _, D = k.shape
     assert k.shape[1] == 1 and k.is_contiguous() and k.dtype == norm_weight.dtype and pos.dtype == torch.int64
     assert index.dtype == torch.uint8 and index.shape[2] == D // 2 + D // INDEX_BLOCK and index.stride(2) == 1
-    _index_entry_kernel[(B,)](k, norm_weight, float(eps),
-                              inv_freq, pos, index, index.stride(0), index.stride(1), D=D, RATIO=ratio,
-                              HALF=inv_freq.shape[0], BLOCK=INDEX_BLOCK, BF16=k.dtype == torch.bfloat16,
-                              num_warps=4, **unfused(), **chained(k))
+    _index_entry_kernel[(B,)](k, norm_weight, float(eps), inv_freq, pos, index, index.stride(0), index.stride(1),
+                              D=D, RATIO=ratio, HALF=inv_freq.shape[0], BLOCK=INDEX_BLOCK,
+                              BF16=k.dtype == torch.bfloat16, num_warps=4, **unfused(), **chained(k))
 
 
 def _pack_fp4(x: torch.Tensor, block: int, e4m3_scales: bool, values: bool = False) -> torch.Tensor:
