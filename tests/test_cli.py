@@ -260,13 +260,14 @@ def test_python_m_dsagent_help():
 
 
 def test_bench_decode_host_sets_the_host_beside_the_step():
-    """On the CPU the host runs the step itself: its issue time is nearly all of the step."""
+    """The host bench prints the step's time, the host's issue time and their ratio. (On the
+    CPU the host runs the step itself, so the ratio is near 1, but it is two timings: no
+    bound on it here — a CI run under load measured 0.44.)"""
     r = invoke("bench", "decode", "--host", "--preset", "tiny", "--ctx", "32", "--json")
     assert r.exit_code == 0, r.output
     out = json.loads(r.stdout)
-    assert out["bench"] == "host" and out["step_ms"] > 0 and out["host_issue_ms"] > 0
+    assert out["bench"] == "host" and out["ctx"] == 32 and out["step_ms"] > 0 and out["host_issue_ms"] > 0
     assert out["host_over_step"] == pytest.approx(out["host_issue_ms"] / out["step_ms"])
-    assert out["host_over_step"] > 0.5
 
 
 def test_bench_decode_profile_counts_what_a_step_launches(monkeypatch):
