@@ -469,13 +469,13 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, rows_ptr, HI, N, NK
     BLOCK_N entries, -1 none, out of the NK there are): the query's heads (bf16 parts,
     :func:`_bf16_parts`) against FP4 keys decoded to bf16, on tensor cores; ReLU, sum over
     the heads weighted by w · w_scale. The keys seen: ``n_visible``, or with VIS_PTR the count
-    at ``vis_ptr`` (a graphed decode step), or with VIS_RATIO the position there + 1 over it."""
+    at ``vis_ptr``, or with VIS_RATIO too the position there + 1 over it."""
     _chain(PDL)
     b, blk = tl.program_id(0), tl.program_id(1)
-    if VIS_RATIO:
-        limit = (tl.load(vis_ptr) + 1) // VIS_RATIO
-    elif VIS_PTR:
+    if VIS_PTR:  # a device tensor (a graphed decode step): the count, or with VIS_RATIO the position
         limit = tl.load(vis_ptr)
+        if VIS_RATIO:
+            limit = (limit + 1) // VIS_RATIO
     else:
         limit = n_visible
     b64 = b.to(tl.int64)
@@ -526,6 +526,8 @@ def indexer_scores(q, weights, keys, n_visible, head_scale: float, rows: torch.T
         rows = rows.contiguous()
     n_visible, ratio = n_visible if isinstance(n_visible, tuple) else (n_visible, 0)
     on_device = isinstance(n_visible, torch.Tensor)
+    if ratio and not on_device:  # a position on the host: its count here
+        n_visible, ratio = (n_visible + 1) // ratio, 0
     _indexer_kernel[(B, triton.cdiv(N, INDEX_BLOCK_N))](
         q, weights, keys, out, n_visible if on_device else out, out if rows is None else rows, HI, N, NK,
         0 if on_device else int(n_visible), float(head_scale), q.stride(0), q.stride(1), weights.stride(0),

@@ -224,6 +224,28 @@ def pack_window_at(x: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor, 
                                  data.stride(1), D=D, BLOCK=WINDOW_BLOCK, FMAX=FP8_MAX, **chained(flat))
 
 
+@triton.jit
+def _rotated(h, cos_ptr, sin_ptr, first, D: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr,
+             AT_FIRST: tl.constexpr):
+    """Row ``h`` [D] (fp32 values of the row's dtype) as ``rope`` turns its trailing HALF pairs,
+    each channel rounded to the dtype: by the angles' cos / sin [HALF] at ``cos_ptr`` /
+    ``sin_ptr``, or with AT_FIRST by those of position ``first`` under the frequencies at
+    ``cos_ptr`` — first · inv_freq, its cos and sin in fp32, as ``RopeAngles`` makes them.
+    -> (even, odd) channels [D/2]."""
+    e, o = tl.split(tl.reshape(h, [D // 2, 2]))
+    pc = 2 * tl.arange(0, D // 2)  # each pair's even channel
+    rot = pc >= D - 2 * HALF
+    j = (pc - (D - 2 * HALF)) // 2
+    if AT_FIRST:
+        angle = first.to(tl.float32) * tl.load(cos_ptr + j, mask=rot, other=0.0)
+        cs, sn = tl.cos(angle), tl.sin(angle)
+    else:
+        cs = tl.load(cos_ptr + j, mask=rot, other=0.0)
+        sn = tl.load(sin_ptr + j, mask=rot, other=0.0)
+    e, o = tl.where(rot, _turned(e, o, True, cs, sn), e), tl.where(rot, _turned(o, e, False, cs, sn), o)
+    return _round(e, BF16), _round(o, BF16)
+
+
 @triton.jit(do_not_specialize=["cap"])
 def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_ptr, pos_ptr, cap, s_x, s_db, s_dn,
                          D: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, FMAX: tl.constexpr,
@@ -236,14 +258,8 @@ def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_pt
     b = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, D)
     h = _rms_normed(tl.load(x_ptr + b * s_x + c).to(tl.float32), tl.load(nw_ptr + c).to(tl.float32), D, eps, BF16)
-    e, o = tl.split(tl.reshape(h, [D // 2, 2]))
-    pc = 2 * tl.arange(0, D // 2)  # each pair's even channel
-    rot = pc >= D - 2 * HALF
-    j = (pc - (D - 2 * HALF)) // 2
-    cs = tl.load(cos_ptr + j, mask=rot, other=0.0)
-    sn = tl.load(sin_ptr + j, mask=rot, other=0.0)
-    e, o = tl.where(rot, _turned(e, o, True, cs, sn), e), tl.where(rot, _turned(o, e, False, cs, sn), o)
-    h = tl.reshape(tl.join(_round(e, BF16), _round(o, BF16)), [D // BLOCK, BLOCK])
+    e, o = _rotated(h, cos_ptr, sin_ptr, 0, D, HALF, BF16, False)
+    h = tl.reshape(tl.join(e, o), [D // BLOCK, BLOCK])
     y, scale, _ = _fp8_blocks(h, FMAX)  # the entry's FP8 values, as the step's KVFormat.window makes them
     code = _e4m3_encode(y)
     value = _signed(_e4m3(code & 0x7F) * scale[:, None], (code & 0x80) != 0)
@@ -279,20 +295,6 @@ def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: to
 # a compressor's decode step in four launches (``model.kernels.compress_step``); off: torch's ~30,
 # for ``gpu_bench.py --knobs pack.COMPRESS_STEP=False``
 COMPRESS_STEP = True
-
-
-@triton.jit
-def _rotated(h, inv_ptr, first, D: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr):
-    """Row ``h`` [D] (fp32 values of the row's dtype) as ``apply_rope`` at position ``first``
-    turns its trailing HALF pairs: the angles first · inv_freq, their cos and sin in fp32 as
-    ``RopeAngles`` makes them, each channel rounded to the dtype. -> (even, odd) channels [D/2]."""
-    e, o = tl.split(tl.reshape(h, [D // 2, 2]))
-    pc = 2 * tl.arange(0, D // 2)  # each pair's even channel
-    rot = pc >= D - 2 * HALF
-    angle = first.to(tl.float32) * tl.load(inv_ptr + (pc - (D - 2 * HALF)) // 2, mask=rot, other=0.0)
-    cs, sn = tl.cos(angle), tl.sin(angle)
-    e, o = tl.where(rot, _turned(e, o, True, cs, sn), e), tl.where(rot, _turned(o, e, False, cs, sn), o)
-    return _round(e, BF16), _round(o, BF16)
 
 
 @triton.jit(do_not_specialize=["cap"])
@@ -332,7 +334,7 @@ def _compress_step_kernel(kv_ptr, gate_ptr, hkv_ptr, hgate_ptr, hpos_ptr, pos_pt
             h = tl.load(kv_ptr + b * D + c).to(tl.float32)
         h = _rms_normed(h, tl.load(nw_ptr + c).to(tl.float32), D, eps, BF16)
         _store(lat_ptr + b * D + c, h, c < D, BF16)
-        even, odd = _rotated(h, inv_ptr, first, D, HALF, BF16)
+        even, odd = _rotated(h, inv_ptr, inv_ptr, first, D, HALF, BF16, True)
         _store_fp4(rec_ptr + b * s_rb + (first // RATIO) * s_rn, even, odd, D, BLOCK, True)
 
 
@@ -348,7 +350,7 @@ def _index_entry_kernel(k_ptr, nw_ptr, eps, inv_ptr, pos_ptr, idx_ptr, s_ib, s_i
     c = tl.arange(0, D)
     first = tl.load(pos_ptr) - (RATIO - 1)
     h = _rms_normed(tl.load(k_ptr + b * D + c).to(tl.float32), tl.load(nw_ptr + c).to(tl.float32), D, eps, BF16)
-    even, odd = _rotated(h, inv_ptr, first, D, HALF, BF16)
+    even, odd = _rotated(h, inv_ptr, inv_ptr, first, D, HALF, BF16, True)
     _store_fp4(idx_ptr + b * s_ib + (first // RATIO) * s_in, even, odd, D, BLOCK, False)
 
 
