@@ -458,9 +458,10 @@ class Attention(nn.Module):
         q = q.view(B, S, self.n_heads, self.head_dim)
         return x, q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
 
-    def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
+    def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes, later: bool = False):
         """De-rotated attention output through the grouped low-rank output projection (on a
-        decode step's few rows one GEMV de-rotates and projects)."""
+        decode step's few rows one GEMV de-rotates and projects). ``later``: ``wo_b``'s GEMV
+        left as a ``kernels.Pending`` for the FFN site to fold its first launch into."""
         inv = self.rope_table(ropes)
         rows = out.flatten(2)
         if kernels.gemv_runs(rows, self.wo_a):
@@ -469,7 +470,7 @@ class Attention(nn.Module):
                                   rope_in=(angles.cos, angles.neg_sin, self.head_dim))
         else:
             lat = self._grouped_wo_a(apply_rope(out, pos, inv, inverse=True)).flatten(2)
-        return linear(self.wo_b, lat)
+        return kernels.gemv_later(lat, self.wo_b) if later else linear(self.wo_b, lat)
 
     def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
         """The part that reads and writes the cache: window ring, KV source, indexer, attention
@@ -721,7 +722,8 @@ def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb:
 
 
 def expand_output(streams: torch.Tensor, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """A site's ``output`` = (y, post, comb) added to ``streams`` (:func:`hc_expand`)."""
+    """A site's ``output`` = (y, post, comb) added to ``streams`` (:func:`hc_expand`; y may be
+    a ``kernels.Pending``)."""
     y, post, comb = output
     return hc_expand(y, streams, post, comb)
 
@@ -784,8 +786,8 @@ class Block(nn.Module):
         x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
-        return (*self.ffn_output(self.attn.output(out, pos, ropes), streams, a_pre, a_post, a_comb, image_mask,
-                                 overlap=True), *written)
+        return (*self.ffn_output(self.attn.output(out, pos, ropes, later=True), streams, a_pre, a_post, a_comb,
+                                 image_mask, overlap=True), *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -822,10 +824,12 @@ class Block(nn.Module):
     def ffn_output(self, y, streams, a_pre, a_post, a_comb, image_mask=None, overlap: bool = False):
         """:meth:`ffn_site` short of its last expand: (streams, pre, (the FFN's output, post,
         comb)), what ``hc_expand`` or the next site's ``expand`` adds to the streams. With
-        ``overlap`` (the whole-step decode) the site's norm is left to the MoE's gate launch."""
+        ``overlap`` (the whole-step decode) the site's norm is left to the MoE's gate launch
+        and the FFN's output may be a ``kernels.Pending`` (its last launch left for the next
+        site to fold its first one into); ``y`` may be one."""
         streams, f_pre, f_post, f_comb, x, norm = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb),
                                                             overlap=overlap, norm_later=overlap)
-        return streams, f_pre, (self.ffn(x, image_mask, norm=norm), f_post, f_comb)
+        return streams, f_pre, (self.ffn(x, image_mask, norm=norm, later=overlap), f_post, f_comb)
 
     def site(self, name: str, streams, pre, expand=None, overlap: bool = False, norm_later: bool = False):
         """``kernels.hc_site`` of the attention or FFN site: (streams, pre, post, comb, the

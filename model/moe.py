@@ -152,23 +152,31 @@ class MoE(nn.Module):
         self.grouped = GroupedExperts(args.swiglu_limit)
         self.register_load_state_dict_post_hook(_restack_after_load)
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, norm=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, norm=None, later: bool = False):
         """``norm`` = (weight, eps): x is an mHC site's input before its RMSNorm (a fused decode
         step's site kernel left it): normalised here, by the fused kernels' gate launch where
-        they run."""
+        they run. ``later``: on the fused kernels, the output may be a ``kernels.Pending`` of
+        their last launch (for the next mHC site to fold its first launch into)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if image_mask is None and self.runs_fused(flat):
-            y = self._fused(flat, norm)  # a decode step on CUDA: four kernels (model.kernels.moe)
+            twin = (lambda: self._torch(flat, None, norm).view(shape)) if later else None
+            y = self._fused(flat, norm, twin)  # a decode step on CUDA: four kernels (model.kernels.moe)
+            if isinstance(y, kernels.Pending):
+                return y.view(shape)
             if y is not None:
                 return y.to(x.dtype).view(shape)
+        return self._torch(flat, image_mask, norm).view(shape)
+
+    def _torch(self, flat: torch.Tensor, image_mask: torch.Tensor | None, norm) -> torch.Tensor:
+        """The MoE of tokens ``flat`` [N, D] in torch (norm as in :meth:`forward`)."""
         if norm is not None:
             flat = kernels.rms_norm(flat, *norm)
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         routed = self.grouped if self.runs_grouped(flat) else self._dense if self.runs_dense(flat) else self._loop
         y = routed(flat, weights, indices)
         y += self.shared_experts(flat).float()
-        return y.to(x.dtype).view(shape)
+        return y.to(flat.dtype)
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The reference: one Expert call per expert that has tokens (reads their ids on the host)."""
@@ -197,16 +205,16 @@ class MoE(nn.Module):
         return (x.is_cuda and torch.is_grad_enabled() and len(self.experts) <= DENSE_RATIO * self.gate.top_k
                 and os.environ.get("DSAGENT_DENSE_MOE", "1") != "0")
 
-    def _fused(self, flat: torch.Tensor, norm=None) -> torch.Tensor | None:
+    def _fused(self, flat: torch.Tensor, norm=None, later=None):
         """``kernels.moe_decode`` on text tokens where :meth:`runs_fused` (routed sum + shared,
         in the tokens' dtype, rounded from fp32 by the kernel), or None if its kernels cannot
-        be built here."""
+        be built here; ``later`` (the MoE in torch): maybe a ``kernels.Pending``."""
         g, a, shared = self.gate, self.gate.args, self.shared_experts
         return kernels.moe_decode(flat, g.weight, g.bias, self.grouped.w1.weight, self.grouped.w3.weight,
                                   self.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,
                                   top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
                                   scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype,
-                                  x_norm=norm)
+                                  x_norm=norm, later=later)
 
     def runs_fused(self, x: torch.Tensor) -> bool:
         """Whether text tokens ``x`` [N, D] run through ``kernels.moe_decode``: stacked,

@@ -197,7 +197,7 @@ def test_site_dispatcher_takes_the_kernel_for_decode_steps_only(monkeypatch) -> 
 
     calls = []
     real = kernel.hc_site
-    monkeypatch.setattr(kernel, "hc_site", lambda *a: calls.append(a[0].shape) or real(*a))
+    monkeypatch.setattr(kernel, "hc_site", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     streams, pre, fn, scale, base, weight, expand = _site_inputs((4, 1), 4, 64, torch.float32)
     got = hc_site(streams, pre, fn, scale, base, weight, expand=expand, **SITE)
     assert calls == [streams.shape]

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, chained, unfused
+from model.kernels.streams import Fold, _site_block, _site_fn_tiles
 
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
@@ -53,9 +54,12 @@ TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P1,
                  nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF, xn_ptr,
+                 s_ptr, post_ptr, comb_ptr, sout_ptr, pre_ptr, sx_ptr, fn_ptr, dots_ptr, sq_ptr, SPLITS,
                  BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
                  NORM: tl.constexpr = False, ROPE_IN: tl.constexpr = False, ROPE_OUT: tl.constexpr = False,
-                 KEEP: tl.constexpr = False, PDL: tl.constexpr = False):
+                 KEEP: tl.constexpr = False, SITE: tl.constexpr = False, HC: tl.constexpr = 1,
+                 M: tl.constexpr = 1, M_PAD: tl.constexpr = 1, COLLAPSE: tl.constexpr = False,
+                 PDL: tl.constexpr = False):
     """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
     second, for every row of x. Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG);
     two weights come only without groups (DG == D), so both weights' tiles have one shape.
@@ -63,7 +67,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     with KEEP the normalised rows written to ``xn`` by program 0 (for x's later readers);
     ROPE_IN / ROPE_OUT: x's / the output's heads of HD channels rotated (as
     ``rotary._rope_kernel``: channels from OFF on, in adjacent pairs, by row n's cos / sin at
-    n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG)."""
+    n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG).
+    SITE (one weight, no groups; ``streams.Fold``): the output is an mHC site's y and is not
+    written; each program does that site's dots launch's work at its rows instead
+    (``streams._site_block``: row n's streams expanded, collapsed and dotted with the mixes'
+    projection, whose tiles it asks for with its weight's), block p of SPLITS."""
     p = tl.program_id(0)
     if TWO and p >= P1:
         w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
@@ -80,6 +88,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     w_rows = w_at + o[:, None].to(tl.int64) * DG
     w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0,
                 eviction_policy="evict_first").to(tl.float32)  # before the wait: weights are never written
+    if SITE:
+        f0, f1, f2, f3 = _site_fn_tiles(fn_ptr, o, o_ok, O, HC, M, M_PAD)
     _chain(PDL)
     n = 0
     while n < N:
@@ -112,7 +122,11 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
             sn = tl.load(sin_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
             acc = tl.reshape(tl.join(tl.where(rot, _turned(e, od, True, cs, sn), e),
                                      tl.where(rot, _turned(od, e, False, cs, sn), od)), [BLOCK_O])
-        _store(out_at + n * rows + o, acc, o_ok, BF16)
+        if SITE:
+            _site_block(_round(acc, BF16), o, o_ok, n, p, SPLITS, O, f0, f1, f2, f3, s_ptr, post_ptr, comb_ptr,
+                        sout_ptr, pre_ptr, sx_ptr, dots_ptr, sq_ptr, HC, M_PAD, True, COLLAPSE, BF16)
+        else:
+            _store(out_at + n * rows + o, acc, o_ok, BF16)
         n += 1
 
 
@@ -130,14 +144,17 @@ def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whol
 
 
 def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
-         rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
+         rope_out=None, keep: bool = False, site: Fold | None = None) -> tuple[torch.Tensor, ...]:
     """``x`` [..., D] (fp32 or bf16) against one or two weights [O, D] of its dtype -> one
     output [..., O] each (then, with ``keep`` and ``norm``, x normalised). With ``groups`` g
     (one weight [g * r, D / g]): output group j is weight rows [j * r, (j + 1) * r) against
     x's channels [j * D / g, (j + 1) * D / g).
     ``norm`` = (weight [D], eps): x RMS-normalised first (``rms_norm``; without groups);
     ``rope_in`` / ``rope_out`` = (cos, sin [S, r], head_dim): x's / the output's heads rotated
-    (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these)."""
+    (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these).
+    ``site`` (a ``streams.Fold`` whose streams take the output as their y; one weight, no
+    groups, no output RoPE): the output unwritten, the site's dots launch done at each
+    program's rows instead -> ()."""
     assert 1 <= len(weights) <= 2 and (groups == 1 or len(weights) == 1)
     assert x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == x.dtype and w.dim() == 2 for w in weights)
     assert len(weights) == 1 or not (rope_in or rope_out)
@@ -151,7 +168,10 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     O, DG = ws[0].shape
     assert D == DG * groups and O % groups == 0 and all(w.shape[1] == D for w in ws[1:]), (x.shape, O, DG, groups)
     OG = O // groups
-    outs = [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
+    if site is not None:
+        assert len(ws) == 1 and groups == 1 and not (rope_out or keep), "a site takes one plain output"
+        assert (N, O) == (site.tokens, site.width), (N, O, site.streams.shape)
+    outs = [rows] if site is not None else [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]  # a site's: unwritten
     # one tile shape for both weights; a power of two dividing the group's rows; the output's
     # RoPE pairs in one program
     most = min(OG & -OG, *(w.shape[0] for w in ws))
@@ -173,9 +193,12 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     assert norm is None or (nw.shape == (D,) and nw.dtype == x.dtype)
     if keep:
         outs.append(torch.empty_like(rows))
+    folded, consts = site.launch(p1, x.dtype) if site is not None else (Fold.unused(rows), {})
     _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
-                             nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]),
+                             nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]), *folded,
                              BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
                              ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, KEEP=keep,
-                             num_warps=GEMV_WARPS, **unfused(), **chained(rows))
+                             num_warps=GEMV_WARPS, **consts, **unfused(), **chained(rows))
+    if site is not None:
+        return ()
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)

@@ -38,6 +38,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
+from model.kernels.streams import Fold, _site_block, _site_fn_tiles
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -280,9 +281,11 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 
 @triton.jit
 def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
+                       s_ptr, post_ptr, comb_ptr, sout_ptr, pre_ptr, sx_ptr, fn_ptr, dots_ptr, sq_ptr, SPLITS,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       SITE: tl.constexpr = False, HC: tl.constexpr = 1, M: tl.constexpr = 1,
+                       M_PAD: tl.constexpr = 1, COLLAPSE: tl.constexpr = False, PDL: tl.constexpr = False):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
@@ -292,12 +295,17 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
     the dependent launch's wait, as the GEMV asks for its weights. The ids come from the gate
     kernel, two launches back: this kernel is scheduled only once every program of the up
     kernel between has passed its own wait, which returns when the gate has finished and its
-    writes are visible; the ids are read past the SM's L1 (``.cg``) all the same."""
-    if not EARLY:
-        _chain(PDL)
+    writes are visible; the ids are read past the SM's L1 (``.cg``) all the same.
+    SITE (``streams.Fold``): the sum is an mHC site's y and is not written; each program does
+    that site's dots launch's work at its channels instead (``streams._site_block``; the
+    mixes' projection tiles asked for first), block program_id(1) of SPLITS."""
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
+    if SITE:
+        f0, f1, f2, f3 = _site_fn_tiles(fn_ptr, o, o_ok, D, HC, M, M_PAD)
+    if not EARLY:
+        _chain(PDL)
     j = tl.arange(0, S_P2)
     routed, live = j < K, j < K + 1
     pair = tl.where(routed, t * K + j, NK + t)  # the slot's row of h: the shared expert's last
@@ -327,7 +335,12 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
     total = tl.zeros([BLOCK_O], dtype=tl.float32)
     for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
         total += tl.sum(tl.where((j == s)[:, None], acc, 0.0), 0)
-    _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
+    if SITE:
+        _site_block(_round(total, OUT_BF16), o, o_ok, t, tl.program_id(1), SPLITS, D, f0, f1, f2, f3, s_ptr,
+                    post_ptr, comb_ptr, sout_ptr, pre_ptr, sx_ptr, dots_ptr, sq_ptr, HC, M_PAD, True, COLLAPSE,
+                    OUT_BF16)
+    else:
+        _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
 
 
 @triton.jit
@@ -459,25 +472,32 @@ def up_tile(D: int, elem_bytes: int) -> tuple[bool, int, int]:
 
 
 def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torch.Tensor,
-               out: torch.Tensor) -> torch.Tensor:
+               out: torch.Tensor, site: Fold | None = None) -> torch.Tensor | None:
     """``_down_slots_kernel`` of N tokens into ``out`` [N, D] (fp32 or bf16): the rows of h
     [N * K + N, I] (the pairs' SwiGLU outputs, then each token's shared expert's), the routed
-    experts' w2 [E, D, I] picked by ``chosen`` [N, K], the shared expert's s2 [D, I]."""
+    experts' w2 [E, D, I] picked by ``chosen`` [N, K], the shared expert's s2 [D, I].
+    ``site`` (a ``streams.Fold`` whose streams take the sum as their y): ``out`` unwritten,
+    the site's dots launch done at each program's channels instead -> None."""
     (N, K), (D, I) = chosen.shape, s2.shape
     bf16, out_bf16 = h.dtype == torch.bfloat16, out.dtype == torch.bfloat16
     assert h.shape == (N * K + N, I) and w2.shape[1:] == (D, I) and out.shape == (N, D)
-    _down_slots_kernel[(N, triton.cdiv(D, SLOTS_BLOCK_O))](
+    splits = triton.cdiv(D, SLOTS_BLOCK_O)
+    if site is not None:
+        assert (N, D) == (site.tokens, site.width), (N, D, site.streams.shape)
+    folded, consts = site.launch(splits, out.dtype) if site is not None else (Fold.unused(h), {})
+    _down_slots_kernel[(N, splits)](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
-        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
+        *folded, K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
         BLOCK_I=triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **chained(h))
-    return out
+        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **consts, **chained(h))
+    return None if site is not None else out
 
 
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
                scoring: str, temp: float, norm: bool, scale: float, limit: float,
-               out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None) -> torch.Tensor:
+               out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None,
+               defer: bool = False):
     """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (any float dtype),
     stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
     [I, D] and s2 [D, I], all in x's dtype. -> [N, D] (routed sum + shared) in fp32, or in
@@ -486,7 +506,9 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     all its tokens) rather than by (token, slot) pair; by default from ``GROUPED_TOKENS``
     tokens on. Both forms round and sum alike; their dot products reduce in other orders.
     ``x_norm`` = (weight [D], eps): x is an mHC site's input before its RMSNorm, which the
-    gate-logits launch applies (``rms_norm``'s roundings) and writes for the expert kernels."""
+    gate-logits launch applies (``rms_norm``'s roundings) and writes for the expert kernels.
+    ``defer``: where the down sum is the last launch (``DOWN_SLOTS``, token by token), it is
+    not made: a callable ``(site=None)`` that makes it (:func:`down_slots`) is returned."""
     N, D = x.shape
     E, I = w1.shape[0], w1.shape[1]
     assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and w2.shape == (E, D, I)
@@ -533,6 +555,8 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
             num_warps=UP_WARPS, **chained(x))
         if DOWN_SLOTS:
+            if defer:
+                return lambda site=None: down_slots(h, w2, s2, chosen, out, site)
             return down_slots(h, w2, s2, chosen, out)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I,

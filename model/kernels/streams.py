@@ -101,6 +101,11 @@ SITE_WARPS = 4
 # its whole 24 KB tile of the mixes' projection before its wait, 3.716 -> 4.336 ms (a dependent
 # launch's programs that hold big tiles early take the SMs the kernel before still needs)
 NORM_LATER = True
+# a site whose streams take the output of a launch not yet made (``model.kernels.Pending``: the
+# attention's ``wo_b`` GEMV, the MoE's down sum) has that launch do its dots launch's work at
+# each program's output channels (``Fold``): one launch a site fewer, the expand, collapse and
+# partial dots at the end of the producer's programs
+SITE_FOLD = True
 # warps of the second launch (the split's Sinkhorn, a chain of ~40 reductions of a 4 x 4 tile,
 # beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
 # 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
@@ -117,24 +122,73 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
     mixes' projection ``fn`` [M, HC * D], a partial sum of S per token. COLLAPSE: the site's
     input before its norm, ``x`` = the streams collapsed by ``pre_in`` over the program's
     channels (``_site_input``'s products and sums, in its order), left for the site's
-    consumer to normalise."""
+    consumer to normalise. (:func:`_site_block`: what a folded launch's programs do too.)"""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     c = split * BLOCK_C + tl.arange(0, BLOCK_C)
     live = c < D
-    m = tl.arange(0, M_PAD)
     _chain(PDL)
-    acc = tl.zeros([M_PAD, BLOCK_C], tl.float32)
-    sq = tl.zeros([BLOCK_C], tl.float32)
-    col = tl.zeros([BLOCK_C], tl.float32)
+    f0, f1, f2, f3 = _site_fn_tiles(fn_ptr, c, live, D, HC, M, M_PAD)
+    y = tl.zeros([BLOCK_C], tl.float32)
     if EXPAND:
         y = tl.load(y_ptr + row * D + c, mask=live, other=0.0).to(tl.float32)
+    _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, s_ptr, post_ptr, comb_ptr, out_ptr, pre_in_ptr, x_ptr,
+                dots_ptr, sq_ptr, HC, M_PAD, EXPAND, COLLAPSE, BF16)
+
+
+@triton.jit
+def _site_fn_tiles(fn_ptr, c, live, D, HC: tl.constexpr, M: tl.constexpr, M_PAD: tl.constexpr):
+    """The mixes' projection ``fn`` [M, HC * D] at channels ``c`` of each stream, fp32
+    [M_PAD, len(c)] each: four tiles, those of streams past HC (at most four) zeros, unread."""
+    m = tl.arange(0, M_PAD)
+    mask = (m[:, None] < M) & live[None, :]
+    at = fn_ptr + m[:, None] * (HC * D) + c[None, :]
+    f0 = tl.load(at, mask=mask, other=0.0, eviction_policy="evict_first")
+    f1, f2, f3 = tl.zeros_like(f0), tl.zeros_like(f0), tl.zeros_like(f0)
+    if HC > 1:
+        f1 = tl.load(at + D, mask=mask, other=0.0, eviction_policy="evict_first")
+    if HC > 2:
+        f2 = tl.load(at + 2 * D, mask=mask, other=0.0, eviction_policy="evict_first")
+    if HC > 3:
+        f3 = tl.load(at + 3 * D, mask=mask, other=0.0, eviction_policy="evict_first")
+    return f0, f1, f2, f3
+
+
+@triton.jit
+def _pick(k: tl.constexpr, a, b, c, d):
+    """The k-th of four (k a constant)."""
+    out = a
+    if k == 1:
+        out = b
+    if k == 2:
+        out = c
+    if k == 3:
+        out = d
+    return out
+
+
+@triton.jit
+def _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, s_ptr, post_ptr, comb_ptr, out_ptr, pre_in_ptr, x_ptr,
+                dots_ptr, sq_ptr, HC: tl.constexpr, M_PAD: tl.constexpr, EXPAND: tl.constexpr,
+                COLLAPSE: tl.constexpr, BF16: tl.constexpr):
+    """An mHC site's work on one token's channels ``c`` (block ``split`` of S): with EXPAND the
+    streams expanded by ``y`` (fp32, the site before's output at c, already in its dtype's
+    values) as ``_expand_kernel`` does and written to ``out``, else read; their sum of
+    squares and dots with the mixes' projection (``f0``..``f3``: :func:`_site_fn_tiles`) into
+    the partial sums ``sq`` / ``dots`` [R, S(, M_PAD)]; with COLLAPSE the streams collapsed by
+    ``pre_in`` into ``x`` (``_site_input``'s products and sums, in its order). Everything is
+    per channel: a launch whose programs each make y at their own channels does it in place
+    of the site's dots launch (``Fold``)."""
+    if EXPAND:  # each old stream once (the expand's sums read them in j order, for every k)
+        r0, r1, r2, r3 = _stream_rows(s_ptr, row, c, live, D, HC)
+    sq = tl.zeros_like(y)
+    col = tl.zeros_like(y)
+    acc = tl.zeros_like(f0)
     for k in tl.static_range(HC):
         if EXPAND:
             h = tl.load(post_ptr + row * HC + k) * y
             for j in tl.static_range(HC):  # comb[j, k] weighs stream j into stream k
-                r = tl.load(s_ptr + (row * HC + j) * D + c, mask=live, other=0.0).to(tl.float32)
-                h = h + tl.load(comb_ptr + (row * HC + j) * HC + k) * r
+                h = h + tl.load(comb_ptr + (row * HC + j) * HC + k) * _pick(j, r0, r1, r2, r3)
             if BF16:  # the streams are stored in bf16: the mixes read the rounded values
                 bits = _bf16_bits(h)
                 tl.store(out_ptr + (row * HC + k) * D + c, bits, mask=live)
@@ -149,13 +203,27 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
                 col = tl.load(pre_in_ptr + row * HC) * h
             else:
                 col = col + tl.load(pre_in_ptr + row * HC + k) * h
-        w = tl.load(fn_ptr + m[:, None] * (HC * D) + k * D + c[None, :], mask=(m[:, None] < M) & live[None, :],
-                    other=0.0)
-        acc += w * h[None, :]
+        acc += _pick(k, f0, f1, f2, f3) * h[None, :]
+    m = tl.arange(0, M_PAD)
     tl.store(dots_ptr + (row * S + split) * M_PAD + m, tl.sum(acc, 1))
     tl.store(sq_ptr + row * S + split, tl.sum(sq, 0))
     if COLLAPSE:  # stored in the streams' dtype, as the collapse is before the norm reads it
         _store(x_ptr + row * D + c, col, live, BF16)
+
+
+@triton.jit
+def _stream_rows(s_ptr, row, c, live, D, HC: tl.constexpr):
+    """One token's streams at channels ``c`` in fp32, four rows (those past HC zeros, unread)."""
+    at = s_ptr + row * HC * D + c
+    r0 = tl.load(at, mask=live, other=0.0).to(tl.float32)
+    r1, r2, r3 = tl.zeros_like(r0), tl.zeros_like(r0), tl.zeros_like(r0)
+    if HC > 1:
+        r1 = tl.load(at + D, mask=live, other=0.0).to(tl.float32)
+    if HC > 2:
+        r2 = tl.load(at + 2 * D, mask=live, other=0.0).to(tl.float32)
+    if HC > 3:
+        r3 = tl.load(at + 3 * D, mask=live, other=0.0).to(tl.float32)
+    return r0, r1, r2, r3
 
 
 @triton.jit
@@ -226,7 +294,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     dots launch; the second launch is the split alone (its caller's consumer normalises x)."""
     hc, D = streams.shape[-2:]
     lead = streams.shape[:-2]
-    assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc & (hc - 1) == 0
+    assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc in (1, 2, 4)
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
     options = {**unfused(), **chained(streams)}  # both launches alike
     x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
@@ -290,10 +358,66 @@ def join() -> None:
     _PENDING.clear()
 
 
+class Fold:
+    """An mHC site's first launch folded into the launch that makes its ``expand``'s y (a
+    ``model.kernels.Pending``: the attention's ``wo_b`` GEMV, the MoE's down sum): each of that
+    launch's programs, once it has y at its output channels, does the dots launch's work
+    there (:func:`_site_block`: the expand, the collapse, the partial dots and sums of squares),
+    so y is never written and the site's second launch reads the partial sums of that launch's
+    channel blocks. :meth:`launch` gives the producer its arguments; the producer's programs
+    must own whole blocks of channels of one token, one block each (``split``)."""
+
+    def __init__(self, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, collapse=None):
+        self.streams, self.post, self.comb, self.fn = streams, post.contiguous(), comb.contiguous(), fn
+        self.out = torch.empty_like(streams)
+        self.pre, self.x = collapse if collapse is not None else (streams, self.out)  # unread without COLLAPSE
+        self.collapse = collapse is not None
+        self.dots: torch.Tensor | None = None
+        self.sq: torch.Tensor | None = None
+
+    @property
+    def hc(self) -> int:
+        return self.streams.shape[-2]
+
+    @property
+    def width(self) -> int:
+        return self.streams.shape[-1]
+
+    @property
+    def tokens(self) -> int:
+        return self.streams.numel() // (self.hc * self.width)
+
+    def launch(self, splits: int, dtype: torch.dtype) -> tuple[tuple, dict]:
+        """(the producer kernel's site arguments, its constants) for ``splits`` channel blocks a
+        token of y in ``dtype`` (the streams'): the partial sums' buffers made here."""
+        assert dtype == self.streams.dtype, (dtype, self.streams.dtype)
+        M = self.fn.shape[0]
+        self.dots = torch.empty(self.tokens, splits, triton.next_power_of_2(M), dtype=torch.float32,
+                                device=self.streams.device)
+        self.sq = torch.empty(self.tokens, splits, dtype=torch.float32, device=self.streams.device)
+        view = (lambda t: t.view(torch.int16)) if dtype == torch.bfloat16 else (lambda t: t)
+        args = (self.streams, self.post, self.comb, view(self.out), self.pre, view(self.x), self.fn, self.dots,
+                self.sq, splits)
+        return args, dict(SITE=True, HC=self.hc, M=M, M_PAD=self.dots.shape[-1], COLLAPSE=self.collapse)
+
+    @staticmethod
+    def unused(t: torch.Tensor) -> tuple:
+        """The site arguments of a launch without one: unread."""
+        return (t,) * 9 + (1,)
+
+
 def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict, collapse=None):
     """The first launch: (the site's streams — new ones when ``expand`` —, the partial dots
     [R, S, M_PAD] and sums of squares [R, S] of S channel blocks a token). ``collapse`` =
-    (pre, x): the streams collapsed by pre written to x too."""
+    (pre, x): the streams collapsed by pre written to x too. Where ``expand``'s y is a
+    ``Pending`` (its launch not yet made), that launch with this one folded into it
+    (``SITE_FOLD``, :class:`Fold`), else y made and this launch."""
+    if expand is not None and not isinstance(expand[0], torch.Tensor):
+        if SITE_FOLD:
+            fold = Fold(streams, expand[1], expand[2], fn, collapse)
+            if expand[0].fold(fold):
+                return fold.out, fold.dots, fold.sq
+        expand = (expand[0].value(), *expand[1:])
     hc, D = streams.shape[-2:]
     R, S, M = streams.numel() // (hc * D), triton.cdiv(D, SITE_BLOCK_C), fn.shape[0]
     dots = torch.empty(R, S, triton.next_power_of_2(M), dtype=torch.float32, device=streams.device)
