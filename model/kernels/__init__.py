@@ -42,7 +42,9 @@ and, for one decode step (one query per batch row):
   be built, and the caller runs the MoE in torch, which is its twin.
 - ``gemv(x, *weights, groups=1)``: a decode step's linear layers on its few rows
   (``model.kernels.matvec``) where ``gemv_runs(x, *layers)`` (on by default, ``DSAGENT_GEMV=0``
-  turns it off); twin ``gemv_ref``.
+  turns it off); twin ``gemv_ref``. ``gemv_later(x, layer)``: the same launch left as a
+  :class:`Pending` (as is ``moe_decode``'s down sum with ``later``), for the mHC site that reads
+  its output next to fold its first launch into (``hc_site``); ``resolve(y)`` makes one.
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU

@@ -75,6 +75,10 @@ SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # while the up kernel still streams, hold their tiles and take the SMs the up kernel's programs
 # wait for. Kept as a knob: without the channel loop it is the form Triton's interpreter runs
 DOWN_EARLY = False
+# the down sum left for the next attention site to fold its dots launch into (``moe_decode``'s
+# ``defer``, ``streams.Fold``). Its programs are launched without FMA contraction (``unfused``),
+# folded or not, so that the sum a site folds in is the sum it would read
+DOWN_FOLD = True
 # Tried in session 28 (a step at 128K, bench_knobs, two alternated rounds each): one output channel a
 # down program with every slot's whole row of I in one load (80 registers where this tile took 178 —
 # builds without the GPU's 16-byte specialisation; 40 as the GPU builds it, session 29)
@@ -489,7 +493,7 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
         *folded, K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
         BLOCK_I=triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **consts, **chained(h))
+        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **consts, **unfused(), **chained(h))
     return None if site is not None else out
 
 
@@ -507,7 +511,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     tokens on. Both forms round and sum alike; their dot products reduce in other orders.
     ``x_norm`` = (weight [D], eps): x is an mHC site's input before its RMSNorm, which the
     gate-logits launch applies (``rms_norm``'s roundings) and writes for the expert kernels.
-    ``defer``: where the down sum is the last launch (``DOWN_SLOTS``, token by token), it is
+    ``defer``: where the down sum is the last launch (``DOWN_SLOTS``, token by token; ``DOWN_FOLD``), it is
     not made: a callable ``(site=None)`` that makes it (:func:`down_slots`) is returned."""
     N, D = x.shape
     E, I = w1.shape[0], w1.shape[1]
@@ -555,7 +559,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
             num_warps=UP_WARPS, **chained(x))
         if DOWN_SLOTS:
-            if defer:
+            if defer and DOWN_FOLD:
                 return lambda site=None: down_slots(h, w2, s2, chosen, out, site)
             return down_slots(h, w2, s2, chosen, out)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](

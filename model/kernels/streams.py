@@ -13,6 +13,8 @@ Also owns ``hc_site``: one whole mHC site of a decode step's few tokens in two l
 blocks with the expand folded in, then the mixes' split (``model.kernels.fused``'s Sinkhorn
 tiles) beside the collapse and the site's norm; in a CUDA graph's capture, on request, the
 split on a side stream of its own, which :func:`join` (``model.kernels.mhc_join``) waits for.
+Where the site's y is a ``model.kernels.Pending`` (its launch not yet made), the dots launch is
+folded into that launch (:class:`Fold`, ``SITE_FOLD``): its programs do it at their channels.
 
 Does not own: the mixes ``pre`` / ``post`` / ``comb`` of a prefill chunk (``model.kernels.hc_split``),
 or choosing kernel or twin (``model.kernels``). Imported only when Triton is importable.
