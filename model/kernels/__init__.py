@@ -241,7 +241,8 @@ def gemv_later(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | Pendin
         return layer(x)
     from model.kernels import matvec as kernel
 
-    return Pending("GEMV kernel", x, lambda: gemv(x, layer.weight)[0], lambda fold: kernel.gemv(x, layer.weight, site=fold))
+    return Pending("GEMV kernel", x, lambda: gemv(x, layer.weight)[0],
+                   lambda fold: kernel.gemv(x, layer.weight, site=fold))
 
 
 GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLAS's GEMMs from there)

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, chained, unfused
-from model.kernels.streams import Fold, _site_block, _site_fn_tiles
+from model.kernels.streams import Fold, _site_block, _site_fn_tiles, _stream_rows
 
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
@@ -93,6 +93,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     _chain(PDL)
     n = 0
     while n < N:
+        if SITE:  # asked for before x: the site's streams wait on nothing this launch makes
+            r0, r1, r2, r3 = _stream_rows(s_ptr, n, o, o_ok, O, HC)
         xs = tl.load(x_at + n * D + d, mask=d_ok, other=0.0).to(tl.float32)
         if NORM:
             xs = _rms_normed(xs, tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32), D, eps, BF16)
@@ -123,8 +125,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
             acc = tl.reshape(tl.join(tl.where(rot, _turned(e, od, True, cs, sn), e),
                                      tl.where(rot, _turned(od, e, False, cs, sn), od)), [BLOCK_O])
         if SITE:
-            _site_block(_round(acc, BF16), o, o_ok, n, p, SPLITS, O, f0, f1, f2, f3, s_ptr, post_ptr, comb_ptr,
-                        sout_ptr, pre_ptr, sx_ptr, dots_ptr, sq_ptr, HC, M_PAD, True, COLLAPSE, BF16)
+            _site_block(_round(acc, BF16), o, o_ok, n, p, SPLITS, O, f0, f1, f2, f3, r0, r1, r2, r3, post_ptr,
+                        comb_ptr, pre_ptr, sout_ptr, sx_ptr, dots_ptr, sq_ptr, HC, M_PAD, True, COLLAPSE, BF16)
         else:
             _store(out_at + n * rows + o, acc, o_ok, BF16)
         n += 1
@@ -171,7 +173,8 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     if site is not None:
         assert len(ws) == 1 and groups == 1 and not (rope_out or keep), "a site takes one plain output"
         assert (N, O) == (site.tokens, site.width), (N, O, site.streams.shape)
-    outs = [rows] if site is not None else [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]  # a site's: unwritten
+    outs = ([rows] if site is not None  # a site's y: unwritten
+            else [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws])
     # one tile shape for both weights; a power of two dividing the group's rows; the output's
     # RoPE pairs in one program
     most = min(OG & -OG, *(w.shape[0] for w in ws))

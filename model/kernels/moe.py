@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
-from model.kernels.streams import Fold, _site_block, _site_fn_tiles
+from model.kernels.streams import Fold, _site_block, _site_fn_tiles, _stream_rows
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -310,6 +310,8 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
         f0, f1, f2, f3 = _site_fn_tiles(fn_ptr, o, o_ok, D, HC, M, M_PAD)
     if not EARLY:
         _chain(PDL)
+        if SITE:  # asked for before the sum's loads: they wait on nothing this launch makes
+            r0, r1, r2, r3 = _stream_rows(s_ptr, t, o, o_ok, D, HC)
     j = tl.arange(0, S_P2)
     routed, live = j < K, j < K + 1
     pair = tl.where(routed, t * K + j, NK + t)  # the slot's row of h: the shared expert's last
@@ -326,6 +328,8 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
         w = tl.load(tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols),
                     mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
         _chain(PDL)
+        if SITE:
+            r0, r1, r2, r3 = _stream_rows(s_ptr, t, o, o_ok, D, HC)
         acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
     else:
         for i0 in range(0, I, BLOCK_I):
@@ -340,8 +344,8 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
     for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
         total += tl.sum(tl.where((j == s)[:, None], acc, 0.0), 0)
     if SITE:
-        _site_block(_round(total, OUT_BF16), o, o_ok, t, tl.program_id(1), SPLITS, D, f0, f1, f2, f3, s_ptr,
-                    post_ptr, comb_ptr, sout_ptr, pre_ptr, sx_ptr, dots_ptr, sq_ptr, HC, M_PAD, True, COLLAPSE,
+        _site_block(_round(total, OUT_BF16), o, o_ok, t, tl.program_id(1), SPLITS, D, f0, f1, f2, f3, r0, r1, r2, r3,
+                    post_ptr, comb_ptr, pre_ptr, sout_ptr, sx_ptr, dots_ptr, sq_ptr, HC, M_PAD, True, COLLAPSE,
                     OUT_BF16)
     else:
         _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)

@@ -131,11 +131,12 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
     live = c < D
     _chain(PDL)
     f0, f1, f2, f3 = _site_fn_tiles(fn_ptr, c, live, D, HC, M, M_PAD)
+    r0, r1, r2, r3 = _stream_rows(s_ptr, row, c, live, D, HC)
     y = tl.zeros([BLOCK_C], tl.float32)
     if EXPAND:
         y = tl.load(y_ptr + row * D + c, mask=live, other=0.0).to(tl.float32)
-    _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, s_ptr, post_ptr, comb_ptr, out_ptr, pre_in_ptr, x_ptr,
-                dots_ptr, sq_ptr, HC, M_PAD, EXPAND, COLLAPSE, BF16)
+    _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, r0, r1, r2, r3, post_ptr, comb_ptr, pre_in_ptr, out_ptr,
+                x_ptr, dots_ptr, sq_ptr, HC, M_PAD, EXPAND, COLLAPSE, BF16)
 
 
 @triton.jit
@@ -170,19 +171,19 @@ def _pick(k: tl.constexpr, a, b, c, d):
 
 
 @triton.jit
-def _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, s_ptr, post_ptr, comb_ptr, out_ptr, pre_in_ptr, x_ptr,
-                dots_ptr, sq_ptr, HC: tl.constexpr, M_PAD: tl.constexpr, EXPAND: tl.constexpr,
+def _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, r0, r1, r2, r3, post_ptr, comb_ptr, pre_ptr, out_ptr,
+                x_ptr, dots_ptr, sq_ptr, HC: tl.constexpr, M_PAD: tl.constexpr, EXPAND: tl.constexpr,
                 COLLAPSE: tl.constexpr, BF16: tl.constexpr):
-    """An mHC site's work on one token's channels ``c`` (block ``split`` of S): with EXPAND the
-    streams expanded by ``y`` (fp32, the site before's output at c, already in its dtype's
-    values) as ``_expand_kernel`` does and written to ``out``, else read; their sum of
+    """An mHC site's work on one token's channels ``c`` (block ``split`` of S), its streams
+    there ``r0``..``r3`` (:func:`_stream_rows`, which a launch asks for early, before its own
+    sums): with EXPAND those expanded by ``y`` (fp32, the site before's output at c, already in
+    its dtype's values) and the mixes' post / comb as ``_expand_kernel`` does, and written to
+    ``out``, else taken as they are; their sum of
     squares and dots with the mixes' projection (``f0``..``f3``: :func:`_site_fn_tiles`) into
     the partial sums ``sq`` / ``dots`` [R, S(, M_PAD)]; with COLLAPSE the streams collapsed by
-    ``pre_in`` into ``x`` (``_site_input``'s products and sums, in its order). Everything is
-    per channel: a launch whose programs each make y at their own channels does it in place
-    of the site's dots launch (``Fold``)."""
-    if EXPAND:  # each old stream once (the expand's sums read them in j order, for every k)
-        r0, r1, r2, r3 = _stream_rows(s_ptr, row, c, live, D, HC)
+    pre into ``x`` (``_site_input``'s products and sums, in its order). Everything is per
+    channel: a launch whose programs each make y at their own channels does it in place of the
+    site's dots launch (``Fold``)."""
     sq = tl.zeros_like(y)
     col = tl.zeros_like(y)
     acc = tl.zeros_like(f0)
@@ -198,13 +199,13 @@ def _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, s_ptr, post_ptr, c
             else:
                 tl.store(out_ptr + (row * HC + k) * D + c, h, mask=live)
         else:
-            h = tl.load(s_ptr + (row * HC + k) * D + c, mask=live, other=0.0).to(tl.float32)
+            h = _pick(k, r0, r1, r2, r3)
         sq += h * h
         if COLLAPSE:
             if k == 0:
-                col = tl.load(pre_in_ptr + row * HC) * h
+                col = tl.load(pre_ptr + row * HC) * h
             else:
-                col = col + tl.load(pre_in_ptr + row * HC + k) * h
+                col = col + tl.load(pre_ptr + row * HC + k) * h
         acc += _pick(k, f0, f1, f2, f3) * h[None, :]
     m = tl.arange(0, M_PAD)
     tl.store(dots_ptr + (row * S + split) * M_PAD + m, tl.sum(acc, 1))
@@ -372,7 +373,7 @@ class Fold:
     def __init__(self, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, collapse=None):
         self.streams, self.post, self.comb, self.fn = streams, post.contiguous(), comb.contiguous(), fn
         self.out = torch.empty_like(streams)
-        self.pre, self.x = collapse if collapse is not None else (streams, self.out)  # unread without COLLAPSE
+        self.pre, self.x = collapse if collapse is not None else (self.post, self.out)  # unread without COLLAPSE
         self.collapse = collapse is not None
         self.dots: torch.Tensor | None = None
         self.sq: torch.Tensor | None = None
@@ -424,14 +425,14 @@ def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict, c
     R, S, M = streams.numel() // (hc * D), triton.cdiv(D, SITE_BLOCK_C), fn.shape[0]
     dots = torch.empty(R, S, triton.next_power_of_2(M), dtype=torch.float32, device=streams.device)
     sq = torch.empty(R, S, dtype=torch.float32, device=streams.device)
-    out, y, post, comb = streams, streams, streams, streams  # unread without EXPAND
+    out, y, post, comb = streams, streams, dots, dots  # unread without EXPAND
     if expand is not None:
         y, post, comb = (t.contiguous() for t in expand)
         assert y.shape == streams.shape[:-2] + (D,) and post.dtype == comb.dtype == torch.float32
         out = torch.empty_like(streams)
     bf16 = streams.dtype == torch.bfloat16
     view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
-    pre, x = collapse if collapse is not None else (streams, out)  # unread without COLLAPSE
+    pre, x = collapse if collapse is not None else (dots, out)  # unread without COLLAPSE
     _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, view(out), pre, view(x), D, S,
                               HC=hc, M=M, M_PAD=dots.shape[-1], BLOCK_C=SITE_BLOCK_C, EXPAND=expand is not None,
                               BF16=bf16, COLLAPSE=collapse is not None, num_warps=SITE_WARPS, **options)
