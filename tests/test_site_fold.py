@@ -6,7 +6,8 @@ Against the site run after y is made (``streams.hc_site`` with y a tensor): the 
 streams and the collapse bit for bit (the same per-channel products and sums), the mixes to
 fp32 rounding (their dots summed over other channel blocks). And in a model's decode steps:
 the fold taken where a site follows a Pending, the logits those of the steps without it.
-Kernel tests run on CUDA, or under ``TRITON_INTERPRET=1``, else skip.
+Kernel tests run on CUDA, or under ``TRITON_INTERPRET=1``, else skip. The fold is off by
+default (``streams.SITE_FOLD``, ``moe.DOWN_FOLD``: timed, no faster); these tests turn it on.
 """
 from __future__ import annotations
 
@@ -24,8 +25,13 @@ SITE = (1e-6, 1e-6, 20, 1e-6)  # eps, norm_eps, iters, hc_eps
 
 
 @pytest.fixture(autouse=True)
-def _interpretable_defaults(monkeypatch):
+def _folding(monkeypatch):
+    """The fold on (both producers), whatever the defaults (off since timed: README)."""
+    from model.kernels import moe, streams
+
     interpretable(monkeypatch)
+    monkeypatch.setattr(streams, "SITE_FOLD", True)
+    monkeypatch.setattr(moe, "DOWN_FOLD", True)
 
 
 def _unmade():

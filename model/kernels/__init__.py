@@ -180,8 +180,8 @@ class Pending:
     """A decode step's output y whose last launch is not yet made (:func:`gemv_later`,
     :func:`moe_decode`'s ``later``): the mHC site that adds y to the streams next can fold its
     own per-channel work into that launch's programs (``hc_site``: the expand, the collapse and
-    the mixes' partial dots of each program's output channels, ``streams.Fold``), one launch
-    a site fewer; whatever else reads y takes :meth:`value`. Made and resolved within one
+    the mixes' partial dots of each program's output channels, ``streams.Fold``; where
+    ``streams.SITE_FOLD``), one launch a site fewer; whatever else reads y takes :meth:`value`. Made and resolved within one
     decode step, on one stream: the launch's inputs live in its closure until then.
 
     ``plain()`` launches and returns y; ``folded(fold)`` launches with the site's work in it
@@ -427,7 +427,8 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     token after the dots, is gone); else False and x normalised as above.
 
     ``expand``'s y may be a :class:`Pending` (its last launch not yet made): on the kernel path
-    the site's first launch is then folded into it (``streams.SITE_FOLD``), else y is made."""
+    the site's first launch is then folded into it where ``streams.SITE_FOLD`` (off by default:
+    timed, no faster), else y is made first."""
     mhc_join()  # the site before's split, where it ran beside: its post / comb are read here
     args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
     rows = streams.numel() // (streams.shape[-2] * streams.shape[-1])

@@ -78,7 +78,7 @@ DOWN_EARLY = False
 # the down sum left for the next attention site to fold its dots launch into (``moe_decode``'s
 # ``defer``, ``streams.Fold``). Its programs are launched without FMA contraction (``unfused``),
 # folded or not, so that the sum a site folds in is the sum it would read
-DOWN_FOLD = True
+DOWN_FOLD = False  # session 31: a step 4-5% slower with it (``streams.SITE_FOLD`` says why)
 # Tried in session 28 (a step at 128K, bench_knobs, two alternated rounds each): one output channel a
 # down program with every slot's whole row of I in one load (80 registers where this tile took 178 —
 # builds without the GPU's 16-byte specialisation; 40 as the GPU builds it, session 29)

@@ -104,10 +104,16 @@ SITE_WARPS = 4
 # launch's programs that hold big tiles early take the SMs the kernel before still needs)
 NORM_LATER = True
 # a site whose streams take the output of a launch not yet made (``model.kernels.Pending``: the
-# attention's ``wo_b`` GEMV, the MoE's down sum) has that launch do its dots launch's work at
-# each program's output channels (``Fold``): one launch a site fewer, the expand, collapse and
-# partial dots at the end of the producer's programs
-SITE_FOLD = True
+# attention's ``wo_b`` GEMV, the MoE's down sum with ``moe.DOWN_FOLD``) has that launch do its dots
+# launch's work at each program's output channels (``Fold``): one launch a site fewer, the expand,
+# collapse and partial dots at the end of the producer's programs. Off: no faster on the H200
+# (session 31, `small`, batch 1, a step at 128K, bench_knobs, best of three alternated rounds, two
+# calls): both folds 3.001 / 3.096 ms, the GEMV's alone 2.861 / 2.959, neither 2.883 + 2.865 /
+# 2.991 + 2.930 (controls 1.002 / 1.017 of the first). Folded into the down sum, the FFN site's
+# split (now over 512 channel blocks' partial sums, not 32) must end before the down sum starts,
+# and it lay on the step's path: the chained profile's split 0.16 -> 0.36 ms, the down sum 0.43 ->
+# 0.54, the GEMVs 0.63 -> 0.69, against the 0.29 ms of the dots launches gone (769 -> 692 kernels)
+SITE_FOLD = False
 # warps of the second launch (the split's Sinkhorn, a chain of ~40 reductions of a 4 x 4 tile,
 # beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
 # 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
