@@ -72,12 +72,19 @@ def site_fold(args: ModelArgs):
     the site's norm left to x's consumer, as ``Block.whole_layer`` runs the site)."""
     from model.kernels import streams
 
-    g = torch.Generator().manual_seed(1)
+    streams_, pre, fn, (post, comb) = site_tensors(args, seed=1)
+    return streams.Fold(streams_, post, comb, fn, (pre, torch.empty(1, args.hidden_size, dtype=torch.bfloat16)))
+
+
+def site_tensors(args: ModelArgs, seed: int) -> tuple:
+    """One token's streams (bf16), the incoming pre, the mixes' projection and the site before's
+    post / comb, random."""
+    g = torch.Generator().manual_seed(seed)
     hc, D = args.hc_mult, args.hidden_size
     m = (2 + hc) * hc
-    return streams.Fold(torch.randn(1, hc, D, generator=g).bfloat16(), torch.rand(1, hc, generator=g),
-                        torch.rand(1, hc, hc, generator=g), torch.randn(m, hc * D, generator=g) * (hc * D) ** -0.5,
-                        (torch.rand(1, hc, generator=g), torch.empty(1, D, dtype=torch.bfloat16)))
+    return (torch.randn(1, hc, D, generator=g).bfloat16(), torch.rand(1, hc, generator=g),
+            torch.randn(m, hc * D, generator=g) * (hc * D) ** -0.5,
+            (torch.rand(1, hc, generator=g), torch.rand(1, hc, hc, generator=g)))
 
 
 def indexer_launches(args: ModelArgs) -> None:
@@ -101,15 +108,11 @@ def site_launches(args: ModelArgs) -> None:
     left to x's consumer (as ``Block.whole_layer`` calls it)."""
     from model.kernels import streams
 
-    g = torch.Generator().manual_seed(0)
-    hc, D = args.hc_mult, args.hidden_size
-    m = (2 + hc) * hc
-    expand = (torch.randn(1, D, generator=g).bfloat16(), torch.rand(1, hc, generator=g),
-              torch.rand(1, hc, hc, generator=g))
-    streams.hc_site(torch.randn(1, hc, D, generator=g).bfloat16(), torch.rand(1, hc, generator=g),
-                    torch.randn(m, hc * D, generator=g) * (hc * D) ** -0.5, torch.ones(3), torch.zeros(m),
-                    torch.ones(D).bfloat16(), 1e-6, 1e-6, args.hc_sinkhorn_iters, args.hc_eps, expand=expand,
-                    norm_later=True)
+    streams_, pre, fn, (post, comb) = site_tensors(args, seed=0)
+    y = torch.randn(1, args.hidden_size, generator=torch.Generator().manual_seed(2)).bfloat16()
+    m = fn.shape[0]
+    streams.hc_site(streams_, pre, fn, torch.ones(3), torch.zeros(m), torch.ones(args.hidden_size).bfloat16(), 1e-6,
+                    1e-6, args.hc_sinkhorn_iters, args.hc_eps, expand=(y, post, comb), norm_later=True)
 
 
 def moe_launches(args: ModelArgs) -> None:
@@ -125,7 +128,8 @@ def moe_launches(args: ModelArgs) -> None:
     def w(*shape):
         return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).bfloat16()
 
-    early, moe.DOWN_EARLY = moe.DOWN_EARLY, True
+    early, fold = moe.DOWN_EARLY, moe.DOWN_FOLD
+    moe.DOWN_EARLY = moe.DOWN_FOLD = True  # the fold's form counted even while it is off
     try:
         down = moe.moe_decode(w(1, D), w(E, D), torch.zeros(E), w(E, I, D), w(E, I, D), w(E, D, I), w(I, D),
                               w(I, D), w(D, I), top_k=args.num_experts_per_tok, scoring="sqrtsoftplus", temp=1.0,
@@ -134,7 +138,7 @@ def moe_launches(args: ModelArgs) -> None:
         down()  # the down sum as it is made for an expand on its own
         down(site_fold(args))  # and with the next attention site's dots folded in, as a step makes it
     finally:
-        moe.DOWN_EARLY = early
+        moe.DOWN_EARLY, moe.DOWN_FOLD = early, fold
 
 
 def committed_down(launch: dict) -> dict:

@@ -181,8 +181,9 @@ class Pending:
     :func:`moe_decode`'s ``later``): the mHC site that adds y to the streams next can fold its
     own per-channel work into that launch's programs (``hc_site``: the expand, the collapse and
     the mixes' partial dots of each program's output channels, ``streams.Fold``; where
-    ``streams.SITE_FOLD``), one launch a site fewer; whatever else reads y takes :meth:`value`. Made and resolved within one
-    decode step, on one stream: the launch's inputs live in its closure until then.
+    ``streams.SITE_FOLD``), one launch a site fewer; whatever else reads y takes :meth:`value`.
+    Made and resolved within one decode step, on one stream: the launch's inputs live in its
+    closure until then.
 
     ``plain()`` launches and returns y; ``folded(fold)`` launches with the site's work in it
     (y itself unwritten); ``twin()`` y in PyTorch, where the plain launch fails to build
@@ -236,10 +237,14 @@ def resolve(y):
 
 def gemv_later(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | Pending:
     """``layer(x)`` as a :class:`Pending` of its GEMV launch where :func:`gemv_runs` (a decode
-    step's last projection before an mHC site: the attention's ``wo_b``), else now."""
+    step's last projection before an mHC site: the attention's ``wo_b``) and the site may fold
+    into it (``streams.SITE_FOLD``), else now."""
     if not gemv_runs(x, layer):
         return layer(x)
-    from model.kernels import matvec as kernel
+    from model.kernels import matvec as kernel, streams
+
+    if not streams.SITE_FOLD:
+        return gemv(x, layer.weight)[0]
 
     return Pending("GEMV kernel", x, lambda: gemv(x, layer.weight)[0],
                    lambda fold: kernel.gemv(x, layer.weight, site=fold))

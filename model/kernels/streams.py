@@ -379,7 +379,7 @@ class Fold:
     def __init__(self, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, collapse=None):
         self.streams, self.post, self.comb, self.fn = streams, post.contiguous(), comb.contiguous(), fn
         self.out = torch.empty_like(streams)
-        self.pre, self.x = collapse if collapse is not None else (self.post, self.out)  # unread without COLLAPSE
+        self.pre, self.x = collapse if collapse is not None else (streams, self.out)  # unread without COLLAPSE
         self.collapse = collapse is not None
         self.dots: torch.Tensor | None = None
         self.sq: torch.Tensor | None = None
@@ -431,14 +431,14 @@ def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict, c
     R, S, M = streams.numel() // (hc * D), triton.cdiv(D, SITE_BLOCK_C), fn.shape[0]
     dots = torch.empty(R, S, triton.next_power_of_2(M), dtype=torch.float32, device=streams.device)
     sq = torch.empty(R, S, dtype=torch.float32, device=streams.device)
-    out, y, post, comb = streams, streams, dots, dots  # unread without EXPAND
+    out, y, post, comb = streams, streams, streams, streams  # unread without EXPAND
     if expand is not None:
         y, post, comb = (t.contiguous() for t in expand)
         assert y.shape == streams.shape[:-2] + (D,) and post.dtype == comb.dtype == torch.float32
         out = torch.empty_like(streams)
     bf16 = streams.dtype == torch.bfloat16
     view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
-    pre, x = collapse if collapse is not None else (dots, out)  # unread without COLLAPSE
+    pre, x = collapse if collapse is not None else (streams, out)  # unread without COLLAPSE
     _site_dots_kernel[(R, S)](streams, fn, dots, sq, y, post, comb, view(out), pre, view(x), D, S,
                               HC=hc, M=M, M_PAD=dots.shape[-1], BLOCK_C=SITE_BLOCK_C, EXPAND=expand is not None,
                               BF16=bf16, COLLAPSE=collapse is not None, num_warps=SITE_WARPS, **options)
