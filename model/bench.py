@@ -448,7 +448,7 @@ def bench_host(model: Transformer, ctx: int, *, steps: int = 16, chunk: int = 51
 
 
 def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 4, chunk: int = 512,
-                  top: int = 12, chained: bool = False) -> dict:
+                  top: int = 12, chained: bool = False, spans: list | None = None) -> dict:
     """Where a decode step's device time goes, by kernel (torch.profiler over ``steps`` steps
     of ``batch`` rows after a CED prefill of ``ctx`` tokens): kernels launched per step, their
     summed device time per step, and the ``top`` kernels by time. A guide for fusing, not
@@ -457,7 +457,8 @@ def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 
     before (session 22: 7.8 ms "busy" in a 5.9 ms step), so only plain launches give each
     kernel's own time. ``chained``: as the step runs, dependent launches on — then the
     summary's ``advance`` (each kernel's share of the step's span: how far the last end
-    moved when it ended) is the one to read, not the busy time."""
+    moved when it ended) is the one to read, not the busy time. ``spans``: a list that gets
+    every kernel's (start µs, end µs, name), in order of start (the step's timeline)."""
     from torch.profiler import ProfilerActivity, profile
 
     with switched(pdl=chained):
@@ -470,13 +471,13 @@ def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 
                 step()
             _sync(model.device)
     return {"bench": "profile", "ctx": ctx, "batch": batch, "dependent_launches": chained,
-            **profile_summary(prof, cuda, steps, top)}
+            **profile_summary(prof, cuda, steps, top, spans)}
 
 
-def profile_summary(prof, cuda: bool, steps: int, top: int = 12) -> dict:
+def profile_summary(prof, cuda: bool, steps: int, top: int = 12, spans_out: list | None = None) -> dict:
     """A torch.profiler run of ``steps`` steps, per step: kernels launched and their summed
     device time (on the CPU: top-level operators and their time), and the ``top`` names by
-    time."""
+    time. ``spans_out``: as :func:`bench_profile`'s ``spans``."""
     kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
     events = [e for e in prof.events() if e.device_type == kind]
     if not cuda:  # top-level operators only: nested ones would count twice
@@ -491,6 +492,8 @@ def profile_summary(prof, cuda: bool, steps: int, top: int = 12) -> dict:
     gaps = {}
     if cuda and events:  # the idle device time between one kernel's end and the next one's start
         spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events)
+        if spans_out is not None:
+            spans_out.extend(spans)
         idle = [max(0.0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
         widest = sorted(range(len(idle)), key=lambda i: -idle[i])[:6]
         gaps = {"gap_ms_per_step": sum(idle) / 1e3 / steps,

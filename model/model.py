@@ -32,7 +32,7 @@ from torch import nn
 from model import graphs, kernels
 from model.args import ModelArgs
 from model.cache import Cache, SourceKV, WindowRing
-from model.engram import NgramHasher
+from model.engram import DEAD, NgramHasher
 from model.kernels.reference import stable_topk, top_records
 from model.moe import MoE
 from model.quant import KVFormat, main_record_bytes
@@ -702,11 +702,21 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
 
-    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None,
+                kv=None) -> torch.Tensor:
+        """``kv``: :meth:`kv` of ``hash_ids`` when already launched (a ``kernels.Beside``)."""
         D, hc = self.args.hidden_size, self.args.hc_mult
-        kv = linear(self.wkv, self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+        kv = self.kv(hash_ids) if kv is None else kv.value()
         key, value = kv.split([hc * D, D], dim=-1)
         return kernels.engram_gate(streams, key, value, self.q_weight, self.k_weight, live, self.args.rms_norm_eps)
+
+    def kv(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """The hashed rows' key and value [..., (hc + 1) * D]: they read no hidden state, so a
+        decode step may make them beside its layers (``kernels.engram_beside``). Through torch's
+        linear layer (cuBLAS) on every path, not the GEMV kernel: the same bits beside the step
+        or inline, with the CUDA graphs or without, and far fewer programs at once beside the
+        layers' kernels than the GEMV's thousands."""
+        return self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
 
 
 # ----------------------------------------------------------------------------- mHC block
@@ -767,12 +777,12 @@ class Block(nn.Module):
         return step.graphs.run((self.layer, "ffn"), partial(self.projected_ffn_site, ropes=ropes),
                                out, pos, streams, a_pre, a_post, a_comb)
 
-    def engram_site(self, streams, hash_ids, image_mask=None):
+    def engram_site(self, streams, hash_ids, image_mask=None, kv=None):
         """The Engram memory added to the streams, in a layer that has one (``hash_ids``:
-        the step's, every Engram layer's columns)."""
+        the step's, every Engram layer's columns; ``kv``: as ``Engram.forward``'s)."""
         if self.engram is None or hash_ids is None:
             return streams
-        return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask)
+        return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask, kv)
 
     def whole_layer(self, streams, pre, pos, shared: dict, *, ropes: Ropes, cache: Cache, emits: bool,
                     image_mask=None, expand=None):
@@ -942,6 +952,12 @@ class Transformer(nn.Module):
             return None
         if self.hasher is None:
             raise RuntimeError("this model has Engram layers: call bind_token_map() with the tokenizer's map")
+        if image_mask is None:  # a decode step: one launch where the kernels run
+            token_map, multipliers, primes, offsets = self.hasher.tables(ids.device)
+            made = kernels.engram_step(ids, token_map, cache.engram_ids, cache.engram_pos, start, multipliers, primes,
+                                       offsets, self.hasher.pad, DEAD)
+            if made is not None:
+                return made
         compressed = self.hasher.compress(ids, image_mask)
         history = cache.engram_history(start, self.args.engram_max_ngram_size - 1)
         hash_ids = self.hasher(compressed, history)
@@ -989,14 +1005,20 @@ class Transformer(nn.Module):
         one of two frequency tables, so cos / sin are made twice a step, not in every layer.
         A layer's FFN output is added to the streams by the next layer's attention-site kernel
         (``Block.whole_layer``'s ``expand``), one launch fewer a layer; on its own before a layer
-        that reads the streams first (Engram, a DSpark tap) and after the last."""
+        that reads the streams first (Engram, a DSpark tap) and after the last. While a CUDA
+        graph is captured, the Engram layers' projections (which read only the step's inputs)
+        may be launched first on a side stream (``kernels.engram_beside``), each joined at its
+        layer."""
         shared, taps = {}, []  # what each layer writes for the later ones: the top-k, the candidate pool
         pending = None  # the layer before's FFN output, added by the next attention site's kernel
         with shared_rope_angles():
+            beside = bool(hash_ids) and kernels.engram_beside(streams)
+            engram_kv = {b.layer: kernels.Beside(b.engram.kv, hash_ids[0][:, :, b.engram.slot], device=streams.device)
+                         for b in blocks if beside and b.engram is not None}  # kept until the step's end
             for b, e in zip(blocks, emits):
                 if pending is not None and ((b.engram is not None and hash_ids) or b.layer in tapped):
                     streams, pending = expand_output(streams, pending), None
-                streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask)
+                streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask, engram_kv.get(b.layer))
                 if b.layer in tapped:
                     taps.append(streams.mean(dim=2))
                 streams, pre, pending, *written = b.whole_layer(streams, pre, pos, shared, ropes=self.ropes,
@@ -1006,10 +1028,12 @@ class Transformer(nn.Module):
         if pending is not None:
             streams = expand_output(streams, pending)
         kernels.mhc_join()  # the last site's split, where it ran beside: pre is an output
+        for kv in engram_kv.values():  # a capture ends with its side stream joined
+            kv.join()
         return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_hidden(streams, pre)).float()
+        return linear(self.head, self.final_hidden(streams, pre)).float()  # a decode step's rows: the GEMV
 
     def final_hidden(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return self.norm(hc_collapse(streams, pre))

@@ -40,6 +40,9 @@ def main() -> None:
     p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     p.add_argument("--profile-batch", default="1", help="batch sizes of --profile")
+    p.add_argument("--timeline", default="",
+                   help="a file for the chained profile's kernels in order: a JSON line a profile, [[start µs, end µs, "
+                        "name], ...]")
     p.add_argument("--knobs", default="", help="kernel knobs (moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2,...) timed "
                                                "off, alone and all on")
     p.add_argument("--knobs-ctx", default="131072", help="contexts of --knobs")
@@ -85,8 +88,14 @@ def main() -> None:
                 # plain launches with and without graphs (each kernel's own time), then as a step
                 # runs, dependent launches on (each kernel's advance of the step's span)
                 for graphs, chained in ((True, False), (False, False), (True, True)):
+                    spans = [] if a.timeline and chained else None
                     with switched(graphs=graphs):
-                        emit({"graphs": graphs, **bench_profile(model, n, batch=b, top=60, chained=chained)})
+                        emit({"graphs": graphs, **bench_profile(model, n, batch=b, top=60, chained=chained,
+                                                                spans=spans)})
+                    if spans:
+                        with open(a.timeline, "a") as f:
+                            f.write(json.dumps({"ctx": n, "batch": b, "spans": [[s, e, k[:60]] for s, e, k in spans]})
+                                    + "\n")
 
 
 if __name__ == "__main__":

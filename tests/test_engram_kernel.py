@@ -122,3 +122,75 @@ def test_hash_kernel_equals_the_twin(B, S, heads) -> None:
     inputs = _hash_inputs(B, S, heads, seed=B * 100 + S)
     got, want = kernel.ngram_hash(*inputs), ngram_hash_ref(*inputs)
     assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want)
+
+
+@needs_kernel
+@pytest.mark.parametrize("B", [1, 3])
+def test_step_kernel_does_what_the_steps_parts_do(B) -> None:
+    """``engram_step`` (one launch: compress, look-back from the ring, hash, the ring's write)
+    against the parts a step runs without it (``NgramHasher.compress``, ``Cache.engram_history``,
+    ``ngram_hash_ref``, ``Cache.record_engram``), from rings that hold DEAD ids, stale slots
+    (positions of another lap) and nothing yet, at positions 0 to past the ring's length:
+    the same row ids and the same ring after, in every step of a run."""
+    from model.args import ModelArgs
+    from model.cache import Cache
+    from model.engram import DEAD, NgramHasher
+    from model.kernels import engram as kernel
+    from model.kernels import ngram_hash_ref
+
+    args = ModelArgs.preset("tiny")
+    hasher = NgramHasher(list(range(1000)), (1, 4), 1000, 2, 4, pad_id=3)
+    token_map, multipliers, primes, offsets = hasher.tables(DEVICE)
+    mine, theirs = Cache(args, batch=B, device=DEVICE), Cache(args, batch=B, device=DEVICE)
+    HR = mine.engram_pos.shape[0]
+    g = torch.Generator().manual_seed(B)
+    for start in list(range(0, 6)) + list(range(HR - 3, HR + 4)) + [2 * HR + 1]:
+        if start == HR - 3:  # a DEAD id (an image token) and a slot of another lap in the look-back
+            for cache in (mine, theirs):
+                cache.engram_ids[:, (start - 1) % HR] = DEAD
+                cache.engram_pos[(start - 2) % HR] = start - 2 - HR
+        ids = torch.randint(0, 1000, (B, 1), generator=g).to(DEVICE)
+        got = kernel.engram_step(ids, token_map, mine.engram_ids, mine.engram_pos, start, multipliers, primes,
+                                 offsets, hasher.pad, DEAD)
+        compressed = hasher.compress(ids, None)
+        want = ngram_hash_ref(compressed, theirs.engram_history(start, 3), multipliers, primes, offsets, hasher.pad,
+                              DEAD)
+        theirs.record_engram(compressed, start)
+        assert torch.equal(got, want), start
+        assert torch.equal(mine.engram_ids, theirs.engram_ids) and torch.equal(mine.engram_pos, theirs.engram_pos)
+
+
+@needs_kernel
+def test_a_decode_step_hashes_with_the_step_kernel(monkeypatch) -> None:
+    """``Transformer.engram_hash`` on one new token a row takes the one launch (a prompt's
+    chunk the parts); its rows and the ring it leaves are those of the parts."""
+    import copy
+
+    from model import kernels
+    from model.args import ModelArgs
+    from model.cache import Cache
+    from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
+
+    model = build(ModelArgs.preset("tiny"), seed=0, device=DEVICE)
+    bind_tokenizer(model, BUNDLED_TOKENIZER)
+    g = torch.Generator().manual_seed(4)
+    mine = Cache(model.args, batch=2, device=DEVICE)
+    model.engram_hash(torch.randint(3, 1000, (2, 7), generator=g).to(DEVICE), mine, 0)  # a prompt: the parts
+    theirs = copy.deepcopy(mine)
+    launched, step = [], kernels.engram_step
+
+    def counted(*a):
+        out = step(*a)
+        launched.append(out is not None)
+        return out
+
+    monkeypatch.setattr(kernels, "engram_step", counted)
+    for start in range(7, 12):
+        ids = torch.randint(3, 1000, (2, 1), generator=g).to(DEVICE)
+        got = model.engram_hash(ids, mine, start)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "engram_step", lambda *a: None)  # not run: the parts
+            want = model.engram_hash(ids, theirs, start)
+        assert torch.equal(got, want)
+        assert torch.equal(mine.engram_ids, theirs.engram_ids) and torch.equal(mine.engram_pos, theirs.engram_pos)
+    assert launched == [True] * 5  # the kernel ran each step

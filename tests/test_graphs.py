@@ -148,6 +148,39 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
     assert len(model._graphs) == 0
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
+def test_engram_projections_beside_the_layers_give_the_same_steps(monkeypatch):
+    """Each Engram layer's projection, which reads only the step's inputs, launched from the
+    step's start on a side stream of the step's graph and joined at its layer
+    (``engram.BESIDE``) gives the logits of the inline projection bit for bit."""
+    from model.kernels import engram
+
+    made = []
+
+    class Counted(kernels.Beside):
+        def __init__(self, *args, **kw):
+            made.append(True)
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(kernels, "Beside", Counted)
+    model = _tiny("cuda", torch.bfloat16)
+    ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(2)).cuda()
+    runs = {}
+    for value in (False, True):
+        monkeypatch.setattr(engram, "BESIDE", value)
+        model.reset_graphs()
+        engine = Engine(model, mode="ced", chunk=40)
+        state = engine.new_state(batch=1)
+        engine.prefill(state, ids)
+        token, logits = state.last_logits.argmax(-1), []
+        for _ in range(6):
+            logits.append(engine.decode(state, token).float().cpu())
+            token = logits[-1].argmax(-1).cuda()
+        runs[value] = torch.stack(logits)
+        assert bool(made) == value  # launched beside in each capture
+    assert torch.equal(runs[True], runs[False])
+
+
 def test_graphs_need_every_moe_on_its_grouped_path(monkeypatch):
     """The per-expert loop reads expert ids on the host, which a capture cannot hold: a step
     is graphed only where every layer's MoE runs grouped (the fused MoE kernel off, as on a

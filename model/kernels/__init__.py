@@ -78,7 +78,8 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
-           "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "Pending", "resolve", "gemv_later"]
+           "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "Pending", "resolve", "gemv_later",
+           "engram_beside", "Beside", "engram_step"]
 
 
 def _interpreting() -> bool:
@@ -228,6 +229,53 @@ class Pending:
 
 
 SITE_FOLD_PATH = "mHC site fold"
+
+
+def engram_beside(x: torch.Tensor) -> bool:
+    """Whether a decode step's Engram projections run beside its layers (``engram.BESIDE``):
+    only while a CUDA graph of the step is captured on ``x``'s device, the kernels
+    :func:`enabled`."""
+    if not (x.is_cuda and enabled(x) and torch.cuda.is_current_stream_capturing()):
+        return False
+    from model.kernels import engram
+
+    return engram.BESIDE
+
+
+class Beside:
+    """``fn(*args)`` launched on a side stream of its own, beside whatever the current stream
+    runs after it (work that reads only a decode step's inputs: the Engram layers' projections
+    of their hashed rows, from the step's start). :meth:`value` makes the current stream wait
+    for it (an event recorded after it, so later work on the side stream is not waited for)
+    and returns its result. The result lives as long as this object: the caller keeps it until
+    the capture has made the current stream wait for it."""
+
+    _streams: dict = {}  # device index -> the side stream, made once
+
+    def __init__(self, fn, *args, device: torch.device):
+        """``fn(*args)`` launched beside (``device``: where the current stream is). ``args`` are
+        kept until the join: the allocator must not hand their memory to the current stream's
+        later work while the side stream may still read it."""
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in Beside._streams:
+            Beside._streams[index] = torch.cuda.Stream(index)
+        side = Beside._streams[index]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self._out = fn(*args)
+        self._event = torch.cuda.Event()
+        self._event.record(side)
+        self._joined, self._args = False, args
+
+    def join(self) -> None:
+        """The current stream waits for it (a no-op after the first)."""
+        self.value()
+
+    def value(self):
+        if not self._joined:
+            torch.cuda.current_stream().wait_event(self._event)
+            self._joined, self._args = True, ()
+        return self._out
 
 
 def resolve(y):
@@ -504,6 +552,23 @@ def ngram_hash(compressed: torch.Tensor, history: torch.Tensor, multipliers: tor
     launches a decode step; else the twin. Integers: equal either way."""
     return _kernel_or_twin("Engram hash kernel", "engram.ngram_hash", ngram_hash_ref, compressed, history,
                            multipliers, primes, offsets, pad, dead, grads=())
+
+
+def engram_step(ids: torch.Tensor, token_map: torch.Tensor, ring_ids: torch.Tensor, ring_pos: torch.Tensor,
+                start: int, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor, pad: int,
+                dead: int) -> torch.Tensor | None:
+    """A decode step's Engram rows [B, 1, L, cols] and the look-back ring's write in one launch
+    (``model.kernels.engram.engram_step``) where :func:`enabled` on one new token a row; None
+    where it does not run (or cannot be built: warned once), and the ring untouched — the
+    caller then runs the compress, look-back, :func:`ngram_hash` and record itself."""
+    if ids.dim() != 2 or ids.shape[1] != 1 or ring_pos.shape[0] < multipliers.shape[1] \
+            or not _kernel_runs("Engram step kernel", ids):
+        return None
+    from model.kernels import engram
+
+    return _guarded("Engram step kernel", lambda _: engram.engram_step(ids, token_map, ring_ids, ring_pos, start,
+                                                                       multipliers, primes, offsets, pad, dead),
+                    lambda _: None, ids)
 
 
 def _kernel_or_twin(path: str, kernel: str, twin, x: torch.Tensor, *args, grads: tuple[torch.Tensor, ...],

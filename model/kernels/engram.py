@@ -9,7 +9,11 @@ product and the cast back are rounded as torch rounds them (bf16: nearest even, 
 
 Owns ``ngram_hash`` (what ``ngram_hash_ref`` computes): every Engram layer's row ids of the
 n-grams ending at each token, one launch where torch runs ~20 (the look-back's slices and
-masks, the products, XORs and remainders) once a step. Integers, so equal to the twin.
+masks, the products, XORs and remainders) once a step. Integers, so equal to the twin. And
+``engram_step``: a decode step's whole Engram look-up in one launch — the new token's
+compressed id, the look-back read from the cache's ring, the hash, the ring's write — where
+the step ran ~16 (torch's lookups and masks around the hash kernel: ~38 µs at its start on the
+H200, session 32).
 
 Does not own: the hashed rows and their projection (``model.model.Engram``), or choosing
 kernel or twin (``model.kernels``). Imported only when Triton is importable.
@@ -21,6 +25,13 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _store, chained, unfused
+
+# a decode step's Engram projections (each layer's hashed rows through its ``wkv``: 126 MB at
+# `small`, ~35 µs a layer on the step's path on the H200; session 32) launched from the step's start
+# on a side stream, beside the layers before theirs (``model.kernels.Beside``). Timed on the H200
+# (`small`, a step at 128K, bench_knobs, best of three alternated rounds): 0.987 / 0.989 of inline in
+# two calls (controls 0.997 / 1.003); the GEMV kernel beside, where cuBLAS runs it now, 0.994
+BESIDE = True
 
 
 @triton.jit
@@ -116,4 +127,65 @@ def ngram_hash(compressed: torch.Tensor, history: torch.Tensor, multipliers: tor
                                    primes.contiguous(), offsets.contiguous(), out, S, n - 1, pad, dead,
                                    NGRAM=n, HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), num_warps=1,
                                    **chained(compressed))
+    return out
+
+
+@triton.jit(do_not_specialize=["start"])
+def _engram_step_kernel(ids_ptr, map_ptr, rid_ptr, rpos_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, start, HR,
+                        s_rid, pad, dead, NGRAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+                        PDL: tl.constexpr = False):
+    """Program (row b, Engram layer): the row's new token at position ``start`` compressed
+    (``map``), the tokens before it read from the look-back ring (``rid`` [B, HR] ids at slot
+    position % HR, ``rpos`` [HR] the position each slot holds: dead where it holds another),
+    the n-gram rows hashed as ``_ngram_hash_kernel`` hashes them; layer 0's program writes the
+    new token into the ring (no program reads its slot: HR >= NGRAM)."""
+    _chain(PDL)
+    b = tl.program_id(0).to(tl.int64)
+    layer = tl.program_id(1)
+    L = tl.num_programs(1)
+    j = tl.arange(0, BLOCK_H)
+    mj = j < HEADS
+    cols: tl.constexpr = (NGRAM - 1) * HEADS
+    new = tl.load(map_ptr + tl.load(ids_ptr + b))
+    blocked = False
+    rolling = tl.zeros((), dtype=tl.int64)
+    for shift in tl.static_range(NGRAM):  # newest token first
+        if shift == 0:
+            tok = new
+        else:
+            at = start - shift
+            slot = tl.where(at >= 0, at % HR, 0)
+            known = (at >= 0) & (tl.load(rpos_ptr + slot) == at)
+            tok = tl.where(known, tl.load(rid_ptr + b * s_rid + slot), dead)
+        blocked = blocked | (tok == dead)
+        product = tl.where(blocked, pad, tok).to(tl.int64) * tl.load(mult_ptr + layer * NGRAM + shift)
+        rolling = rolling ^ product
+        if shift > 0:
+            prime = tl.load(primes_ptr + (layer * (NGRAM - 1) + shift - 1) * HEADS + j, mask=mj, other=1)
+            offset = tl.load(offsets_ptr + layer * cols + (shift - 1) * HEADS + j, mask=mj, other=0)
+            tl.store(out_ptr + (b * L + layer) * cols + (shift - 1) * HEADS + j, rolling % prime + offset, mask=mj)
+    if layer == 0:
+        tl.store(rid_ptr + b * s_rid + start % HR, new)
+        if b == 0:
+            tl.store(rpos_ptr + start % HR, start)
+
+
+def engram_step(ids: torch.Tensor, token_map: torch.Tensor, ring_ids: torch.Tensor, ring_pos: torch.Tensor,
+                start: int, multipliers: torch.Tensor, primes: torch.Tensor, offsets: torch.Tensor, pad: int,
+                dead: int) -> torch.Tensor:
+    """One decode step's Engram rows in one launch: ids [B, 1] (the new tokens, at position
+    ``start``) -> row ids [B, 1, L, (n-1) * heads] int64, as ``NgramHasher.compress``,
+    ``Cache.engram_history``, ``ngram_hash`` and ``Cache.record_engram`` make them and leave
+    the look-back ring (``ring_ids`` [B, HR], ``ring_pos`` [HR], written in place)."""
+    B, S = ids.shape
+    L, n = multipliers.shape
+    heads = primes.shape[-1]
+    HR = ring_pos.shape[0]
+    assert S == 1 and HR >= n and ring_ids.shape == (B, HR) and ring_ids.stride(1) == 1 and ring_pos.is_contiguous()
+    assert all(t.dtype == torch.int64 for t in (ids, token_map, ring_ids, ring_pos, multipliers, primes, offsets))
+    out = torch.empty(B, 1, L, (n - 1) * heads, dtype=torch.int64, device=ids.device)
+    _engram_step_kernel[(B, L)](ids.contiguous(), token_map, ring_ids, ring_pos, multipliers.contiguous(),
+                                primes.contiguous(), offsets.contiguous(), out, start, HR, ring_ids.stride(0), pad,
+                                dead, NGRAM=n, HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), num_warps=1,
+                                **chained(ids))
     return out
