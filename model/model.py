@@ -99,9 +99,13 @@ def shared_rope_angles():
 
 
 class RopeAngles:
-    """cos / sin [S, rd/2] of some positions under a frequency table; -sin made on first use."""
+    """cos / sin [S, rd/2] of some positions under a frequency table; -sin made on first use
+    (or given: :func:`share_rope_angles`)."""
 
-    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor):
+    def __init__(self, positions: torch.Tensor | None, inv_freq: torch.Tensor | None, made: tuple = ()):
+        if made:
+            self.cos, self.sin, self._neg_sin = made
+            return
         freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
         self.cos, self.sin, self._neg_sin = freqs.cos(), freqs.sin(), None
 
@@ -110,6 +114,24 @@ class RopeAngles:
         if self._neg_sin is None:
             self._neg_sin = -self.sin
         return self._neg_sin
+
+
+def share_rope_angles(positions: torch.Tensor, *tables: torch.Tensor) -> None:
+    """Within :func:`shared_rope_angles`' scope: the angles of ``positions`` under each of
+    ``tables`` made at once — cos, sin and -sin of all tables' frequencies side by side, five
+    launches where each table took five — and left for :func:`rope_angles` to find. The same
+    elementwise operations on the same values as :class:`RopeAngles`: the same bits (each
+    table's a column slice: contiguous for one position, a decode step's)."""
+    memo = getattr(_ANGLES, "memo", None)
+    if memo is None:
+        return
+    freqs = positions.float()[:, None] * torch.cat([t.to(positions.device) for t in tables])[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    neg_sin, at = -sin, 0
+    for t in tables:
+        part = slice(at, at + t.numel())
+        memo.append((positions, t, RopeAngles(None, None, (cos[:, part], sin[:, part], neg_sin[:, part]))))
+        at += t.numel()
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> RopeAngles:
@@ -293,14 +315,19 @@ class Indexer(nn.Module):
         picks). ``qw``: this step's :meth:`query` when already computed."""
         q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
         ratio = self.args.ratios[self.layer]
+        if isinstance(candidates, kernels.Beside):  # made beside the layers since the candidate source
+            candidates = candidates.value()
         pool = candidates if self.args.uses_candidates(self.layer) else None  # scored alone, then mapped back
         # q holds FP4 values, exact in its own dtype: a bf16 query is one bf16 operand to the kernel's dots;
         # the records seen and the weights' scale are the kernel's to apply (two launches fewer each)
         s = kernels.indexer_scores(q[:, 0], w[:, 0], src.index, (pos, ratio), self.head_dim ** -0.5,
                                    None if pool is None else pool[:, 0], weight_scale=self.n_heads ** -0.5)[:, None]
         if self.layer == self.args.candidate_source_layer_id:
-            candidates = candidate_rows(s, (pos + 1) // ratio, self.args.candidate_topk_blocks,
-                                        self.args.candidate_block_size)
+            pool_of = partial(_candidate_rows_at, ratio=ratio, topk_blocks=self.args.candidate_topk_blocks,
+                              block=self.args.candidate_block_size)
+            # read first by a later layer: where kernels.pool_beside, made on a side stream beside
+            # this layer's own top-k and the layers between (a kernels.Beside, joined there)
+            candidates = kernels.Beside(pool_of, s, pos, device=s.device) if kernels.pool_beside(s) else pool_of(s, pos)
         # top_records' choice, in record order, -1 after (a buffer of fewer records than top-k too)
         k = self.args.index_topk
         indices = kernels.topk_rows(s[:, 0], k, None if pool is None else pool[:, 0], width=k)[:, None]
@@ -375,6 +402,12 @@ def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int,
     keep = torch.zeros(*values.shape[:-1], n_blocks, dtype=torch.bool, device=scores.device)
     keep.scatter_(-1, indices, values > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :scores.shape[-1]]
+
+
+def _candidate_rows_at(scores: torch.Tensor, pos: torch.Tensor, *, ratio: int, topk_blocks: int,
+                       block: int) -> torch.Tensor:
+    """:func:`candidate_rows` for a decode step's query at ``pos`` of a source of ``ratio``."""
+    return candidate_rows(scores, (pos + 1) // ratio, topk_blocks, block)
 
 
 def candidate_rows(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
@@ -1008,10 +1041,12 @@ class Transformer(nn.Module):
         that reads the streams first (Engram, a DSpark tap) and after the last. While a CUDA
         graph is captured, the Engram layers' projections (which read only the step's inputs)
         may be launched first on a side stream (``kernels.engram_beside``), each joined at its
-        layer."""
+        layer, and the candidate pool made beside the layers after its source
+        (``kernels.pool_beside``), joined where it is first read."""
         shared, taps = {}, []  # what each layer writes for the later ones: the top-k, the candidate pool
         pending = None  # the layer before's FFN output, added by the next attention site's kernel
         with shared_rope_angles():
+            share_rope_angles(pos, self.ropes.main, self.ropes.compress)  # a step reads both tables
             beside = bool(hash_ids) and kernels.engram_beside(streams)
             engram_kv = {b.layer: kernels.Beside(b.engram.kv, hash_ids[0][:, :, b.engram.slot], device=streams.device)
                          for b in blocks if beside and b.engram is not None}  # kept until the step's end
@@ -1028,8 +1063,9 @@ class Transformer(nn.Module):
         if pending is not None:
             streams = expand_output(streams, pending)
         kernels.mhc_join()  # the last site's split, where it ran beside: pre is an output
-        for kv in engram_kv.values():  # a capture ends with its side stream joined
-            kv.join()
+        for made in (*engram_kv.values(), shared.get("candidates")):  # a capture ends with its side stream joined
+            if isinstance(made, kernels.Beside):
+                made.join()
         return (streams, pre, *taps)
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

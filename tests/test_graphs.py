@@ -149,12 +149,17 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
-def test_engram_projections_beside_the_layers_give_the_same_steps(monkeypatch):
-    """Each Engram layer's projection, which reads only the step's inputs, launched from the
-    step's start on a side stream of the step's graph and joined at its layer
-    (``engram.BESIDE``) gives the logits of the inline projection bit for bit."""
-    from model.kernels import engram
+@pytest.mark.parametrize("knob", ["engram.BESIDE", "select.POOL_BESIDE"])
+def test_work_beside_the_layers_gives_the_same_steps(monkeypatch, knob):
+    """Work launched on a side stream of the step's graph and joined where it is first read —
+    each Engram layer's projection, which reads only the step's inputs, from the step's start
+    (``engram.BESIDE``); the candidate pool from its source layer's scores (``select.POOL_BESIDE``)
+    — gives the logits of the same work inline, bit for bit."""
+    from model.bench import kernel_knob
 
+    for other in ("engram.BESIDE", "select.POOL_BESIDE"):  # only the one tested makes a Beside
+        monkeypatch.setattr(*kernel_knob(other)[:2], False)
+    module, name, _ = kernel_knob(knob)
     made = []
 
     class Counted(kernels.Beside):
@@ -167,7 +172,7 @@ def test_engram_projections_beside_the_layers_give_the_same_steps(monkeypatch):
     ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(2)).cuda()
     runs = {}
     for value in (False, True):
-        monkeypatch.setattr(engram, "BESIDE", value)
+        monkeypatch.setattr(module, name, value)
         model.reset_graphs()
         engine = Engine(model, mode="ced", chunk=40)
         state = engine.new_state(batch=1)
@@ -178,6 +183,7 @@ def test_engram_projections_beside_the_layers_give_the_same_steps(monkeypatch):
             token = logits[-1].argmax(-1).cuda()
         runs[value] = torch.stack(logits)
         assert bool(made) == value  # launched beside in each capture
+        made.clear()
     assert torch.equal(runs[True], runs[False])
 
 
