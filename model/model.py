@@ -455,7 +455,7 @@ class Attention(nn.Module):
         return self.output(self.core(x, q_res, q, kv, pos, step, cache, ropes), pos, ropes)
 
     def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat, fused: bool = False,
-                norm=None):
+                norm=None, early=None):
         """(x, q_res, RoPE'd queries, this step's window entries as ``fmt`` rounds them): reads
         no cache. ``fused`` (a decode step on the fused kernels, :meth:`decode_step` next): the
         K=V latent as it is, which :meth:`decode_step` turns into its window entry, and
@@ -463,9 +463,12 @@ class Attention(nn.Module):
         which normalises its input either way). ``norm`` = (weight, eps):
         x is the mHC site's input before its RMSNorm (``kernels.hc_site``'s ``norm_later``),
         normalised inside the projections' GEMV where it runs (else first); the x returned
-        is the normalised one, for x's other readers."""
+        is the normalised one, for x's other readers. ``early`` (``fused``): a callable of
+        the normalised x run as soon as the first projection has made it (on the kernels:
+        :meth:`compress_beside`), before the query's projection."""
         B, S, _ = x.shape
         inv = self.rope_table(ropes)
+        self.__dict__.pop("_compressing", None)  # one a capture left unjoined (it failed) is never waited on
         if not kernels.gemv_runs(x, self.wq_a, self.wkv):
             if norm is not None:
                 x = kernels.rms_norm(x, *norm)
@@ -479,6 +482,8 @@ class Attention(nn.Module):
             q_lat, kv_lat = kernels.gemv(x, self.wq_a.weight, self.wkv.weight)
         else:
             q_lat, kv_lat, x = kernels.gemv(x, self.wq_a.weight, self.wkv.weight, norm=norm, keep=True)
+        if fused and early is not None:
+            early(x)  # may leave a kernels.Beside for decode_step to join
         angles = rope_angles(pos, inv)
         rope = (angles.cos, angles.sin, self.head_dim)
         if fused:
@@ -565,14 +570,12 @@ class Attention(nn.Module):
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
         query when already computed."""
         ring = cache.windows[self.layer]
+        beside = self.__dict__.pop("_compressing", None)  # compress_beside's, this step's
         self._write_entry(kv, pos, ring, cache.kv, ropes)
-        if self.compressor is not None and not self._compress_step(x, pos, cache.sources[self.layer], emits, ropes):
-            src = cache.sources[self.layer]
-            made = self.compressor.step(x, pos, src, emits)
-            if made is not None:
-                latent, first = made
-                src.write_at(first // self.ratio, src.kv.pack_main(apply_rope(latent, first, ropes.compress)),
-                             self.indexer.keys(latent, first, ropes.compress, src.kv))
+        if beside is not None:
+            beside.join()  # the source's new record and key, before the indexer reads them
+        elif self.compressor is not None:
+            self.compress(x, pos, cache.sources[self.layer], emits, ropes)
         written, topk = (), reads.get("topk")
         if self.indexer is not None:
             src = cache.sources[self.args.kv_source(self.layer)]
@@ -580,6 +583,27 @@ class Attention(nn.Module):
             written = (topk, pool) if self.layer == self.args.candidate_source_layer_id else (topk,)
         records = None if topk is None else cache.sources[self.args.kv_source(self.layer)].records
         return self.fused_attend(q, pos, ring, records, topk), written
+
+    def compress(self, x, pos: torch.Tensor, src: SourceKV, emits: bool, ropes: Ropes) -> None:
+        """The compressor's part of :meth:`decode_step`: this step's latent into the source's
+        pending group, and the group's record and index key where it completes (``emits``)."""
+        if self._compress_step(x, pos, src, emits, ropes):
+            return
+        made = self.compressor.step(x, pos, src, emits)
+        if made is not None:
+            latent, first = made
+            src.write_at(first // self.ratio, src.kv.pack_main(apply_rope(latent, first, ropes.compress)),
+                         self.indexer.keys(latent, first, ropes.compress, src.kv))
+
+    def compress_beside(self, x, *, pos: torch.Tensor, cache: Cache, emits: bool, ropes: Ropes) -> None:
+        """``project``'s ``early`` in a fused decode step: where ``kernels.compress_beside`` (a
+        graph's capture) and the compressor pools groups of a bf16 x (ratio > 1: its launches
+        start with torch's cast of x, not a dependent launch, the side stream's first),
+        :meth:`compress` launched on a side stream beside the query's projections and the
+        window entry, joined by :meth:`decode_step` before the indexer."""
+        if self.compressor is not None and self.ratio > 1 and x.dtype != torch.float32 and kernels.compress_beside(x):
+            self._compressing = kernels.Beside(self.compress, x, pos, cache.sources[self.layer], emits, ropes,
+                                               device=x.device)
 
     def _compress_step(self, x, pos: torch.Tensor, src: SourceKV, emits: bool, ropes: Ropes) -> bool:
         """The compressor's part of :meth:`decode_step` in four launches (``kernels.compress_step``):
@@ -826,7 +850,9 @@ class Block(nn.Module):
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
         streams, a_pre, a_post, a_comb, x, norm = self.site("attn", streams, pre, expand=expand, overlap=True,
                                                             norm_later=True)
-        x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm)
+        early = partial(self.attn.compress_beside, pos=pos, cache=cache, emits=emits, ropes=ropes)
+        x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm,
+                                                early=early)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None)
         return (*self.ffn_output(self.attn.output(out, pos, ropes, later=True), streams, a_pre, a_post, a_comb,
@@ -842,11 +868,11 @@ class Block(nn.Module):
         a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
         return (a_pre, a_post, a_comb, *self.projections(x, pos, ropes=ropes, fmt=fmt))
 
-    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat, fused: bool = False, norm=None):
-        """The attention's projections of the site's input (``Attention.project``, ``fused``
-        and ``norm`` as there) and, in a layer with an indexer, its query and head weights
+    def projections(self, x, pos, *, ropes: Ropes, fmt: KVFormat, fused: bool = False, norm=None, early=None):
+        """The attention's projections of the site's input (``Attention.project``, ``fused``,
+        ``norm`` and ``early`` as there) and, in a layer with an indexer, its query and head weights
         (``Indexer.query``): (x normalised, q_res, q, kv, *index)."""
-        x, q_res, q, kv = self.attn.project(x, pos, ropes, fmt, fused, norm)
+        x, q_res, q, kv = self.attn.project(x, pos, ropes, fmt, fused, norm, early)
         index = () if self.attn.indexer is None else self.attn.indexer.query(x, q_res, pos, ropes.compress, fmt)
         return (x, q_res, q, kv, *index)
 

@@ -149,15 +149,16 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
-@pytest.mark.parametrize("knob", ["engram.BESIDE", "select.POOL_BESIDE"])
+@pytest.mark.parametrize("knob", ["engram.BESIDE", "select.POOL_BESIDE", "pack.COMPRESS_BESIDE"])
 def test_work_beside_the_layers_gives_the_same_steps(monkeypatch, knob):
     """Work launched on a side stream of the step's graph and joined where it is first read —
     each Engram layer's projection, which reads only the step's inputs, from the step's start
-    (``engram.BESIDE``); the candidate pool from its source layer's scores (``select.POOL_BESIDE``)
-    — gives the logits of the same work inline, bit for bit."""
+    (``engram.BESIDE``); the candidate pool from its source layer's scores (``select.POOL_BESIDE``);
+    a ratio-2 source's compressor beside the query's projections (``pack.COMPRESS_BESIDE``) —
+    gives the logits of the same work inline, bit for bit."""
     from model.bench import kernel_knob
 
-    for other in ("engram.BESIDE", "select.POOL_BESIDE"):  # only the one tested makes a Beside
+    for other in ("engram.BESIDE", "select.POOL_BESIDE", "pack.COMPRESS_BESIDE"):  # only the one tested beside
         monkeypatch.setattr(*kernel_knob(other)[:2], False)
     module, name, _ = kernel_knob(knob)
     made = []

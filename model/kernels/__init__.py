@@ -79,7 +79,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
            "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "Pending", "resolve", "gemv_later",
-           "engram_beside", "pool_beside", "Beside", "engram_step"]
+           "engram_beside", "pool_beside", "compress_beside", "Beside", "engram_step"]
 
 
 def _interpreting() -> bool:
@@ -242,6 +242,12 @@ def pool_beside(x: torch.Tensor) -> bool:
     """Whether a decode step's candidate pool is made beside the layers after its source
     (``select.POOL_BESIDE``), as :func:`engram_beside`."""
     return _beside(x, "select", "POOL_BESIDE")
+
+
+def compress_beside(x: torch.Tensor) -> bool:
+    """Whether a decode step's compressor runs beside the query's projections
+    (``pack.COMPRESS_BESIDE``), as :func:`engram_beside`."""
+    return _beside(x, "pack", "COMPRESS_BESIDE")
 
 
 def _beside(x: torch.Tensor, module: str, knob: str) -> bool:
