@@ -85,6 +85,23 @@ def engram_gate(streams: torch.Tensor, key: torch.Tensor, value: torch.Tensor, q
 
 
 @triton.jit
+def _hashed(tok, shift: tl.constexpr, blocked, rolling, layer, mult_ptr, primes_ptr, offsets_ptr, row_ptr, pad, dead,
+            NGRAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The token ``shift`` back (newest first) into one layer's rolling n-gram hash (the pad at
+    and past a dead one); from the 2-gram on, each head's row id of the n-gram ending here
+    written to ``row_ptr`` [(n-1) * heads]. -> (blocked, rolling) for the next token back."""
+    j = tl.arange(0, BLOCK_H)
+    mj = j < HEADS
+    blocked = blocked | (tok == dead)
+    rolling = rolling ^ (tl.where(blocked, pad, tok).to(tl.int64) * tl.load(mult_ptr + layer * NGRAM + shift))
+    if shift > 0:
+        prime = tl.load(primes_ptr + (layer * (NGRAM - 1) + shift - 1) * HEADS + j, mask=mj, other=1)
+        offset = tl.load(offsets_ptr + layer * (NGRAM - 1) * HEADS + (shift - 1) * HEADS + j, mask=mj, other=0)
+        tl.store(row_ptr + (shift - 1) * HEADS + j, rolling % prime + offset, mask=mj)
+    return blocked, rolling
+
+
+@triton.jit
 def _ngram_hash_kernel(c_ptr, hist_ptr, mult_ptr, primes_ptr, offsets_ptr, out_ptr, S, H, pad, dead,
                        NGRAM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     _chain(PDL)
@@ -92,8 +109,6 @@ def _ngram_hash_kernel(c_ptr, hist_ptr, mult_ptr, primes_ptr, offsets_ptr, out_p
     layer = tl.program_id(1)
     L = tl.num_programs(1)
     b, s = t // S, t % S
-    j = tl.arange(0, BLOCK_H)
-    mj = j < HEADS
     cols: tl.constexpr = (NGRAM - 1) * HEADS
     blocked = False
     rolling = tl.zeros((), dtype=tl.int64)
@@ -102,13 +117,8 @@ def _ngram_hash_kernel(c_ptr, hist_ptr, mult_ptr, primes_ptr, offsets_ptr, out_p
         in_chunk = at >= 0
         tok = tl.where(in_chunk, tl.load(c_ptr + b * S + at, mask=in_chunk, other=0),
                        tl.load(hist_ptr + b * H + H + at, mask=(at < 0) & (H + at >= 0), other=dead))
-        blocked = blocked | (tok == dead)
-        product = tl.where(blocked, pad, tok).to(tl.int64) * tl.load(mult_ptr + layer * NGRAM + shift)
-        rolling = rolling ^ product
-        if shift > 0:
-            prime = tl.load(primes_ptr + (layer * (NGRAM - 1) + shift - 1) * HEADS + j, mask=mj, other=1)
-            offset = tl.load(offsets_ptr + layer * cols + (shift - 1) * HEADS + j, mask=mj, other=0)
-            tl.store(out_ptr + (t * L + layer) * cols + (shift - 1) * HEADS + j, rolling % prime + offset, mask=mj)
+        blocked, rolling = _hashed(tok, shift, blocked, rolling, layer, mult_ptr, primes_ptr, offsets_ptr,
+                                   out_ptr + (t * L + layer) * cols, pad, dead, NGRAM, HEADS, BLOCK_H)
 
 
 def ngram_hash(compressed: torch.Tensor, history: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
@@ -143,8 +153,6 @@ def _engram_step_kernel(ids_ptr, map_ptr, rid_ptr, rpos_ptr, mult_ptr, primes_pt
     b = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(1)
     L = tl.num_programs(1)
-    j = tl.arange(0, BLOCK_H)
-    mj = j < HEADS
     cols: tl.constexpr = (NGRAM - 1) * HEADS
     new = tl.load(map_ptr + tl.load(ids_ptr + b))
     blocked = False
@@ -157,13 +165,8 @@ def _engram_step_kernel(ids_ptr, map_ptr, rid_ptr, rpos_ptr, mult_ptr, primes_pt
             slot = tl.where(at >= 0, at % HR, 0)
             known = (at >= 0) & (tl.load(rpos_ptr + slot) == at)
             tok = tl.where(known, tl.load(rid_ptr + b * s_rid + slot), dead)
-        blocked = blocked | (tok == dead)
-        product = tl.where(blocked, pad, tok).to(tl.int64) * tl.load(mult_ptr + layer * NGRAM + shift)
-        rolling = rolling ^ product
-        if shift > 0:
-            prime = tl.load(primes_ptr + (layer * (NGRAM - 1) + shift - 1) * HEADS + j, mask=mj, other=1)
-            offset = tl.load(offsets_ptr + layer * cols + (shift - 1) * HEADS + j, mask=mj, other=0)
-            tl.store(out_ptr + (b * L + layer) * cols + (shift - 1) * HEADS + j, rolling % prime + offset, mask=mj)
+        blocked, rolling = _hashed(tok, shift, blocked, rolling, layer, mult_ptr, primes_ptr, offsets_ptr,
+                                   out_ptr + (b * L + layer) * cols, pad, dead, NGRAM, HEADS, BLOCK_H)
     if layer == 0:
         tl.store(rid_ptr + b * s_rid + start % HR, new)
         if b == 0:
