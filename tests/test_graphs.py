@@ -339,6 +339,26 @@ def test_rope_angles_are_shared_within_a_scope_and_never_into_a_nested_one():
     assert rope_angles(pos, inv) is not outer  # no scope: nothing kept
 
 
+def test_angles_shared_between_tables_are_each_tables_own():
+    """``share_rope_angles``: both tables' angles made side by side, found by ``rope_angles``
+    within the scope, bit for bit what each table's own ``RopeAngles`` makes (a decode step's
+    one position: each slice contiguous, as the kernels read it); outside a scope, nothing."""
+    from model.args import ModelArgs
+    from model.model import RopeAngles, Ropes, rope_angles, share_rope_angles, shared_rope_angles
+
+    ropes = Ropes(ModelArgs.preset("tiny"))
+    for start in (0, 1, 4095, 131071):
+        pos = torch.tensor([start])
+        with shared_rope_angles():
+            share_rope_angles(pos, ropes.main, ropes.compress)
+            for table in (ropes.main, ropes.compress):
+                got, want = rope_angles(pos, table), RopeAngles(pos, table)
+                for a, b in ((got.cos, want.cos), (got.sin, want.sin), (got.neg_sin, want.neg_sin)):
+                    assert torch.equal(a, b) and a.is_contiguous()
+    share_rope_angles(pos, ropes.main)  # no scope: a no-op
+    assert rope_angles(pos, ropes.main) is not rope_angles(pos, ropes.main)
+
+
 def _prefilled_twice(model, n: int, seed: int):
     """(engine, state, a copy of it) after a CED prefill of ``n`` random tokens, one row."""
     engine = Engine(model, mode="ced", chunk=40)

@@ -257,12 +257,16 @@ def _beside(x: torch.Tensor, module: str, knob: str) -> bool:
 
 
 class Beside:
-    """``fn(*args)`` launched on a side stream of its own, beside whatever the current stream
-    runs after it (work that reads only a decode step's inputs: the Engram layers' projections
-    of their hashed rows, from the step's start). :meth:`value` makes the current stream wait
-    for it (an event recorded after it, so later work on the side stream is not waited for)
-    and returns its result. The result lives as long as this object: the caller keeps it until
-    the capture has made the current stream wait for it."""
+    """``fn(*args)`` launched on a side stream, beside whatever the current stream runs after
+    it: work of a decode step's graph whose result is read much later than its inputs exist
+    (the Engram layers' projections of the step's hashed rows, from the step's start; the
+    candidate pool, from its source layer to the first layer that reads it; a compressor,
+    beside the query's projections). :meth:`value` makes the current stream wait for it (an
+    event recorded after it, so later work on the side stream is not waited for) and returns
+    its result; every one made in a capture must be joined before the capture ends. One side
+    stream a device: work beside is ordered among itself in the order it was launched.
+    Timed (session 32): pays where the work is long and read late; a join is a full
+    dependency, ~2 µs, so moving a 2 µs launch beside gains nothing."""
 
     _streams: dict = {}  # device index -> the side stream, made once
 
