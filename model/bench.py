@@ -296,6 +296,31 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
             "over_all_off": {k: v / times["all_off"] for k, v in times.items() if k != "all_off"}}
 
 
+def layer_map(spans: list, boundary: str = "_down_slots_kernel", layers: int | None = None) -> dict:
+    """A decode step's map by layer, from a chained profile's kernels (``spans``: (start µs,
+    end µs, name), as ``bench_profile(spans=)`` gives them): a layer ends where its last
+    kernel, ``boundary`` (the MoE's down sum), ends. -> ``layer_us``: each layer's span, from
+    the boundary's end before it to its own (the first after a step's start takes the start's
+    work too), as lists of ``layers`` (a step's; None: one list of all); ``kernels``: for each
+    layer of the first full step, its kernels in order of end, each (name, advance µs: how far
+    the layer's last end moved when it ended — :func:`span_advances`' measure within a
+    layer). What session 32's map of a `small` step was read from (README, Benchmarks)."""
+    spans = sorted(spans, key=lambda s: s[1])
+    ends = [i for i, (_, _, name) in enumerate(spans) if name.startswith(boundary)]
+    spans_us, kernels = [], []
+    for a, b in zip(ends, ends[1:]):
+        last = spans[a][1]
+        spans_us.append(round(spans[b][1] - last, 3))
+        inside = []
+        for _, end, name in spans[a + 1:b + 1]:
+            inside.append((name, round(max(0.0, end - last), 3)))
+            last = max(last, end)
+        kernels.append(inside)
+    if layers:
+        spans_us = [spans_us[i:i + layers] for i in range(0, len(spans_us), layers)]
+    return {"layer_us": spans_us, "kernels": kernels[:layers] if layers else kernels}
+
+
 # ----------------------------------------------------------------------------- linear layers
 
 class _Clock:

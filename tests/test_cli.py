@@ -302,3 +302,17 @@ def test_a_profiles_advances_split_the_steps_span_among_its_kernels():
     assert [t["name"] for t in out["top_advance"]] == ["split", "a", "c"]
     assert out["top_advance"][0]["ms_per_step"] == pytest.approx(15 / 1e3)
     assert out["top_advance"][0]["share"] == pytest.approx(15 / 42)
+
+
+def test_a_steps_map_by_layer_splits_it_at_each_down_sum():
+    """``layer_map``: a layer runs from one MoE down sum's end to the next; within it each
+    kernel's advance is how far the layer's last end moved (a kernel inside another's span
+    advances nothing); the spans come back grouped a step's layers at a time."""
+    from model.bench import layer_map
+
+    down = "_down_slots_kernel"
+    spans = [(0, 5, down), (6, 10, "gemv"), (7, 9, "split"), (11, 25, down), (26, 40, "attn"), (41, 45, down),
+             (46, 50, "gemv"), (50, 51, down)]
+    out = layer_map(spans, layers=2)
+    assert out["layer_us"] == [[20, 20], [6]]
+    assert out["kernels"] == [[("split", 4), ("gemv", 1), (down, 15)], [("attn", 15), (down, 5)]]
