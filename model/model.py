@@ -116,16 +116,18 @@ class RopeAngles:
         return self._neg_sin
 
 
-def share_rope_angles(positions: torch.Tensor, *tables: torch.Tensor) -> None:
+def share_rope_angles(positions: torch.Tensor, tables: tuple, joined: torch.Tensor) -> None:
     """Within :func:`shared_rope_angles`' scope: the angles of ``positions`` under each of
-    ``tables`` made at once — cos, sin and -sin of all tables' frequencies side by side, five
-    launches where each table took five — and left for :func:`rope_angles` to find. The same
-    elementwise operations on the same values as :class:`RopeAngles`: the same bits (each
-    table's a column slice: contiguous for one position, a decode step's)."""
+    ``tables`` made at once from ``joined`` (the tables side by side, kept so: ``Ropes.both``)
+    — cos, sin and -sin of all their frequencies, five launches where each table took five —
+    and left for :func:`rope_angles` to find. The same elementwise operations on the same
+    values as :class:`RopeAngles`: the same bits (each table's a column slice: contiguous for
+    one position, a decode step's)."""
     memo = getattr(_ANGLES, "memo", None)
     if memo is None:
         return
-    freqs = positions.float()[:, None] * torch.cat([t.to(positions.device) for t in tables])[None, :]
+    assert joined.numel() == sum(t.numel() for t in tables)
+    freqs = positions.float()[:, None] * joined.to(positions.device)[None, :]
     cos, sin = freqs.cos(), freqs.sin()
     neg_sin, at = -sin, 0
     for t in tables:
@@ -187,9 +189,11 @@ class Ropes(nn.Module):
             self.register_buffer(name, table, persistent=False)
 
     def _tables(self) -> dict[str, torch.Tensor]:
+        """main, compress, and both side by side (``share_rope_angles``' one set of launches)."""
         a, rd = self.args, self.args.qk_rope_head_dim
         yarn = a.rope_scaling if (a.rope_scaling or {}).get("rope_type", "yarn") == "yarn" else None
-        return {"main": rope_inv_freq(rd, a.rope_theta), "compress": rope_inv_freq(rd, a.compress_rope_theta, yarn)}
+        main, compress = rope_inv_freq(rd, a.rope_theta), rope_inv_freq(rd, a.compress_rope_theta, yarn)
+        return {"main": main, "compress": compress, "both": torch.cat([main, compress])}
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # moved (and cast): made again in fp32 where they now live
@@ -1072,7 +1076,7 @@ class Transformer(nn.Module):
         shared, taps = {}, []  # what each layer writes for the later ones: the top-k, the candidate pool
         pending = None  # the layer before's FFN output, added by the next attention site's kernel
         with shared_rope_angles():
-            share_rope_angles(pos, self.ropes.main, self.ropes.compress)  # a step reads both tables
+            share_rope_angles(pos, (self.ropes.main, self.ropes.compress), self.ropes.both)  # a step reads both
             beside = bool(hash_ids) and kernels.engram_beside(streams)
             engram_kv = {b.layer: kernels.Beside(b.engram.kv, hash_ids[0][:, :, b.engram.slot], device=streams.device)
                          for b in blocks if beside and b.engram is not None}  # kept until the step's end

@@ -81,6 +81,12 @@ def main() -> None:
     a = p.parse_args()
     if os.environ.get("TRITON_INTERPRET") != "1":
         p.error("set TRITON_INTERPRET=1: the kernels run in Triton's interpreter on the CPU")
+    from model.kernels import moe
+
+    # the MoE's down sum in its early form, the one form of it the interpreter runs (its looped
+    # form's range over a runtime width is not: tests/interpreted.py); one launch either way,
+    # where the looped form's failure would count the MoE's torch twin (~40 operators a layer)
+    moe.DOWN_EARLY = True
     model = load(a.preset, device="cpu", dtype=torch.bfloat16 if a.dtype == "bf16" else torch.float32, seed=0)
     step = _warm_decoder(model, a.ctx, a.batch, 512)
     census, launches = Census(), []

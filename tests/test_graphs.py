@@ -350,12 +350,12 @@ def test_angles_shared_between_tables_are_each_tables_own():
     for start in (0, 1, 4095, 131071):
         pos = torch.tensor([start])
         with shared_rope_angles():
-            share_rope_angles(pos, ropes.main, ropes.compress)
+            share_rope_angles(pos, (ropes.main, ropes.compress), ropes.both)
             for table in (ropes.main, ropes.compress):
                 got, want = rope_angles(pos, table), RopeAngles(pos, table)
                 for a, b in ((got.cos, want.cos), (got.sin, want.sin), (got.neg_sin, want.neg_sin)):
                     assert torch.equal(a, b) and a.is_contiguous()
-    share_rope_angles(pos, ropes.main)  # no scope: a no-op
+    share_rope_angles(pos, (ropes.main,), ropes.main)  # no scope: a no-op
     assert rope_angles(pos, ropes.main) is not rope_angles(pos, ropes.main)
 
 
