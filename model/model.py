@@ -102,12 +102,16 @@ class RopeAngles:
     """cos / sin [S, rd/2] of some positions under a frequency table; -sin made on first use
     (or given: :func:`share_rope_angles`)."""
 
-    def __init__(self, positions: torch.Tensor | None, inv_freq: torch.Tensor | None, made: tuple = ()):
-        if made:
-            self.cos, self.sin, self._neg_sin = made
-            return
+    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor):
         freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
         self.cos, self.sin, self._neg_sin = freqs.cos(), freqs.sin(), None
+
+    @classmethod
+    def made(cls, cos: torch.Tensor, sin: torch.Tensor, neg_sin: torch.Tensor) -> "RopeAngles":
+        """Angles already made (:func:`share_rope_angles`)."""
+        angles = cls.__new__(cls)
+        angles.cos, angles.sin, angles._neg_sin = cos, sin, neg_sin
+        return angles
 
     @property
     def neg_sin(self) -> torch.Tensor:
@@ -116,24 +120,22 @@ class RopeAngles:
         return self._neg_sin
 
 
-def share_rope_angles(positions: torch.Tensor, tables: tuple, joined: torch.Tensor) -> None:
-    """Within :func:`shared_rope_angles`' scope: the angles of ``positions`` under each of
-    ``tables`` made at once from ``joined`` (the tables side by side, kept so: ``Ropes.both``)
-    — cos, sin and -sin of all their frequencies, five launches where each table took five —
-    and left for :func:`rope_angles` to find. The same elementwise operations on the same
-    values as :class:`RopeAngles`: the same bits (each table's a column slice: contiguous for
-    one position, a decode step's)."""
+def share_rope_angles(positions: torch.Tensor, ropes: "Ropes") -> None:
+    """Within :func:`shared_rope_angles`' scope: the angles of ``positions`` under both of
+    ``ropes``' tables made at once from ``ropes.both`` (the two side by side) — cos, sin and
+    -sin, five launches where each table took five — and left for :func:`rope_angles` to find.
+    The same elementwise operations on the same values as :class:`RopeAngles`: the same bits
+    (each table's a column slice: contiguous for one position, a decode step's)."""
     memo = getattr(_ANGLES, "memo", None)
     if memo is None:
         return
-    assert joined.numel() == sum(t.numel() for t in tables)
-    freqs = positions.float()[:, None] * joined.to(positions.device)[None, :]
+    freqs = positions.float()[:, None] * ropes.both.to(positions.device)[None, :]
     cos, sin = freqs.cos(), freqs.sin()
     neg_sin, at = -sin, 0
-    for t in tables:
-        part = slice(at, at + t.numel())
-        memo.append((positions, t, RopeAngles(None, None, (cos[:, part], sin[:, part], neg_sin[:, part]))))
-        at += t.numel()
+    for table in (ropes.main, ropes.compress):
+        part = slice(at, at + table.numel())
+        memo.append((positions, table, RopeAngles.made(cos[:, part], sin[:, part], neg_sin[:, part])))
+        at += table.numel()
 
 
 def rope_angles(positions: torch.Tensor, inv_freq: torch.Tensor) -> RopeAngles:
@@ -329,9 +331,12 @@ class Indexer(nn.Module):
         if self.layer == self.args.candidate_source_layer_id:
             pool_of = partial(_candidate_rows_at, ratio=ratio, topk_blocks=self.args.candidate_topk_blocks,
                               block=self.args.candidate_block_size)
-            # read first by a later layer: where kernels.pool_beside, made on a side stream beside
+            # read first by a later layer: where select.POOL_BESIDE, made on a side stream beside
             # this layer's own top-k and the layers between (a kernels.Beside, joined there)
-            candidates = kernels.Beside(pool_of, s, pos, device=s.device) if kernels.pool_beside(s) else pool_of(s, pos)
+            if kernels.beside_on(s, "select.POOL_BESIDE"):
+                candidates = kernels.Beside(pool_of, s, pos, device=s.device)
+            else:
+                candidates = pool_of(s, pos)
         # top_records' choice, in record order, -1 after (a buffer of fewer records than top-k too)
         k = self.args.index_topk
         indices = kernels.topk_rows(s[:, 0], k, None if pool is None else pool[:, 0], width=k)[:, None]
@@ -468,11 +473,10 @@ class Attention(nn.Module):
         x is the mHC site's input before its RMSNorm (``kernels.hc_site``'s ``norm_later``),
         normalised inside the projections' GEMV where it runs (else first); the x returned
         is the normalised one, for x's other readers. ``early`` (``fused``): a callable of
-        the normalised x run as soon as the first projection has made it (on the kernels:
-        :meth:`compress_beside`), before the query's projection."""
+        the normalised x run as soon as the first projection has made it (on the kernels),
+        before the query's projection (``Block.whole_layer``: :meth:`compress_beside`)."""
         B, S, _ = x.shape
         inv = self.rope_table(ropes)
-        self.__dict__.pop("_compressing", None)  # one a capture left unjoined (it failed) is never waited on
         if not kernels.gemv_runs(x, self.wq_a, self.wkv):
             if norm is not None:
                 x = kernels.rms_norm(x, *norm)
@@ -566,18 +570,18 @@ class Attention(nn.Module):
             buffers += [src.records, src.index]
         return tuple((t.data_ptr(), tuple(t.shape)) for t in buffers)
 
-    def decode_step(self, x, q_res, q, kv, pos, reads: dict, cache: Cache, ropes: Ropes, emits: bool, qw=None):
+    def decode_step(self, x, q_res, q, kv, pos, reads: dict, cache: Cache, ropes: Ropes, emits: bool, qw=None,
+                    compressing=None):
         """:meth:`core` of one decode step at ``pos`` [1] on the fused kernels, graph-safe
         (nothing here reads a count from the host): the window-ring write, the compressor's
         record when ``emits``, the indexer's top-k (and candidate pool) over the whole
         buffers, the sparse attention. -> (output, what later layers read: () or (top-k,)
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
-        query when already computed."""
+        query when already computed; ``compressing``: :meth:`compress_beside`'s launch."""
         ring = cache.windows[self.layer]
-        beside = self.__dict__.pop("_compressing", None)  # compress_beside's, this step's
         self._write_entry(kv, pos, ring, cache.kv, ropes)
-        if beside is not None:
-            beside.join()  # the source's new record and key, before the indexer reads them
+        if compressing is not None:
+            compressing.join()  # the source's new record and key, before the indexer reads them
         elif self.compressor is not None:
             self.compress(x, pos, cache.sources[self.layer], emits, ropes)
         written, topk = (), reads.get("topk")
@@ -599,15 +603,17 @@ class Attention(nn.Module):
             src.write_at(first // self.ratio, src.kv.pack_main(apply_rope(latent, first, ropes.compress)),
                          self.indexer.keys(latent, first, ropes.compress, src.kv))
 
-    def compress_beside(self, x, *, pos: torch.Tensor, cache: Cache, emits: bool, ropes: Ropes) -> None:
-        """``project``'s ``early`` in a fused decode step: where ``kernels.compress_beside`` (a
-        graph's capture) and the compressor pools groups of a bf16 x (ratio > 1: its launches
-        start with torch's cast of x, not a dependent launch, the side stream's first),
-        :meth:`compress` launched on a side stream beside the query's projections and the
-        window entry, joined by :meth:`decode_step` before the indexer."""
-        if self.compressor is not None and self.ratio > 1 and x.dtype != torch.float32 and kernels.compress_beside(x):
-            self._compressing = kernels.Beside(self.compress, x, pos, cache.sources[self.layer], emits, ropes,
-                                               device=x.device)
+    def compress_beside(self, x, *, pos: torch.Tensor, cache: Cache, emits: bool, ropes: Ropes):
+        """In a fused decode step, as soon as the site's input x is made: where
+        ``pack.COMPRESS_BESIDE`` (a graph's capture) and the compressor pools groups of a bf16 x
+        (ratio > 1: its launches start with torch's cast of x, not a dependent launch, the side
+        stream's first), :meth:`compress` launched on a side stream beside the query's
+        projections and the window entry -> that ``kernels.Beside`` (:meth:`decode_step`'s
+        ``compressing``, joined before the indexer); else None."""
+        if self.compressor is not None and self.ratio > 1 and x.dtype != torch.float32 \
+                and kernels.beside_on(x, "pack.COMPRESS_BESIDE"):
+            return kernels.Beside(self.compress, x, pos, cache.sources[self.layer], emits, ropes, device=x.device)
+        return None
 
     def _compress_step(self, x, pos: torch.Tensor, src: SourceKV, emits: bool, ropes: Ropes) -> bool:
         """The compressor's part of :meth:`decode_step` in four launches (``kernels.compress_step``):
@@ -773,7 +779,7 @@ class Engram(nn.Module):
 
     def kv(self, hash_ids: torch.Tensor) -> torch.Tensor:
         """The hashed rows' key and value [..., (hc + 1) * D]: they read no hidden state, so a
-        decode step may make them beside its layers (``kernels.engram_beside``). Through torch's
+        decode step may make them beside its layers (``engram.BESIDE``). Through torch's
         linear layer (cuBLAS) on every path, not the GEMV kernel: the same bits beside the step
         or inline, with the CUDA graphs or without, and far fewer programs at once beside the
         layers' kernels than the GEMV's thousands."""
@@ -854,11 +860,15 @@ class Block(nn.Module):
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
         streams, a_pre, a_post, a_comb, x, norm = self.site("attn", streams, pre, expand=expand, overlap=True,
                                                             norm_later=True)
-        early = partial(self.attn.compress_beside, pos=pos, cache=cache, emits=emits, ropes=ropes)
+        compressing = []  # the compressor launched beside, as soon as x is made
+
+        def early(x):
+            compressing.append(self.attn.compress_beside(x, pos=pos, cache=cache, emits=emits, ropes=ropes))
+
         x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm,
                                                 early=early)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
-                                             emits, tuple(qw) or None)
+                                             emits, tuple(qw) or None, compressing[0] if compressing else None)
         return (*self.ffn_output(self.attn.output(out, pos, ropes, later=True), streams, a_pre, a_post, a_comb,
                                  image_mask, overlap=True), *written)
 
@@ -1070,14 +1080,14 @@ class Transformer(nn.Module):
         (``Block.whole_layer``'s ``expand``), one launch fewer a layer; on its own before a layer
         that reads the streams first (Engram, a DSpark tap) and after the last. While a CUDA
         graph is captured, the Engram layers' projections (which read only the step's inputs)
-        may be launched first on a side stream (``kernels.engram_beside``), each joined at its
-        layer, and the candidate pool made beside the layers after its source
-        (``kernels.pool_beside``), joined where it is first read."""
+        may be launched first on a side stream (``engram.BESIDE``), each joined at its layer, and
+        the candidate pool made beside the layers after its source (``select.POOL_BESIDE``),
+        joined where it is first read."""
         shared, taps = {}, []  # what each layer writes for the later ones: the top-k, the candidate pool
         pending = None  # the layer before's FFN output, added by the next attention site's kernel
         with shared_rope_angles():
-            share_rope_angles(pos, (self.ropes.main, self.ropes.compress), self.ropes.both)  # a step reads both
-            beside = bool(hash_ids) and kernels.engram_beside(streams)
+            share_rope_angles(pos, self.ropes)  # a step reads both tables
+            beside = bool(hash_ids) and kernels.beside_on(streams, "engram.BESIDE")
             engram_kv = {b.layer: kernels.Beside(b.engram.kv, hash_ids[0][:, :, b.engram.slot], device=streams.device)
                          for b in blocks if beside and b.engram is not None}  # kept until the step's end
             for b, e in zip(blocks, emits):

@@ -124,6 +124,19 @@ def test_graphs_only_for_one_token_cuda_steps():
         assert not graphs.wanted(ids.cuda(), None, True)  # autograd on: training
 
 
+def _greedy_logits(model, ids, steps: int = 6) -> torch.Tensor:
+    """[steps, B, vocab]: the logits of ``steps`` greedy decode steps (CUDA) after a CED prefill
+    of ``ids`` [B, n]."""
+    engine = Engine(model, mode="ced", chunk=40)
+    state = engine.new_state(batch=ids.shape[0])
+    engine.prefill(state, ids)
+    token, logits = state.last_logits.argmax(-1), []
+    for _ in range(steps):
+        logits.append(engine.decode(state, token).float().cpu())
+        token = logits[-1].argmax(-1).cuda()
+    return torch.stack(logits)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("batch", [1, 3])
 def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
@@ -134,14 +147,7 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
     runs = {}
     for flag in ("0", "1"):
         monkeypatch.setenv("DSAGENT_GRAPHS", flag)
-        engine = Engine(model, mode="ced", chunk=40)
-        state = engine.new_state(batch=batch)
-        engine.prefill(state, ids)
-        token, logits = state.last_logits.argmax(-1), []
-        for _ in range(6):
-            logits.append(engine.decode(state, token).float().cpu())
-            token = logits[-1].argmax(-1).cuda()
-        runs[flag] = torch.stack(logits)
+        runs[flag] = _greedy_logits(model, ids)
     assert len(model._graphs) == _segments_per_step(model)
     assert torch.equal(runs["0"], runs["1"])
     model.to(torch.float32)
@@ -175,14 +181,7 @@ def test_work_beside_the_layers_gives_the_same_steps(monkeypatch, knob):
     for value in (False, True):
         monkeypatch.setattr(module, name, value)
         model.reset_graphs()
-        engine = Engine(model, mode="ced", chunk=40)
-        state = engine.new_state(batch=1)
-        engine.prefill(state, ids)
-        token, logits = state.last_logits.argmax(-1), []
-        for _ in range(6):
-            logits.append(engine.decode(state, token).float().cpu())
-            token = logits[-1].argmax(-1).cuda()
-        runs[value] = torch.stack(logits)
+        runs[value] = _greedy_logits(model, ids)
         assert bool(made) == value  # launched beside in each capture
         made.clear()
     assert torch.equal(runs[True], runs[False])
@@ -350,12 +349,12 @@ def test_angles_shared_between_tables_are_each_tables_own():
     for start in (0, 1, 4095, 131071):
         pos = torch.tensor([start])
         with shared_rope_angles():
-            share_rope_angles(pos, (ropes.main, ropes.compress), ropes.both)
+            share_rope_angles(pos, ropes)
             for table in (ropes.main, ropes.compress):
                 got, want = rope_angles(pos, table), RopeAngles(pos, table)
                 for a, b in ((got.cos, want.cos), (got.sin, want.sin), (got.neg_sin, want.neg_sin)):
                     assert torch.equal(a, b) and a.is_contiguous()
-    share_rope_angles(pos, (ropes.main,), ropes.main)  # no scope: a no-op
+    share_rope_angles(pos, ropes)  # no scope: a no-op
     assert rope_angles(pos, ropes.main) is not rope_angles(pos, ropes.main)
 
 

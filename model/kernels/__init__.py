@@ -79,7 +79,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
            "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "Pending", "resolve", "gemv_later",
-           "engram_beside", "pool_beside", "compress_beside", "Beside", "engram_step"]
+           "beside_on", "Beside", "engram_step"]
 
 
 def _interpreting() -> bool:
@@ -231,29 +231,15 @@ class Pending:
 SITE_FOLD_PATH = "mHC site fold"
 
 
-def engram_beside(x: torch.Tensor) -> bool:
-    """Whether a decode step's Engram projections run beside its layers (``engram.BESIDE``):
-    only while a CUDA graph of the step is captured on ``x``'s device, the kernels
-    :func:`enabled`."""
-    return _beside(x, "engram", "BESIDE")
-
-
-def pool_beside(x: torch.Tensor) -> bool:
-    """Whether a decode step's candidate pool is made beside the layers after its source
-    (``select.POOL_BESIDE``), as :func:`engram_beside`."""
-    return _beside(x, "select", "POOL_BESIDE")
-
-
-def compress_beside(x: torch.Tensor) -> bool:
-    """Whether a decode step's compressor runs beside the query's projections
-    (``pack.COMPRESS_BESIDE``), as :func:`engram_beside`."""
-    return _beside(x, "pack", "COMPRESS_BESIDE")
-
-
-def _beside(x: torch.Tensor, module: str, knob: str) -> bool:
+def beside_on(x: torch.Tensor, knob: str) -> bool:
+    """Whether a decode step's work runs beside its layers (:class:`Beside`) under ``knob``
+    ("module.NAME", a boolean of ``model.kernels``: ``engram.BESIDE``, ``select.POOL_BESIDE``,
+    ``pack.COMPRESS_BESIDE``): only while a CUDA graph of the step is captured on ``x``'s
+    device and the kernels are :func:`enabled`."""
     if not (x.is_cuda and enabled(x) and torch.cuda.is_current_stream_capturing()):
         return False
-    return getattr(importlib.import_module(f"model.kernels.{module}"), knob)
+    module, name = knob.split(".")
+    return getattr(importlib.import_module(f"model.kernels.{module}"), name)
 
 
 class Beside:
