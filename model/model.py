@@ -472,12 +472,14 @@ class Attention(nn.Module):
         which normalises its input either way). ``norm`` = (weight, eps):
         x is the mHC site's input before its RMSNorm (``kernels.hc_site``'s ``norm_later``),
         normalised inside the projections' GEMV where it runs (else first); the x returned
-        is the normalised one, for x's other readers. ``early`` (``fused``): a callable of
+        is the normalised one, for x's other readers (x may then be a ``kernels.Collapsed``, which
+        the GEMV makes). ``early`` (``fused``): a callable of
         the normalised x run as soon as the first projection has made it (on the kernels),
         before the query's projection (``Block.whole_layer``: :meth:`compress_beside`)."""
         B, S, _ = x.shape
         inv = self.rope_table(ropes)
         if not kernels.gemv_runs(x, self.wq_a, self.wkv):
+            x = kernels.resolve(x)  # a kernels.Collapsed made
             if norm is not None:
                 x = kernels.rms_norm(x, *norm)
             q_res, kv_lat = self.q_norm(self.wq_a(x)), self.wkv(x)
@@ -924,7 +926,7 @@ class Block(nn.Module):
         out = kernels.hc_site(streams, pre, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),
                               getattr(self, f"hc_{name}_base"), norm.weight, eps=self.args.rms_norm_eps,
                               norm_eps=norm.eps, iters=self.args.hc_sinkhorn_iters, hc_eps=self.args.hc_eps,
-                              expand=expand, overlap=overlap, norm_later=norm_later)
+                              expand=expand, overlap=overlap, norm_later=norm_later, name=name)
         later = norm_later and out[5]
         return (*out[:5], (norm.weight, norm.eps) if later else None)
 

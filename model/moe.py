@@ -154,8 +154,8 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, norm=None, later: bool = False):
         """``norm`` = (weight, eps): x is an mHC site's input before its RMSNorm (a fused decode
-        step's site kernel left it): normalised here, by the fused kernels' gate launch where
-        they run. ``later``: on the fused kernels, the output may be a ``kernels.Pending`` of
+        step's site kernel left it, maybe as a ``kernels.Collapsed``, which the gate launch then
+        makes): normalised here, by the fused kernels' gate launch where they run. ``later``: on the fused kernels, the output may be a ``kernels.Pending`` of
         their last launch (for the next mHC site to fold its first launch into)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
@@ -170,6 +170,7 @@ class MoE(nn.Module):
 
     def _torch(self, flat: torch.Tensor, image_mask: torch.Tensor | None, norm) -> torch.Tensor:
         """The MoE of tokens ``flat`` [N, D] in torch (norm as in :meth:`forward`)."""
+        flat = kernels.resolve(flat)  # a kernels.Collapsed made
         if norm is not None:
             flat = kernels.rms_norm(flat, *norm)
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))

@@ -283,8 +283,51 @@ class Beside:
 
 
 def resolve(y):
-    """``y`` made: a :class:`Pending`'s value, a tensor as it is."""
-    return y.value() if isinstance(y, Pending) else y
+    """``y`` made: a :class:`Pending`'s or a :class:`Collapsed`'s value, a tensor as it is."""
+    return y.value() if isinstance(y, (Pending, Collapsed)) else y
+
+
+class Collapsed:
+    """An mHC site's input before its norm, not yet made (:func:`hc_site` where the site's
+    launches run beside, ``streams.DOTS_BESIDE``): the site's streams [..., hc, D] — first
+    expanded by the site before's y [..., D], post [..., hc] and comb [..., hc, hc] where it
+    has one — collapsed by ``pre`` [..., hc]. Its reader's launch makes it at the channels it
+    reads (:func:`gemv`'s and :func:`moe_decode`'s kernels, with their ``norm``: the same
+    products, sums and roundings as the site's own launch, so the same bits); any other
+    reader takes :meth:`value`. ``expanded``: the streams the side stream's dots launch
+    writes (what :meth:`value` collapses, once joined). Seen as a tensor of x's shape, dtype
+    and device (:meth:`reshape` regroups its leading dims)."""
+
+    def __init__(self, streams: torch.Tensor, pre: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None,
+                 comb: torch.Tensor | None, expanded: torch.Tensor):
+        self.streams, self.pre, self.y, self.post, self.comb, self.expanded = streams, pre, y, post, comb, expanded
+        self.shape = streams.shape[:-2] + streams.shape[-1:]
+
+    dtype = property(lambda self: self.streams.dtype)
+    device = property(lambda self: self.streams.device)
+    is_cuda = property(lambda self: self.streams.is_cuda)
+
+    def numel(self) -> int:
+        return self.streams.numel() // self.streams.shape[-2]
+
+    def reshape(self, *shape) -> "Collapsed":
+        """The same input seen as ``shape`` (its last dim D; -1 allowed once)."""
+        out = Collapsed(self.streams, self.pre, self.y, self.post, self.comb, self.expanded)
+        out.shape = torch.Size(torch.empty(self.shape, device="meta").reshape(*shape).shape)
+        assert out.shape[-1] == self.shape[-1], (shape, self.shape)
+        return out
+
+    def parts(self) -> tuple:
+        """(streams, pre, y, post, comb) for a kernel: y, post and comb as streams where there is
+        no expand (unread then), and whether there is one."""
+        expand = self.y is not None
+        s = self.streams
+        return (s, self.pre, *((self.y, self.post, self.comb) if expand else (s, s, s))), expand
+
+    def value(self) -> torch.Tensor:
+        """x made: the expanded streams collapsed by pre (:func:`hc_collapse`, which joins the
+        side stream first): the bits a reader's launch makes."""
+        return hc_collapse(self.expanded, self.pre).view(self.shape)
 
 
 def gemv_later(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | Pending:
@@ -332,8 +375,8 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     from model.kernels import matvec as kernel
 
     options = dict(groups=groups, norm=norm, rope_in=rope_in, rope_out=rope_out, keep=keep)
-    return _guarded("GEMV kernel", functools.partial(kernel.gemv, **options), functools.partial(gemv_ref, **options),
-                    x, *weights)
+    return _guarded("GEMV kernel", functools.partial(kernel.gemv, **options),
+                    lambda x, *w: gemv_ref(resolve(x), *w, **options), x, *weights)
 
 
 def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
@@ -458,7 +501,7 @@ SITE_TOKENS = 16  # the most tokens hc_site's kernel takes: decode steps (its do
 def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_weight: torch.Tensor, *, eps: float, norm_eps: float, iters: int, hc_eps: float,
             expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False,
-            norm_later: bool = False):
+            norm_later: bool = False, name: str = ""):
     """One mHC site: (streams, pre', post', comb', x). ``expand`` = (y, post, comb) of the
     site before: the streams are first ``hc_expand(y, streams, post, comb)``. The mixes
     (pre', post', comb') are ``hc_split`` of ``fn`` [(2 + hc) * hc, hc * D] times the
@@ -481,7 +524,11 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     gate's ``norm``): a sixth value, True where the kernel ran (``streams.NORM_LATER`` on)
     and x is the collapse before the site's norm (made by the dots launch, channel block by
     channel block: the launch that collapsed and normalised the whole row, one program a
-    token after the dots, is gone); else False and x normalised as above.
+    token after the dots, is gone); else False and x normalised as above. With ``overlap``
+    beside too (and ``streams.DOTS_BESIDE``), the dots launch runs on the side stream before
+    the split and x is a :class:`Collapsed`, made by its consumer's launch (the site then
+    puts nothing on the current stream); a consumer that cannot takes its ``value()``.
+    ``name`` ("attn", "ffn"): which site, for a ``DOTS_BESIDE`` that names one.
 
     ``expand``'s y may be a :class:`Pending` (its last launch not yet made): on the kernel path
     the site's first launch is then folded into it where ``streams.SITE_FOLD`` (off by default:
@@ -499,8 +546,11 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
         beside = (overlap and streams.is_cuda and torch.cuda.is_current_stream_capturing()
                   and os.environ.get("DSAGENT_MHC_OVERLAP", "1") != "0")
         later = norm_later and kernel.NORM_LATER
-        site = functools.partial(kernel.hc_site, overlap=beside, norm_later=later)
+        dots_beside = beside and later and kernel.DOTS_BESIDE in (True, name)
+        site = functools.partial(kernel.hc_site, overlap=beside, norm_later=later, dots_beside=dots_beside)
         out = _guarded("mHC site kernel", site, hc_site_parts, *args)
+        if isinstance(out[4], tuple):  # the dots beside: x left to its reader
+            out = (*out[:4], Collapsed(*out[4], out[0]))
         return (*out, later and "mHC site kernel" not in _FAILED) if norm_later else out
     out = hc_site_parts(*args)
     return (*out, False) if norm_later else out

@@ -56,6 +56,9 @@ MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: la
 # attention's stages to leave out (``_sparse_attention_kernel``'s PROBE), for ``gpu_bench --knobs
 # fused.ATTN_PROBE=1`` (a step) or ``kernel_sweep.py --only attention-probe`` (the kernel alone)
 ATTN_PROBE = 0
+# a timing probe, never on in a run: the splits' merge launch left out (the output unwritten), for
+# ``gpu_bench --knobs fused.PROBE_NO_MERGE`` (what a step would gain were the merge in another launch)
+PROBE_NO_MERGE = False
 # the keys decoded a block of channels at a time (``_key_rows``; head dims from 64): each row's scale
 # bytes read and decoded once a block (32 a record, 16 a window row) and broadcast over its channels,
 # a record's codes read as int32 words of eight nibbles, the window's e4m3 bytes converted by the
@@ -450,6 +453,8 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
     out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
+    if PROBE_NO_MERGE:
+        return out
     block_d = min(D, MERGE_BLOCK_D)
     _merge_splits_kernel[(B, H, D // block_d)](m, l, acc, sink, out.view(torch.int16) if bf16 else out, H, splits,
                                                D=D, BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(splits),

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, chained, unfused
-from model.kernels.streams import Fold, _site_block, _site_fn_tiles, _stream_rows
+from model.kernels import Collapsed
+from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles, _stream_rows
 
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
@@ -51,6 +52,11 @@ TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 # share of the step fell 0.650 -> 0.557 ms, the prefetch kernels took it back. Neither kept
 
 
+# a timing probe, never on in a run: x's de-rotation (``rope_in``) left out (the output is then wrong), for
+# ``gpu_bench --knobs matvec.PROBE_NO_ROPE_IN`` (what a step would gain were x rotated back by its maker)
+PROBE_NO_ROPE_IN = False
+
+
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P1,
                  nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF, xn_ptr,
@@ -59,6 +65,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
                  NORM: tl.constexpr = False, ROPE_IN: tl.constexpr = False, ROPE_OUT: tl.constexpr = False,
                  KEEP: tl.constexpr = False, SITE: tl.constexpr = False, HC: tl.constexpr = 1,
                  M: tl.constexpr = 1, M_PAD: tl.constexpr = 1, COLLAPSE: tl.constexpr = False,
+                 cs_ptr=None, cpre_ptr=None, cy_ptr=None, cpost_ptr=None, ccomb_ptr=None,
+                 COLLAPSE_IN: tl.constexpr = False, C_EXPAND: tl.constexpr = False, C_HC: tl.constexpr = 1,
                  PDL: tl.constexpr = False):
     """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
     second, for every row of x. Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG);
@@ -71,7 +79,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     SITE (one weight, no groups; ``streams.Fold``): the output is an mHC site's y and is not
     written; each program does that site's dots launch's work at its rows instead
     (``streams._site_block``: row n's streams expanded, collapsed and dotted with the mixes'
-    projection, whose tiles it asks for with its weight's), block p of SPLITS."""
+    projection, whose tiles it asks for with its weight's), block p of SPLITS.
+    COLLAPSE_IN (with NORM; ``model.kernels.Collapsed``): x is not in memory but an mHC site's
+    input, made by each program from the site's streams ``cs`` (expanded by ``cy`` / ``cpost``
+    / ``ccomb`` with C_EXPAND) collapsed by ``cpre`` (``streams._collapsed``)."""
     p = tl.program_id(0)
     if TWO and p >= P1:
         w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
@@ -95,7 +106,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     while n < N:
         if SITE:  # asked for before x: the site's streams wait on nothing this launch makes
             r0, r1, r2, r3 = _stream_rows(s_ptr, n, o, o_ok, O, HC)
-        xs = tl.load(x_at + n * D + d, mask=d_ok, other=0.0).to(tl.float32)
+        if COLLAPSE_IN:
+            xs = _collapsed(cs_ptr, cy_ptr, cpost_ptr, ccomb_ptr, cpre_ptr, n, d, d_ok, D, C_HC, C_EXPAND, BF16)
+        else:
+            xs = tl.load(x_at + n * D + d, mask=d_ok, other=0.0).to(tl.float32)
         if NORM:
             xs = _rms_normed(xs, tl.load(nw_ptr + d, mask=d_ok, other=0.0).to(tl.float32), D, eps, BF16)
             if KEEP:
@@ -156,7 +170,9 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these).
     ``site`` (a ``streams.Fold`` whose streams take the output as their y; one weight, no
     groups, no output RoPE): the output unwritten, the site's dots launch done at each
-    program's rows instead -> ()."""
+    program's rows instead -> (). ``x`` may be a ``model.kernels.Collapsed`` (with ``norm``):
+    each program makes the rows it reads."""
+    rope_in = None if PROBE_NO_ROPE_IN else rope_in
     assert 1 <= len(weights) <= 2 and (groups == 1 or len(weights) == 1)
     assert x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == x.dtype and w.dim() == 2 for w in weights)
     assert len(weights) == 1 or not (rope_in or rope_out)
@@ -164,7 +180,15 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     assert not keep or norm, "keep: the normalised x"
     assert not (norm and rope_in), "x normalised and rotated: not one pass"
     lead, D = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, D).contiguous()
+    collapsed = isinstance(x, Collapsed)
+    assert not collapsed or (norm and site is None), "a site's input is made by a GEMV that normalises it"
+    if collapsed:
+        (cs, *cparts), expand = x.parts()
+        rows = cs.reshape(-1, cs.shape[-2], D)[:, 0]  # its shape alone: neither read nor written
+        incoming = dict(cs_ptr=cs, cpre_ptr=cparts[0], cy_ptr=cparts[1], cpost_ptr=cparts[2], ccomb_ptr=cparts[3],
+                        COLLAPSE_IN=True, C_EXPAND=expand, C_HC=cs.shape[-2])
+    else:
+        rows, incoming = x.reshape(-1, D).contiguous(), {}
     N = rows.shape[0]
     ws = [w.contiguous() for w in weights]
     O, DG = ws[0].shape
@@ -178,7 +202,7 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     # one tile shape for both weights; a power of two dividing the group's rows; the output's
     # RoPE pairs in one program
     most = min(OG & -OG, *(w.shape[0] for w in ws))
-    block_o, block_d = tile(sum(w.shape[0] for w in ws) // len(ws), DG, x.element_size(), most,
+    block_o, block_d = tile(sum(w.shape[0] for w in ws) // len(ws), DG, rows.element_size(), most,
                             least=2 if rope_out else 1, whole=bool(norm or rope_in))
     p1 = triton.cdiv(O, block_o)
     p2 = triton.cdiv(ws[1].shape[0], block_o) if len(ws) == 2 else 0
@@ -201,7 +225,7 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
                              nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]), *folded,
                              BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
                              ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, KEEP=keep,
-                             num_warps=GEMV_WARPS, **consts, **unfused(), **chained(rows))
+                             num_warps=GEMV_WARPS, **consts, **incoming, **unfused(), **chained(rows))
     if site is not None:
         return ()
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)

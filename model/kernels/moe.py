@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
-from model.kernels.streams import Fold, _site_block, _site_fn_tiles, _stream_rows
+from model.kernels import Collapsed
+from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles, _stream_rows
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -113,13 +114,17 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
 def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS, nw_ptr, eps, xn_ptr,
                         BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, EARLY: tl.constexpr = False,
                         NORM: tl.constexpr = False, BLOCK_X: tl.constexpr = 1, BF16: tl.constexpr = False,
+                        cs_ptr=None, cpre_ptr=None, cy_ptr=None, cpost_ptr=None, ccomb_ptr=None,
+                        COLLAPSE_IN: tl.constexpr = False, C_EXPAND: tl.constexpr = False, C_HC: tl.constexpr = 1,
                         PDL: tl.constexpr = False):
     """Partial gate logits of token t over channel chunk c: part[t, c, :E] (the gate's
     weight is read by many programs at once rather than by one). EARLY (CHUNK == BLOCK_D, one
     load a program): the weight's chunk asked for before the dependent launch's wait. NORM
     (BLOCK_X >= D): x is an mHC site's input before its RMSNorm by ``nw``: every program takes
     the row's factor from the whole row and normalises its chunk with it; program 0 writes the
-    normalised row to ``xn`` (the same bits: ``fused._rms_apply``) for the expert kernels."""
+    normalised row to ``xn`` (the same bits: ``fused._rms_apply``) for the expert kernels.
+    COLLAPSE_IN (with NORM; ``model.kernels.Collapsed``): x not in memory, each program makes
+    the rows it reads from the site's streams (``streams._collapsed``, as the GEMV does)."""
     t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -130,27 +135,37 @@ def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS, nw_ptr, eps
     factor = 1.0
     if NORM:
         dx = tl.arange(0, BLOCK_X)
-        row = tl.load(x_ptr + t * D + dx, mask=dx < D, other=0.0).to(tl.float32)
+        if COLLAPSE_IN:
+            row = _collapsed(cs_ptr, cy_ptr, cpost_ptr, ccomb_ptr, cpre_ptr, t, dx, dx < D, D, C_HC, C_EXPAND, BF16)
+        else:
+            row = tl.load(x_ptr + t * D + dx, mask=dx < D, other=0.0).to(tl.float32)
         factor = _rms_factor(row, D, eps)
         if c == 0:
             nw = tl.load(nw_ptr + dx, mask=dx < D, other=0.0).to(tl.float32)
             _store(xn_ptr + t * D + dx, _rms_apply(row, factor, nw, BF16), dx < D, BF16)
+    incoming = (cs_ptr, cpre_ptr, cy_ptr, cpost_ptr, ccomb_ptr)
     if EARLY:
-        acc = tl.sum(w.to(tl.float32) * _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM, BF16)[None, :], 1)
+        x = _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM, BF16, *incoming, COLLAPSE_IN, C_EXPAND, C_HC)
+        acc = tl.sum(w.to(tl.float32) * x[None, :], 1)
     else:
         acc = tl.zeros([BLOCK_E], dtype=tl.float32)
         for d0 in range(c * CHUNK, c * CHUNK + CHUNK, BLOCK_D):
             d = d0 + tl.arange(0, BLOCK_D)
-            x = _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM, BF16)
+            x = _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM, BF16, *incoming, COLLAPSE_IN, C_EXPAND, C_HC)
             w = tl.load(w_ptr + e[:, None] * D + d[None, :], mask=e_ok[:, None] & (d < D)[None, :], other=0.0)
             acc += tl.sum(w.to(tl.float32) * x[None, :], 1)
     tl.store(part_ptr + (t * SPLITS + c) * E + e, acc, mask=e_ok)
 
 
 @triton.jit
-def _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM: tl.constexpr, BF16: tl.constexpr):
-    """Channels ``d`` of token t's input in fp32, normalised by the row's ``factor`` with NORM."""
-    x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
+def _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM: tl.constexpr, BF16: tl.constexpr, cs_ptr, cpre_ptr, cy_ptr,
+                cpost_ptr, ccomb_ptr, COLLAPSE_IN: tl.constexpr, C_EXPAND: tl.constexpr, C_HC: tl.constexpr):
+    """Channels ``d`` of token t's input in fp32 (made from the site's streams with
+    COLLAPSE_IN), normalised by the row's ``factor`` with NORM."""
+    if COLLAPSE_IN:
+        x = _collapsed(cs_ptr, cy_ptr, cpost_ptr, ccomb_ptr, cpre_ptr, t, d, d < D, D, C_HC, C_EXPAND, BF16)
+    else:
+        x = tl.load(x_ptr + t * D + d, mask=d < D, other=0.0).to(tl.float32)
     if NORM:
         x = _rms_apply(x, factor, tl.load(nw_ptr + d, mask=d < D, other=0.0).to(tl.float32), BF16)
     return x
@@ -516,12 +531,23 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     ``x_norm`` = (weight [D], eps): x is an mHC site's input before its RMSNorm, which the
     gate-logits launch applies (``rms_norm``'s roundings) and writes for the expert kernels.
     ``defer``: where the down sum is the last launch (``DOWN_SLOTS``, token by token; ``DOWN_FOLD``), it is
-    not made: a callable ``(site=None)`` that makes it (:func:`down_slots`) is returned."""
+    not made: a callable ``(site=None)`` that makes it (:func:`down_slots`) is returned.
+    ``x`` may be a ``model.kernels.Collapsed`` (with ``x_norm``): the gate-logits launch makes
+    the rows it reads, and writes them normalised for the expert kernels as above."""
     N, D = x.shape
     E, I = w1.shape[0], w1.shape[1]
     assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and w2.shape == (E, D, I)
     assert all(t.dtype == x.dtype for t in (w1, w3, w2, s1, s3, s2)) and s1.shape == (I, D) and s2.shape == (D, I)
-    x, gate_w, bias = x.contiguous(), gate_w.contiguous(), bias.contiguous()  # the bias read in its own dtype
+    incoming = {}
+    if isinstance(x, Collapsed):
+        assert x_norm is not None, "a site's input is made by a gate launch that normalises it"
+        (cs, *parts), expand = x.parts()
+        incoming = dict(cs_ptr=cs, cpre_ptr=parts[0], cy_ptr=parts[1], cpost_ptr=parts[2], ccomb_ptr=parts[3],
+                        COLLAPSE_IN=True, C_EXPAND=expand, C_HC=cs.shape[-2])
+        x = cs.reshape(N, cs.shape[-2], D)[:, 0]  # its shape alone: neither read nor written
+    else:
+        x = x.contiguous()
+    gate_w, bias = gate_w.contiguous(), bias.contiguous()  # the bias read in its own dtype
     w1, w3, w2, s1, s3, s2 = (t.contiguous() for t in (w1, w3, w2, s1, s3, s2))
     bf16 = x.dtype == torch.bfloat16
     weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
@@ -534,14 +560,14 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     if x_norm is not None:
         nw, eps = x_norm[0].contiguous(), float(x_norm[1])
         assert nw.shape == (D,) and nw.dtype == x.dtype
-        xn = torch.empty_like(x)
+        xn = torch.empty(N, D, dtype=x.dtype, device=x.device)
         normed = dict(NORM=True, BLOCK_X=triton.next_power_of_2(D), BF16=bf16, **unfused())
     else:
         nw, eps, xn, normed = x, 0.0, x, {}
     _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, nw, eps,
                                      xn.view(torch.int16) if bf16 else xn,  # unread without NORM
                                      BLOCK_E=block_e, BLOCK_D=block_d, EARLY=GATE_EARLY and chunk == block_d,
-                                     num_warps=4, **normed, **chained(x))
+                                     num_warps=4, **normed, **incoming, **chained(x))
     x = xn  # the expert kernels read the normalised rows
     _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
                        K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,

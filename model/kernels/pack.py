@@ -274,6 +274,11 @@ def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_pt
         tl.store(rpos_ptr + slot, p)
 
 
+# a timing probe, never on in a run: the window entry's launch left out, for ``gpu_bench --knobs
+# pack.PROBE_NO_ENTRY`` (what a step would gain were the entry made inside another launch)
+PROBE_NO_ENTRY = False
+
+
 def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                  data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
     """x [B, 1, D] (the K=V latent of one decode step, fp32 or bf16) normalised by
@@ -285,6 +290,8 @@ def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: to
     assert data.stride(2) == 1 and ring_pos.is_contiguous() and norm_weight.shape == (D,)
     assert x.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == x.dtype
     assert cos.shape == sin.shape and cos.shape[0] == 1 and 2 * cos.shape[1] <= D and cos.dtype == torch.float32
+    if PROBE_NO_ENTRY:  # a timing probe: the entry never written (the step's output is then wrong)
+        return
     flat = _rows(x, WINDOW_BLOCK)
     _window_entry_kernel[(B,)](flat, norm_weight.contiguous(), float(eps), cos.contiguous(), sin.contiguous(), data,
                                ring_pos, pos, ring_pos.shape[0], flat.stride(0), data.stride(0), data.stride(1), D=D,

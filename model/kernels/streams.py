@@ -118,6 +118,13 @@ SITE_FOLD = False
 # beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
 # 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
 FINISH_WARPS = None
+# with ``overlap`` and ``norm_later``, the dots launch beside too (before the split, on its side stream),
+# and the site's input left for its reader to make (``model.kernels.Collapsed``: the projections' GEMV,
+# the MoE's gate launch, each collapsing the streams at the channels it reads): the site then puts no
+# launch on the step's path. The upper bound, timed as a probe that let the reader race the dots
+# launch for its collapse (H200, `small`, a step at 128K, bench_knobs, best of three alternated
+# rounds): 0.941 of the step (control 0.998). True: both sites; "attn" / "ffn": that site alone
+DOTS_BESIDE = True
 
 
 @triton.jit
@@ -195,9 +202,7 @@ def _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, r0, r1, r2, r3, po
     acc = tl.zeros_like(f0)
     for k in tl.static_range(HC):
         if EXPAND:
-            h = tl.load(post_ptr + row * HC + k) * y
-            for j in tl.static_range(HC):  # comb[j, k] weighs stream j into stream k
-                h = h + tl.load(comb_ptr + (row * HC + j) * HC + k) * _pick(j, r0, r1, r2, r3)
+            h = _expanded(k, y, r0, r1, r2, r3, post_ptr, comb_ptr, row, HC)
             if BF16:  # the streams are stored in bf16: the mixes read the rounded values
                 bits = _bf16_bits(h)
                 tl.store(out_ptr + (row * HC + k) * D + c, bits, mask=live)
@@ -218,6 +223,40 @@ def _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, r0, r1, r2, r3, po
     tl.store(sq_ptr + row * S + split, tl.sum(sq, 0))
     if COLLAPSE:  # stored in the streams' dtype, as the collapse is before the norm reads it
         _store(x_ptr + row * D + c, col, live, BF16)
+
+
+@triton.jit
+def _expanded(k: tl.constexpr, y, r0, r1, r2, r3, post_ptr, comb_ptr, row, HC: tl.constexpr):
+    """Stream k of one token expanded by y (fp32): post[k] y + sum over j of comb[j, k] r_j
+    (comb[j, k] weighs stream j into stream k), in ``_expand_kernel``'s order, unrounded."""
+    h = tl.load(post_ptr + row * HC + k) * y
+    for j in tl.static_range(HC):
+        h = h + tl.load(comb_ptr + (row * HC + j) * HC + k) * _pick(j, r0, r1, r2, r3)
+    return h
+
+
+@triton.jit
+def _collapsed(s_ptr, y_ptr, post_ptr, comb_ptr, pre_ptr, row, c, live, D, HC: tl.constexpr, EXPAND: tl.constexpr,
+               BF16: tl.constexpr):
+    """A site's input before its norm at channels ``c`` of token ``row``, made by its reader
+    (``DOTS_BESIDE``): the streams — with EXPAND first expanded by y, post and comb, each
+    rounded as stored — collapsed by pre and rounded as stored: :func:`_site_block`'s COLLAPSE,
+    the same products and sums in the same order, so the same bits."""
+    r0, r1, r2, r3 = _stream_rows(s_ptr, row, c, live, D, HC)
+    y = tl.zeros_like(r0)
+    if EXPAND:
+        y = tl.load(y_ptr + row * D + c, mask=live, other=0.0).to(tl.float32)
+    col = tl.zeros_like(r0)
+    for k in tl.static_range(HC):
+        if EXPAND:
+            h = _round(_expanded(k, y, r0, r1, r2, r3, post_ptr, comb_ptr, row, HC), BF16)
+        else:
+            h = _pick(k, r0, r1, r2, r3)
+        if k == 0:
+            col = tl.load(pre_ptr + row * HC) * h
+        else:
+            col = col + tl.load(pre_ptr + row * HC + k) * h
+    return _round(col, BF16)
 
 
 @triton.jit
@@ -294,30 +333,45 @@ def _site_input(s_ptr, pre_in_ptr, w_ptr, x_ptr, row, D, norm_eps, HC: tl.conste
 def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: torch.Tensor, base: torch.Tensor,
             norm_weight: torch.Tensor, eps: float, norm_eps: float, iters: int, hc_eps: float,
             expand: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, overlap: bool = False,
-            norm_later: bool = False):
+            norm_later: bool = False, dots_beside: bool = False):
     """One mHC site of a few tokens in two launches; see ``model.kernels.hc_site``. With
     ``overlap`` (a CUDA graph's capture, from ``model.kernels.hc_site``, which has joined the
     splits before): the split runs on a side stream, beside the site's input and whatever
     follows it, and :func:`join` makes the current stream wait for it before anything reads
     pre / post / comb. ``norm_later``: x is the collapse before the site's norm, made by the
-    dots launch; the second launch is the split alone (its caller's consumer normalises x)."""
+    dots launch; the second launch is the split alone (its caller's consumer normalises x).
+    ``dots_beside`` (with both, ``DOTS_BESIDE``): the dots launch on the side stream too, before
+    the split, and x not made: (streams, pre, y, post, comb) in its place, what x's reader
+    collapses (:func:`_collapsed`; y, post, comb None without ``expand``)."""
     hc, D = streams.shape[-2:]
     lead = streams.shape[:-2]
     assert fn.shape == ((2 + hc) * hc, hc * D) and fn.dtype == pre.dtype == torch.float32 and hc in (1, 2, 4)
     assert streams.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == streams.dtype
     options = {**unfused(), **chained(streams)}  # both launches alike
-    x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
-    pre = pre.contiguous()
-    streams, dots, sq = _site_dots(streams.contiguous(), fn.contiguous(), expand, options,
-                                   (pre, x) if norm_later else None)
+    pre, streams = pre.contiguous(), streams.contiguous()
+    old, bf16 = streams, streams.dtype == torch.bfloat16
+    if dots_beside:
+        assert overlap and norm_later
+        if expand is not None:  # y made on this stream: the side stream waits for it
+            expand = tuple(t.contiguous() for t in (expand[0] if isinstance(expand[0], torch.Tensor)
+                                                    else expand[0].value(), *expand[1:]))
+        main, side = torch.cuda.current_stream(streams.device), _side_stream(streams.device)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):  # a plain launch: its stream's last work is that wait
+            streams, dots, sq = _site_dots(streams, fn.contiguous(), expand, unfused())
+        x, x_arg = (old, pre, *(expand or (None,) * 3)), streams  # x_arg unread by the split
+    else:
+        x = torch.empty(lead + (D,), dtype=streams.dtype, device=streams.device)
+        x_arg = x.view(torch.int16) if bf16 else x
+        streams, dots, sq = _site_dots(streams, fn.contiguous(), expand, options, (pre, x) if norm_later else None)
     R, S, M_PAD = dots.shape
     pre_out = torch.empty(*lead, hc, dtype=torch.float32, device=streams.device)
     post_out, comb_out = torch.empty_like(pre_out), torch.empty(*lead, hc, hc, dtype=torch.float32,
                                                                 device=streams.device)
-    bf16, block = streams.dtype == torch.bfloat16, triton.next_power_of_2(D)
+    block = triton.next_power_of_2(D)
     args = (dots, sq, scale.float().contiguous(), base.float().contiguous(), streams, pre,
-            norm_weight.contiguous(), pre_out, post_out, comb_out, x.view(torch.int16) if bf16 else x, D, S,
-            float(eps), float(hc_eps), float(norm_eps))
+            norm_weight.contiguous(), pre_out, post_out, comb_out, x_arg, D, S, float(eps), float(hc_eps),
+            float(norm_eps))
     consts = dict(HC=hc, ITERS=iters, M_PAD=M_PAD, S_PAD=triton.next_power_of_2(S), BLOCK_D=block, BF16=bf16)
     warps = FINISH_WARPS or (4 if block <= 1024 else 8)
     if not overlap:  # the split (and the input, unless the dots made its collapse) after the dots
@@ -326,12 +380,13 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
         return streams, pre_out, post_out, comb_out, x
     main = torch.cuda.current_stream(streams.device)
     side = _side_stream(streams.device)
-    side.wait_stream(main)  # the dots
+    if not dots_beside:
+        side.wait_stream(main)  # the dots
     with torch.cuda.stream(side):  # a plain launch: its stream's last work is that wait, not a kernel
         _site_finish_kernel[(R, 1)](*args, **consts, PART=0, num_warps=warps, **unfused())  # warps: the same sums
     # what the split reads and writes lives until the join: the allocator must not hand its
     # memory to the current stream while the side stream may still use it
-    _PENDING.append((side, (dots, sq, *args[2:4], pre_out, post_out, comb_out)))
+    _PENDING.append((side, (dots, sq, *args[2:4], pre_out, post_out, comb_out, old, *(expand or ()))))
     if not norm_later:
         _site_finish_kernel[(R, 1)](*args, **consts, PART=1, num_warps=warps, **options)
     return streams, pre_out, post_out, comb_out, x
