@@ -506,18 +506,19 @@ class Attention(nn.Module):
         q = q.view(B, S, self.n_heads, self.head_dim)
         return x, q_res, q, kv_lat if fused else self._window_values(kv_lat, pos, inv, fmt)
 
-    def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes, later: bool = False):
+    def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes, later: bool = False, turned: bool = False):
         """De-rotated attention output through the grouped low-rank output projection (on a
         decode step's few rows one GEMV de-rotates and projects). ``later``: ``wo_b``'s GEMV
-        left as a ``kernels.Pending`` for the FFN site to fold its first launch into."""
+        left as a ``kernels.Pending`` for the FFN site to fold its first launch into;
+        ``turned``: ``out`` is de-rotated already (:meth:`decode_step`'s ``turn_back``)."""
         inv = self.rope_table(ropes)
         rows = out.flatten(2)
         if kernels.gemv_runs(rows, self.wo_a):
             angles = rope_angles(pos, inv)
             (lat,) = kernels.gemv(rows, self.wo_a.weight, groups=self.args.o_groups,
-                                  rope_in=(angles.cos, angles.neg_sin, self.head_dim))
+                                  rope_in=None if turned else (angles.cos, angles.neg_sin, self.head_dim))
         else:
-            lat = self._grouped_wo_a(apply_rope(out, pos, inv, inverse=True)).flatten(2)
+            lat = self._grouped_wo_a(out if turned else apply_rope(out, pos, inv, inverse=True)).flatten(2)
         return kernels.gemv_later(lat, self.wo_b) if later else linear(self.wo_b, lat)
 
     def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
@@ -573,13 +574,15 @@ class Attention(nn.Module):
         return tuple((t.data_ptr(), tuple(t.shape)) for t in buffers)
 
     def decode_step(self, x, q_res, q, kv, pos, reads: dict, cache: Cache, ropes: Ropes, emits: bool, qw=None,
-                    compressing=None):
+                    compressing=None, turn_back: bool = False):
         """:meth:`core` of one decode step at ``pos`` [1] on the fused kernels, graph-safe
         (nothing here reads a count from the host): the window-ring write, the compressor's
         record when ``emits``, the indexer's top-k (and candidate pool) over the whole
         buffers, the sparse attention. -> (output, what later layers read: () or (top-k,)
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
-        query when already computed; ``compressing``: :meth:`compress_beside`'s launch."""
+        query when already computed; ``compressing``: :meth:`compress_beside`'s launch;
+        ``turn_back``: the output de-rotated (``kernels.merge_turns_back``; then
+        :meth:`output` with ``turned``)."""
         ring = cache.windows[self.layer]
         self._write_entry(kv, pos, ring, cache.kv, ropes)
         if compressing is not None:
@@ -592,7 +595,11 @@ class Attention(nn.Module):
             topk, pool = self.indexer.select_step(x, q_res, pos, src, ropes.compress, reads.get("candidates"), qw)
             written = (topk, pool) if self.layer == self.args.candidate_source_layer_id else (topk,)
         records = None if topk is None else cache.sources[self.args.kv_source(self.layer)].records
-        return self.fused_attend(q, pos, ring, records, topk), written
+        turn = None
+        if turn_back:
+            angles = rope_angles(pos, self.rope_table(ropes))
+            turn = (angles.cos, angles.neg_sin)
+        return self.fused_attend(q, pos, ring, records, topk, turn), written
 
     def compress(self, x, pos: torch.Tensor, src: SourceKV, emits: bool, ropes: Ropes) -> None:
         """The compressor's part of :meth:`decode_step`: this step's latent into the source's
@@ -712,18 +719,18 @@ class Attention(nn.Module):
         return out.to(q.dtype)
 
     def fused_attend(self, q: torch.Tensor, pos: torch.Tensor, ring: WindowRing, records: torch.Tensor | None,
-                     idx: torch.Tensor | None) -> torch.Tensor:
+                     idx: torch.Tensor | None, turn_back=None) -> torch.Tensor:
         """:meth:`_attend` of one decode step at position ``pos`` [1] (a tensor, so a graph can
         hold it), by the fused kernel on the packed ring (already holding this step's entry)
         and the packed records at the indexer's ``idx`` [B, 1, k] (``records``: the source's
-        whole buffer, every selected row lies below its count)."""
+        whole buffer, every selected row lies below its count); ``turn_back``: the kernel's."""
         B = q.shape[0]
         if idx is None:
             records = ring.data.new_empty(B, 0, main_record_bytes(self.head_dim))
             idx = torch.empty(B, 1, 0, dtype=torch.long, device=q.device)
         out = kernels.sparse_attention(q[:, 0], ring.data, None, records, idx[:, 0], self.attn_sink,
                                        self.head_dim ** -0.5, out_dtype=q.dtype,
-                                       window_at=(ring.pos, pos, self.args.sliding_window))
+                                       window_at=(ring.pos, pos, self.args.sliding_window), turn_back=turn_back)
         return out[:, None]
 
     def _index_loss(self, q: torch.Tensor, src: SourceKV, scores: torch.Tensor) -> torch.Tensor:
@@ -869,10 +876,12 @@ class Block(nn.Module):
 
         x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm,
                                                 early=early)
+        turn = kernels.merge_turns_back(q)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
-                                             emits, tuple(qw) or None, compressing[0] if compressing else None)
-        return (*self.ffn_output(self.attn.output(out, pos, ropes, later=True), streams, a_pre, a_post, a_comb,
-                                 image_mask, overlap=True), *written)
+                                             emits, tuple(qw) or None, compressing[0] if compressing else None,
+                                             turn_back=turn)
+        return (*self.ffn_output(self.attn.output(out, pos, ropes, later=True, turned=turn), streams, a_pre, a_post,
+                                 a_comb, image_mask, overlap=True), *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""

@@ -187,6 +187,33 @@ def test_work_beside_the_layers_gives_the_same_steps(monkeypatch, knob):
     assert torch.equal(runs[True], runs[False])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
+def test_the_attentions_merge_turning_its_output_back_gives_the_same_steps(monkeypatch):
+    """``fused.MERGE_TURNS_BACK``: each layer's attention de-rotates its output in its merge
+    launch and ``wo_a``'s GEMV reads it as it is — the logits of the GEMV de-rotating, bit for
+    bit (the same products and roundings in another launch)."""
+    from model.kernels import fused
+
+    turned = []
+    real = fused.sparse_attention
+
+    def counted(*args, **kw):
+        turned.append(kw.get("turn_back", args[10] if len(args) > 10 else None) is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(fused, "sparse_attention", counted)
+    model = _tiny("cuda", torch.bfloat16)
+    ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(4)).cuda()
+    runs = {}
+    for value in (False, True):
+        monkeypatch.setattr(fused, "MERGE_TURNS_BACK", value)
+        model.reset_graphs()
+        runs[value] = _greedy_logits(model, ids)
+        assert turned and all(t == value for t in turned[-model.args.num_hidden_layers:])
+        turned.clear()
+    assert torch.equal(runs[True], runs[False])
+
+
 def test_graphs_need_every_moe_on_its_grouped_path(monkeypatch):
     """The per-expert loop reads expert ids on the host, which a capture cannot hold: a step
     is graphed only where every layer's MoE runs grouped (the fused MoE kernel off, as on a

@@ -491,6 +491,32 @@ def test_sparse_attention_kernel_tests_window_slots_itself(B) -> None:
     assert_out_close(got.float(), ref, rtol=1e-2)  # bf16 output
 
 
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_sparse_attention_turns_its_output_back_as_rope_ref(dtype, monkeypatch) -> None:
+    """``turn_back`` = (cos, -sin): the merge launch de-rotates each head's output (its last
+    2r channels in adjacent pairs) as ``rope_ref`` turns the plain output — bit for bit, in the
+    output's dtype; and the twin path turns its own output alike."""
+    import model.kernels as kernels
+    from model.kernels import rope_ref
+
+    r = 32  # rotated pairs of each head's 512 channels
+    inputs = attention_case(3, 16, 300, 64, seed=8, q_dtype=dtype)
+    g = torch.Generator().manual_seed(8)
+    angle = torch.rand(1, r, generator=g) * 6
+    cos, sin = (t.to(inputs[0].device) for t in (torch.cos(angle), -torch.sin(angle)))
+    plain = sparse_attention(*inputs, out_dtype=dtype)
+    turned = sparse_attention(*inputs, out_dtype=dtype, turn_back=(cos, sin))
+    want = rope_ref(plain[:, None], cos, sin)[:, 0]
+    assert turned.dtype == dtype and torch.equal(turned, want)
+    assert not torch.equal(turned[..., -2 * r:], plain[..., -2 * r:])
+    assert torch.equal(turned[..., :-2 * r], plain[..., :-2 * r])
+    monkeypatch.setattr(kernels, "_use_triton", lambda t: False)  # the twin path
+    twin = kernels.sparse_attention(*inputs, out_dtype=dtype, turn_back=(cos, sin))
+    assert torch.equal(twin, rope_ref(sparse_attention_ref(*inputs).to(dtype)[:, None], cos, sin)[:, 0])
+    assert_out_close(twin.float(), turned.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-4)
+
+
 def index_case(B: int, HI: int, N: int, *, d: int = 128, seed: int = 0, quantised: bool = True):
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, HI, d, generator=g)

@@ -109,23 +109,38 @@ def enabled(t: torch.Tensor) -> bool:
 def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor | None,
                      records: torch.Tensor, record_idx: torch.Tensor, sink: torch.Tensor, scale: float,
                      splits: int | None = None, out_dtype: torch.dtype = torch.float32,
-                     window_at: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> torch.Tensor:
+                     window_at: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+                     turn_back: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step of window + selected-record attention with the sink; see
     :func:`model.kernels.reference.sparse_attention_ref` for shapes. ``splits`` fixes how
     many programs share one row's keys on the kernel path (None: enough to fill the GPU);
     the output is computed in fp32 and returned in ``out_dtype`` (the kernel writes bf16
     itself, rounded as ``.to`` rounds). ``window_at`` = (ring positions [W], the query's
     position [1], window span) stands for ``window_valid`` = positions in (query - span,
-    query], every row alike: the kernel tests the slots itself (six launches fewer)."""
+    query], every row alike: the kernel tests the slots itself (six launches fewer).
+    ``turn_back`` = (cos, sin [1, r]): each head's output then turned by :func:`rope_ref`
+    (the de-rotation before ``wo_a``, sin negated), by the kernel's merge launch."""
     if _use_triton(q) and out_dtype in (torch.float32, torch.bfloat16):
         from model.kernels import fused
 
         return fused.sparse_attention(q, window, window_valid, records, record_idx, sink, scale, splits, out_dtype,
-                                      window_at)
+                                      window_at, turn_back)
     if window_at is not None:
         at, cur, span = window_at
         window_valid = ((at >= 0) & (at <= cur) & (at > cur - span)).expand(q.shape[0], -1)
-    return sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale).to(out_dtype)
+    out = sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale).to(out_dtype)
+    return out if turn_back is None else rope_ref(out[:, None], *turn_back)[:, 0]
+
+
+def merge_turns_back(q: torch.Tensor) -> bool:
+    """Whether a fused decode step's attention on ``q`` de-rotates its own output
+    (:func:`sparse_attention`'s ``turn_back``, in the kernel's merge launch where
+    ``fused.MERGE_TURNS_BACK``), so that ``wo_a``'s GEMV need not."""
+    if not _use_triton(q):
+        return False
+    from model.kernels import fused
+
+    return fused.MERGE_TURNS_BACK
 
 
 def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible, head_scale: float,

@@ -56,6 +56,11 @@ MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: la
 # attention's stages to leave out (``_sparse_attention_kernel``'s PROBE), for ``gpu_bench --knobs
 # fused.ATTN_PROBE=1`` (a step) or ``kernel_sweep.py --only attention-probe`` (the kernel alone)
 ATTN_PROBE = 0
+# the attention's output de-rotated by the merge launch (``sparse_attention``'s ``turn_back``) rather
+# than by the ``wo_a`` GEMV reading it (``ROPE_IN``: 218 registers, where 128 let all its programs hold
+# their tiles at once). The probe that left the GEMV's rotation out (the output then wrong): 0.979 of
+# a step (H200, `small`, 128K, bench_knobs, best of three rounds, control 0.997)
+MERGE_TURNS_BACK = True
 # a timing probe, never on in a run: the splits' merge launch left out (the output unwritten), for
 # ``gpu_bench --knobs fused.PROBE_NO_MERGE`` (what a step would gain were the merge in another launch)
 PROBE_NO_MERGE = False
@@ -382,12 +387,15 @@ def _sparse_attention_kernel(
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
-def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS,
+def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BF16: tl.constexpr,
-                         PDL: tl.constexpr = False):
+                         TURN: tl.constexpr = False, PDL: tl.constexpr = False):
     """Channels [c * BLOCK_D, (c + 1) * BLOCK_D) of head h's output: the splits' partial sums
     weighted by their maxima, over the denominator with the sink; stored in the query's dtype
-    (bf16 rounded to nearest even on the bits, as torch's cast)."""
+    (bf16 rounded to nearest even on the bits, as torch's cast). TURN: the output, so rounded,
+    then turned by cos / sin [r] in adjacent pairs from channel OFF on (``rope_ref``'s
+    products and sums, launched ``unfused``) and rounded again: the attention's output
+    de-rotated before ``wo_a`` (what the GEMV's ``ROPE_IN`` does to its input)."""
     _chain(PDL)
     b, h, c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     s = tl.arange(0, SPLITS_P2)
@@ -401,6 +409,14 @@ def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS,
     cols = c * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.load(acc_ptr + part[:, None] * D + cols[None, :], mask=(s < SPLITS)[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / denom
+    if TURN:  # a pair's two channels lie side by side in the block: BLOCK_D is even
+        e, o = tl.split(tl.reshape(_round(out, BF16), [BLOCK_D // 2, 2]))
+        pc = c * BLOCK_D + 2 * tl.arange(0, BLOCK_D // 2)  # each pair's even channel
+        rot = pc >= OFF
+        cs = tl.load(cos_ptr + (pc - OFF) // 2, mask=rot, other=0.0)
+        sn = tl.load(sin_ptr + (pc - OFF) // 2, mask=rot, other=0.0)
+        out = tl.reshape(tl.join(tl.where(rot, _turned(e, o, True, cs, sn), e),
+                                 tl.where(rot, _turned(o, e, False, cs, sn), o)), [BLOCK_D])
     if BF16:
         tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + cols, _bf16_bits(out))
     else:
@@ -417,10 +433,10 @@ def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
 
 def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: float,
                      splits: int | None = None, out_dtype: torch.dtype = torch.float32,
-                     window_at: tuple | None = None) -> torch.Tensor:
+                     window_at: tuple | None = None, turn_back: tuple | None = None) -> torch.Tensor:
     """See ``model.kernels.sparse_attention``; ``window_at`` (ring positions [W] int64, the
     query's position [1], the window span) in place of ``window_valid`` (None then): the
-    kernel tests each slot itself."""
+    kernel tests each slot itself; ``turn_back`` (cos, sin [1, r]): the merge turns the output."""
     B, H, D = q.shape
     W, N, K = window.shape[1], records.shape[1], record_idx.shape[1]
     assert D >= 16 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 16"
@@ -456,9 +472,14 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     if PROBE_NO_MERGE:
         return out
     block_d = min(D, MERGE_BLOCK_D)
+    cos, sin = turn_back or (m, m)  # unread without TURN
+    if turn_back is not None:
+        assert cos.shape == sin.shape and cos.shape[0] == 1 and 2 * cos.shape[1] <= D and cos.dtype == torch.float32
+        cos, sin = cos.contiguous(), sin.contiguous()
     _merge_splits_kernel[(B, H, D // block_d)](m, l, acc, sink, out.view(torch.int16) if bf16 else out, H, splits,
+                                               cos, sin, D - 2 * cos.shape[-1] if turn_back else 0,
                                                D=D, BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(splits),
-                                               BF16=bf16, **chained(q))
+                                               BF16=bf16, TURN=turn_back is not None, **unfused(), **chained(q))
     return out
 
 
