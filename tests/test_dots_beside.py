@@ -121,7 +121,7 @@ def test_decode_steps_with_the_dots_beside_keep_their_logits(monkeypatch) -> Non
     the side stream, its input made by its readers) give the logits of the steps with it off,
     bit for bit; on, every layer's two sites left their input to a reader."""
     from model.kernels import streams
-    from tests.test_graphs import _greedy_logits, _tiny
+    from tests.test_graphs import _same_logits_either_way
 
     made = []
 
@@ -130,14 +130,9 @@ def test_decode_steps_with_the_dots_beside_keep_their_logits(monkeypatch) -> Non
             made.append(True)
             super().__init__(*args, **kw)
 
-    monkeypatch.setattr(kernels, "Collapsed", Counted)
-    model = _tiny("cuda", torch.bfloat16)
-    ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(3)).cuda()
-    runs = {}
-    for value in (False, True):
-        monkeypatch.setattr(streams, "DOTS_BESIDE", value)
-        model.reset_graphs()
-        runs[value] = _greedy_logits(model, ids)
+    def check(value, model):
         assert (len(made) >= 2 * model.args.num_hidden_layers) == value, len(made)
         made.clear()
-    assert torch.equal(runs[True], runs[False])
+
+    monkeypatch.setattr(kernels, "Collapsed", Counted)
+    _same_logits_either_way(monkeypatch, streams, "DOTS_BESIDE", 3, check)

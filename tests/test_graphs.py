@@ -154,6 +154,20 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
     assert len(model._graphs) == 0
 
 
+def _same_logits_either_way(monkeypatch, module, name: str, seed: int, check) -> None:
+    """A tiny bf16 model's greedy decode logits (CUDA) with the knob ``module.name`` off and on
+    are equal bit for bit; ``check(value)`` after each run (what the run launched)."""
+    model = _tiny("cuda", torch.bfloat16)
+    ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(seed)).cuda()
+    runs = {}
+    for value in (False, True):
+        monkeypatch.setattr(module, name, value)
+        model.reset_graphs()
+        runs[value] = _greedy_logits(model, ids)
+        check(value, model)
+    assert torch.equal(runs[True], runs[False])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
 @pytest.mark.parametrize("knob", ["engram.BESIDE", "select.POOL_BESIDE", "pack.COMPRESS_BESIDE"])
 def test_work_beside_the_layers_gives_the_same_steps(monkeypatch, knob):
@@ -174,17 +188,12 @@ def test_work_beside_the_layers_gives_the_same_steps(monkeypatch, knob):
             made.append(True)
             super().__init__(*args, **kw)
 
-    monkeypatch.setattr(kernels, "Beside", Counted)
-    model = _tiny("cuda", torch.bfloat16)
-    ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(2)).cuda()
-    runs = {}
-    for value in (False, True):
-        monkeypatch.setattr(module, name, value)
-        model.reset_graphs()
-        runs[value] = _greedy_logits(model, ids)
+    def check(value, model):
         assert bool(made) == value  # launched beside in each capture
         made.clear()
-    assert torch.equal(runs[True], runs[False])
+
+    monkeypatch.setattr(kernels, "Beside", Counted)
+    _same_logits_either_way(monkeypatch, module, name, 2, check)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
@@ -201,17 +210,12 @@ def test_the_attentions_merge_turning_its_output_back_gives_the_same_steps(monke
         turned.append(kw.get("turn_back", args[10] if len(args) > 10 else None) is not None)
         return real(*args, **kw)
 
-    monkeypatch.setattr(fused, "sparse_attention", counted)
-    model = _tiny("cuda", torch.bfloat16)
-    ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(4)).cuda()
-    runs = {}
-    for value in (False, True):
-        monkeypatch.setattr(fused, "MERGE_TURNS_BACK", value)
-        model.reset_graphs()
-        runs[value] = _greedy_logits(model, ids)
+    def check(value, model):
         assert turned and all(t == value for t in turned[-model.args.num_hidden_layers:])
         turned.clear()
-    assert torch.equal(runs[True], runs[False])
+
+    monkeypatch.setattr(fused, "sparse_attention", counted)
+    _same_logits_either_way(monkeypatch, fused, "MERGE_TURNS_BACK", 4, check)
 
 
 def test_graphs_need_every_moe_on_its_grouped_path(monkeypatch):
