@@ -332,12 +332,15 @@ class Collapsed:
         assert out.shape[-1] == self.shape[-1], (shape, self.shape)
         return out
 
-    def parts(self) -> tuple:
-        """(streams, pre, y, post, comb) for a kernel: y, post and comb as streams where there is
-        no expand (unread then), and whether there is one."""
-        expand = self.y is not None
-        s = self.streams
-        return (s, self.pre, *((self.y, self.post, self.comb) if expand else (s, s, s))), expand
+    def launch_args(self) -> tuple[torch.Tensor, dict]:
+        """(rows [N, D]: a view of x's shape alone, neither read nor written; a reader kernel's
+        arguments: the streams, pre, y, post, comb — y, post, comb the streams where there is no
+        expand, unread then — and ``COLLAPSE_IN`` / ``C_EXPAND`` / ``C_HC``)."""
+        s, expand = self.streams, self.y is not None
+        y, post, comb = (self.y, self.post, self.comb) if expand else (s, s, s)
+        rows = s.reshape(-1, s.shape[-2], s.shape[-1])[:, 0]
+        return rows, dict(cs_ptr=s, cpre_ptr=self.pre, cy_ptr=y, cpost_ptr=post, ccomb_ptr=comb,
+                          COLLAPSE_IN=True, C_EXPAND=expand, C_HC=s.shape[-2])
 
     def value(self) -> torch.Tensor:
         """x made: the expanded streams collapsed by pre (:func:`hc_collapse`, which joins the

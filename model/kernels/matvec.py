@@ -183,10 +183,7 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     collapsed = isinstance(x, Collapsed)
     assert not collapsed or (norm and site is None), "a site's input is made by a GEMV that normalises it"
     if collapsed:
-        (cs, *cparts), expand = x.parts()
-        rows = cs.reshape(-1, cs.shape[-2], D)[:, 0]  # its shape alone: neither read nor written
-        incoming = dict(cs_ptr=cs, cpre_ptr=cparts[0], cy_ptr=cparts[1], cpost_ptr=cparts[2], ccomb_ptr=cparts[3],
-                        COLLAPSE_IN=True, C_EXPAND=expand, C_HC=cs.shape[-2])
+        rows, incoming = x.launch_args()
     else:
         rows, incoming = x.reshape(-1, D).contiguous(), {}
     N = rows.shape[0]

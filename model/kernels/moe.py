@@ -541,10 +541,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     incoming = {}
     if isinstance(x, Collapsed):
         assert x_norm is not None, "a site's input is made by a gate launch that normalises it"
-        (cs, *parts), expand = x.parts()
-        incoming = dict(cs_ptr=cs, cpre_ptr=parts[0], cy_ptr=parts[1], cpost_ptr=parts[2], ccomb_ptr=parts[3],
-                        COLLAPSE_IN=True, C_EXPAND=expand, C_HC=cs.shape[-2])
-        x = cs.reshape(N, cs.shape[-2], D)[:, 0]  # its shape alone: neither read nor written
+        x, incoming = x.launch_args()
     else:
         x = x.contiguous()
     gate_w, bias = gate_w.contiguous(), bias.contiguous()  # the bias read in its own dtype
