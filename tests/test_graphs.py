@@ -154,18 +154,19 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
     assert len(model._graphs) == 0
 
 
-def _same_logits_either_way(monkeypatch, module, name: str, seed: int, check) -> None:
+def _same_logits_either_way(monkeypatch, module, name: str, seed: int, check, values=(False, True)) -> None:
     """A tiny bf16 model's greedy decode logits (CUDA) with the knob ``module.name`` off and on
-    are equal bit for bit; ``check(value)`` after each run (what the run launched)."""
+    (``values``: off, on) are equal bit for bit; ``check(value, model)`` after each run (what
+    the run launched)."""
     model = _tiny("cuda", torch.bfloat16)
     ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(seed)).cuda()
     runs = {}
-    for value in (False, True):
+    for value in values:
         monkeypatch.setattr(module, name, value)
         model.reset_graphs()
         runs[value] = _greedy_logits(model, ids)
         check(value, model)
-    assert torch.equal(runs[True], runs[False])
+    assert torch.equal(runs[values[1]], runs[values[0]])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")

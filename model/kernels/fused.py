@@ -41,6 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
+from model.kernels.prefetch import Asks, _ride
+
 BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
 BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
 ATTN_WARPS = 8  # with the keys decoded blockwise (session 29, H200, `small`, 128K, bench_knobs, two
@@ -318,13 +320,41 @@ def _key_rows(row, seen, FP8: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constex
 
 
 # decode-varying sizes: one compile
-@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span", "nW", "NB"])
+@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span", "nW", "NB", "ride_n"])
 def _sparse_attention_kernel(
     q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
     H, W, N, K, SPLITS, scale, span, nW, NB,
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
     FROM_POS: tl.constexpr, PROBE: tl.constexpr = 0, BLOCKWISE: tl.constexpr = False, PDL: tl.constexpr = False,
+    ride_ptr=None, ride_sink=None, ride_n=0, RIDERS: tl.constexpr = 0, ASK: tl.constexpr = "",
+    RIDE_LANES: tl.constexpr = 1,
+):
+    """:func:`_split_partials` of program (row, head group, split); with ``RIDERS``, the splits
+    from SPLITS on are riders (``model.kernels.prefetch``): those of row 0, head group 0 ask the
+    L2 for the ranges at ``ride_ptr`` and leave, waiting on nothing."""
+    split = tl.program_id(2)
+    if RIDERS > 0:
+        if split >= SPLITS:
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                _ride(ride_ptr, ride_sink, ride_n, split - SPLITS, ASK, RIDE_LANES)
+        else:
+            _split_partials(q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
+                            H, W, N, K, SPLITS, scale, span, nW, NB, s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
+                            D, BLOCK_H, BLOCK_N, Q_PARTS, FROM_POS, PROBE, BLOCKWISE, PDL)
+    else:
+        _split_partials(q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
+                        H, W, N, K, SPLITS, scale, span, nW, NB, s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
+                        D, BLOCK_H, BLOCK_N, Q_PARTS, FROM_POS, PROBE, BLOCKWISE, PDL)
+
+
+@triton.jit
+def _split_partials(
+    q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
+    H, W, N, K, SPLITS, scale, span, nW, NB,
+    s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
+    FROM_POS: tl.constexpr, PROBE: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Partial softmax sums of one (row, head group, split) over blocks split, split +
     SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
@@ -433,10 +463,12 @@ def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
 
 def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: float,
                      splits: int | None = None, out_dtype: torch.dtype = torch.float32,
-                     window_at: tuple | None = None, turn_back: tuple | None = None) -> torch.Tensor:
+                     window_at: tuple | None = None, turn_back: tuple | None = None,
+                     asks: Asks | None = None) -> torch.Tensor:
     """See ``model.kernels.sparse_attention``; ``window_at`` (ring positions [W] int64, the
     query's position [1], the window span) in place of ``window_valid`` (None then): the
-    kernel tests each slot itself; ``turn_back`` (cos, sin [1, r]): the merge turns the output."""
+    kernel tests each slot itself; ``turn_back`` (cos, sin [1, r]): the merge turns the output;
+    ``asks``: byte ranges the launch's riders ask the L2 for (``model.kernels.prefetch``)."""
     B, H, D = q.shape
     W, N, K = window.shape[1], records.shape[1], record_idx.shape[1]
     assert D >= 16 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 16"
@@ -458,13 +490,16 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
     sink = sink.contiguous()  # read in its own dtype
-    _sparse_attention_kernel[(B, groups, splits)](
+    lanes = ATTN_WARPS * 32  # a rider's: one range each
+    riders = asks.riders(lanes) if asks is not None else 0
+    ride = dict(asks.launch_args(), RIDERS=riders, RIDE_LANES=lanes) if riders else {}
+    _sparse_attention_kernel[(B, groups, splits + riders)](
         q, window, valid, records, record_idx, sink, m, l, acc, cur,
         H, W, N, K, splits, float(scale), int(span), n_window, blocks,
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
         D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
-        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q),
+        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q), **ride,
         BLOCKWISE=ATTN_BLOCKWISE and D >= 64)  # from 64 a record's 9 D / 16 bytes hold whole int32 words
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
