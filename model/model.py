@@ -582,8 +582,8 @@ class Attention(nn.Module):
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
         query when already computed; ``compressing``: :meth:`compress_beside`'s launch;
         ``turn_back``: the output de-rotated (``kernels.merge_turns_back``; then
-        :meth:`output` with ``turned``); ``asks``: weights the attention's launch asks into
-        the L2 (``kernels.l2_asks``)."""
+        :meth:`output` with ``turned``); ``asks``: weights the attention's merge launch asks
+        into the L2 (``kernels.l2_asks``)."""
         ring = cache.windows[self.layer]
         self._write_entry(kv, pos, ring, cache.kv, ropes)
         if compressing is not None:
@@ -891,7 +891,7 @@ class Block(nn.Module):
         """``kernels.l2_asks`` of the weights a decode step reads after this layer's attention —
         its output projections, the FFN site's mixes and the gate, then the attention site's
         mixes and the input projections of the layer ``after`` (None: the last): (the
-        attention launch's asks, the MoE gate launch's)."""
+        attention's asks, for its merge launch; the MoE gate launch's)."""
         mine = (self.attn.wo_a.weight, self.attn.wo_b.weight, self.hc_ffn_fn, self.ffn.gate.weight)
         if after is None:
             return kernels.l2_asks(mine, ())

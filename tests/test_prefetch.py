@@ -1,7 +1,7 @@
 """Riders of the attention launch asking the L2 for weights (model/kernels/prefetch.py): the
 byte ranges on every run; nothing rides off a Hopper GPU; on a GPU of compute capability 9
 or later, graphed decode steps with riders equal those without, bit for bit (a hint). The
-riders' build for sm_90 is ``test_kernels.py::test_sparse_attention_kernel_compiles_for_hopper``."""
+riders' hosts build for sm_90 (their inline PTX, which the interpreter cannot run)."""
 from __future__ import annotations
 
 import importlib.util
@@ -52,22 +52,32 @@ def test_nothing_rides_off_a_hopper_gpu(monkeypatch):
 @pytest.mark.skipif(torch.cuda.is_available() or not HAS_TRITON,
                     reason="needs Triton installed; on a GPU the riders run in the test below")
 @pytest.mark.parametrize("priority", ["last", "normal"])
-def test_the_gate_launch_with_riders_compiles_for_hopper(priority, tmp_path):
-    """The MoE gate kernel with riders (inline PTX ``cp.async.bulk.prefetch.L2``, which the
-    interpreter cannot run) builds for sm_90 as a dependent launch, at either priority."""
+def test_the_launches_with_riders_compile_for_hopper(priority, tmp_path):
+    """The attention's merge kernel and the MoE gate kernel with riders (inline PTX
+    ``cp.async.bulk.prefetch.L2``, which the interpreter cannot run) build for sm_90 as
+    dependent launches, at either priority."""
     from model.kernels import prefetch
     from tests.hopper import compile_for_hopper
+
+    riding = {"ride_ptr": "*i64", "ride_sink": "*i32", "ride_n": "i32",
+              **dict.fromkeys(("RIDERS", "ASK", "RIDE_LANES", "RIDE_CHUNKS"), "constexpr")}
+    ride = {"RIDERS": 3, "ASK": prefetch._ASK[priority], "RIDE_LANES": 128, "RIDE_CHUNKS": 8}
+    merge = {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "sink_ptr": "*bf16", "out_ptr": "*i16",
+             "H": "i32", "SPLITS": "i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "OFF": "i32",
+             **dict.fromkeys(("D", "BLOCK_D", "SPLITS_P2", "BF16", "TURN", "PDL"), "constexpr"), **riding}
+    merged = {"D": 512, "BLOCK_D": 128, "SPLITS_P2": 64, "BF16": True, "TURN": True, "PDL": True, **ride}
 
     signature = {"part_ptr": "*fp32", "bias_ptr": "*fp32", "wout_ptr": "*fp32", "iout_ptr": "*i64", "E": "i32",
                  "SPLITS": "i32", "temp": "fp32", "scale": "fp32",
                  **dict.fromkeys(("K", "K_P2", "BLOCK_E", "SPLITS_P2", "SCORE", "NORM", "PDL"), "constexpr"),
-                 "N": "i32", "ride_ptr": "*i64", "ride_sink": "*i32", "ride_n": "i32",
-                 **dict.fromkeys(("RIDERS", "ASK", "RIDE_LANES"), "constexpr")}
-    constants = {"K": 6, "K_P2": 8, "BLOCK_E": 64, "SPLITS_P2": 16, "SCORE": 0, "NORM": True, "PDL": True,
-                 "RIDERS": 3, "ASK": prefetch._ASK[priority], "RIDE_LANES": 128}
-    r = compile_for_hopper([{"module": "model.kernels.moe", "name": "_gate_kernel", "signature": signature,
-                             "constants": constants, "options": {"launch_pdl": True, "num_warps": 4}}], tmp_path)
-    assert r.returncode == 0 and "1 distinct launches compiled for sm_90, 0 failed" in r.stdout, r.stdout + r.stderr
+                 "N": "i32", **riding}
+    constants = {"K": 6, "K_P2": 8, "BLOCK_E": 64, "SPLITS_P2": 16, "SCORE": 0, "NORM": True, "PDL": True, **ride}
+    options = {"launch_pdl": True, "num_warps": 4}
+    r = compile_for_hopper([{"module": "model.kernels.fused", "name": "_merge_splits_kernel", "signature": merge,
+                             "constants": merged, "options": {**options, "enable_fp_fusion": False}},
+                            {"module": "model.kernels.moe", "name": "_gate_kernel", "signature": signature,
+                             "constants": constants, "options": options}], tmp_path)
+    assert r.returncode == 0 and "2 distinct launches compiled for sm_90, 0 failed" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.skipif(not ON_HOPPER or not kernels.triton_available(), reason="needs a GPU of compute capability 9+")

@@ -120,7 +120,7 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
     query], every row alike: the kernel tests the slots itself (six launches fewer).
     ``turn_back`` = (cos, sin [1, r]): each head's output then turned by :func:`rope_ref`
     (the de-rotation before ``wo_a``, sin negated), by the kernel's merge launch. ``asks``
-    (:func:`l2_asks`): weights the kernel's launch asks into the L2 for the kernels after it."""
+    (:func:`l2_asks`): weights the merge launch asks into the L2 for the kernels after it."""
     if _use_triton(q) and out_dtype in (torch.float32, torch.bfloat16):
         from model.kernels import fused
 
@@ -135,8 +135,8 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
 
 def l2_asks(now: tuple[torch.Tensor, ...], later: tuple[torch.Tensor, ...] = ()) -> tuple:
     """The byte ranges for riders of a decode step's launches to ask into the L2
-    (``model.kernels.prefetch``): (the attention launch's, the MoE gate launch's), each None
-    where none ride. The weights read ``now`` (after the attention) ride the attention's
+    (``model.kernels.prefetch``): (the attention's merge launch's, the MoE gate launch's),
+    each None where none ride. The weights read ``now`` (after the attention) ride the merge
     launch where ``prefetch.RIDE`` is "output", "both" or "split"; those read ``later`` (the
     next layer's) ride it too with "both", the gate's with "split". Riders run with the Triton
     kernels on a CUDA device of compute capability 9 or later, not under the interpreter. A

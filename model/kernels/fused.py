@@ -52,6 +52,7 @@ ATTN_WARPS = 8  # with the keys decoded blockwise (session 29, H200, `small`, 12
 INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
+MERGE_WARPS = 4  # Triton's default
 MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
 # (session 28: 2 blocks a split made a step at 128K 9.6% slower, 3.397 -> 3.722 ms, bench_knobs)
 # a timing probe, never on in a run (the attention's output is then wrong): a bit mask of the
@@ -320,41 +321,13 @@ def _key_rows(row, seen, FP8: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constex
 
 
 # decode-varying sizes: one compile
-@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span", "nW", "NB", "ride_n"])
+@triton.jit(do_not_specialize=["W", "N", "K", "SPLITS", "s_vb", "s_ib", "span", "nW", "NB"])
 def _sparse_attention_kernel(
     q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
     H, W, N, K, SPLITS, scale, span, nW, NB,
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
     FROM_POS: tl.constexpr, PROBE: tl.constexpr = 0, BLOCKWISE: tl.constexpr = False, PDL: tl.constexpr = False,
-    ride_ptr=None, ride_sink=None, ride_n=0, RIDERS: tl.constexpr = 0, ASK: tl.constexpr = "",
-    RIDE_LANES: tl.constexpr = 1,
-):
-    """:func:`_split_partials` of program (row, head group, split); with ``RIDERS``, the splits
-    from SPLITS on are riders (``model.kernels.prefetch``): those of row 0, head group 0 ask the
-    L2 for the ranges at ``ride_ptr`` and leave, waiting on nothing."""
-    split = tl.program_id(2)
-    if RIDERS > 0:
-        if split >= SPLITS:
-            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-                _ride(ride_ptr, ride_sink, ride_n, split - SPLITS, ASK, RIDE_LANES)
-        else:
-            _split_partials(q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
-                            H, W, N, K, SPLITS, scale, span, nW, NB, s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-                            D, BLOCK_H, BLOCK_N, Q_PARTS, FROM_POS, PROBE, BLOCKWISE, PDL)
-    else:
-        _split_partials(q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
-                        H, W, N, K, SPLITS, scale, span, nW, NB, s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-                        D, BLOCK_H, BLOCK_N, Q_PARTS, FROM_POS, PROBE, BLOCKWISE, PDL)
-
-
-@triton.jit
-def _split_partials(
-    q_ptr, win_ptr, valid_ptr, rec_ptr, idx_ptr, sink_ptr, m_ptr, l_ptr, acc_ptr, cur_ptr,
-    H, W, N, K, SPLITS, scale, span, nW, NB,
-    s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
-    FROM_POS: tl.constexpr, PROBE: tl.constexpr, BLOCKWISE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Partial softmax sums of one (row, head group, split) over blocks split, split +
     SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
@@ -416,10 +389,33 @@ def _split_partials(
         tl.store(acc_ptr + part[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["SPLITS"])
+@triton.jit(do_not_specialize=["SPLITS", "ride_n"])
 def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BF16: tl.constexpr,
-                         TURN: tl.constexpr = False, PDL: tl.constexpr = False):
+                         TURN: tl.constexpr = False, PDL: tl.constexpr = False,
+                         ride_ptr=None, ride_sink=None, ride_n=0, RIDERS: tl.constexpr = 0, ASK: tl.constexpr = "",
+                         RIDE_LANES: tl.constexpr = 1, RIDE_CHUNKS: tl.constexpr = 1):
+    """:func:`_merged_channels` of program (row, head, channel block); with ``RIDERS``, the
+    channel blocks from D / BLOCK_D on are riders (``model.kernels.prefetch``): those of row
+    0, head 0 ask the L2 for ``RIDE_CHUNKS`` ranges each at ``ride_ptr`` and leave, waiting on
+    nothing (the merge is launched while the attention runs: so are they)."""
+    c = tl.program_id(2)
+    if RIDERS > 0:
+        if c >= D // BLOCK_D:
+            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+                _ride(ride_ptr, ride_sink, ride_n, c - D // BLOCK_D, ASK, RIDE_LANES, RIDE_CHUNKS)
+        else:
+            _merged_channels(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF, D, BLOCK_D,
+                             SPLITS_P2, BF16, TURN, PDL)
+    else:
+        _merged_channels(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF, D, BLOCK_D,
+                         SPLITS_P2, BF16, TURN, PDL)
+
+
+@triton.jit
+def _merged_channels(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BF16: tl.constexpr,
+                     TURN: tl.constexpr, PDL: tl.constexpr):
     """Channels [c * BLOCK_D, (c + 1) * BLOCK_D) of head h's output: the splits' partial sums
     weighted by their maxima, over the denominator with the sink; stored in the query's dtype
     (bf16 rounded to nearest even on the bits, as torch's cast). TURN: the output, so rounded,
@@ -468,7 +464,7 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     """See ``model.kernels.sparse_attention``; ``window_at`` (ring positions [W] int64, the
     query's position [1], the window span) in place of ``window_valid`` (None then): the
     kernel tests each slot itself; ``turn_back`` (cos, sin [1, r]): the merge turns the output;
-    ``asks``: byte ranges the launch's riders ask the L2 for (``model.kernels.prefetch``)."""
+    ``asks``: byte ranges the merge launch's riders ask the L2 for (``model.kernels.prefetch``)."""
     B, H, D = q.shape
     W, N, K = window.shape[1], records.shape[1], record_idx.shape[1]
     assert D >= 16 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 16"
@@ -490,16 +486,13 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
     sink = sink.contiguous()  # read in its own dtype
-    lanes = ATTN_WARPS * 32  # a rider's: one range each
-    riders = asks.riders(lanes) if asks is not None else 0
-    ride = dict(asks.launch_args(), RIDERS=riders, RIDE_LANES=lanes) if riders else {}
-    _sparse_attention_kernel[(B, groups, splits + riders)](
+    _sparse_attention_kernel[(B, groups, splits)](
         q, window, valid, records, record_idx, sink, m, l, acc, cur,
         H, W, N, K, splits, float(scale), int(span), n_window, blocks,
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
         D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
-        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q), **ride,
+        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q),
         BLOCKWISE=ATTN_BLOCKWISE and D >= 64)  # from 64 a record's 9 D / 16 bytes hold whole int32 words
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
@@ -511,10 +504,11 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     if turn_back is not None:
         assert cos.shape == sin.shape and cos.shape[0] == 1 and 2 * cos.shape[1] <= D and cos.dtype == torch.float32
         cos, sin = cos.contiguous(), sin.contiguous()
-    _merge_splits_kernel[(B, H, D // block_d)](m, l, acc, sink, out.view(torch.int16) if bf16 else out, H, splits,
-                                               cos, sin, D - 2 * cos.shape[-1] if turn_back else 0,
-                                               D=D, BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(splits),
-                                               BF16=bf16, TURN=turn_back is not None, **unfused(), **chained(q))
+    riders, ride = asks.launch(MERGE_WARPS * 32) if asks is not None else (0, {})
+    _merge_splits_kernel[(B, H, D // block_d + riders)](
+        m, l, acc, sink, out.view(torch.int16) if bf16 else out, H, splits, cos, sin,
+        D - 2 * cos.shape[-1] if turn_back else 0, D=D, BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(splits),
+        BF16=bf16, TURN=turn_back is not None, num_warps=MERGE_WARPS, **unfused(), **chained(q), **ride)
     return out
 
 

@@ -177,13 +177,13 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
                  K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS_P2: tl.constexpr,
                  SCORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
                  N=1, ride_ptr=None, ride_sink=None, ride_n=0, RIDERS: tl.constexpr = 0, ASK: tl.constexpr = "",
-                 RIDE_LANES: tl.constexpr = 1):
+                 RIDE_LANES: tl.constexpr = 1, RIDE_CHUNKS: tl.constexpr = 1):
     """Token t's top-k (:func:`_gate_top_k`); with ``RIDERS``, programs from N on are riders
     (``model.kernels.prefetch``): they ask the L2 for the ranges at ``ride_ptr`` and leave."""
     t = tl.program_id(0)
     if RIDERS > 0:
         if t >= N:
-            _ride(ride_ptr, ride_sink, ride_n, t - N, ASK, RIDE_LANES)
+            _ride(ride_ptr, ride_sink, ride_n, t - N, ASK, RIDE_LANES, RIDE_CHUNKS)
         else:
             _gate_top_k(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale, K, K_P2, BLOCK_E,
                         SPLITS_P2, SCORE, NORM, PDL)
@@ -588,9 +588,8 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
                                      BLOCK_E=block_e, BLOCK_D=block_d, EARLY=GATE_EARLY and chunk == block_d,
                                      num_warps=4, **normed, **incoming, **chained(x))
     x = xn  # the expert kernels read the normalised rows
-    lanes = 4 * 32  # a rider's: one range each
-    riders = asks.riders(lanes) if asks is not None else 0
-    ride = dict(asks.launch_args(), N=N, RIDERS=riders, RIDE_LANES=lanes) if riders else {}
+    riders, ride = asks.launch(4 * 32) if asks is not None else (0, {})
+    ride = dict(ride, N=N) if riders else {}
     _gate_kernel[(N + riders,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
                                 K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                                 SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],

@@ -4,11 +4,12 @@ A batch-1 decode step alternates kernels that stream weights (the GEMVs, the MoE
 chains of small dependent kernels that leave the memory bus idle (the window entry, the
 sparse attention and its merge, the mHC sites, the gate). A GEMV asks for its own weight
 tiles before its dependent launch's wait (``model.kernels.matvec``), but only while the one
-kernel before it runs. Here a launch of the idle chain — the sparse attention's — takes a few
-more programs, *riders*, that ask the L2 for the bytes of the weights read after the chain
-(``cp.async.bulk.prefetch.L2``, sm_90) and leave: the layer's output projections, the FFN
-site's mixes and the gate; the next layer's input projections ride that launch too
-(``RIDE = "both"``) or the MoE gate's (``"split"``), the other idle launch of a layer.
+kernel before it runs. Here a launch of the idle chain — the attention's merge, launched
+while the attention runs — takes more programs, *riders*, that ask the L2 for the bytes of
+the weights read after the chain (``cp.async.bulk.prefetch.L2``, sm_90) and leave: the
+layer's output projections, the FFN site's mixes and the gate; the next layer's input
+projections ride that launch too (``RIDE = "both"``) or the MoE gate's (``"split"``), the
+other idle launch of a layer.
 Session 30 issued the same asks from a kernel of their own on a side stream, whose fork and
 join cost the step what the GEMVs gained; a rider adds no launch and no edge to the graph,
 and waits on nothing (weights are never written).
@@ -31,11 +32,13 @@ import triton.language as tl
 import triton
 
 # which weights ride which launch: "" none; "output" the layer's own read after its attention (output
-# projections, FFN site's mixes, gate) on the attention's launch; "both" those and the next layer's
+# projections, FFN site's mixes, gate) on the attention's merge launch; "both" those and the next layer's
 # input projections and attention-site mixes there; "split" the next layer's on the MoE gate's launch
 RIDE = ""
-# bytes one prefetch instruction asks for (a multiple of 16): a rider's lanes each ask one chunk
-CHUNK_BYTES = 32768
+# bytes one prefetch instruction asks for (a multiple of 16), and the chunks one rider asks for: an
+# SM's bulk-copy unit takes a rider's asks one after another, and its launch ends with its riders
+# (session 34, H200, `small`, 128K: riders of 8 MB each, 256 chunks, made a step 1.42x slower)
+CHUNK_BYTES, RIDER_CHUNKS = 32768, 8
 # the L2's eviction priority of what is asked for: "last" (kept over the MoE's experts, which
 # stream through evict-first) or "normal"
 PRIORITY = "last"
@@ -48,12 +51,14 @@ _ASK = {
 
 
 @triton.jit
-def _ride(table_ptr, sink_ptr, n, r, ASK: tl.constexpr, LANES: tl.constexpr):
-    """Rider ``r``: lane i asks the L2 for the byte range table[r * LANES + i] = (address,
-    bytes). ``sink`` is written only where an instruction's result is nonzero (never): it
-    keeps the compiler from dropping instructions whose only effect is outside the kernel."""
-    i = r * LANES + tl.arange(0, LANES)
-    m = i < n
+def _ride(table_ptr, sink_ptr, n, r, ASK: tl.constexpr, LANES: tl.constexpr, CHUNKS: tl.constexpr):
+    """Rider ``r`` of a launch of LANES threads: CHUNKS of them, evenly spaced, each ask the L2
+    for one byte range table[r * CHUNKS + j] = (address, bytes). ``sink`` is written only
+    where an instruction's result is nonzero (never): it keeps the compiler from dropping
+    instructions whose only effect is outside the kernel."""
+    lane = tl.arange(0, LANES)
+    i = r * CHUNKS + lane // (LANES // CHUNKS)
+    m = (lane % (LANES // CHUNKS) == 0) & (i < n)
     address = tl.load(table_ptr + 2 * i, mask=m, other=0)
     size = tl.load(table_ptr + 2 * i + 1, mask=m, other=0).to(tl.int32)
     done = tl.inline_asm_elementwise("{ .reg .pred p; setp.ne.s32 p, $2, 0; " + ASK + " mov.u32 $0, 0; }",
@@ -83,12 +88,14 @@ class Asks:
     sink: torch.Tensor
     n: int
 
-    def riders(self, lanes: int) -> int:
-        """Programs of ``lanes`` lanes that ask for every range."""
-        return triton.cdiv(self.n, lanes)
-
-    def launch_args(self) -> dict:
-        return {"ride_ptr": self.table, "ride_sink": self.sink, "ride_n": self.n, "ASK": _ASK[PRIORITY]}
+    def launch(self, lanes: int) -> tuple[int, dict]:
+        """(riders, their launch arguments) for a launch of ``lanes`` threads a program: a
+        rider asks for ``RIDER_CHUNKS`` ranges (at most one a thread)."""
+        chunks = min(RIDER_CHUNKS, lanes)
+        assert lanes % chunks == 0, (lanes, chunks)
+        return triton.cdiv(self.n, chunks), {"ride_ptr": self.table, "ride_sink": self.sink, "ride_n": self.n,
+                                             "ASK": _ASK[PRIORITY], "RIDERS": triton.cdiv(self.n, chunks),
+                                             "RIDE_LANES": lanes, "RIDE_CHUNKS": chunks}
 
 
 _TABLES: dict = {}  # (device, addresses and sizes, chunk) -> Asks; weights stay put
