@@ -585,7 +585,12 @@ class Attention(nn.Module):
         :meth:`output` with ``turned``); ``asks``: weights the attention's merge launch asks
         into the L2 (``kernels.l2_asks``)."""
         ring = cache.windows[self.layer]
-        self._write_entry(kv, pos, ring, cache.kv, ropes)
+        entry = None
+        if kernels.entry_in_attention(q, kv):  # made by the attention's launch
+            angles = rope_angles(pos, self.rope_table(ropes))
+            entry = (kv, self.kv_norm.weight, self.kv_norm.eps, angles.cos, angles.sin)
+        else:
+            self._write_entry(kv, pos, ring, cache.kv, ropes)
         if compressing is not None:
             compressing.join()  # the source's new record and key, before the indexer reads them
         elif self.compressor is not None:
@@ -600,7 +605,7 @@ class Attention(nn.Module):
         if turn_back:
             angles = rope_angles(pos, self.rope_table(ropes))
             turn = (angles.cos, angles.neg_sin)
-        return self.fused_attend(q, pos, ring, records, topk, turn, asks), written
+        return self.fused_attend(q, pos, ring, records, topk, turn, asks, entry), written
 
     def compress(self, x, pos: torch.Tensor, src: SourceKV, emits: bool, ropes: Ropes) -> None:
         """The compressor's part of :meth:`decode_step`: this step's latent into the source's
@@ -720,11 +725,12 @@ class Attention(nn.Module):
         return out.to(q.dtype)
 
     def fused_attend(self, q: torch.Tensor, pos: torch.Tensor, ring: WindowRing, records: torch.Tensor | None,
-                     idx: torch.Tensor | None, turn_back=None, asks=None) -> torch.Tensor:
+                     idx: torch.Tensor | None, turn_back=None, asks=None, entry=None) -> torch.Tensor:
         """:meth:`_attend` of one decode step at position ``pos`` [1] (a tensor, so a graph can
-        hold it), by the fused kernel on the packed ring (already holding this step's entry)
-        and the packed records at the indexer's ``idx`` [B, 1, k] (``records``: the source's
-        whole buffer, every selected row lies below its count); ``turn_back``, ``asks``: the kernel's."""
+        hold it), by the fused kernel on the packed ring (holding this step's entry, or with
+        ``entry`` the kernel makes it) and the packed records at the indexer's ``idx`` [B, 1, k]
+        (``records``: the source's whole buffer, every selected row lies below its count);
+        ``turn_back``, ``asks``, ``entry``: the kernel's."""
         B = q.shape[0]
         if idx is None:
             records = ring.data.new_empty(B, 0, main_record_bytes(self.head_dim))
@@ -732,7 +738,7 @@ class Attention(nn.Module):
         out = kernels.sparse_attention(q[:, 0], ring.data, None, records, idx[:, 0], self.attn_sink,
                                        self.head_dim ** -0.5, out_dtype=q.dtype,
                                        window_at=(ring.pos, pos, self.args.sliding_window), turn_back=turn_back,
-                                       asks=asks)
+                                       asks=asks, entry=entry)
         return out[:, None]
 
     def _index_loss(self, q: torch.Tensor, src: SourceKV, scores: torch.Tensor) -> torch.Tensor:

@@ -583,3 +583,24 @@ def test_a_graphed_step_hands_out_the_taps_an_eager_step_makes(monkeypatch):
         assert not was_graphed and is_graphed
         assert sorted(a) == sorted(b) == sorted(model.args.dspark_target_layer_ids)
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
+def test_the_attention_making_the_window_entry_gives_the_same_steps(monkeypatch):
+    """``fused.ENTRY_IN_ATTENTION``: each layer's window entry made by its attention's launch
+    rather than a launch of its own gives the same logits, bit for bit, step after step."""
+    from model.kernels import fused
+
+    made = []
+    real = kernels.entry_in_attention
+
+    def counted(q, kv):
+        made.append(real(q, kv))
+        return made[-1]
+
+    def check(value, model):
+        assert made and all(m == value for m in made)
+        made.clear()
+
+    monkeypatch.setattr(kernels, "entry_in_attention", counted)
+    _same_logits_either_way(monkeypatch, fused, "ENTRY_IN_ATTENTION", 6, check)
