@@ -574,7 +574,7 @@ class Attention(nn.Module):
         return tuple((t.data_ptr(), tuple(t.shape)) for t in buffers)
 
     def decode_step(self, x, q_res, q, kv, pos, reads: dict, cache: Cache, ropes: Ropes, emits: bool, qw=None,
-                    compressing=None, turn_back: bool = False, asks=None):
+                    compressing=None, turn_back: bool = False):
         """:meth:`core` of one decode step at ``pos`` [1] on the fused kernels, graph-safe
         (nothing here reads a count from the host): the window-ring write, the compressor's
         record when ``emits``, the indexer's top-k (and candidate pool) over the whole
@@ -582,15 +582,9 @@ class Attention(nn.Module):
         or (top-k, candidate pool)). ``reads``: :meth:`step_reads`; ``qw``: the indexer's
         query when already computed; ``compressing``: :meth:`compress_beside`'s launch;
         ``turn_back``: the output de-rotated (``kernels.merge_turns_back``; then
-        :meth:`output` with ``turned``); ``asks``: weights the attention's merge launch asks
-        into the L2 (``kernels.l2_asks``)."""
+        :meth:`output` with ``turned``)."""
         ring = cache.windows[self.layer]
-        entry = None
-        if kernels.entry_in_attention(q, kv):  # made by the attention's launch
-            angles = rope_angles(pos, self.rope_table(ropes))
-            entry = (kv, self.kv_norm.weight, self.kv_norm.eps, angles.cos, angles.sin)
-        else:
-            self._write_entry(kv, pos, ring, cache.kv, ropes)
+        self._write_entry(kv, pos, ring, cache.kv, ropes)
         if compressing is not None:
             compressing.join()  # the source's new record and key, before the indexer reads them
         elif self.compressor is not None:
@@ -605,7 +599,7 @@ class Attention(nn.Module):
         if turn_back:
             angles = rope_angles(pos, self.rope_table(ropes))
             turn = (angles.cos, angles.neg_sin)
-        return self.fused_attend(q, pos, ring, records, topk, turn, asks, entry), written
+        return self.fused_attend(q, pos, ring, records, topk, turn), written
 
     def compress(self, x, pos: torch.Tensor, src: SourceKV, emits: bool, ropes: Ropes) -> None:
         """The compressor's part of :meth:`decode_step`: this step's latent into the source's
@@ -725,20 +719,18 @@ class Attention(nn.Module):
         return out.to(q.dtype)
 
     def fused_attend(self, q: torch.Tensor, pos: torch.Tensor, ring: WindowRing, records: torch.Tensor | None,
-                     idx: torch.Tensor | None, turn_back=None, asks=None, entry=None) -> torch.Tensor:
+                     idx: torch.Tensor | None, turn_back=None) -> torch.Tensor:
         """:meth:`_attend` of one decode step at position ``pos`` [1] (a tensor, so a graph can
-        hold it), by the fused kernel on the packed ring (holding this step's entry, or with
-        ``entry`` the kernel makes it) and the packed records at the indexer's ``idx`` [B, 1, k]
-        (``records``: the source's whole buffer, every selected row lies below its count);
-        ``turn_back``, ``asks``, ``entry``: the kernel's."""
+        hold it), by the fused kernel on the packed ring (already holding this step's entry)
+        and the packed records at the indexer's ``idx`` [B, 1, k] (``records``: the source's
+        whole buffer, every selected row lies below its count); ``turn_back``: the kernel's."""
         B = q.shape[0]
         if idx is None:
             records = ring.data.new_empty(B, 0, main_record_bytes(self.head_dim))
             idx = torch.empty(B, 1, 0, dtype=torch.long, device=q.device)
         out = kernels.sparse_attention(q[:, 0], ring.data, None, records, idx[:, 0], self.attn_sink,
                                        self.head_dim ** -0.5, out_dtype=q.dtype,
-                                       window_at=(ring.pos, pos, self.args.sliding_window), turn_back=turn_back,
-                                       asks=asks, entry=entry)
+                                       window_at=(ring.pos, pos, self.args.sliding_window), turn_back=turn_back)
         return out[:, None]
 
     def _index_loss(self, q: torch.Tensor, src: SourceKV, scores: torch.Tensor) -> torch.Tensor:
@@ -869,12 +861,11 @@ class Block(nn.Module):
         return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask, kv)
 
     def whole_layer(self, streams, pre, pos, shared: dict, *, ropes: Ropes, cache: Cache, emits: bool,
-                    image_mask=None, expand=None, after: "Block | None" = None):
+                    image_mask=None, expand=None):
         """One decode step of the layer, fused kernels on: (streams, pre, (y, post, comb), *what
         later layers read). The FFN's output y is NOT yet in the streams: the next layer's
         attention site adds it (its ``expand``), or the caller (:func:`expand_output`);
-        ``expand``: the layer before's, likewise; ``after``: the layer after this one, whose
-        input weights may be asked into the L2 (:meth:`read_after_attention`). ``shared``: what earlier layers
+        ``expand``: the layer before's, likewise. ``shared``: what earlier layers
         wrote. Inside the step's :func:`shared_rope_angles` scope (``Transformer._step_layers``)."""
         streams, a_pre, a_post, a_comb, x, norm = self.site("attn", streams, pre, expand=expand, overlap=True,
                                                             norm_later=True)
@@ -886,24 +877,11 @@ class Block(nn.Module):
         x, q_res, q, kv, *qw = self.projections(x, pos, ropes=ropes, fmt=cache.kv, fused=True, norm=norm,
                                                 early=early)
         turn = kernels.merge_turns_back(q)
-        attention_asks, gate_asks = self.read_after_attention(after)
         out, written = self.attn.decode_step(x, q_res, q, kv, pos, self.attn.step_reads(shared), cache, ropes,
                                              emits, tuple(qw) or None, compressing[0] if compressing else None,
-                                             turn_back=turn, asks=attention_asks)
+                                             turn_back=turn)
         return (*self.ffn_output(self.attn.output(out, pos, ropes, later=True, turned=turn), streams, a_pre, a_post,
-                                 a_comb, image_mask, overlap=True, asks=gate_asks), *written)
-
-    def read_after_attention(self, after: "Block | None") -> tuple:
-        """``kernels.l2_asks`` of the weights a decode step reads after this layer's attention —
-        its output projections, the FFN site's mixes and the gate, then the attention site's
-        mixes and the input projections of the layer ``after`` (None: the last): (the
-        attention's asks, for its merge launch; the MoE gate launch's)."""
-        mine = (self.attn.wo_a.weight, self.attn.wo_b.weight, self.hc_ffn_fn, self.ffn.gate.weight)
-        if after is None:
-            return kernels.l2_asks(mine, ())
-        a, index = after.attn, after.attn.indexer
-        return kernels.l2_asks(mine, (after.hc_attn_fn, a.wq_a.weight, a.wkv.weight, a.wq_b.weight,
-                                      *(() if index is None else (index.wq_b.weight, index.weights_proj.weight))))
+                                 a_comb, image_mask, overlap=True), *written)
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""
@@ -937,15 +915,15 @@ class Block(nn.Module):
         streams, f_pre, output = self.ffn_output(y, streams, a_pre, a_post, a_comb, image_mask)
         return expand_output(streams, output), f_pre
 
-    def ffn_output(self, y, streams, a_pre, a_post, a_comb, image_mask=None, overlap: bool = False, asks=None):
+    def ffn_output(self, y, streams, a_pre, a_post, a_comb, image_mask=None, overlap: bool = False):
         """:meth:`ffn_site` short of its last expand: (streams, pre, (the FFN's output, post,
         comb)), what ``hc_expand`` or the next site's ``expand`` adds to the streams. With
         ``overlap`` (the whole-step decode) the site's norm is left to the MoE's gate launch
         and the FFN's output may be a ``kernels.Pending`` (its last launch left for the next
-        site to fold its first one into); ``y`` may be one. ``asks``: the MoE's (``MoE.forward``)."""
+        site to fold its first one into); ``y`` may be one."""
         streams, f_pre, f_post, f_comb, x, norm = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb),
                                                             overlap=overlap, norm_later=overlap)
-        return streams, f_pre, (self.ffn(x, image_mask, norm=norm, later=overlap, asks=asks), f_post, f_comb)
+        return streams, f_pre, (self.ffn(x, image_mask, norm=norm, later=overlap), f_post, f_comb)
 
     def site(self, name: str, streams, pre, expand=None, overlap: bool = False, norm_later: bool = False):
         """``kernels.hc_site`` of the attention or FFN site: (streams, pre, post, comb, the
@@ -1123,16 +1101,15 @@ class Transformer(nn.Module):
             beside = bool(hash_ids) and kernels.beside_on(streams, "engram.BESIDE")
             engram_kv = {b.layer: kernels.Beside(b.engram.kv, hash_ids[0][:, :, b.engram.slot], device=streams.device)
                          for b in blocks if beside and b.engram is not None}  # kept until the step's end
-            for i, (b, e) in enumerate(zip(blocks, emits)):
+            for b, e in zip(blocks, emits):
                 if pending is not None and ((b.engram is not None and hash_ids) or b.layer in tapped):
                     streams, pending = expand_output(streams, pending), None
                 streams = b.engram_site(streams, hash_ids[0] if hash_ids else None, image_mask, engram_kv.get(b.layer))
                 if b.layer in tapped:
                     taps.append(streams.mean(dim=2))
-                after = blocks[i + 1] if i + 1 < len(blocks) else None
                 streams, pre, pending, *written = b.whole_layer(streams, pre, pos, shared, ropes=self.ropes,
                                                                 cache=cache, emits=e, image_mask=image_mask,
-                                                                expand=pending, after=after)
+                                                                expand=pending)
                 shared.update(zip(("topk", "candidates"), written))
         if pending is not None:
             streams = expand_output(streams, pending)

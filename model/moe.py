@@ -152,18 +152,16 @@ class MoE(nn.Module):
         self.grouped = GroupedExperts(args.swiglu_limit)
         self.register_load_state_dict_post_hook(_restack_after_load)
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, norm=None, later: bool = False,
-                asks=None):
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, norm=None, later: bool = False):
         """``norm`` = (weight, eps): x is an mHC site's input before its RMSNorm (a fused decode
         step's site kernel left it, maybe as a ``kernels.Collapsed``, which the gate launch then
         makes): normalised here, by the fused kernels' gate launch where they run. ``later``: on the fused kernels, the output may be a ``kernels.Pending`` of
-        their last launch (for the next mHC site to fold its first launch into). ``asks``
-        (``kernels.l2_asks``): weights the fused kernels' gate launch asks into the L2."""
+        their last launch (for the next mHC site to fold its first launch into)."""
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
         if image_mask is None and self.runs_fused(flat):
             twin = (lambda: self._torch(flat, None, norm).view(shape)) if later else None
-            y = self._fused(flat, norm, twin, asks)  # a decode step on CUDA: four kernels (model.kernels.moe)
+            y = self._fused(flat, norm, twin)  # a decode step on CUDA: four kernels (model.kernels.moe)
             if isinstance(y, kernels.Pending):
                 return y.view(shape)
             if y is not None:
@@ -208,7 +206,7 @@ class MoE(nn.Module):
         return (x.is_cuda and torch.is_grad_enabled() and len(self.experts) <= DENSE_RATIO * self.gate.top_k
                 and os.environ.get("DSAGENT_DENSE_MOE", "1") != "0")
 
-    def _fused(self, flat: torch.Tensor, norm=None, later=None, asks=None):
+    def _fused(self, flat: torch.Tensor, norm=None, later=None):
         """``kernels.moe_decode`` on text tokens where :meth:`runs_fused` (routed sum + shared,
         in the tokens' dtype, rounded from fp32 by the kernel), or None if its kernels cannot
         be built here; ``later`` (the MoE in torch): maybe a ``kernels.Pending``."""
@@ -217,7 +215,7 @@ class MoE(nn.Module):
                                   self.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,
                                   top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
                                   scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype,
-                                  x_norm=norm, later=later, asks=asks)
+                                  x_norm=norm, later=later)
 
     def runs_fused(self, x: torch.Tensor) -> bool:
         """Whether text tokens ``x`` [N, D] run through ``kernels.moe_decode``: stacked,

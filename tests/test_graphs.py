@@ -154,19 +154,18 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
     assert len(model._graphs) == 0
 
 
-def _same_logits_either_way(monkeypatch, module, name: str, seed: int, check, values=(False, True)) -> None:
+def _same_logits_either_way(monkeypatch, module, name: str, seed: int, check) -> None:
     """A tiny bf16 model's greedy decode logits (CUDA) with the knob ``module.name`` off and on
-    (``values``: off, on) are equal bit for bit; ``check(value, model)`` after each run (what
-    the run launched)."""
+    are equal bit for bit; ``check(value)`` after each run (what the run launched)."""
     model = _tiny("cuda", torch.bfloat16)
     ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(seed)).cuda()
     runs = {}
-    for value in values:
+    for value in (False, True):
         monkeypatch.setattr(module, name, value)
         model.reset_graphs()
         runs[value] = _greedy_logits(model, ids)
         check(value, model)
-    assert torch.equal(runs[values[1]], runs[values[0]])
+    assert torch.equal(runs[True], runs[False])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
@@ -583,24 +582,3 @@ def test_a_graphed_step_hands_out_the_taps_an_eager_step_makes(monkeypatch):
         assert not was_graphed and is_graphed
         assert sorted(a) == sorted(b) == sorted(model.args.dspark_target_layer_ids)
         assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
-def test_the_attention_making_the_window_entry_gives_the_same_steps(monkeypatch):
-    """``fused.ENTRY_IN_ATTENTION``: each layer's window entry made by its attention's launch
-    rather than a launch of its own gives the same logits, bit for bit, step after step."""
-    from model.kernels import fused
-
-    made = []
-    real = kernels.entry_in_attention
-
-    def counted(q, kv):
-        made.append(real(q, kv))
-        return made[-1]
-
-    def check(value, model):
-        assert made and all(m == value for m in made)
-        made.clear()
-
-    monkeypatch.setattr(kernels, "entry_in_attention", counted)
-    _same_logits_either_way(monkeypatch, fused, "ENTRY_IN_ATTENTION", 6, check)

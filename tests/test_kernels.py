@@ -445,16 +445,14 @@ def test_sparse_attention_blockwise_keys_are_the_rows(warps, monkeypatch) -> Non
 
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
-@pytest.mark.parametrize("probe,blockwise,entry", [(0, False, False), (0, True, False), (1, True, False),
-                                                   (2, True, False), (4, True, False), (8, True, False),
-                                                   (0, True, True)])
-def test_sparse_attention_kernel_compiles_for_hopper(probe, blockwise, entry, tmp_path) -> None:
+@pytest.mark.parametrize("probe,blockwise", [(0, False), (0, True), (1, True), (2, True), (4, True), (8, True)])
+def test_sparse_attention_kernel_compiles_for_hopper(probe, blockwise, tmp_path) -> None:
     """The attention kernel at the model's decode shape (512 channels, 16 heads, a bf16 query,
     the window tested by position) for sm_90 as a dependent launch: the compiler types both
     key branches of ``_key_block`` (the interpreter runs one at a time) and builds the PTX of
     the dependent launch, with either key decode (``ATTN_BLOCKWISE``); so too each timing probe
     (``ATTN_PROBE``: a stage left out), which only the GPU runs (``kernel_sweep.py --only
-    attention-probe``), and the launch that makes the step's window entry (ENTRY), unfused."""
+    attention-probe``)."""
     from tests.hopper import compile_for_hopper
 
     signature = {"q_ptr": "*bf16", "win_ptr": "*u8", "valid_ptr": "*i64", "rec_ptr": "*u8", "idx_ptr": "*i64",
@@ -466,14 +464,9 @@ def test_sparse_attention_kernel_compiles_for_hopper(probe, blockwise, entry, tm
                                  "constexpr")}
     constants = {"D": 512, "BLOCK_H": 16, "BLOCK_N": 16, "Q_PARTS": 1, "FROM_POS": True, "PROBE": probe,
                  "BLOCKWISE": blockwise, "PDL": True}
-    if entry:
-        signature.update({"ent_ptr": "*bf16", "ent_nw": "*bf16", "ent_eps": "fp32", "ent_cos": "*fp32",
-                          "ent_sin": "*fp32", "s_eb": "i32",
-                          **dict.fromkeys(("ENTRY", "E_HALF", "E_BLOCK", "E_FMAX", "E_BF16"), "constexpr")})
-        constants.update({"ENTRY": True, "E_HALF": 32, "E_BLOCK": 32, "E_FMAX": 448.0, "E_BF16": True})
     r = compile_for_hopper([{"module": "model.kernels.fused", "name": "_sparse_attention_kernel",
                              "signature": signature, "constants": constants,
-                             "options": {"launch_pdl": True, "num_warps": 8, "enable_fp_fusion": False}}], tmp_path)
+                             "options": {"launch_pdl": True, "num_warps": 8}}], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
@@ -751,42 +744,6 @@ def test_a_decode_step_packs_its_window_entries_into_the_ring(dtype) -> None:
         pack.pack_window_at(kv, rings[1].data, rings[1].pos, pos)
         assert torch.equal(rings[1].data, rings[0].data) and torch.equal(rings[1].pos, rings[0].pos), p
     assert rings[1].pos.tolist() == [5, 6, 2, 3, 4]
-
-
-@needs_kernel
-@pytest.mark.parametrize("B,H,splits,dtype", [(1, 16, None, torch.bfloat16), (3, 32, 2, torch.bfloat16),
-                                              (3, 16, 1, torch.float32)])
-def test_the_attention_makes_the_steps_window_entry_as_its_own_launch_does(B, H, splits, dtype) -> None:
-    """``sparse_attention``'s ``entry`` (the kernel makes this step's window entry from the K=V
-    latent and takes it in place of the slot's row): the output of ``window_entry`` then the
-    attention, bit for bit, and the same ring after — bytes and positions — over steps that
-    wrap the ring; with one head group or two (two programs read the slot's block), and the
-    splits' blocks dealt one to a program or several."""
-    from model.cache import WindowRing
-    from model.kernels import pack
-
-    g = torch.Generator().manual_seed(11)
-    q, _, _, records, idx, sink, scale = attention_case(B, H, 300, 16, W=40, seed=11, q_dtype=dtype)
-    weight = (1 + 0.25 * torch.randn(512, generator=g)).to(DEVICE, dtype)
-    rings = [WindowRing(B, 40, 512, DEVICE) for _ in range(2)]
-
-    def step(p, attend=True):
-        kv = (torch.randn(B, 1, 512, generator=g) * 4).to(DEVICE, dtype)
-        angle = torch.rand(1, 32, generator=g) * 6
-        cos, sin, pos = angle.cos().to(DEVICE), angle.sin().to(DEVICE), torch.tensor([p], device=DEVICE)
-        pack.window_entry(kv, weight, 1e-6, cos, sin, rings[0].data, rings[0].pos, pos)
-        if not attend:
-            return pack.window_entry(kv, weight, 1e-6, cos, sin, rings[1].data, rings[1].pos, pos)
-        return [sparse_attention(q, ring.data, None, records, idx, sink, scale, splits=splits, out_dtype=dtype,
-                                 window_at=(ring.pos, pos, 32), entry=entry)
-                for ring, entry in zip(rings, (None, (kv, weight, 1e-6, cos, sin)))]
-
-    for p in range(36):  # both rings filled alike
-        step(p, attend=False)
-    for p in range(36, 42):
-        plain, made = step(p)
-        assert torch.equal(made, plain), p
-        assert torch.equal(rings[1].data, rings[0].data) and torch.equal(rings[1].pos, rings[0].pos), p
 
 
 @needs_kernel

@@ -78,7 +78,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
-           "topk_rows", "topk_rows_ref", "window_entry", "l2_asks", "entry_in_attention", "compress_step", "Pending", "resolve", "gemv_later",
+           "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "Pending", "resolve", "gemv_later",
            "beside_on", "Beside", "engram_step"]
 
 
@@ -110,8 +110,7 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
                      records: torch.Tensor, record_idx: torch.Tensor, sink: torch.Tensor, scale: float,
                      splits: int | None = None, out_dtype: torch.dtype = torch.float32,
                      window_at: tuple[torch.Tensor, torch.Tensor, int] | None = None,
-                     turn_back: tuple[torch.Tensor, torch.Tensor] | None = None, asks=None,
-                     entry: tuple | None = None) -> torch.Tensor:
+                     turn_back: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step of window + selected-record attention with the sink; see
     :func:`model.kernels.reference.sparse_attention_ref` for shapes. ``splits`` fixes how
     many programs share one row's keys on the kernel path (None: enough to fill the GPU);
@@ -120,54 +119,17 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
     position [1], window span) stands for ``window_valid`` = positions in (query - span,
     query], every row alike: the kernel tests the slots itself (six launches fewer).
     ``turn_back`` = (cos, sin [1, r]): each head's output then turned by :func:`rope_ref`
-    (the de-rotation before ``wo_a``, sin negated), by the kernel's merge launch. ``asks``
-    (:func:`l2_asks`): weights the merge launch asks into the L2 for the kernels after it.
-    ``entry`` (where :func:`entry_in_attention`): this step's window entry is not yet in the
-    ring; the kernel makes it from (K=V latent [B, 1, D], norm weight, eps, cos, sin [1, r])
-    and writes it there, as :func:`window_entry` would."""
+    (the de-rotation before ``wo_a``, sin negated), by the kernel's merge launch."""
     if _use_triton(q) and out_dtype in (torch.float32, torch.bfloat16):
         from model.kernels import fused
 
         return fused.sparse_attention(q, window, window_valid, records, record_idx, sink, scale, splits, out_dtype,
-                                      window_at, turn_back, asks, entry)
-    assert entry is None, "only the kernel makes the window entry (entry_in_attention)"
+                                      window_at, turn_back)
     if window_at is not None:
         at, cur, span = window_at
         window_valid = ((at >= 0) & (at <= cur) & (at > cur - span)).expand(q.shape[0], -1)
     out = sparse_attention_ref(q, window, window_valid, records, record_idx, sink, scale).to(out_dtype)
     return out if turn_back is None else rope_ref(out[:, None], *turn_back)[:, 0]
-
-
-def l2_asks(now: tuple[torch.Tensor, ...], later: tuple[torch.Tensor, ...] = ()) -> tuple:
-    """The byte ranges for riders of a decode step's launches to ask into the L2
-    (``model.kernels.prefetch``): (the attention's merge launch's, the MoE gate launch's),
-    each None where none ride. The weights read ``now`` (after the attention) ride the merge
-    launch where ``prefetch.RIDE`` is "output", "both" or "split"; those read ``later`` (the
-    next layer's) ride it too with "both", the gate's with "split". Riders run with the Triton
-    kernels on a CUDA device of compute capability 9 or later, not under the interpreter. A
-    hint: nothing any kernel computes changes."""
-    x = now[0]
-    if not (x.is_cuda and enabled(x) and not _interpreting() and torch.cuda.get_device_capability(x.device)[0] >= 9):
-        return None, None
-    from model.kernels import prefetch
-
-    ride = prefetch.RIDE
-    if ride not in ("output", "both", "split"):
-        return None, None
-    attention = prefetch.asks(now + (later if ride == "both" else ()), x.device)
-    return attention, prefetch.asks(later, x.device) if ride == "split" and later else None
-
-
-def entry_in_attention(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether a fused decode step's attention on ``q`` makes this step's window entry from
-    the K=V latent ``kv`` itself (:func:`sparse_attention`'s ``entry``, where
-    ``fused.ENTRY_IN_ATTENTION`` and :func:`window_entry` would run), one launch a layer fewer."""
-    if not (_use_triton(q) and kv.dtype in (torch.float32, torch.bfloat16) and _kernel_runs("window entry", kv)
-            and pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK)):
-        return False
-    from model.kernels import fused
-
-    return fused.ENTRY_IN_ATTENTION
 
 
 def merge_turns_back(q: torch.Tensor) -> bool:

@@ -41,8 +41,6 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.prefetch import Asks, _ride
-
 BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
 BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
 ATTN_WARPS = 8  # with the keys decoded blockwise (session 29, H200, `small`, 128K, bench_knobs, two
@@ -51,14 +49,7 @@ ATTN_WARPS = 8  # with the keys decoded blockwise (session 29, H200, `small`, 12
 # (session 28: keys decoded as even / odd channel halves straight to bf16, 3.455 -> 3.626 ms, not kept)
 INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
-# this step's window entry made by the attention's launch (``sparse_attention``'s ``entry``), not a
-# launch of its own (``pack.window_entry``); the probe that left the entry's launch out: 0.978 of a step
-ENTRY_IN_ATTENTION = False
-# the attention launched with FMA contraction (off: every product and sum rounded on its own, as
-# the entry's RoPE must be, and as torch's separate kernels round)
-ATTN_FUSION = False
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
-MERGE_WARPS = 4  # Triton's default
 MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
 # (session 28: 2 blocks a split made a step at 128K 9.6% slower, 3.397 -> 3.722 ms, bench_knobs)
 # a timing probe, never on in a run (the attention's output is then wrong): a bit mask of the
@@ -223,97 +214,6 @@ def _fp4_rows(row_ptr, cols, mask, D: tl.constexpr, BLOCK: tl.constexpr):
     return _e2m1(code) * _e4m3(sb)
 
 
-# ----------------------------------------------------------------------------- byte encoding, the window entry
-
-@triton.jit
-def _pow2_ceil(t):
-    """2**ceil(log2 t) of positive fp32 t, and its biased exponent (the ue8m0 byte)."""
-    bits = t.to(tl.int32, bitcast=True)
-    k = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-    return (k << 23).to(tl.float32, bitcast=True), k
-
-
-@triton.jit
-def _e4m3_encode(y):
-    """fp32 |y| <= 448 -> e4m3fn byte (int32), round to nearest even, sign kept (-0 -> 0x80)."""
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    a = bits & 0x7FFFFFFF
-    e = (a >> 23) - 127
-    mant = a & 0x7FFFFF
-    r = mant >> 20
-    rem = mant & 0xFFFFF
-    up = (rem > 0x80000) | ((rem == 0x80000) & ((r & 1) == 1))
-    normal = ((e + 7) << 3) + r + up.to(tl.int32)
-    s = tl.minimum(14 - e, 25)  # subnormal: round |y| * 2^9 to an integer; from 2^25 on it is 0
-    full = mant | 0x800000
-    q = full >> s
-    rem2 = full & ((1 << s) - 1)
-    half = 1 << (s - 1)
-    sub = q + ((rem2 > half) | ((rem2 == half) & ((q & 1) == 1))).to(tl.int32)
-    code = tl.where(e >= -6, normal, sub)
-    return sign | tl.where(a == 0, 0, code)
-
-
-@triton.jit
-def _signed(magnitude, negative):
-    """``magnitude`` (fp32, >= 0) negated where ``negative``, on the sign bit: -0.0 stays -0.0
-    (``-x`` may compile to ``0 - x``, which gives +0.0)."""
-    bits = magnitude.to(tl.int32, bitcast=True) | (negative.to(tl.int32) << 31)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _fp8_blocks(x, FMAX: tl.constexpr):
-    """Blocks [NB, BLOCK] of a row -> (scaled and clamped values, power-of-two scales, their
-    exponent bytes): what the e4m3 codes and ue8m0 bytes are made from."""
-    scale, k = _pow2_ceil(tl.maximum(tl.max(tl.abs(x), 1), 1e-4) * (1.0 / FMAX))
-    inv = ((254 - k) << 23).to(tl.float32, bitcast=True)  # 1 / scale, exact
-    return tl.minimum(tl.maximum(x * inv[:, None], -FMAX), FMAX), scale, k
-
-
-@triton.jit
-def _rotated(h, cos_ptr, sin_ptr, first, D: tl.constexpr, HALF: tl.constexpr, BF16: tl.constexpr,
-             AT_FIRST: tl.constexpr):
-    """Row ``h`` [D] (fp32 values of the row's dtype) as ``rope`` turns its trailing HALF pairs,
-    each channel rounded to the dtype: by the angles' cos / sin [HALF] at ``cos_ptr`` /
-    ``sin_ptr``, or with AT_FIRST by those of position ``first`` under the frequencies at
-    ``cos_ptr`` — first · inv_freq, its cos and sin in fp32, as ``RopeAngles`` makes them.
-    -> (even, odd) channels [D/2]."""
-    e, o = tl.split(tl.reshape(h, [D // 2, 2]))
-    pc = 2 * tl.arange(0, D // 2)  # each pair's even channel
-    rot = pc >= D - 2 * HALF
-    j = (pc - (D - 2 * HALF)) // 2
-    if AT_FIRST:
-        angle = first.to(tl.float32) * tl.load(cos_ptr + j, mask=rot, other=0.0)
-        cs, sn = tl.cos(angle), tl.sin(angle)
-    else:
-        cs = tl.load(cos_ptr + j, mask=rot, other=0.0)
-        sn = tl.load(sin_ptr + j, mask=rot, other=0.0)
-    e, o = tl.where(rot, _turned(e, o, True, cs, sn), e), tl.where(rot, _turned(o, e, False, cs, sn), o)
-    return _round(e, BF16), _round(o, BF16)
-
-
-@triton.jit
-def _window_entry_bytes(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, D: tl.constexpr, HALF: tl.constexpr,
-                        BLOCK: tl.constexpr, FMAX: tl.constexpr, BF16: tl.constexpr):
-    """One decode step's window entry from its K=V latent row at ``x_ptr``, in registers: the
-    RMSNorm by ``nw`` (``norm._rms_norm_kernel``'s roundings), the RoPE of the trailing HALF
-    pairs by cos / sin (``rotary._rope_kernel``'s), the FP8 values (``fake_quant_fp8``), then
-    their bytes as the ring's write packs them -> (e4m3 codes [D / BLOCK, BLOCK], ue8m0
-    exponent bytes [D / BLOCK]), int32. Launch with ``unfused()``: the rotation's products and
-    sums are rounded on their own."""
-    c = tl.arange(0, D)
-    h = _rms_normed(tl.load(x_ptr + c).to(tl.float32), tl.load(nw_ptr + c).to(tl.float32), D, eps, BF16)
-    e, o = _rotated(h, cos_ptr, sin_ptr, 0, D, HALF, BF16, False)
-    h = tl.reshape(tl.join(e, o), [D // BLOCK, BLOCK])
-    y, scale, _ = _fp8_blocks(h, FMAX)  # the entry's FP8 values, as the step's KVFormat.window makes them
-    code = _e4m3_encode(y)
-    value = _signed(_e4m3(code & 0x7F) * scale[:, None], (code & 0x80) != 0)
-    y, _, k = _fp8_blocks(value, FMAX)  # and their bytes, as the ring's write packs them
-    return _e4m3_encode(y), k
-
-
 # ----------------------------------------------------------------------------- bf16 tensor-core dots
 
 @triton.jit
@@ -425,8 +325,6 @@ def _sparse_attention_kernel(
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
     FROM_POS: tl.constexpr, PROBE: tl.constexpr = 0, BLOCKWISE: tl.constexpr = False, PDL: tl.constexpr = False,
-    ent_ptr=None, ent_nw=None, ent_eps=0.0, ent_cos=None, ent_sin=None, s_eb=0, ENTRY: tl.constexpr = False,
-    E_HALF: tl.constexpr = 1, E_BLOCK: tl.constexpr = 32, E_FMAX: tl.constexpr = 448.0, E_BF16: tl.constexpr = False,
 ):
     """Partial softmax sums of one (row, head group, split) over blocks split, split +
     SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
@@ -437,30 +335,10 @@ def _sparse_attention_kernel(
     (1: a bf16 query; 3: every bit of an fp32 one), the probabilities in three, the keys exact.
     PROBE (``ATTN_PROBE``, for timing only: the output is then wrong): stages left out, each
     replaced by a cheap stand-in the rest still depends on — 1 the keys' bytes and their
-    decode, 2 the query's dot, 4 the value dots, 8 the store of the partial sums.
-    ENTRY (with FROM_POS): the ring does not yet hold this step's window entry at slot
-    query % W. Each program makes the entry from row b's K=V latent at ``ent_ptr``
-    (:func:`_window_entry_bytes`), before its dependent launch's wait — the latent is made
-    two launches or more before this one (the query's projection lies between), so it is
-    complete once any program of this launch runs — and takes it in place of the slot's
-    row; the program whose blocks hold the slot (head group 0) writes its bytes and
-    position into the ring for the steps after."""
+    decode, 2 the query's dot, 4 the value dots, 8 the store of the partial sums."""
+    _chain(PDL)
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
-    if ENTRY:
-        cur = tl.load(cur_ptr)  # the step's position: an input of the step, never written by its launches
-        slot = cur % W
-        code, k = _window_entry_bytes(ent_ptr + b64 * s_eb, ent_nw, ent_eps, ent_cos, ent_sin, D, E_HALF, E_BLOCK,
-                                      E_FMAX, E_BF16)
-        fresh = tl.reshape(_e4m3(code) * _ue8m0(k)[:, None], [D])  # what the ring's row decodes to
-        if ((slot // BLOCK_N) % SPLITS == split) & (g == 0):
-            row = win_ptr + b64 * s_wb + slot * s_wn
-            tl.store(row + tl.arange(0, D // E_BLOCK)[:, None] * E_BLOCK + tl.arange(0, E_BLOCK)[None, :],
-                     code.to(tl.uint8))
-            tl.store(row + D + tl.arange(0, D // E_BLOCK), k.to(tl.uint8))
-            if b == 0:
-                tl.store(valid_ptr + slot, cur)
-    _chain(PDL)
     heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
     head_ok = heads < H
     cols = tl.arange(0, D)
@@ -481,10 +359,6 @@ def _sparse_attention_kernel(
                                s_vb, s_rb, s_rn, s_ib, D, BLOCK_N, FROM_POS, (PROBE & 1) == 0, BLOCKWISE)
         if PROBE & 1:  # the keys' bytes left unread: a stand-in that depends on which are valid
             kv += valid[:, None].to(tl.float32)
-        if ENTRY:  # this step's entry, whatever the slot's bytes held when read
-            here = (blk * BLOCK_N + tl.arange(0, BLOCK_N)) == slot
-            kv = tl.where(here[:, None], fresh[None, :], kv)
-            valid = valid | here
         blk += SPLITS
         kb = kv.to(tl.bfloat16)
         if PROBE & 2:  # no query dot: logits from the keys alone
@@ -512,33 +386,10 @@ def _sparse_attention_kernel(
         tl.store(acc_ptr + part[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
 
 
-@triton.jit(do_not_specialize=["SPLITS", "ride_n"])
+@triton.jit(do_not_specialize=["SPLITS"])
 def _merge_splits_kernel(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF,
                          D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BF16: tl.constexpr,
-                         TURN: tl.constexpr = False, PDL: tl.constexpr = False,
-                         ride_ptr=None, ride_sink=None, ride_n=0, RIDERS: tl.constexpr = 0, ASK: tl.constexpr = "",
-                         RIDE_LANES: tl.constexpr = 1, RIDE_CHUNKS: tl.constexpr = 1):
-    """:func:`_merged_channels` of program (row, head, channel block); with ``RIDERS``, the
-    channel blocks from D / BLOCK_D on are riders (``model.kernels.prefetch``): those of row
-    0, head 0 ask the L2 for ``RIDE_CHUNKS`` ranges each at ``ride_ptr`` and leave, waiting on
-    nothing (the merge is launched while the attention runs: so are they)."""
-    c = tl.program_id(2)
-    if RIDERS > 0:
-        if c >= D // BLOCK_D:
-            if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-                _ride(ride_ptr, ride_sink, ride_n, c - D // BLOCK_D, ASK, RIDE_LANES, RIDE_CHUNKS)
-        else:
-            _merged_channels(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF, D, BLOCK_D,
-                             SPLITS_P2, BF16, TURN, PDL)
-    else:
-        _merged_channels(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF, D, BLOCK_D,
-                         SPLITS_P2, BF16, TURN, PDL)
-
-
-@triton.jit
-def _merged_channels(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_ptr, sin_ptr, OFF,
-                     D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_P2: tl.constexpr, BF16: tl.constexpr,
-                     TURN: tl.constexpr, PDL: tl.constexpr):
+                         TURN: tl.constexpr = False, PDL: tl.constexpr = False):
     """Channels [c * BLOCK_D, (c + 1) * BLOCK_D) of head h's output: the splits' partial sums
     weighted by their maxima, over the denominator with the sink; stored in the query's dtype
     (bf16 rounded to nearest even on the bits, as torch's cast). TURN: the output, so rounded,
@@ -572,19 +423,6 @@ def _merged_channels(m_ptr, l_ptr, acc_ptr, sink_ptr, out_ptr, H, SPLITS, cos_pt
         tl.store(out_ptr + (b.to(tl.int64) * H + h) * D + cols, out)
 
 
-def _entry_args(entry: tuple, B: int, D: int, from_pos: bool) -> dict:
-    """The attention launch's arguments that make this step's window entry (ENTRY)."""
-    from model.quant import FP8_MAX, WINDOW_BLOCK
-
-    kv, nw, eps, cos, sin = entry
-    assert from_pos and kv.shape == (B, 1, D) and kv.stride(-1) == 1 and nw.shape == (D,) and nw.dtype == kv.dtype
-    assert kv.dtype in (torch.float32, torch.bfloat16) and D % WINDOW_BLOCK == 0
-    assert cos.shape == sin.shape and cos.shape[0] == 1 and 2 * cos.shape[1] <= D and cos.dtype == torch.float32
-    return dict(ent_ptr=kv, ent_nw=nw.contiguous(), ent_eps=float(eps), ent_cos=cos.contiguous(),
-                ent_sin=sin.contiguous(), s_eb=kv.stride(0), ENTRY=True, E_HALF=cos.shape[1], E_BLOCK=WINDOW_BLOCK,
-                E_FMAX=FP8_MAX, E_BF16=kv.dtype == torch.bfloat16)
-
-
 def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
     """Enough programs to cover the SMs ``SPLIT_WAVES`` times, but never splits of fewer than
     ``MIN_BLOCKS_PER_SPLIT`` blocks."""
@@ -595,15 +433,10 @@ def _auto_splits(q: torch.Tensor, groups: int, blocks: int) -> int:
 
 def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: float,
                      splits: int | None = None, out_dtype: torch.dtype = torch.float32,
-                     window_at: tuple | None = None, turn_back: tuple | None = None,
-                     asks: Asks | None = None, entry: tuple | None = None) -> torch.Tensor:
+                     window_at: tuple | None = None, turn_back: tuple | None = None) -> torch.Tensor:
     """See ``model.kernels.sparse_attention``; ``window_at`` (ring positions [W] int64, the
     query's position [1], the window span) in place of ``window_valid`` (None then): the
-    kernel tests each slot itself; ``turn_back`` (cos, sin [1, r]): the merge turns the output;
-    ``asks``: byte ranges the merge launch's riders ask the L2 for (``model.kernels.prefetch``);
-    ``entry`` (with ``window_at``; the K=V latent [B, 1, D] made two launches or more before,
-    the norm's weight and eps, cos / sin [1, r]): the kernel makes this step's window entry
-    and writes it into the ring (``_sparse_attention_kernel``'s ENTRY)."""
+    kernel tests each slot itself; ``turn_back`` (cos, sin [1, r]): the merge turns the output."""
     B, H, D = q.shape
     W, N, K = window.shape[1], records.shape[1], record_idx.shape[1]
     assert D >= 16 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 16"
@@ -625,15 +458,13 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
     l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
     sink = sink.contiguous()  # read in its own dtype
-    made = _entry_args(entry, B, D, window_at is not None) if entry is not None else {}
     _sparse_attention_kernel[(B, groups, splits)](
         q, window, valid, records, record_idx, sink, m, l, acc, cur,
         H, W, N, K, splits, float(scale), int(span), n_window, blocks,
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
         D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
-        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q), **made,
-        **({} if ATTN_FUSION else unfused()),
+        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q),
         BLOCKWISE=ATTN_BLOCKWISE and D >= 64)  # from 64 a record's 9 D / 16 bytes hold whole int32 words
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
@@ -645,11 +476,10 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     if turn_back is not None:
         assert cos.shape == sin.shape and cos.shape[0] == 1 and 2 * cos.shape[1] <= D and cos.dtype == torch.float32
         cos, sin = cos.contiguous(), sin.contiguous()
-    riders, ride = asks.launch(MERGE_WARPS * 32) if asks is not None else (0, {})
-    _merge_splits_kernel[(B, H, D // block_d + riders)](
-        m, l, acc, sink, out.view(torch.int16) if bf16 else out, H, splits, cos, sin,
-        D - 2 * cos.shape[-1] if turn_back else 0, D=D, BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(splits),
-        BF16=bf16, TURN=turn_back is not None, num_warps=MERGE_WARPS, **unfused(), **chained(q), **ride)
+    _merge_splits_kernel[(B, H, D // block_d)](m, l, acc, sink, out.view(torch.int16) if bf16 else out, H, splits,
+                                               cos, sin, D - 2 * cos.shape[-1] if turn_back else 0,
+                                               D=D, BLOCK_D=block_d, SPLITS_P2=triton.next_power_of_2(splits),
+                                               BF16=bf16, TURN=turn_back is not None, **unfused(), **chained(q))
     return out
 
 

@@ -38,7 +38,6 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
-from model.kernels.prefetch import _ride
 from model.kernels import Collapsed
 from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles, _stream_rows
 
@@ -175,27 +174,7 @@ def _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM: tl.constexpr, BF16: tl.con
 @triton.jit
 def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
                  K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS_P2: tl.constexpr,
-                 SCORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False,
-                 N=1, ride_ptr=None, ride_sink=None, ride_n=0, RIDERS: tl.constexpr = 0, ASK: tl.constexpr = "",
-                 RIDE_LANES: tl.constexpr = 1, RIDE_CHUNKS: tl.constexpr = 1):
-    """Token t's top-k (:func:`_gate_top_k`); with ``RIDERS``, programs from N on are riders
-    (``model.kernels.prefetch``): they ask the L2 for the ranges at ``ride_ptr`` and leave."""
-    t = tl.program_id(0)
-    if RIDERS > 0:
-        if t >= N:
-            _ride(ride_ptr, ride_sink, ride_n, t - N, ASK, RIDE_LANES, RIDE_CHUNKS)
-        else:
-            _gate_top_k(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale, K, K_P2, BLOCK_E,
-                        SPLITS_P2, SCORE, NORM, PDL)
-    else:
-        _gate_top_k(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale, K, K_P2, BLOCK_E,
-                    SPLITS_P2, SCORE, NORM, PDL)
-
-
-@triton.jit
-def _gate_top_k(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
-                K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS_P2: tl.constexpr,
-                SCORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                 SCORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
     _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -541,7 +520,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
                w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
                scoring: str, temp: float, norm: bool, scale: float, limit: float,
                out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None,
-               defer: bool = False, asks=None):
+               defer: bool = False):
     """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (any float dtype),
     stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
     [I, D] and s2 [D, I], all in x's dtype. -> [N, D] (routed sum + shared) in fp32, or in
@@ -554,8 +533,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     ``defer``: where the down sum is the last launch (``DOWN_SLOTS``, token by token; ``DOWN_FOLD``), it is
     not made: a callable ``(site=None)`` that makes it (:func:`down_slots`) is returned.
     ``x`` may be a ``model.kernels.Collapsed`` (with ``x_norm``): the gate-logits launch makes
-    the rows it reads, and writes them normalised for the expert kernels as above.
-    ``asks`` (``prefetch.Asks``): byte ranges the gate launch's riders ask the L2 for."""
+    the rows it reads, and writes them normalised for the expert kernels as above."""
     N, D = x.shape
     E, I = w1.shape[0], w1.shape[1]
     assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and w2.shape == (E, D, I)
@@ -588,12 +566,10 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
                                      BLOCK_E=block_e, BLOCK_D=block_d, EARLY=GATE_EARLY and chunk == block_d,
                                      num_warps=4, **normed, **incoming, **chained(x))
     x = xn  # the expert kernels read the normalised rows
-    riders, ride = asks.launch(4 * 32) if asks is not None else (0, {})
-    ride = dict(ride, N=N) if riders else {}
-    _gate_kernel[(N + riders,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
-                                K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
-                                SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
-                                NORM=bool(norm and top_k > 1), num_warps=4, **chained(x), **ride)
+    _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
+                       K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+                       SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
+                       NORM=bool(norm and top_k > 1), num_warps=4, **chained(x))
     nk = N * top_k
     h = torch.empty(nk + N, I, dtype=x.dtype, device=x.device)
     h_arg = h.view(torch.int16) if bf16 else h
