@@ -50,12 +50,8 @@ TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 # L2 beside the step (``cp.async.bulk.prefetch.L2`` on a stream of their own, while the chains of
 # small kernels run) 0.975, then 1.025 against a control of 1.020 in four rounds — the GEMVs'
 # share of the step fell 0.650 -> 0.557 ms, the prefetch kernels took it back. Neither kept.
-# (session 34, same bench: the same asks made by riders, extra programs of a launch already in the
-# step, which add no node to the graph: on the attention's launch, 8 MB a rider, 1.42x slower — an
-# SM's bulk-copy unit takes a rider's asks in turn and the launch ends with its riders; on its merge
-# launch at 256 / 64 / 32 KB a rider, the output projections, the FFN site and the gate: 0.999 / 0.975
-# (against 8 chunks on, another process) / 1.009; with the next layer's input projections too 1.012
-# / 1.064; those on the MoE gate's launch instead 1.025. Not kept)
+# (session 34: the same asks made by riders, extra programs of the attention's or its merge's launch,
+# 0.999-1.42x of a step: not kept; the figures are README's "Tried and not kept")
 
 
 # a timing probe, never on in a run: x's de-rotation (``rope_in``) left out (the output is then wrong), for
