@@ -35,9 +35,11 @@ from torch import nn
 from model.args import ModelArgs
 from model.cache import Cache, WindowRing
 from model.engine import Engine, Sampling, State, shaped_probs  # the same shaping as plain sampling
-from model.model import Attention, Block, RMSNorm, Step, Transformer, apply_rope, hc_collapse
+from model.layer import RMSNorm, Step
+from model.model import Attention, Block, Transformer, hc_collapse
 from model.moe import MoE
 from model.quant import fake_quant_fp8
+from model.rope import apply_rope
 
 
 class SpeculationUnavailable(ValueError):

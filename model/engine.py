@@ -21,7 +21,8 @@ from typing import Iterator
 import torch
 
 from model.cache import Cache
-from model.model import Step, Transformer
+from model.layer import Step
+from model.model import Transformer
 from model.quant import KVFormat
 
 

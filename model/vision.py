@@ -313,7 +313,7 @@ def span_layout(plan: ImagePlan) -> list[str]:
 
 class VisionRMSNorm(nn.Module):
     """The ViT's RMSNorm: fp32 weight, normalise and scale in fp32, one rounding at the end
-    (the backbone's ``model.model.RMSNorm`` rounds before scaling)."""
+    (the backbone's ``model.layer.RMSNorm`` rounds before scaling)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()

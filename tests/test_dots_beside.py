@@ -95,7 +95,8 @@ def test_readers_that_cannot_make_it_take_its_value(monkeypatch) -> None:
     """Where the fused kernels do not run (``DSAGENT_KERNELS=0``), the MoE and the attention's
     projections take the Collapsed's value: their outputs are those of the tensor."""
     from model.args import ModelArgs
-    from model.model import Attention, Ropes
+    from model.model import Attention
+    from model.rope import Ropes
     from model.quant import KVFormat
 
     monkeypatch.setenv("DSAGENT_KERNELS", "0")

@@ -14,7 +14,8 @@ import torch
 
 import model.kernels as kernels
 from model.args import ModelArgs
-from model.model import Attention, linear
+from model.layer import linear
+from model.model import Attention
 from tests.hopper import compile_for_hopper
 
 ON_CUDA = torch.cuda.is_available()
@@ -153,7 +154,7 @@ def test_attention_projections_on_the_gemv(dtype, monkeypatch):
     tiny preset's attention, through the GEMV (``DSAGENT_GEMV=1``: four launches), against
     the same layer with ``DSAGENT_GEMV=0``. The two weights of the first launch have blocks
     of different heights here (1 and 2 rows), the case that once failed to compile on the GPU."""
-    from model.model import Ropes
+    from model.rope import Ropes
     from model.quant import KVFormat
 
     args = ModelArgs.preset("tiny")
@@ -187,7 +188,7 @@ def test_a_fused_steps_projection_normalises_the_query_inside_its_gemv(monkeypat
     """``project(fused=True)``: the query's norm inside the ``wq_b`` GEMV, the K=V latent
     handed on as it is; the query agrees with the plain projection's to the norm's rounding;
     q_res only in a layer with an indexer, kept by that GEMV."""
-    from model.model import Ropes
+    from model.rope import Ropes
     from model.quant import KVFormat
 
     args = ModelArgs.preset("tiny")
@@ -219,7 +220,7 @@ def test_a_site_norm_left_to_the_projection_is_made_inside_its_gemv(monkeypatch)
     inside the wq_a / wkv GEMV, which writes it for x's other readers (``keep``); x, q_res and
     the K=V latent as the norm kernel then the plain projection make them, to the norm's
     rounding; with the GEMV off the norm runs first, as its own launch."""
-    from model.model import Ropes
+    from model.rope import Ropes
     from model.quant import KVFormat
 
     args = ModelArgs.preset("tiny")

@@ -13,8 +13,8 @@ import torch
 
 from model.args import ModelArgs
 from model.engine import Engine
+from model.kernels.reference import stable_topk
 from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
-from model.model import stable_topk
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "v41-tiny-a"

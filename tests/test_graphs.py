@@ -355,7 +355,7 @@ def test_rope_angles_are_shared_within_a_scope_and_never_into_a_nested_one():
     """A graph segment opens its own scope: angles an eager warm-up computed outside it (in
     memory the graph does not own) must not be reused by its capture — the bug that made
     the first H200 run of session 5 read freed memory on replay."""
-    from model.model import rope_angles, shared_rope_angles
+    from model.rope import rope_angles, shared_rope_angles
 
     pos, inv = torch.arange(3), torch.rand(4)
     with shared_rope_angles():
@@ -374,7 +374,7 @@ def test_angles_shared_between_tables_are_each_tables_own():
     within the scope, bit for bit what each table's own ``RopeAngles`` makes (a decode step's
     one position: each slice contiguous, as the kernels read it); outside a scope, nothing."""
     from model.args import ModelArgs
-    from model.model import RopeAngles, Ropes, rope_angles, share_rope_angles, shared_rope_angles
+    from model.rope import RopeAngles, Ropes, rope_angles, share_rope_angles, shared_rope_angles
 
     ropes = Ropes(ModelArgs.preset("tiny"))
     for start in (0, 1, 4095, 131071):
@@ -472,7 +472,8 @@ def test_a_compressor_step_makes_what_its_forward_makes(ratio, dtype):
     latents Compressor.forward gives one token at a time, bit for bit, at every phase of a
     group; the source's counts and pending group after it are the same."""
     from model.cache import SourceKV
-    from model.model import Compressor, Step
+    from model.csa2 import Compressor
+    from model.layer import Step
 
     args = ModelArgs.preset("tiny")
     torch.manual_seed(ratio)

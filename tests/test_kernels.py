@@ -26,8 +26,8 @@ from model.args import ModelArgs
 from model.kernels import (hc_split, hc_split_ref, indexer_scores, indexer_scores_ref, sparse_attention,
                            sparse_attention_ref, triton_available)
 from model.loading import build
-from model.model import apply_rope
 from model.quant import INDEX_BLOCK, fake_quant_fp4, main_record_bytes, pack_index, pack_main, pack_window
+from model.rope import apply_rope
 from tests.interpreted import interpretable
 
 ON_CUDA = torch.cuda.is_available()
@@ -191,7 +191,8 @@ def test_candidate_rows_pick_what_the_mask_picks():
     after; the top-k of their scores alone, mapped back, is the masked scores' top-k — FP4
     scores with many exact ties (the lower index wins either way), a pinned newest block, a
     row that sees fewer blocks than the pool keeps."""
-    from model.model import candidate_blocks, candidate_rows, stable_topk
+    from model.csa2 import candidate_blocks, candidate_rows
+    from model.kernels.reference import stable_topk
 
     g = torch.Generator().manual_seed(2)
     scores = fake_quant_fp4(torch.randn(3, 1, 224, generator=g), 32)[..., :203]
@@ -866,7 +867,7 @@ def test_a_compressor_step_is_made_in_four_launches(ratio, dtype) -> None:
     value on an FP4 boundary may flip), their values to half an FP4 step of the largest."""
     from model import quant
     from model.cache import SourceKV
-    from model.model import Ropes, apply_rope
+    from model.rope import Ropes, apply_rope
 
     args = ModelArgs.preset("tiny").replace(compress_ratios=(0, 0) + (ratio,) * 4 + (1,) * 4)
     attn = build(args, seed=5, device=DEVICE, dtype=dtype).eval().layers[2].attn

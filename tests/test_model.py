@@ -444,7 +444,7 @@ def test_rope_tables_stay_fp32_in_a_bf16_model():
     table's angles then off by up to 1.8 rad at position 4,096); the model keeps them fp32,
     equal to an fp32 model's, through the cast and back, so its angles at long positions are
     the reference's."""
-    from model.model import rope_angles
+    from model.rope import rope_angles
 
     args = ModelArgs.preset("tiny")
     half = build(args, seed=1, dtype=torch.bfloat16)

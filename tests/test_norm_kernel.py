@@ -1,5 +1,5 @@
 """The RMSNorm kernel (``model.kernels.norm``) against its twin ``rms_norm_ref``, which is
-``model.model.RMSNorm``'s own code. The kernel sums the squares in another order, so
+``model.layer.RMSNorm``'s own code. The kernel sums the squares in another order, so
 fp32 results agree to a few ulps and bf16 ones to one bf16 step on the rare value that
 straddles a rounding boundary. Kernel tests run on CUDA, or under ``TRITON_INTERPRET=1``,
 else skip; the twin test always runs.
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from model.kernels import rms_norm, rms_norm_ref, triton_available
-from model.model import RMSNorm
+from model.layer import RMSNorm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not triton_available(),

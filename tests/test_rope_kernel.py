@@ -1,5 +1,5 @@
 """The RoPE kernel (``model.kernels.rotary``) against its twin ``rope_ref``, which is the
-model's own rotation (``model.model.apply_rope`` calls it off the fast path).
+model's own rotation (``model.rope.apply_rope`` calls it off the fast path).
 
 Bit for bit: the kernel rounds each fp32 product, sum and difference on its own, as torch
 does. Kernel tests run on CUDA, or under ``TRITON_INTERPRET=1`` on the CPU, else skip; the
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from model.kernels import rope, rope_ref, triton_available
-from model.model import apply_rope, rope_inv_freq
+from model.rope import apply_rope, rope_inv_freq
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not triton_available(),

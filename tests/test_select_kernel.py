@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from model import kernels
+from model.csa2 import _pool_blocks, candidate_rows
 from model.kernels import topk_rows_ref, triton_available
-from model.model import _pool_blocks, candidate_rows, top_records
+from model.kernels.reference import top_records
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not triton_available(),

@@ -112,7 +112,7 @@ def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """The trailing 2·r channels of x [B, S, D] or [B, S, H, D] rotated in adjacent pairs
     (even, odd) -> (even·cos − odd·sin, even·sin + odd·cos) in fp32 by cos / sin [S, r], cast
-    back to x's dtype; the other channels as they are. ``model.model.apply_rope`` rotates
+    back to x's dtype; the other channels as they are. ``model.rope.apply_rope`` rotates
     with it, so this is the model's own code."""
     if x.ndim == 4:
         cos, sin = cos[:, None], sin[:, None]
@@ -166,7 +166,7 @@ def engram_gate_ref(streams: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim in fp32, cast back to x's dtype, times ``weight`` (None:
-    none, as the mHC mixes normalise) (``model.model.RMSNorm`` normalises with it, so this
+    none, as the mHC mixes normalise) (``model.layer.RMSNorm`` normalises with it, so this
     is the model's own code)."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)

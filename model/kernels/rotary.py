@@ -8,7 +8,7 @@ layer and decode step. Bit-exact with the twin: the same fp32 products, sum and 
 each rounded on its own (``enable_fp_fusion=False`` keeps the compiler from fusing a product
 into an FMA), and the same round-to-nearest-even cast back (done on the bits for bf16).
 
-Does not own: the cos / sin tables (``model.model.apply_rope`` builds them from positions),
+Does not own: the cos / sin tables (``model.rope.apply_rope`` builds them from positions),
 or choosing kernel or twin (``model.kernels``). Imported only when Triton is importable.
 """
 from __future__ import annotations
