@@ -35,7 +35,7 @@ from torch import nn
 from model.args import ModelArgs
 from model.cache import Cache, WindowRing
 from model.engine import Engine, Sampling, State, shaped_probs  # the same shaping as plain sampling
-from model.layer import RMSNorm, Step
+from model.layer import RMSNorm, Step, embedding
 from model.model import Attention, Block, Transformer, hc_collapse
 from model.moe import MoE
 from model.quant import fake_quant_fp8
@@ -82,7 +82,7 @@ class MarkovHead(nn.Module):
 
     def __init__(self, vocab: int, rank: int):
         super().__init__()
-        self.embed = nn.Embedding(vocab, rank)
+        self.embed = embedding(vocab, rank)
         self.head = nn.Linear(rank, vocab, bias=False)
 
     def forward(self, prev: torch.Tensor) -> torch.Tensor:

@@ -1,9 +1,9 @@
-"""What every layer of the network is built on: the step it is called for and two primitives.
+"""What every layer of the network is built on: the step it is called for and three primitives.
 
 Owns ``Step`` (what one forward call knows about its tokens: their positions, hashed Engram
 ids, image mask, the per-forward values layers hand each other, and the training-only
-flags), ``RMSNorm`` and ``linear`` (a projection that takes the GEMV kernel on a decode
-step's few rows). Module and parameter names are the official checkpoint names.
+flags), ``RMSNorm``, ``embedding`` (a table built without values on the meta device) and
+``linear`` (a projection that takes the GEMV kernel on a decode step's few rows). Module and parameter names are the official checkpoint names.
 
 Does not own: the kernels these call and their PyTorch twins (``model.kernels``), RoPE
 (``model.rope``), nor the layers themselves (``model.model``, ``model.csa2``).
@@ -27,6 +27,16 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.rms_norm(x, self.weight, self.eps)  # kernels.rms_norm_ref off the fast path
+
+
+def embedding(rows: int, dim: int) -> nn.Embedding:
+    """``nn.Embedding(rows, dim)`` with torch's own N(0, 1) init, left out on the meta device,
+    where the first ``normal_`` imports torch's Python decompositions (~1.3 s of every CLI
+    start that loads a checkpoint) to make values the checkpoint then replaces."""
+    table = nn.Embedding(rows, dim, _weight=torch.empty(rows, dim))
+    if not table.weight.is_meta:
+        nn.init.normal_(table.weight)
+    return table
 
 
 def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -118,7 +118,7 @@ def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float
         model.load_state_dict(tensors, strict=False, assign=True)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"checkpoint reader left parameters unloaded: {left[:5]}"
-    model.ropes.to_empty(device=device)  # Ropes makes its fp32 tables again where they now live
+    model.ropes.make_on(device)  # its fp32 tables, made where the weights now live
     stack_experts(model.to(device))  # after the loads: each assigning load would stack again
 
 

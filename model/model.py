@@ -34,7 +34,7 @@ from model.args import ModelArgs
 from model.cache import Cache, SourceKV, WindowRing
 from model.csa2 import Compressor, Indexer
 from model.engram import DEAD, NgramHasher
-from model.layer import RMSNorm, Step, linear
+from model.layer import RMSNorm, Step, embedding, linear
 from model.moe import MoE
 from model.quant import KVFormat, main_record_bytes
 from model.rope import Ropes, apply_rope, rope_angles, share_rope_angles, shared_rope_angles
@@ -571,7 +571,7 @@ class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        self.embed = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.embed = embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList([Block(args, i) for i in range(args.num_hidden_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)

@@ -23,8 +23,9 @@ from model.args import ModelArgs
 
 
 def rope_inv_freq(dim: int, theta: float, yarn: dict | None = None) -> torch.Tensor:
-    """Inverse frequencies of one RoPE table; ``yarn`` blends in the interpolated ones."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    """Inverse frequencies of one RoPE table; ``yarn`` blends in the interpolated ones. Made
+    on the CPU whatever the default device (the same bits everywhere; callers move it)."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
     if not yarn:
         return inv
     orig, factor = yarn["original_max_position_embeddings"], yarn["factor"]
@@ -34,7 +35,7 @@ def rope_inv_freq(dim: int, theta: float, yarn: dict | None = None) -> torch.Ten
 
     low = max(math.floor(correction_dim(yarn["beta_fast"])), 0)
     high = min(math.ceil(correction_dim(yarn["beta_slow"])), dim - 1)
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / max(high - low, 1e-3)).clamp(0, 1)
     return inv / factor * ramp + inv * (1 - ramp)
 
 
@@ -126,8 +127,11 @@ class Ropes(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
+        # where the model is built (a ``torch.device`` context): on the meta device the tables'
+        # arithmetic would first import torch's Python decompositions (~1.2 s a CLI start)
+        here = torch.empty(0).device
         for name, table in self._tables().items():
-            self.register_buffer(name, table, persistent=False)
+            self.register_buffer(name, table.to(here), persistent=False)
 
     def _tables(self) -> dict[str, torch.Tensor]:
         """main, compress, and both side by side (``share_rope_angles``' one set of launches)."""
@@ -138,6 +142,11 @@ class Ropes(nn.Module):
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)  # moved (and cast): made again in fp32 where they now live
-        for name, table in self._tables().items():
-            setattr(self, name, table.to(self.main.device))
+        self.make_on(self.main.device)
         return self
+
+    def make_on(self, device) -> None:
+        """The tables made again on ``device``: a model built on the meta device, once loaded
+        (``to_empty`` would go through torch's Python decompositions, ~0.6 s)."""
+        for name, table in self._tables().items():
+            setattr(self, name, table.to(device))

@@ -432,3 +432,20 @@ def test_model_write_load_forward_equals_fake_quantized_model(tmp_path):
         got, want, unquantized = loaded(tokens), reference(tokens), model(tokens)
     assert torch.equal(got, want)
     assert not torch.equal(got, unquantized)  # the quantisation really happened
+
+
+def test_loading_a_checkpoint_stays_off_torchs_python_decompositions():
+    """The model is built on the meta device and filled from the files; an op computed on meta
+    tensors there (an embedding's init, the RoPE tables' arithmetic, ``to_empty``) imports torch's
+    symbolic-shape machinery (sympy, dynamo: ~1.5 s of every CLI start, once measured). Checked in
+    a fresh interpreter by the modules it leaves imported, not by a clock."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys; from model.loading import load; load(sys.argv[1]); "
+            "print(sorted(m for m in ('sympy', 'torch._dynamo') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code, str(root / "model" / "assets" / "default")], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
