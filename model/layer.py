@@ -3,7 +3,8 @@
 Owns ``Step`` (what one forward call knows about its tokens: their positions, hashed Engram
 ids, image mask, the per-forward values layers hand each other, and the training-only
 flags), ``RMSNorm``, ``embedding`` (a table built without values on the meta device) and
-``linear`` (a projection that takes the GEMV kernel on a decode step's few rows). Module and parameter names are the official checkpoint names.
+``linear`` (a projection that takes the GEMV kernel on a decode step's few rows). Module and
+parameter names are the official checkpoint names.
 
 Does not own: the kernels these call and their PyTorch twins (``model.kernels``), RoPE
 (``model.rope``), nor the layers themselves (``model.model``, ``model.csa2``).

@@ -127,11 +127,10 @@ class Ropes(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.args = args
-        # where the model is built (a ``torch.device`` context): on the meta device the tables'
-        # arithmetic would first import torch's Python decompositions (~1.2 s a CLI start)
-        here = torch.empty(0).device
+        # made on the CPU, then moved where the model is built (a ``torch.device`` context): the
+        # tables' arithmetic on meta tensors would first import torch's Python decompositions
         for name, table in self._tables().items():
-            self.register_buffer(name, table.to(here), persistent=False)
+            self.register_buffer(name, table.to(torch.get_default_device()), persistent=False)
 
     def _tables(self) -> dict[str, torch.Tensor]:
         """main, compress, and both side by side (``share_rope_angles``' one set of launches)."""

@@ -35,14 +35,14 @@ CALLS = 20
 DEVICE = "cuda"
 
 
-def graphed_us(fn) -> float:
-    """µs per call of ``fn`` replayed from a CUDA graph of CALLS calls (best of 5 replays)."""
+def graphed_us(fn, calls: int = CALLS) -> float:
+    """µs per call of ``fn`` replayed from a CUDA graph of ``calls`` calls (best of 5 replays)."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        for _ in range(CALLS):
+        for _ in range(calls):
             fn()
     best = float("inf")
     for _ in range(5):
@@ -51,7 +51,7 @@ def graphed_us(fn) -> float:
         g.replay()
         b.record()
         torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / CALLS)
+        best = min(best, a.elapsed_time(b) * 1e3 / calls)
     return best
 
 

@@ -46,6 +46,7 @@ import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from kernel_sweep import graphed_us  # noqa: E402  (scripts/ is this script's own folder)
 from model.kernels import matvec  # noqa: E402
 
 SPIN_LIMIT = tl.constexpr(1 << 20)  # polls before a program gives up (a bug must not hang the device call)
@@ -122,25 +123,6 @@ def persistent_chain(ws: torch.Tensor, x: torch.Tensor, y: torch.Tensor, cnt: to
                                    POLL=poll, PB=triton.next_power_of_2(P), num_warps=warps)
 
 
-def graphed_us(fn, replays: int = 5) -> float:
-    """µs of one call of ``fn`` replayed from a CUDA graph (best of ``replays``)."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    best = float("inf")
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3)
-    return best
-
-
 def run(rows: int, a, out) -> None:
     """Both variants on chains of ``rows`` x ``rows`` weights (D = rows)."""
     L, S = a.layers, a.stages
@@ -157,10 +139,10 @@ def run(rows: int, a, out) -> None:
 
     ref = launches()
     res = {"rows": rows, "stages": stages}
-    us = graphed_us(launches)
+    us = graphed_us(launches, calls=1)
     res["launches"] = {"us_per_stage": us / stages, "weights_tb_per_s": weight_bytes / us / 1e6}
     os.environ["DSAGENT_PDL"] = "0"  # read at each launch (``fused.chained``)
-    us = graphed_us(launches)
+    us = graphed_us(launches, calls=1)
     del os.environ["DSAGENT_PDL"]
     res["launches_no_pdl"] = {"us_per_stage": us / stages, "weights_tb_per_s": weight_bytes / us / 1e6}
     per = a.per_launch or S
@@ -182,7 +164,7 @@ def run(rows: int, a, out) -> None:
         try:
             got = chain()
             torch.cuda.synchronize()
-            us = graphed_us(chain)
+            us = graphed_us(chain, calls=1)
             key = f"persistent_t{tile_rows}_w{warps}_{('atomic', 'volatile', 'flags')[poll]}"
             res[key] = {"us_per_stage": us / stages, "weights_tb_per_s": weight_bytes / us / 1e6,
                         "programs": rows // tile_rows, "stages_per_launch": per,

@@ -276,9 +276,8 @@ def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_pt
 
 # a timing probe, never on in a run: the window entry's launch left out, for ``gpu_bench --knobs
 # pack.PROBE_NO_ENTRY`` (what a step would gain were the entry made inside another launch).
-# (session 34, H200, `small`, 128K, bench_knobs, three rounds: the entry made by the attention's own
-# launch — each program making it before its dependent wait, taking it in place of the slot's row —
-# 0.989 of a step beside a control of 0.991; the probe's 0.978 not reached. Not kept)
+# (session 34: the entry made by the attention's own launch, not kept; the figures:
+# model/kernels/HISTORY.md, "Tried and not kept")
 PROBE_NO_ENTRY = False
 
 
