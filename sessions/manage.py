@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .errors import SessionExists, SessionInUse, StoreError
+from .names import check_name
 
 if TYPE_CHECKING:
     from .store import SessionInfo, Store
@@ -77,7 +78,6 @@ class StorageReport:
 
 def fork(store: Store, src: str, dst: str) -> SessionInfo:
     """Copy a session's transcript, token log and chunk chain; chunk rows are shared."""
-    from .store import check_name
     check_name(dst)
     with store.lock(dst, store.lock_timeout), store._tx():
         row = store._row(src)

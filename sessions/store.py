@@ -17,7 +17,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -36,9 +35,9 @@ from .blob import (
 )
 from .errors import BlobError, NotADatabase, SessionExists, SessionNotFound, StoreError
 from .lock import SessionLock
+from .names import check_name
 
 DB_NAME = "sessions.db"
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 
 
@@ -48,15 +47,6 @@ def default_home() -> Path:
     if env:
         return Path(env).expanduser()
     return Path(platformdirs.user_data_dir("dsagent", appauthor=False))
-
-
-def check_name(name: str) -> str:
-    if not _NAME_RE.match(name or ""):
-        raise StoreError(
-            f"invalid session name {name!r}: use 1-128 letters, digits, '.', '_' or '-', "
-            "starting with a letter or digit"
-        )
-    return name
 
 
 @dataclass(frozen=True)
