@@ -2,8 +2,10 @@
 
 Owns: the frozen dataclass of architecture fields (official HF names, ARCHITECTURE.md §1),
 the presets ``v41-flash`` / ``small`` / ``tiny``, validation with errors that name the
-field, and the derived layer schedule (each layer's CSA2 role and sources). Does not own:
-runtime settings (device, dtype, sampling, paths) — those live with the engine and CLI.
+field, the derived layer schedule (each layer's CSA2 role and sources) and the Engram
+tables' prime bucket layout (``engram_primes``: ``engram_num_embeddings`` are its sums;
+``model.engram`` hashes with it). Does not own: runtime settings (device, dtype, sampling,
+paths) — those live with the engine and CLI.
 
 The layer schedule is data: nothing here or in ``model.model`` hard-codes a number of
 the full model; the presets below are the only place those numbers appear.
@@ -311,6 +313,40 @@ def validate(a: ModelArgs) -> None:
     _check_engram(a)
 
 
+# ----------------------------------------------------------------------------- engram tables
+
+def _is_prime(n: int) -> bool:
+    if n < 2:
+        return False
+    if n % 2 == 0:
+        return n == 2
+    f = 3
+    while f * f <= n:
+        if n % f == 0:
+            return False
+        f += 2
+    return True
+
+
+def engram_primes(vocab_size: int, n_heads: int, max_ngram: int, n_layers: int) -> list[list[list[int]]]:
+    """Primes [layer][ngram-2][head], walking upward from ``vocab_size``, never reused."""
+    seen: set[int] = set()
+    out = []
+    for _ in range(n_layers):
+        per_layer = []
+        for _ in range(max_ngram - 1):
+            current, sizes = vocab_size - 1, []
+            for _ in range(n_heads):
+                current += 1
+                while not _is_prime(current) or current in seen:
+                    current += 1
+                seen.add(current)
+                sizes.append(current)
+            per_layer.append(sizes)
+        out.append(per_layer)
+    return out
+
+
 # ----------------------------------------------------------------------------- presets
 
 def _v41_flash() -> ModelArgs:
@@ -354,8 +390,6 @@ def _tiny() -> ModelArgs:
 
 
 def _engram_sums(vocab: int, heads: int, max_ngram: int, layers: tuple) -> tuple:
-    from model.engram import engram_primes
-
     return tuple(sum(sum(p) for p in layer) for layer in engram_primes(vocab, heads, max_ngram, len(layers)))
 
 

@@ -38,8 +38,7 @@ import re
 
 import torch
 
-from model.args import ModelArgs
-from model.engram import engram_primes
+from model.args import ModelArgs, engram_primes
 from model.model import Transformer
 from model.moe import MoE
 from model.quant import index_record_bytes, main_record_bytes, window_record_bytes

@@ -1,9 +1,10 @@
 """Engram n-gram hashing (ARCHITECTURE.md §2.9): bit-exact, or the tables are garbage.
 
-Owns: the tokenizer-derived compressed token map, the prime bucket layout, the per-layer
-hash multipliers, and :class:`NgramHasher`, which turns token ids (plus the look-back
-history a cache carries) into table row ids. Does not own the Engram module's weights or
-its gated injection into the streams (``model.model.Engram``).
+Owns: the tokenizer-derived compressed token map, the per-layer hash multipliers, and
+:class:`NgramHasher`, which turns token ids (plus the look-back history a cache carries)
+into table row ids. Does not own the Engram module's weights or its gated injection into
+the streams (``model.model.Engram``), nor the prime bucket layout (``engram_primes``, part
+of the architecture: ``model.args``, whose table sizes are its sums).
 """
 from __future__ import annotations
 
@@ -13,40 +14,9 @@ import numpy as np
 import torch
 
 from model import kernels
+from model.args import ConfigError, engram_primes
 
 DEAD = -1  # history marker: image-span token or unknown position; blocks look-back
-
-
-def _is_prime(n: int) -> bool:
-    if n < 2:
-        return False
-    if n % 2 == 0:
-        return n == 2
-    f = 3
-    while f * f <= n:
-        if n % f == 0:
-            return False
-        f += 2
-    return True
-
-
-def engram_primes(vocab_size: int, n_heads: int, max_ngram: int, n_layers: int) -> list[list[list[int]]]:
-    """Primes [layer][ngram-2][head], walking upward from ``vocab_size``, never reused."""
-    seen: set[int] = set()
-    out = []
-    for _ in range(n_layers):
-        per_layer = []
-        for _ in range(max_ngram - 1):
-            current, sizes = vocab_size - 1, []
-            for _ in range(n_heads):
-                current += 1
-                while not _is_prime(current) or current in seen:
-                    current += 1
-                seen.add(current)
-                sizes.append(current)
-            per_layer.append(sizes)
-        out.append(per_layer)
-    return out
 
 
 def hash_multipliers(layer_ids: tuple, max_ngram: int, compressed_vocab: int) -> torch.Tensor:
@@ -133,8 +103,6 @@ class NgramHasher:
 
     @classmethod
     def from_map(cls, args, token_map: list[int], size: int | None = None) -> "NgramHasher":
-        from model.args import ConfigError
-
         size = len(set(token_map)) if size is None else size
         if args.engram_compressed_vocab_size and size != args.engram_compressed_vocab_size:
             raise ConfigError(f"config field 'engram_compressed_vocab_size': the tokenizer gives {size} "
