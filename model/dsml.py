@@ -34,7 +34,9 @@ INVOKE_END = DSML_INVOKE_END[:-1]                # "</｜DSML｜ invoke"
 PARAM_START = f"<{DSML} parameter"
 PARAM_END = f"/{DSML} parameter"                 # the value's "<" is matched by the regex
 V4_CALLS_END = f"</{DSML}tool_calls>"
-_NAME_RE = re.compile(r'\s*name="(.*?)">\n', re.DOTALL)
+# The encoder writes a call without arguments as `name="f">` + "\n\n" + `</｜DSML｜ invoke>`; the
+# official header pattern `^\s*name="(.*?)">\n$` takes that second newline through `$`.
+_NAME_RE = re.compile(r'\s*name="(.*?)">\n\n?', re.DOTALL)
 _PARAM_RE = re.compile(r' name="(.*?)" string="(true|false)">(.*?)<', re.DOTALL)
 
 

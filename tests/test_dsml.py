@@ -128,6 +128,59 @@ def test_encoder_and_parser_round_trip():
     assert events == [ReasoningDelta("r"), ToolCall("read_file", args, events[1].raw)]
 
 
+# -- every shape of call the encoder writes parses back ------------------------------------------
+
+_SHAPES = {
+    "no arguments": [("ping", {})],
+    "no arguments as a JSON string": [("ping", "{}")],
+    "one string": [("read_file", {"path": "a/b.txt"})],
+    "empty string": [("echo", {"text": ""})],
+    "multi-line string": [("write_file", {"path": "x", "content": "line 1\n\nline \"3\"\n"})],
+    "JSON values": [("f", {"n": 3, "x": -1.5, "b": False, "z": None, "l": [1, "two", [3]], "o": {"k": {"j": []}}})],
+    "mixed": [("f", {"s": "text", "n": 7})],
+    "several calls": [("ping", {}), ("calculator", {"expression": "1+2"}), ("f", {"l": [True]}), ("pong", {})],
+    "namespaced": [("ns::tool", {"q": "hi"}), ("ns::bare", {})],
+}
+
+
+def _rendered_completion(calls: list, mode: str, content: str = "") -> str:
+    tool_calls = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in calls]
+    message = {"role": "assistant", "content": content, "tool_calls": tool_calls}
+    if mode == "thinking":
+        message["reasoning_content"] = "hmm"
+    rendered = encode_messages([{"role": "user", "content": "q"}, message], thinking_mode=mode)
+    return rendered.text.split("<think>" if mode == "thinking" else "</think>", 1)[1]
+
+
+def _expected(calls: list) -> list[tuple[str, dict]]:
+    return [(n, json.loads(a) if isinstance(a, str) else a) for n, a in calls]
+
+
+def _pieces(text: str, size: int) -> list[str]:
+    return [text[i:i + size] for i in range(0, len(text), size)]
+
+
+@pytest.mark.parametrize("mode", ["chat", "thinking"])
+@pytest.mark.parametrize("shape", list(_SHAPES))
+def test_every_call_the_encoder_writes_parses_back(shape, mode):
+    calls = _SHAPES[shape]
+    completion = _rendered_completion(calls, mode, content="Let me see.")
+    msg = parse_completion(completion, mode)
+    got = [(("" if "namespace" not in t else t["namespace"] + "::") + t["function"]["name"],
+            json.loads(t["function"]["arguments"])) for t in msg["tool_calls"]]
+    assert got == _expected(calls) and msg["content"] == "Let me see."
+    for size in (1, 2, 3, 7, len(completion)):
+        events = _run(StreamParser(mode), _pieces(completion, size))
+        assert [(e.name, e.arguments) for e in events if isinstance(e, ToolCall)] == _expected(calls), size
+        assert not any(isinstance(e, ToolCallError) for e in events), size
+
+
+def test_a_call_without_arguments_has_an_empty_object():
+    completion = _rendered_completion([("ping", {})], "chat")
+    assert '<｜DSML｜ invoke name="ping">\n\n</｜DSML｜ invoke>' in completion  # as the official encoder writes it
+    assert parse_completion(completion, "chat")["tool_calls"][0]["function"]["arguments"] == "{}"
+
+
 # -- stream parser: hostile and malformed output ------------------------------------------------
 
 def _all_splits_agree(text: str, mode: str = "chat") -> list:
