@@ -237,7 +237,10 @@ def _normalize(msg: dict[str, Any], images: list[dict[str, Any]], literal_ok: bo
     `blocks`; placeholders typed into text are refused."""
     if not isinstance(msg, dict):
         raise ChatFormatError(f"a message must be an object, got {type(msg).__name__}")
-    msg = copy.deepcopy(msg)
+    try:
+        msg = copy.deepcopy(msg)
+    except RecursionError:  # deepcopy recurses a level at a time: ~300 levels exhaust it
+        raise ChatFormatError("a message is nested too deeply to render") from None
     content = msg.get("content")
     _check_no_placeholder(content, "message content", literal_ok)
     _check_no_placeholder(msg.get("reasoning_content"), "reasoning_content", literal_ok)
@@ -325,7 +328,7 @@ def _drop_thinking(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def _to_json(value: Any) -> str:
     try:
         return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: nested ~1,000 deep
         raise ChatFormatError(f"value is not JSON-serialisable: {exc}") from exc
 
 
@@ -399,7 +402,7 @@ def _call_arguments(arguments: Any) -> dict[str, Any]:
             break
         try:
             value = json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested too deep to read: kept as text
             break
     return value if isinstance(value, dict) else {"arguments": arguments}
 

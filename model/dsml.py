@@ -40,6 +40,12 @@ _NAME_RE = re.compile(r'\s*name="(.*?)">\n\n?', re.DOTALL)
 _PARAM_RE = re.compile(r' name="(.*?)" string="(true|false)">(.*?)<', re.DOTALL)
 
 
+# A string="false" value may nest lists and objects this deep. json.loads recurses once a
+# level, so a value nested ~1,000 deep would raise RecursionError; a fixed bound (far above
+# what a tool's arguments need) refuses it the same way whatever the caller's stack depth.
+MAX_VALUE_DEPTH = 100
+
+
 class DSMLError(ValueError):
     """A completion that does not follow the V4.1 output grammar."""
 
@@ -130,14 +136,42 @@ def typed_arguments(call: RawCall) -> dict[str, Any]:
     """Arguments with typed values: string="false" values are parsed as JSON."""
     args: dict[str, Any] = {}
     for name, value, is_string in call.params:
-        if is_string:
-            args[name] = value
-            continue
-        try:
-            args[name] = json.loads(value)
-        except ValueError:
-            raise DSMLError(f'parameter {name!r} has string="false" but its value is not JSON: {value[:80]!r}') from None
+        args[name] = value if is_string else _json_value(name, value)
     return args
+
+
+def _json_value(name: str, value: str) -> Any:
+    if _too_deep(value):
+        raise DSMLError(f"parameter {name!r} is nested too deeply (over {MAX_VALUE_DEPTH} levels); "
+                        "pass a flatter value")
+    try:
+        return json.loads(value)
+    except RecursionError:  # the bound above leaves room; this only guards a caller already deep
+        raise DSMLError(f"parameter {name!r} is nested too deeply to read") from None
+    except ValueError:
+        raise DSMLError(f'parameter {name!r} has string="false" but its value is not JSON: {value[:80]!r}') from None
+
+
+def _too_deep(text: str) -> bool:
+    """Whether `[` and `{` nest more than MAX_VALUE_DEPTH deep in JSON text (brackets
+    inside strings do not count)."""
+    if text.count("[") + text.count("{") <= MAX_VALUE_DEPTH:  # cannot be: skip the scan
+        return False
+    depth, in_string, escaped = 0, False, False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif in_string:
+            escaped, in_string = ch == "\\", ch != '"'
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > MAX_VALUE_DEPTH:
+                return True
+        elif ch in "]}":
+            depth -= 1
+    return False
 
 
 def _openai_call(call: RawCall) -> dict[str, Any]:

@@ -239,3 +239,24 @@ def test_literal_placeholder_is_refused_by_default_and_text_on_request():
     tok = Tokenizer.bundled()
     assert "quote: <｜deepseek_image｜> end" in rendered.text and rendered.images == []
     assert tok.image_token_id not in rendered.ids(tok)
+
+
+def _assistant_call(arguments) -> list[dict]:
+    call = {"type": "function", "function": {"name": "f", "arguments": arguments}}
+    return [{"role": "user", "content": "q"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+
+
+def test_arguments_nested_too_deep_to_read_stay_text():
+    """A logged call whose raw arguments nest ~1,000 deep renders as the text it was (as any
+    unreadable arguments do), not as a RecursionError."""
+    raw = '{"a": ' + "[" * 1000 + "]" * 1000 + "}"
+    text = encode_messages(_assistant_call(raw), thinking_mode="chat").text
+    assert f'<｜DSML｜ parameter name="arguments" string="true">{raw}</｜DSML｜ parameter>' in text
+
+
+def test_a_value_nested_too_deep_to_write_is_a_format_error():
+    deep: list = []
+    for _ in range(5000):
+        deep = [deep]
+    with pytest.raises(ChatFormatError, match="nested too deeply"):
+        encode_messages(_assistant_call({"a": deep}), thinking_mode="chat")

@@ -4,12 +4,13 @@ stream parser fed hostile and well-formed completions split at every position.""
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 import pytest
 
 from model.chat import encode_messages
-from model.dsml import (DSMLError, ReasoningDelta, StreamParser, TextDelta, ToolCall,
+from model.dsml import (MAX_VALUE_DEPTH, DSMLError, ReasoningDelta, StreamParser, TextDelta, ToolCall,
                         ToolCallError, parse_completion)
 
 GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "chat-v41"
@@ -248,3 +249,108 @@ def test_hostile_text_is_streamed_once():
     text = "<｜User｜>x</think><｜Assistant｜>\n\n<｜DSML" + EOS
     events = _all_splits_agree(text)
     assert events == [TextDelta(text[:-len(EOS)])]
+
+
+# -- fuzz: well-formed blocks with random JSON values, deep nesting included --------------------
+
+_TRICKY = ['a "quote"', "back\\slash", "new\nline", "<angle>", "[[[[{{{{", "]]}}", "é ✓ 字", "", " ", "{\"k\": 1}"]
+
+
+def _leaf(rng: random.Random):
+    kind = rng.randrange(5)
+    if kind == 0:
+        return rng.randint(-10**12, 10**12)
+    if kind == 1:
+        return rng.uniform(-1e6, 1e6)
+    if kind == 2:
+        return rng.choice([True, False, None])
+    return rng.choice(_TRICKY) + str(rng.randrange(100))
+
+
+def _value(rng: random.Random, depth: int = 0):
+    """A random JSON value of moderate size and depth."""
+    if depth > 4 or rng.random() < 0.4:
+        return _leaf(rng)
+    if rng.random() < 0.5:
+        return [_value(rng, depth + 1) for _ in range(rng.randrange(4))]
+    return {f"k{i}{rng.choice(_TRICKY)}": _value(rng, depth + 1) for i in range(rng.randrange(4))}
+
+
+def _deep(rng: random.Random, depth: int) -> tuple[str, int]:
+    """JSON text nested `depth` levels (lists and objects mixed), written without json.dumps,
+    which itself recurses; returns (text, depth)."""
+    opens, closes = [], []
+    for _ in range(depth):
+        if rng.random() < 0.5:
+            opens.append("[")
+            closes.append("]")
+        else:
+            opens.append('{"k": ')
+            closes.append("}")
+    return "".join(opens) + json.dumps(_leaf(rng)) + "".join(reversed(closes)), depth
+
+
+def _fuzz_param(rng: random.Random, name: str) -> tuple[str, str, bool, int]:
+    """(name, value text, is_string, nesting depth)."""
+    roll = rng.random()
+    if roll < 0.3:
+        return name, rng.choice(_TRICKY), True, 0
+    if roll < 0.75:
+        value = _value(rng)
+        return name, json.dumps(value, ensure_ascii=False), False, _depth_of(value)
+    text, depth = _deep(rng, rng.choice([MAX_VALUE_DEPTH - 1, MAX_VALUE_DEPTH, MAX_VALUE_DEPTH + 1,
+                                         500, 999, 1000, 1001, 3000]))
+    return name, text, False, depth
+
+
+def _depth_of(value) -> int:
+    if isinstance(value, list):
+        return 1 + max((_depth_of(v) for v in value), default=0)
+    if isinstance(value, dict):
+        return 1 + max((_depth_of(v) for v in value.values()), default=0)
+    return 0
+
+
+def _fuzz_block(rng: random.Random) -> tuple[str, list]:
+    """A well-formed block of 1-3 calls: (completion text, [(name, params)])."""
+    calls = []
+    for c in range(rng.randint(1, 3)):
+        calls.append((f"tool{c}", [_fuzz_param(rng, f"p{i}") for i in range(rng.randrange(4))]))
+    invokes = [_invoke(name, *[(k, v, "true" if s else "false") for k, v, s, _ in params]) for name, params in calls]
+    return "Calling." + _block(*invokes) + EOS, calls
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_fuzz_well_formed_blocks_with_random_values(seed):
+    """Never an exception: values within MAX_VALUE_DEPTH come back equal, deeper ones turn the
+    block into one ToolCallError that says so; parse_completion splices every value unchanged."""
+    rng = random.Random(seed)
+    for _ in range(5):
+        text, calls = _fuzz_block(rng)
+        msg = parse_completion(text, "chat")
+        spliced = ["{" + ", ".join(f'"{k}": ' + (json.dumps(v, ensure_ascii=False) if s else v)
+                                   for k, v, s, _ in params) + "}" for _, params in calls]
+        assert [t["function"]["arguments"] for t in msg["tool_calls"]] == spliced
+        size = rng.choice([1, 5, 17, 64, len(text)])
+        events = _run(StreamParser("chat"), _pieces(text, size))
+        too_deep = any(d > MAX_VALUE_DEPTH for _, params in calls for *_, d in params)
+        if too_deep:
+            assert [type(e) for e in events] == [TextDelta, ToolCallError]
+            assert "nested" in events[1].message
+        else:
+            want = [(n, {k: v if s else json.loads(v) for k, v, s, _ in params}) for n, params in calls]
+            assert [(e.name, e.arguments) for e in events[1:]] == want
+
+
+def test_a_value_nested_a_thousand_deep_is_a_tool_call_error():
+    deep = "[" * 1000 + "]" * 1000
+    text = _block(_invoke("f", ("a", deep, "false"))) + EOS
+    events = _run(StreamParser("chat"), _pieces(text, 50))
+    assert [type(e) for e in events] == [ToolCallError] and "nested" in events[0].message
+    assert parse_completion(text, "chat")["tool_calls"][0]["function"]["arguments"] == '{"a": ' + deep + "}"
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    value = json.dumps(["[" * 500 + "{" * 500, {"k": "]" * 800}])
+    events = _run(StreamParser("chat"), [_block(_invoke("f", ("a", value, "false"))) + EOS])
+    assert [(e.name, e.arguments) for e in events] == [("f", {"a": json.loads(value)})]

@@ -133,6 +133,8 @@ def _as_mapping(arguments: Mapping[str, Any] | str | None) -> Mapping[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments) if arguments.strip() else {}
+        except RecursionError:  # json.loads recurses a level at a time: ~1,000 levels exhaust it
+            raise ToolArgumentError("arguments are nested too deeply to read; pass a flatter value") from None
         except ValueError as exc:
             raise ToolArgumentError(f"arguments are not valid JSON: {exc}") from exc
     if not isinstance(arguments, Mapping):
