@@ -23,7 +23,7 @@ from dsagent.errors import exit_code_for
 from dsagent.render import PrefillNotice, StreamView, usage_line
 from dsagent.runtime import Runtime
 from sessions import LocalStatePool, Store, StoreError
-from tools import ToolCallRequest
+from tools import ToolCallRequest, valid_text
 
 PROMPT, MORE = "› ", "… "
 BLOCK = '"""'
@@ -39,7 +39,13 @@ End a line with \\ to continue it; wrap several lines in \"\"\" ... \"\"\"."""
 
 
 def read_message(read=input) -> str | None:
-    """One message from the person, or None at end of input (Ctrl-D)."""
+    """One message from the person, or None at end of input (Ctrl-D); undecodable bytes
+    (surrogate escapes) come back as U+FFFD."""
+    message = _read_message(read)
+    return None if message is None else valid_text(message)
+
+
+def _read_message(read) -> str | None:
     try:
         line = read(PROMPT)
     except EOFError:

@@ -24,6 +24,7 @@ from dsagent.commands import eval as eval_cmd
 from dsagent.commands import model as model_cmd
 from dsagent.commands import sessions as sessions_cmd
 from dsagent.errors import APPROVAL_NEEDED, CACHE_REFUSED, INTERRUPTED, UsageError, handled
+from dsagent.inputs import text_arg, tolerant_stdin
 from dsagent.render import JsonlWriter, PrefillNotice, StreamView, consoles, load_progress, usage_line
 from dsagent.runtime import EMBEDDED_MODEL, Runtime, Settings, default_source
 from dsagent.settings import Defaults, config_path, resolve
@@ -41,7 +42,8 @@ PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dsagent", "model", "sessions", "tools")
 
 # Options shared by `run` and `chat`.
-SESSION = typer.Option(None, "--session", "-s", help="Session name: created if new, resumed if it exists.")
+SESSION = typer.Option(None, "--session", "-s", help="Session name: created if new, resumed if it exists.",
+                       callback=text_arg)
 MODEL = typer.Option(None, "--model", help="Checkpoint directory (default: the embedded model).")
 PRESET = typer.Option(None, "--preset", help="Random weights of a preset (tiny, small, v41-flash) instead.")
 TOOLS = typer.Option(None, "--tool", "-t", help="Enable only this tool (repeatable; default: all built-in tools).")
@@ -82,7 +84,7 @@ def _defaults(model, preset, policy, yes, thinking, max_new, temperature) -> Def
 
 @app.command()
 def run(
-    prompt: str = typer.Argument(..., help="The user message."),
+    prompt: str = typer.Argument(..., help="The user message.", callback=text_arg),
     session: Optional[str] = SESSION, model: Optional[str] = MODEL, preset: Optional[str] = PRESET,
     tool: Optional[List[str]] = TOOLS,
     image: Optional[List[Path]] = typer.Option(None, "--image", "-i", help="Attach an image (repeatable)."),
@@ -158,6 +160,7 @@ def chat(
     with handled():
         if session and resume_latest:
             raise UsageError("pass --session or --continue, not both")
+        tolerant_stdin()
         d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature)
         rt = load_runtime(d, device)
         with Store.open() as store:

@@ -100,6 +100,34 @@ def test_run_unknown_tool_exits_1(script):
     assert r.exit_code == 1 and "no tool named 'nope'" in r.stderr
 
 
+def test_run_prompt_with_undecodable_bytes(script):
+    """`dsagent run $'caf\\xe9 \\xff'`: Python hands argv over with surrogate escapes."""
+    script("Noted.")
+    r = invoke("run", "caf\udce9 \udcff", "--session", "u", "--tool", "calculator", "--json")
+    assert r.exit_code == 0, r.output
+    with Store.open() as st:
+        assert st.messages("u")[1]["content"] == "caf\ufffd \ufffd"
+
+
+def test_chat_input_with_undecodable_bytes(script):
+    script("Noted.")
+    r = invoke("chat", "--session", "c", "--tool", "calculator", input=b"caf\xe9 \xff\n")
+    assert r.exit_code == 0, r.output
+    with Store.open() as st:
+        assert st.messages("c")[1]["content"] == "caf\ufffd \ufffd"
+
+
+def test_run_lists_a_file_name_that_is_not_utf8(script, tmp_path):
+    try:
+        (tmp_path / os.fsdecode(b"caf\xe9.txt")).write_text("x")
+    except OSError:
+        pytest.skip("this file system refuses names that are not UTF-8")
+    script(tool_call("list_dir", path="."), "One file.")
+    r = invoke("run", "ls", "--tool", "list_dir", "--json")
+    assert r.exit_code == 0, r.output
+    assert "caf\ufffd.txt  1 bytes" in json.loads(r.stdout)["tool_calls"][0]["result"]
+
+
 def test_run_bad_model_dir_exits_1():
     r = invoke("run", "hi", "--model", "/no/such/dir")  # the real loader
     assert r.exit_code == 1 and "error:" in r.stderr and "/no/such/dir" in r.stderr

@@ -74,6 +74,9 @@ def test_verify_and_gc(home):
 def test_errors_go_to_stderr_with_exit_1(home):
     r = run("show", "nope")
     assert r.exit_code == 1 and "no session named 'nope'" in r.stderr and r.stdout == ""
+    for command in ("show", "export", "verify", "rm"):  # a name with a byte that is not UTF-8
+        r = run(command, "caf\udce9")
+        assert r.exit_code == 1 and "no session named 'caf\ufffd'" in r.stderr, command
     (home / "sessions.db").unlink()
     for p in home.glob("sessions.db-*"):
         p.unlink()

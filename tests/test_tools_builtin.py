@@ -85,6 +85,18 @@ def test_list_dir(ctx: ToolContext) -> None:
         list_dir(ctx, "notes.txt")
 
 
+def test_list_dir_shows_a_name_that_is_not_utf8_with_replacement(ctx: ToolContext) -> None:
+    root = os.fsencode(ctx.workspace.root)
+    try:
+        with open(root + b"/caf\xe9.txt", "wb") as f:
+            f.write(b"x")
+    except OSError:
+        pytest.skip("this file system refuses names that are not UTF-8")
+    listing = list_dir(ctx)
+    assert "caf\ufffd.txt  1 bytes" in listing
+    listing.encode("utf-8")  # no surrogate escapes left
+
+
 # --- write_file / edit_file ---------------------------------------------------------
 
 

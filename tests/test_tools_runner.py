@@ -204,6 +204,24 @@ def test_shell_truncation_is_reported(ws: Workspace) -> None:
     assert result.ok and result.truncated and "bytes truncated" in result.text
 
 
+def escaped(text: str) -> str:
+    """Returns text as given (a test passes lone surrogates, as undecodable bytes arrive)."""
+    return text
+
+
+def test_output_and_errors_are_valid_unicode(ws: Workspace) -> None:
+    box = Toolbox([Tool.from_function(escaped), Tool.from_function(boom)])
+    r = ToolRunner(box, ws, policy="yes")
+    assert r.run("escaped", {"text": "caf\udce9 \udcff"}).text == "caf\ufffd \ufffd"
+    failed = r.run("boom", {"reason": "\udce9"})
+    assert failed.text == "error: RuntimeError: kaboom: \ufffd" and failed.error == "RuntimeError: kaboom: \ufffd"
+
+
+def test_arguments_nested_too_deep_are_an_error_result(ws: Workspace) -> None:
+    result = runner(ws).run("calculator", '{"expression": ' + "[" * 1000 + "]" * 1000 + "}")
+    assert not result.ok and "nested too deeply" in result.text
+
+
 def test_non_text_results_are_serialised(ws: Workspace) -> None:
     assert runner(ws).run("structured", {}).text == '{"answer": 42}'
 

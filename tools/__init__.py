@@ -27,7 +27,7 @@ from tools.errors import (
     UnknownToolError,
     WorkspaceError,
 )
-from tools.limits import ToolContext, ToolOutput, cap_text
+from tools.limits import ToolContext, ToolOutput, cap_text, valid_text
 from tools.registry import Param, Tool, Toolbox
 from tools.runner import POLICIES, Approver, Policy, ToolCallRequest, ToolResult, ToolRunner
 from tools.workspace import Workspace
@@ -37,5 +37,5 @@ __all__ = [
     "ToolArgumentError", "ToolCallRequest", "ToolConfigError", "ToolContext", "ToolDefinitionError",
     "ToolError", "ToolOutput", "ToolResult", "ToolRunner", "ToolTimeoutError", "Toolbox",
     "UnknownToolError", "Workspace", "WorkspaceError", "builtin_toolbox", "calculator", "cap_text",
-    "edit_file", "list_dir", "read_file", "run_shell", "view_image", "write_file",
+    "edit_file", "list_dir", "read_file", "run_shell", "valid_text", "view_image", "write_file",
 ]

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import IO, Any, Callable
 
 from tools.errors import CalculatorError, ToolArgumentError, ToolError, ToolTimeoutError
-from tools.limits import ToolContext, ToolOutput
+from tools.limits import ToolContext, ToolOutput, valid_text
 from tools.registry import Toolbox, Tool
 
 MAX_IMAGE_BYTES = 20 * 2**20  # the largest image file view_image hands to the model
@@ -97,11 +97,12 @@ def list_dir(ctx: ToolContext, path: str = ".") -> str:
 
 
 def _describe_entry(entry: Path) -> str:
+    name = valid_text(entry.name)  # a name that is not UTF-8 is shown with U+FFFD in place
     if entry.is_symlink():
-        return f"{entry.name}@"
+        return f"{name}@"
     if entry.is_dir():
-        return f"{entry.name}/"
-    return f"{entry.name}  {entry.stat().st_size} bytes"
+        return f"{name}/"
+    return f"{name}  {entry.stat().st_size} bytes"
 
 
 def write_file(ctx: ToolContext, path: str, content: str) -> str:

@@ -2,12 +2,14 @@
 
 Owns `ToolContext` (the workspace, timeout and output cap passed to a tool that asks
 for it), `ToolOutput` (text plus images a tool may return), head-and-tail output
-capping, and running a Python function against a deadline. Does not own approvals or
-turning failures into results (runner.py), nor path rules (workspace.py).
+capping, making text valid Unicode (`valid_text`), and running a Python function against
+a deadline. Does not own approvals or turning failures into results (runner.py), nor
+path rules (workspace.py).
 """
 
 from __future__ import annotations
 
+import re
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,6 +34,16 @@ class ToolOutput:
     text: str
     images: tuple[bytes, ...] = ()
     truncated: bool = False  # the tool already dropped part of its output
+
+
+_SURROGATES = re.compile("[\ud800-\udfff]")
+
+
+def valid_text(text: str) -> str:
+    """`text` with each surrogate replaced by U+FFFD. Python carries an undecodable byte (of
+    argv, a file name, a pipe read with surrogateescape) as a lone surrogate, which is not
+    Unicode: the tokenizer, JSON output and SQLite all refuse it."""
+    return _SURROGATES.sub("\ufffd", text)
 
 
 def cap_text(text: str, cap: int) -> tuple[str, bool]:

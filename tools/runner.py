@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, Mapping
 
 from tools.errors import ApprovalDenied, ToolArgumentError, ToolConfigError, ToolError
-from tools.limits import ToolContext, ToolOutput, call_with_deadline, cap_text
+from tools.limits import ToolContext, ToolOutput, call_with_deadline, cap_text, valid_text
 from tools.registry import Tool, Toolbox
 from tools.workspace import Workspace
 
@@ -117,11 +117,11 @@ class ToolRunner:
 
     def _success(self, name: str, output: Any, start: float) -> ToolResult:
         out = _as_output(output)
-        text, cut = cap_text(out.text, self.context.output_cap)
+        text, cut = cap_text(valid_text(out.text), self.context.output_cap)
         return ToolResult(name, True, text, list(out.images), None, cut or out.truncated, time.monotonic() - start)
 
     def _failure(self, name: str, exc: Exception, start: float) -> ToolResult:
-        message = str(exc) if isinstance(exc, ToolError) else f"{type(exc).__name__}: {exc}"
+        message = valid_text(str(exc) if isinstance(exc, ToolError) else f"{type(exc).__name__}: {exc}")
         text, cut = cap_text(f"error: {message}", self.context.output_cap)
         return ToolResult(name, False, text, [], message, cut, time.monotonic() - start,
                           denied=isinstance(exc, ApprovalDenied))

@@ -17,9 +17,11 @@ from typing import Iterator, Optional
 
 import typer
 
+from dsagent.inputs import text_arg
 from sessions import Store, StoreError
 
 app = typer.Typer(help="Manage stored sessions.", no_args_is_help=True)
+NAME = typer.Argument(..., callback=text_arg)  # a name typed with bytes that are not UTF-8 is still looked up
 
 
 @contextlib.contextmanager
@@ -57,7 +59,7 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array."))
 
 
 @app.command()
-def show(name: str, as_json: bool = typer.Option(False, "--json")) -> None:
+def show(name: str = NAME, as_json: bool = typer.Option(False, "--json")) -> None:
     """Show one session: its record and the storage it uses."""
     with _store() as store:
         info = store.get_session(name)
@@ -72,7 +74,7 @@ def show(name: str, as_json: bool = typer.Option(False, "--json")) -> None:
 
 @app.command()
 def export(
-    name: str,
+    name: str = NAME,
     fmt: str = typer.Option("markdown", "--format", "-f", help="markdown, json or jsonl"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write here instead of stdout."),
 ) -> None:
@@ -86,7 +88,7 @@ def export(
 
 
 @app.command()
-def fork(src: str, dst: str) -> None:
+def fork(src: str = NAME, dst: str = typer.Argument(..., callback=text_arg)) -> None:
     """Copy a session under a new name; its stored KV is shared, not copied."""
     with _store() as store:
         info = store.fork(src, dst)
@@ -101,7 +103,7 @@ def _confirm(question: str, yes: bool) -> None:
 
 @app.command()
 def rm(
-    name: str,
+    name: str = NAME,
     yes: bool = typer.Option(False, "--yes", "-y", help="Do not ask."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what would be removed."),
 ) -> None:
@@ -137,7 +139,7 @@ def prune(
 
 
 @app.command()
-def verify(name: Optional[str] = typer.Argument(None), as_json: bool = typer.Option(False, "--json")) -> None:
+def verify(name: Optional[str] = typer.Argument(None, callback=text_arg), as_json: bool = typer.Option(False, "--json")) -> None:
     """Check chunk chains, checksums and images; exit 1 if anything is wrong."""
     with _store() as store:
         results = store.verify(name)
