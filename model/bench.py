@@ -22,6 +22,7 @@ from torch import nn
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from model import decode_step
 from model.census import decode_read_bytes
 from model.engine import Engine, Sampling, State
 from model.model import Transformer
@@ -196,7 +197,7 @@ def _forward_seconds(model: Transformer, state: State, ids: list[int], repeats: 
     total = 0.0
     for i in range(repeats + 1):
         with torch.no_grad():
-            _, secs = _timed(lambda: model(x, state.cache), model.device)
+            _, secs = _timed(lambda: decode_step.forward(model, x, state.cache), model.device)
         state.cache.truncate(n)
         total += secs if i else 0.0
     return total / repeats
@@ -283,7 +284,7 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
                 for (module, name, value), knob in zip(where, knobs):
                     if knob in on:
                         setattr(module, name, value)
-                model.reset_graphs()
+                model.derived.clear()
                 for _ in range(WARMUP_STEPS):
                     engine.decode(state, token)
                 _, secs = _timed(lambda: [engine.decode(state, token) for _ in range(steps)], model.device)
@@ -291,7 +292,7 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     finally:
         for (module, name, _), value in zip(where, saved):
             setattr(module, name, value)
-        model.reset_graphs()
+        model.derived.clear()
     return {"bench": "knobs", "ctx": ctx, "rounds": rounds, "step_ms": {k: 1e3 * v for k, v in times.items()},
             "over_all_off": {k: v / times["all_off"] for k, v in times.items() if k != "all_off"}}
 

@@ -1,19 +1,16 @@
 """The CSA2 KV sources' own modules: what makes the records and what picks among them.
 
 Owns the ``Compressor`` (``ratio`` tokens pooled into one latent, on a source's pending
-groups; a decode step's form on its fixed buffers), the ``Indexer`` (FP4 index keys and
-queries, weighted-ReLU scores, the top-k records a query attends to; a decode step's form by
-the fused kernel) and the candidate pool the candidate source layer makes and the index
+groups), the ``Indexer`` (FP4 index keys and queries, weighted-ReLU scores, the top-k records
+a query attends to) and the candidate pool the candidate source layer makes and the index
 layers after it honour (``candidate_blocks`` as a mask, ``candidate_rows`` as records).
 Module and parameter names are the official checkpoint names.
 
 Does not own: the cache buffers a source fills (``model.cache``), the attention that reads
-the records (``model.model.Attention``), nor the kernels and their PyTorch twins
-(``model.kernels``).
+the records (``model.block.Attention``), nor a decode step's graph-safe forms of these
+(``model.decode_step``).
 """
 from __future__ import annotations
-
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -23,9 +20,10 @@ from model import kernels
 from model.args import ModelArgs
 from model.cache import SourceKV
 from model.kernels.reference import stable_topk, top_records
-from model.layer import RMSNorm, Step, linear
+from model.layer import RMSNorm, Step
+from model.linear import Linear
 from model.quant import KVFormat
-from model.rope import apply_rope, rope_angles
+from model.rope import apply_rope
 
 
 class Compressor(nn.Module):
@@ -34,8 +32,8 @@ class Compressor(nn.Module):
     def __init__(self, args: ModelArgs, ratio: int):
         super().__init__()
         self.ratio = ratio
-        self.wkv = nn.Linear(args.hidden_size, args.head_dim, bias=False)
-        self.wgate = nn.Linear(args.hidden_size, args.head_dim, bias=False) if ratio > 1 else None
+        self.wkv = Linear(args.hidden_size, args.head_dim)
+        self.wgate = Linear(args.hidden_size, args.head_dim) if ratio > 1 else None
         self.norm = RMSNorm(args.head_dim, args.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, step: Step, src: SourceKV) -> tuple[torch.Tensor | None, int]:
@@ -56,41 +54,11 @@ class Compressor(nn.Module):
         if usable == 0:
             return None, src.covered
         groups = (t[:, :usable].unflatten(1, (-1, self.ratio)) for t in (kv, gate))
-        return self._pool(*groups, x.dtype), src.covered
+        return self.pool(*groups, x.dtype), src.covered
 
-    def _pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Latents [B, G, D] of groups [B, G, ratio, D]: the softmax-gated sum, normalised."""
         return self.norm((kv * gate.softmax(dim=2)).sum(dim=2).to(dtype))
-
-    def step_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``wkv`` and ``wgate`` in fp32 for :meth:`step`: cast once, not every step (the casts
-        took ~50 us of a `small` step on the H200, session 24), again when either weight
-        changes (in place or moved); the same values :meth:`forward` multiplies by (fp32
-        weights themselves: a detached copy could take another matmul path, not bit-equal)."""
-        w = (self.wkv.weight, self.wgate.weight)
-        if all(t.dtype == torch.float32 for t in w):
-            return w
-        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in w)
-        if self.__dict__.get("_fp32_key") != key:
-            self.__dict__["_fp32"] = tuple(t.detach().float() for t in w)
-            self.__dict__["_fp32_key"] = key
-        return self.__dict__["_fp32"]
-
-    def step(self, x: torch.Tensor, pos: torch.Tensor, src: SourceKV,
-             emits: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """:meth:`forward` of one decode step at ``pos`` [1] (a tensor: graph-safe), on the
-        source's fixed buffers: the token's projection goes to the history ring, and when
-        ``emits`` (its group completes here) the group is pooled from there. -> (latent
-        [B, 1, D], the group's first position [1]) or None."""
-        if self.wgate is None:
-            return self.norm(self.wkv(x)), pos
-        h = x.float()
-        src.remember_at(*(F.linear(h, w) for w in self.step_weights()), pos)
-        if not emits:
-            return None
-        first = pos - (self.ratio - 1)
-        kv, gate = (t.unsqueeze(1) for t in src.recall(first + torch.arange(self.ratio, device=pos.device)))
-        return self._pool(kv, gate, x.dtype), first
 
 
 class Indexer(nn.Module):
@@ -100,10 +68,10 @@ class Indexer(nn.Module):
         super().__init__()
         self.args, self.layer = args, layer
         self.n_heads, self.head_dim = args.index_n_heads, args.index_head_dim
-        self.wq_b = nn.Linear(args.q_lora_rank, self.n_heads * self.head_dim, bias=False)
-        self.weights_proj = nn.Linear(args.hidden_size, self.n_heads, bias=False)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.weights_proj = Linear(args.hidden_size, self.n_heads)
         if layer in args.kv_source_layer_ids:
-            self.wk = nn.Linear(args.head_dim, self.head_dim, bias=False)
+            self.wk = Linear(args.head_dim, self.head_dim)
             self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
 
     def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, kv: KVFormat) -> torch.Tensor:
@@ -115,54 +83,19 @@ class Indexer(nn.Module):
         as ``weights_proj`` gives them: their scale, n_heads^-0.5, is the scores' (a decode
         step's kernel applies it as it reads them)."""
         B, S, _ = x.shape
-        if kernels.gemv_runs(q_res, self.wq_b):  # a decode step's few rows: the RoPE inside the GEMV
-            angles = rope_angles(pos, inv_freq)
-            (q,) = kernels.gemv(q_res, self.wq_b.weight, rope_out=(angles.cos, angles.sin, self.head_dim))
-            q = q.view(B, S, self.n_heads, self.head_dim)
-        else:
-            q = apply_rope(linear(self.wq_b, q_res).view(B, S, self.n_heads, self.head_dim), pos, inv_freq)
+        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv_freq)
         q = kv.index_query(q)
-        return q, linear(self.weights_proj, x)
+        return q, self.weights_proj(x)
 
     def scores(self, x, q_res, step: Step, keys: torch.Tensor, inv_freq, kv: KVFormat, qw=None) -> torch.Tensor:
         """[B, S, n] index scores; -inf where a record is not yet visible to the query.
-        ``qw``: the :meth:`query` of this step when already computed (a graphed decode step)."""
+        ``qw``: the :meth:`query` of these tokens when already computed."""
         pos = step.positions(x.device)
         q, w = qw or self.query(x, q_res, pos, inv_freq, kv)
         s = torch.einsum("bshd,bnd->bshn", q.float(), keys).relu_() * self.head_dim ** -0.5
         s = (s * (w.float() * self.n_heads ** -0.5).unsqueeze(-1)).sum(dim=2)
         visible = torch.arange(keys.shape[1], device=x.device) < ((pos + 1) // self.args.ratios[self.layer])[:, None]
         return s.masked_fill(~visible, float("-inf"))
-
-    def select_step(self, x, q_res, pos: torch.Tensor, src: SourceKV, inv_freq, candidates=None, qw=None):
-        """:meth:`forward` of one decode step at ``pos`` [1] (a tensor: graph-safe), by the
-        fused kernel over the source's whole index buffer, the records not yet visible
-        masked by ``pos``. -> (indices [B, 1, index_topk], -1 = none; the candidate pool
-        when this layer makes it (:func:`candidate_rows`: its records), else ``candidates``,
-        whose records alone a layer that honours it scores — what :meth:`select`'s mask
-        picks). ``qw``: this step's :meth:`query` when already computed."""
-        q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
-        ratio = self.args.ratios[self.layer]
-        if isinstance(candidates, kernels.Beside):  # made beside the layers since the candidate source
-            candidates = candidates.value()
-        pool = candidates if self.args.uses_candidates(self.layer) else None  # scored alone, then mapped back
-        # q holds FP4 values, exact in its own dtype: a bf16 query is one bf16 operand to the kernel's dots;
-        # the records seen and the weights' scale are the kernel's to apply (two launches fewer each)
-        s = kernels.indexer_scores(q[:, 0], w[:, 0], src.index, (pos, ratio), self.head_dim ** -0.5,
-                                   None if pool is None else pool[:, 0], weight_scale=self.n_heads ** -0.5)[:, None]
-        if self.layer == self.args.candidate_source_layer_id:
-            pool_of = partial(_candidate_rows_at, ratio=ratio, topk_blocks=self.args.candidate_topk_blocks,
-                              block=self.args.candidate_block_size)
-            # read first by a later layer: where select.POOL_BESIDE, made on a side stream beside
-            # this layer's own top-k and the layers between (a kernels.Beside, joined there)
-            if kernels.beside_on(s, "select.POOL_BESIDE"):
-                candidates = kernels.Beside(pool_of, s, pos, device=s.device)
-            else:
-                candidates = pool_of(s, pos)
-        # top_records' choice, in record order, -1 after (a buffer of fewer records than top-k too)
-        k = self.args.index_topk
-        indices = kernels.topk_rows(s[:, 0], k, None if pool is None else pool[:, 0], width=k)[:, None]
-        return indices, candidates
 
     def select(self, s: torch.Tensor, lens: torch.Tensor, candidates: torch.Tensor | None):
         """Top-k record indices [B, S, <= k] (-1 = none) of scores ``s`` [B, S, n] for queries
@@ -174,15 +107,15 @@ class Indexer(nn.Module):
             s = s.masked_fill(~candidates, float("-inf"))
         return top_records(s, self.args.index_topk), candidates
 
-    def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq) -> torch.Tensor | None:
-        """Selected record indices [B, S, k] (-1 = none), or None when no record exists."""
-        qw = step.shared.pop(("index_query", self.layer), None)  # computed in a graphed segment
+    def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq, query=None) -> torch.Tensor | None:
+        """Selected record indices [B, S, k] (-1 = none), or None when no record exists.
+        ``query``: :meth:`query` of these tokens, where the caller made it already."""
         if src.n == 0:
             return None
         # the indexer learns from its own loss only (its inputs are cut from the graph; so
-        # are the latents its keys come from, in Attention._update_source)
+        # are the latents its keys come from, in Attention.update_source)
         keys = src.kv.unpack_index(src.view()[1], self.head_dim)
-        s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv, qw)
+        s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv, query)
         if step.index_losses is not None:
             step.shared["index_scores"] = s
         if step.dense:
@@ -219,12 +152,6 @@ def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int,
     keep = torch.zeros(*values.shape[:-1], n_blocks, dtype=torch.bool, device=scores.device)
     keep.scatter_(-1, indices, values > float("-inf"))
     return keep.repeat_interleave(block, dim=-1)[..., :scores.shape[-1]]
-
-
-def _candidate_rows_at(scores: torch.Tensor, pos: torch.Tensor, *, ratio: int, topk_blocks: int,
-                       block: int) -> torch.Tensor:
-    """:func:`candidate_rows` for a decode step's query at ``pos`` of a source of ``ratio``."""
-    return candidate_rows(scores, (pos + 1) // ratio, topk_blocks, block)
 
 
 def candidate_rows(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:

@@ -20,26 +20,31 @@ Block position i (anchor at i = 0) predicts the token at anchor_pos + i + 1, so 
 ``dspark_block_size`` queries proposes up to that many tokens.
 
 Correctness never depends on the draft: a stale or wrong draft context only lowers the
-acceptance. Does not own the target network (``model.model``), the cache layout
+acceptance. Does not own the target network (``model.model``, ``model.block``), the cache layout
 (``model.cache``) or plain decoding and sampling (``model.engine``).
 """
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 import torch
 from torch import nn
 
+from model import decode_step
 from model.args import ModelArgs
 from model.cache import Cache, WindowRing
 from model.engine import Engine, Sampling, State, shaped_probs  # the same shaping as plain sampling
 from model.layer import RMSNorm, Step, embedding
-from model.model import Attention, Block, Transformer, hc_collapse
+from model.linear import grouped_linear
+from model.block import Attention, Block, hc_collapse
 from model.moe import MoE
 from model.quant import fake_quant_fp8
 from model.rope import apply_rope
+
+if TYPE_CHECKING:
+    from model.model import Transformer
 
 
 class SpeculationUnavailable(ValueError):
@@ -72,9 +77,9 @@ class DraftAttention(Attention):
         old, old_pos = ctx.rings[self.stage].read()
         seen = (old_pos >= 0) & (old_pos < step.start) & (old_pos >= step.start - self.args.sliding_window)
         mask = torch.cat([seen, torch.ones(S, dtype=torch.bool, device=x.device)]).expand(S, -1)
-        out = self._attend(q, torch.cat([old.to(kv.dtype), kv], dim=1), mask[None], None)
+        out = self.attend(q, torch.cat([old.to(kv.dtype), kv], dim=1), mask[None], None)
         out = apply_rope(out, pos, ropes.main, inverse=True)
-        return self.wo_b(self._grouped_wo_a(out).flatten(2))
+        return self.wo_b(grouped_linear(self.wo_a, out.flatten(2), self.args.o_groups))
 
 
 class MarkovHead(nn.Module):
@@ -338,9 +343,9 @@ class Speculator:
         view = copy.copy(cache)
         view.windows = [_ring_copy(r) for r in cache.windows]
         view.engram_ids, view.engram_pos = cache.engram_ids.clone(), cache.engram_pos.clone()
-        streams, pre, step = self.model.begin(ids, view, start)
+        streams, pre, step = decode_step.begin(self.model, ids, view, start)
         step.shared["taps"] = taps = {}
-        self.model.run_layers(streams, pre, step, view, range(max(self.args.dspark_target_layer_ids) + 1))
+        decode_step.run_layers(self.model, streams, pre, step, view, range(max(self.args.dspark_target_layer_ids) + 1))
         return taps
 
     # ------------------------------------------------------------------ verification
@@ -348,9 +353,9 @@ class Speculator:
         """ONE target forward over [anchor, proposals...]: logits [S, vocab] and the taps."""
         m, cache = self.model, state.cache
         x = torch.tensor([ids], device=m.device)
-        streams, pre, step = m.begin(x, cache, start=cache.length)
+        streams, pre, step = decode_step.begin(m, x, cache, cache.length)
         step.shared["taps"] = taps = {}
-        streams, pre = m.run_layers(streams, pre, step, cache, range(self.args.num_hidden_layers))
+        streams, pre = decode_step.run_layers(m, streams, pre, step, cache, range(self.args.num_hidden_layers))
         cache.length = step.end
         return m.logits(streams, pre)[0], taps
 

@@ -16,14 +16,17 @@ Knows nothing of tokenization, chat formats or storage: ids in, ids and bytes ou
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from model import decode_step
 from model.cache import Cache
 from model.layer import Step
-from model.model import Transformer
 from model.quant import KVFormat
+
+if TYPE_CHECKING:
+    from model.model import Transformer
 
 
 class ContextLimitError(ValueError):
@@ -127,8 +130,8 @@ class Engine:
     def _all_layers(self, state: State, ids, start: int, emb, mask) -> torch.Tensor:
         """Every layer on ``ids`` at positions [start, ...); the head only on the last one."""
         m, cache = self.model, state.cache
-        streams, pre, step = m.begin(ids, cache, start, image_embeds=emb, image_mask=mask)
-        streams, pre = m.run_layers(streams, pre, step, cache, range(self.args.num_hidden_layers))
+        streams, pre, step = decode_step.begin(m, ids, cache, start, image_embeds=emb, image_mask=mask)
+        streams, pre = decode_step.run_layers(m, streams, pre, step, cache, range(self.args.num_hidden_layers))
         cache.length = max(cache.length, step.end)
         return m.logits(streams[:, -1:], pre[:, -1:])[:, -1]
 
@@ -137,8 +140,8 @@ class Engine:
         encoder = range(self.args.decoder_start)
         tail = _Tail()
         for chunk, emb, mask in chunks:
-            streams, pre, step = m.begin(chunk, cache, cache.length, image_embeds=emb, image_mask=mask)
-            streams, pre = m.run_layers(streams, pre, step, cache, encoder)
+            streams, pre, step = decode_step.begin(m, chunk, cache, cache.length, image_embeds=emb, image_mask=mask)
+            streams, pre = decode_step.run_layers(m, streams, pre, step, cache, encoder)
             m.project_decoder_source(streams, pre, step, cache)
             tail.push(window, streams, pre, step.hash_ids, mask)
             cache.length = step.end
@@ -149,7 +152,7 @@ class Engine:
         r = tail.streams.shape[1]
         step = Step(start=state.cache.length - r, length=r, hash_ids=tail.hash_ids, image_mask=tail.image_mask)
         decoder = range(self.args.decoder_start, self.args.num_hidden_layers)
-        streams, pre = self.model.run_layers(tail.streams, tail.pre, step, state.cache, decoder)
+        streams, pre = decode_step.run_layers(self.model, tail.streams, tail.pre, step, state.cache, decoder)
         return self.model.logits(streams[:, -1:], pre[:, -1:])[:, -1]
 
     # ------------------------------------------------------------------ decode
@@ -158,7 +161,7 @@ class Engine:
         """One token per row ([B] or [B, 1]) through every layer; returns logits [B, vocab]."""
         self._check_room(state, 1)
         token = token.reshape(-1, 1).to(self.model.device)
-        state.last_logits = self.model(token, state.cache)[:, -1]
+        state.last_logits = decode_step.forward(self.model, token, state.cache)[:, -1]
         return state.last_logits
 
     def sample(self, state: State, params: Sampling) -> torch.Tensor:

@@ -6,8 +6,7 @@ size and replays them, so a step launches graphs where it launched thousands of 
 With the fused kernels the whole step over every layer is one segment, its cache work
 included: the window-ring writes, the compressors' records, the index scores, top-k and
 candidate pools run on the cache's fixed buffers with the position as a tensor
-(``Attention.decode_step``), and the host keeps the counts around the one replay
-(``Transformer.run_layers``). Those buffers stay put: the capture is keyed on their
+(``model.decode_step``), and the host keeps the counts around the one replay. Those buffers stay put: the capture is keyed on their
 addresses and redone when one moves (a new cache, a grown buffer); a model whose
 compressors pool pairs has two captures, for steps that complete a pair and steps that do
 not. (One graph a layer, as until session 13, cost the host ~160 us a layer in Python and
@@ -18,10 +17,10 @@ segment's output where that one wrote it; other inputs are copied in.
 
 Replay runs the captured kernels on the same weights, so a graphed step computes what the
 eager one does, bit for bit (``tests/test_graphs.py``). Graphs hold the weights' addresses:
-``Transformer.reset_graphs`` drops them when the weights move (``model.to``, a load).
+``Transformer.derived`` drops them when the weights move (``model.to``, a load).
 ``DSAGENT_GRAPHS=0`` turns them off; a segment that cannot be captured (an operation that
 reads the host) warns once and the model runs its steps eagerly from then on. Does not own:
-which steps may use them (``Transformer.begin``) nor the segments' maths (``model.model``).
+which steps may use them nor the segments (``model.decode_step``), nor their maths (``model.block``).
 """
 from __future__ import annotations
 

@@ -1,13 +1,13 @@
-"""What every layer of the network is built on: the step it is called for and three primitives.
+"""What every layer of the network is built on: the step it is called for and two primitives.
 
 Owns ``Step`` (what one forward call knows about its tokens: their positions, hashed Engram
 ids, image mask, the per-forward values layers hand each other, and the training-only
-flags), ``RMSNorm``, ``embedding`` (a table built without values on the meta device) and
-``linear`` (a projection that takes the GEMV kernel on a decode step's few rows). Module and
-parameter names are the official checkpoint names.
+flags), ``RMSNorm`` and ``embedding`` (a table built without values on the meta device).
+Module and parameter names are the official checkpoint names.
 
-Does not own: the kernels these call and their PyTorch twins (``model.kernels``), RoPE
-(``model.rope``), nor the layers themselves (``model.model``, ``model.csa2``).
+Does not own: the norm's kernel and its PyTorch twin (``model.kernels``), the projections
+(``model.linear``), RoPE (``model.rope``), nor the layers themselves (``model.block``,
+``model.csa2``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ import torch
 from torch import nn
 
 from model import kernels
-from model.graphs import SegmentGraphs
 
 
 class RMSNorm(nn.Module):
@@ -40,11 +39,6 @@ def embedding(rows: int, dim: int) -> nn.Embedding:
     return table
 
 
-def linear(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``layer(x)``; on a decode step's few rows, by the GEMV kernel (``kernels.gemv_runs``)."""
-    return kernels.gemv(x, layer.weight)[0] if kernels.gemv_runs(x, layer) else layer(x)
-
-
 @dataclass
 class Step:
     """What one forward call knows about its tokens (all rows share positions)."""
@@ -58,7 +52,7 @@ class Step:
     floor: torch.Tensor | None = None  # [B, n_layers] long
     dense: bool = False  # select every visible record (the indexer's dense warm-up)
     index_losses: list | None = None  # when a list, index layers append their KL to attention
-    graphs: SegmentGraphs | None = None  # a CUDA decode step: cache-free segments replay as graphs
+    graphs: object = None  # how a fast path replays this step (``model.decode_step``); the layers never read it
     new: bool = False  # every KV source stops just before ``start``: a step that continues the cache
     _positions: torch.Tensor | None = field(default=None, repr=False)
 

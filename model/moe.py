@@ -6,10 +6,10 @@ top-k, normalised and scaled weights),
 run one by one (``MoE._loop``: the reference), all at once as grouped GEMMs from stacked
 weights (:class:`GroupedExperts`, no host sync, inference), or densely (``MoE._dense``:
 every expert on every token, gate-weighted; no host sync, training on CUDA with few experts);
-and a decode step's whole MoE — router, routed and shared experts — in the Triton kernels of
-``model.kernels.moe`` where they run (``MoE._fused``), with the torch paths as their twin.
 Parameter names are the official checkpoint names. Does not own: where the FFN sits in a
-layer (``model.model.Block``) or the router's balance updates (``model.training``).
+layer (``model.block.Block``), the router's balance updates (``model.training``), nor a
+decode step's whole MoE in the Triton kernels of ``model.kernels.moe``
+(``model.decode_step.moe_step``, whose twin this module is).
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
-from model import kernels
 from model.args import ModelArgs
 
 
@@ -152,27 +151,13 @@ class MoE(nn.Module):
         self.grouped = GroupedExperts(args.swiglu_limit)
         self.register_load_state_dict_post_hook(_restack_after_load)
 
-    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None, norm=None, later: bool = False):
-        """``norm`` = (weight, eps): x is an mHC site's input before its RMSNorm (a fused decode
-        step's site kernel left it, maybe as a ``kernels.Collapsed``, which the gate launch then
-        makes): normalised here, by the fused kernels' gate launch where they run. ``later``: on the fused kernels, the output may be a ``kernels.Pending`` of
-        their last launch (for the next mHC site to fold its first launch into)."""
+    def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens x [..., D] -> the routed experts' weighted sum plus the shared expert's, in x's dtype."""
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        if image_mask is None and self.runs_fused(flat):
-            twin = (lambda: self._torch(flat, None, norm).view(shape)) if later else None
-            y = self._fused(flat, norm, twin)  # a decode step on CUDA: four kernels (model.kernels.moe)
-            if isinstance(y, kernels.Pending):
-                return y.view(shape)
-            if y is not None:
-                return y.to(x.dtype).view(shape)
-        return self._torch(flat, image_mask, norm).view(shape)
+        return self.routed_and_shared(x.reshape(-1, shape[-1]), image_mask).view(shape)
 
-    def _torch(self, flat: torch.Tensor, image_mask: torch.Tensor | None, norm) -> torch.Tensor:
-        """The MoE of tokens ``flat`` [N, D] in torch (norm as in :meth:`forward`)."""
-        flat = kernels.resolve(flat)  # a kernels.Collapsed made
-        if norm is not None:
-            flat = kernels.rms_norm(flat, *norm)
+    def routed_and_shared(self, flat: torch.Tensor, image_mask: torch.Tensor | None) -> torch.Tensor:
+        """The MoE of tokens ``flat`` [N, D] (``image_mask`` [..] of N: image-span tokens)."""
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         routed = self.grouped if self.runs_grouped(flat) else self._dense if self.runs_dense(flat) else self._loop
         y = routed(flat, weights, indices)
@@ -206,23 +191,7 @@ class MoE(nn.Module):
         return (x.is_cuda and torch.is_grad_enabled() and len(self.experts) <= DENSE_RATIO * self.gate.top_k
                 and os.environ.get("DSAGENT_DENSE_MOE", "1") != "0")
 
-    def _fused(self, flat: torch.Tensor, norm=None, later=None):
-        """``kernels.moe_decode`` on text tokens where :meth:`runs_fused` (routed sum + shared,
-        in the tokens' dtype, rounded from fp32 by the kernel), or None if its kernels cannot
-        be built here; ``later`` (the MoE in torch): maybe a ``kernels.Pending``."""
-        g, a, shared = self.gate, self.gate.args, self.shared_experts
-        return kernels.moe_decode(flat, g.weight, g.bias, self.grouped.w1.weight, self.grouped.w3.weight,
-                                  self.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,
-                                  top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
-                                  scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype,
-                                  x_norm=norm, later=later)
-
-    def runs_fused(self, x: torch.Tensor) -> bool:
-        """Whether text tokens ``x`` [N, D] run through ``kernels.moe_decode``: stacked,
-        unparametrized weights and :func:`model.kernels.moe_decode_runs`."""
-        return self.grouped.w1.weight is not None and not self._parametrized() and kernels.moe_decode_runs(x)
-
-    def _parametrized(self) -> bool:
+    def parametrized(self) -> bool:
         return parametrize.is_parametrized(self.experts[0].w1)  # QAT covers every expert alike
 
     def runs_grouped(self, x: torch.Tensor) -> bool:
@@ -230,7 +199,7 @@ class MoE(nn.Module):
         (training's QAT rewrites them) and without autograd; ``DSAGENT_GROUPED_MOE=0`` forces the loop."""
         w = self.grouped.w1.weight
         return (w is not None and not torch.is_grad_enabled() and grouped_mm_supported(x, w.shape[1])
-                and os.environ.get("DSAGENT_GROUPED_MOE", "1") != "0" and not self._parametrized())
+                and os.environ.get("DSAGENT_GROUPED_MOE", "1") != "0" and not self.parametrized())
 
     def stack_experts(self) -> None:
         """Hold the routed experts' w1/w2/w3 as three [E, out, in] tensors whose slices become the

@@ -7,7 +7,7 @@ positions (``RopeAngles``), shared by every rotation at the same positions withi
 scope (``shared_rope_angles``, ``share_rope_angles``, ``rope_angles``).
 
 Does not own: the rotation kernel and its PyTorch twin (``model.kernels``: ``kernels.rope``,
-``kernels.rope_ref``), nor which layer uses which table (``model.model.Attention``).
+``kernels.rope_ref``), nor which layer uses which table (``model.block.Attention``).
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def gemv_launches(args: ModelArgs) -> None:
 
 def site_fold(args: ModelArgs):
     """An mHC site's dots launch to fold into the launch of its y (``streams.Fold``: one token,
-    the site's norm left to x's consumer, as ``Block.whole_layer`` runs the site)."""
+    the site's norm left to x's consumer, as ``decode_step._whole_layer`` runs the site)."""
     from model.kernels import streams
 
     streams_, pre, fn, (post, comb) = site_tensors(args, seed=1)
@@ -105,7 +105,7 @@ def select_launches(args: ModelArgs) -> None:
 
 def site_launches(args: ModelArgs) -> None:
     """One mHC site of a decode step with the layer before's expand folded in and its norm
-    left to x's consumer (as ``Block.whole_layer`` calls it)."""
+    left to x's consumer (as ``decode_step._whole_layer`` calls it)."""
     from model.kernels import streams
 
     streams_, pre, fn, (post, comb) = site_tensors(args, seed=0)

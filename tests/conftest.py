@@ -1,7 +1,7 @@
 """pytest options for this suite.
 
-``--fused-twins``: every one-token decode step takes the fused path (``model.model``'s
-``_decode_step`` in place of ``_fused_step``), on the kernels' PyTorch twins where there is
+``--fused-twins``: every one-token decode step takes the fused path (``model.decode_step``'s
+``is_decode_step`` in place of ``takes_fused``), on the kernels' PyTorch twins where there is
 no GPU — the cache bookkeeping CUDA decode runs, checked by the runtime suites on the CPU:
 ``python3 -m pytest -q --fused-twins tests/test_e2e.py tests/test_engine.py ...``. The
 runtime suites (engine, model, sessions, agent loop, eval, chat, DSpark, vision, training)
@@ -18,6 +18,6 @@ def pytest_addoption(parser):
 
 def pytest_configure(config):
     if config.getoption("--fused-twins"):
-        import model.model as mm
+        from model import decode_step
 
-        mm._fused_step = mm._decode_step
+        decode_step.takes_fused = decode_step.is_decode_step

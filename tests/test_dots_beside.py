@@ -95,7 +95,8 @@ def test_readers_that_cannot_make_it_take_its_value(monkeypatch) -> None:
     """Where the fused kernels do not run (``DSAGENT_KERNELS=0``), the MoE and the attention's
     projections take the Collapsed's value: their outputs are those of the tensor."""
     from model.args import ModelArgs
-    from model.model import Attention
+    from model import decode_step as ds
+    from model.block import Attention
     from model.rope import Ropes
     from model.quant import KVFormat
 
@@ -104,13 +105,13 @@ def test_readers_that_cannot_make_it_take_its_value(monkeypatch) -> None:
     D = moe.gate.weight.shape[1]
     x, collapsed, weight = _site_and_collapsed(2, 4, D, torch.float32, True, seed=6)
     with torch.no_grad():
-        assert torch.equal(moe(collapsed.reshape(2, 1, D), norm=(weight, 1e-6)),
-                           moe(x.view(2, 1, D), norm=(weight, 1e-6)))
+        assert torch.equal(ds.moe_step(moe, collapsed.reshape(2, 1, D), norm=(weight, 1e-6)),
+                           ds.moe_step(moe, x.view(2, 1, D), norm=(weight, 1e-6)))
         args = ModelArgs.preset("tiny")
         attn, ropes, pos = Attention(args, layer=0).to(DEVICE).eval(), Ropes(args).to(DEVICE), torch.tensor([5]).to(DEVICE)
         x, collapsed, weight = _site_and_collapsed(1, 4, args.hidden_size, torch.float32, True, seed=7)
-        want = attn.project(x.view(1, 1, -1), pos, ropes, KVFormat.FLOAT, fused=True, norm=(weight, 1e-6))
-        got = attn.project(collapsed.reshape(1, 1, -1), pos, ropes, KVFormat.FLOAT, fused=True, norm=(weight, 1e-6))
+        want = ds._project(attn, x.view(1, 1, -1), pos, ropes, norm=(weight, 1e-6))
+        got = ds._project(attn, collapsed.reshape(1, 1, -1), pos, ropes, norm=(weight, 1e-6))
     assert len(got) == len(want) == 4
     for g, w in zip(got, want):
         assert (g is None and w is None) or torch.equal(g, w)

@@ -14,8 +14,9 @@ import torch
 
 import model.kernels as kernels
 from model.args import ModelArgs
-from model.layer import linear
-from model.model import Attention
+from model import decode_step as ds
+from model.block import Attention
+from model.linear import Linear
 from tests.hopper import compile_for_hopper
 
 ON_CUDA = torch.cuda.is_available()
@@ -178,14 +179,14 @@ def test_attention_projections_on_the_gemv(dtype, monkeypatch):
         fast = (*attn.project(x, pos, ropes, fmt), attn.output(out, pos, ropes))
         monkeypatch.setenv("DSAGENT_GEMV", "0")
         slow = (*attn.project(x, pos, ropes, fmt), attn.output(out, pos, ropes))
-    assert sorted(calls) == [1, 1, 1, 2]  # wq_a + wkv, wq_b, wo_a (grouped), wo_b
+    assert sorted(calls) == [1, 1, 1, 1, 1]  # wq_a, wkv, wq_b, wo_a (grouped), wo_b: the reference's own
     for a, b in zip(fast, slow):
         close(a, b)
 
 
 @needs_triton
 def test_a_fused_steps_projection_normalises_the_query_inside_its_gemv(monkeypatch):
-    """``project(fused=True)``: the query's norm inside the ``wq_b`` GEMV, the K=V latent
+    """The fused step's projections (``decode_step._project``): the query's norm inside the ``wq_b`` GEMV, the K=V latent
     handed on as it is; the query agrees with the plain projection's to the norm's rounding;
     q_res only in a layer with an indexer, kept by that GEMV."""
     from model.rope import Ropes
@@ -203,8 +204,8 @@ def test_a_fused_steps_projection_normalises_the_query_inside_its_gemv(monkeypat
         attn = attn.to(DEVICE, torch.bfloat16).eval()
         x = rand(2, 1, args.hidden_size, seed=12, dtype=torch.bfloat16)
         with torch.no_grad():
-            _, q_res, q, kv = attn.project(x, pos, ropes, KVFormat.PACKED, fused=True)
-            _, want_res, want_q, _ = attn.project(x, pos, ropes, KVFormat.PACKED)
+            _, q_res, q, kv = ds._project(attn, x, pos, ropes)
+            want_res, want_q, _ = attn.project(x, pos, ropes, KVFormat.PACKED)
             latent = attn.wkv(x)
         assert (q_res is None) == (attn.indexer is None)
         close(q, want_q)
@@ -216,7 +217,7 @@ def test_a_fused_steps_projection_normalises_the_query_inside_its_gemv(monkeypat
 
 @needs_triton
 def test_a_site_norm_left_to_the_projection_is_made_inside_its_gemv(monkeypatch):
-    """``project(norm=...)`` (an mHC site that left its RMSNorm to its consumer): x normalised
+    """``decode_step._project(norm=...)`` (an mHC site that left its RMSNorm to its consumer): x normalised
     inside the wq_a / wkv GEMV, which writes it for x's other readers (``keep``); x, q_res and
     the K=V latent as the norm kernel then the plain projection make them, to the norm's
     rounding; with the GEMV off the norm runs first, as its own launch."""
@@ -239,44 +240,44 @@ def test_a_site_norm_left_to_the_projection_is_made_inside_its_gemv(monkeypatch)
     monkeypatch.setattr(kernels, "gemv", lambda *a, **k: calls.append(k.get("keep", False)) or real(*a, **k))
     with torch.no_grad():
         normed = kernels.rms_norm(raw, weight, 1e-6)
-        want = attn.project(normed, pos, ropes, KVFormat.PACKED, fused=True)
+        want = ds._project(attn, normed, pos, ropes)
         calls.clear()
-        got = attn.project(raw, pos, ropes, KVFormat.PACKED, fused=True, norm=(weight, 1e-6))
+        got = ds._project(attn, raw, pos, ropes, norm=(weight, 1e-6))
         assert calls[0] is True  # the first GEMV normalised x and kept it
         monkeypatch.setenv("DSAGENT_GEMV", "0")
-        first = attn.project(raw, pos, ropes, KVFormat.PACKED, fused=True, norm=(weight, 1e-6))
+        first = ds._project(attn, raw, pos, ropes, norm=(weight, 1e-6))
     for g_, w_ in zip(got, want):
         close(g_, w_)
     assert torch.equal(first[0], normed) and (got[0] != normed).float().mean() < 0.01
     assert not torch.equal(got[0], raw)
 
 
-class CountedLinear(torch.nn.Module):
-    """A test double of a QAT linear layer, whose weight is computed on each read: counts the reads."""
+class CountedReads(torch.nn.Module):
+    """A test double of a QAT parametrization: the weight is computed on each read, counted."""
 
     def __init__(self):
         super().__init__()
-        self.stored, self.reads = torch.nn.Parameter(torch.randn(4, 8)), 0
+        self.reads = 0
 
-    @property
-    def weight(self) -> torch.Tensor:
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
         self.reads += 1
-        return self.stored
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.weight)
+        return w
 
 
 def test_linear_is_the_layer_off_the_fast_path(monkeypatch):
-    """Off the GEMV (gradients on, or ``DSAGENT_GEMV=0``) ``linear`` is the layer, and the
-    weight is read once, by the layer: the dispatcher reads it only when all else holds."""
-    layer = CountedLinear()
+    """Off the GEMV (gradients on, or ``DSAGENT_GEMV=0``) a ``Linear`` is ``F.linear``, and a
+    QAT weight is read once: the choice of kernel reads it only when all else holds."""
+    from torch.nn.utils import parametrize
+
+    layer, counted = Linear(8, 4), CountedReads()
+    parametrize.register_parametrization(layer, "weight", counted)
+    counted.reads = 0  # the registration's own read
     x = torch.randn(1, 8)
-    want = torch.nn.functional.linear(x, layer.stored)
-    assert torch.equal(linear(layer, x), want) and layer.reads == 1  # gradients on: the layer itself
+    want = torch.nn.functional.linear(x, layer.parametrizations.weight.original)
+    assert torch.equal(layer(x), want) and counted.reads == 1  # gradients on
     monkeypatch.setenv("DSAGENT_GEMV", "0")
     with torch.no_grad():
-        assert torch.equal(linear(layer, x), want) and layer.reads == 2
+        assert torch.equal(layer(x), want) and counted.reads == 2
 
 
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,

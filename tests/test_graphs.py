@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 
-from model import graphs, kernels
+from model import decode_step, graphs, kernels
 from model.args import ModelArgs
 from model.engine import Engine
 from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
@@ -67,9 +67,7 @@ def _segments_per_step(model, fused: bool | None = None) -> int:
 def _fused_anywhere(monkeypatch):
     """Decode steps take the fused path here too, on the kernels' PyTorch twins (no Triton
     on the CPU)."""
-    import model.model as mm
-
-    monkeypatch.setattr(mm, "_fused_step", mm._decode_step)
+    monkeypatch.setattr(decode_step, "takes_fused", decode_step.is_decode_step)
 
 
 def _tiny(device="cpu", dtype=torch.float32):
@@ -88,16 +86,14 @@ def _plain_then_segmented(monkeypatch, model, segments, seed: int, steps: int):
     token = state.last_logits.argmax(-1)
     plain = [engine.decode(state, token).clone() for _ in range(steps)]
     monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
-    model._graphs = segments
+    model.derived["graphs"] = segments
     return (state, plain), (other, [engine.decode(other, token).clone() for _ in range(steps)])
 
 
 def _segments_only(monkeypatch):
     """Decode steps off the fused path (the two-segments-a-layer form), also where the
     kernels are enabled or ``--fused-twins`` puts the fused path everywhere."""
-    import model.model as mm
-
-    monkeypatch.setattr(mm, "_fused_step", lambda x, step, kv: False)
+    monkeypatch.setattr(decode_step, "takes_fused", lambda x, step, kv: False)
 
 
 def test_segmented_decode_steps_equal_whole_ones(monkeypatch):
@@ -148,10 +144,10 @@ def test_graphed_decode_steps_equal_eager_ones(monkeypatch, batch):
     for flag in ("0", "1"):
         monkeypatch.setenv("DSAGENT_GRAPHS", flag)
         runs[flag] = _greedy_logits(model, ids)
-    assert len(model._graphs) == _segments_per_step(model)
+    assert len(decode_step.graphs_of(model)) == _segments_per_step(model)
     assert torch.equal(runs["0"], runs["1"])
     model.to(torch.float32)
-    assert len(model._graphs) == 0
+    assert len(decode_step.graphs_of(model)) == 0
 
 
 def _same_logits_either_way(monkeypatch, module, name: str, seed: int, check) -> None:
@@ -162,7 +158,7 @@ def _same_logits_either_way(monkeypatch, module, name: str, seed: int, check) ->
     runs = {}
     for value in (False, True):
         monkeypatch.setattr(module, name, value)
-        model.reset_graphs()
+        model.derived.clear()
         runs[value] = _greedy_logits(model, ids)
         check(value, model)
     assert torch.equal(runs[True], runs[False])
@@ -226,11 +222,11 @@ def test_graphs_need_every_moe_on_its_grouped_path(monkeypatch):
     model = _tiny()
     x = torch.zeros(1, 1, model.args.hidden_size)
     with torch.no_grad():
-        assert model.ffn_capturable(x)  # fp32 on the CPU: torch._grouped_mm loops over groups
+        assert decode_step.ffn_capturable(model, x)  # fp32 on the CPU: torch._grouped_mm loops over groups
         monkeypatch.setenv("DSAGENT_GROUPED_MOE", "0")
-        assert not model.ffn_capturable(x)
+        assert not decode_step.ffn_capturable(model, x)
     monkeypatch.delenv("DSAGENT_GROUPED_MOE")
-    assert not model.ffn_capturable(x)  # autograd on: the loop, for training
+    assert not decode_step.ffn_capturable(model, x)  # autograd on: the loop, for training
 
 
 def test_a_failed_capture_warns_once_and_runs_eagerly(monkeypatch):
@@ -264,8 +260,8 @@ def test_fp32_decode_on_cuda_is_graphed_only_with_the_fused_moe(monkeypatch, fus
     state = engine.new_state(batch=1)
     engine.prefill(state, torch.randint(3, 1000, (1, 50), generator=torch.Generator().manual_seed(0)).cuda())
     engine.decode(state, state.last_logits.argmax(-1))
-    assert model._graphs.failed is None
-    assert len(model._graphs) == (1 if fused_moe == "1" and kernels.enabled(model.embed.weight) else 0)
+    assert decode_step.graphs_of(model).failed is None
+    assert len(decode_step.graphs_of(model)) == (1 if fused_moe == "1" and kernels.enabled(model.embed.weight) else 0)
 
 
 def test_replayed_segments_pass_outputs_on_without_copies(monkeypatch):
@@ -307,7 +303,7 @@ def test_whole_step_segments_follow_the_cache_they_write(monkeypatch):
 
     plain = steps(states)
     monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
-    model._graphs = segments = ReplayedSegments()
+    model.derived["graphs"] = segments = ReplayedSegments()
     replayed = steps(copies)
     assert [key[0][:3] for key in segments._graphs] == [("step", 0, len(model.layers))] * 2
     assert len(segments) == _segments_per_step(model, fused=True)
@@ -453,7 +449,7 @@ def test_graphed_fused_steps_equal_eager_fused_ones(monkeypatch):
     eager.cache.truncate(eager.cache.length - 2)
     plain += _decode(engine, eager, 3)
     monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
-    model._graphs = segments = ReplayedSegments()
+    model.derived["graphs"] = segments = ReplayedSegments()
     replayed = _decode(engine, graphed, 6)
     graphed.cache.truncate(graphed.cache.length - 2)
     replayed += _decode(engine, graphed, 3)
@@ -481,7 +477,7 @@ def test_a_compressor_step_makes_what_its_forward_makes(ratio, dtype):
     x = torch.randn(2, 13, args.hidden_size).to(dtype)
     plain, fixed = (SourceKV(2, ratio, args.head_dim, args.index_head_dim, "cpu") for _ in range(2))
 
-    def forward(src, start, length):  # and the records Attention._update_source appends
+    def forward(src, start, length):  # and the records Attention.update_source appends
         latent, first = comp(x[:, start:start + length], Step(start=start, length=length), src)
         if latent is not None:
             g = latent.shape[1]
@@ -494,7 +490,7 @@ def test_a_compressor_step_makes_what_its_forward_makes(ratio, dtype):
         for t in range(5, 13):
             want, first = forward(plain, t, 1)
             fixed.reserve(t)
-            got = comp.step(x[:, t:t + 1], torch.tensor([t]), fixed, emits=(t + 1) % ratio == 0)
+            got = decode_step.compressor_step(comp, x[:, t:t + 1], torch.tensor([t]), fixed, emits=(t + 1) % ratio == 0)
             fixed.stepped(t)
             assert (got is None) == (want is None), t
             if want is not None:
@@ -548,9 +544,7 @@ def test_fused_steps_after_a_resume_from_the_global_kv(monkeypatch):
 def test_the_fused_twins_option_puts_the_fused_path_everywhere(pytestconfig):
     """``--fused-twins`` (tests/conftest.py): with it every decode step's choice is the fused
     path's condition alone; without it the kernels must be enabled too."""
-    import model.model as mm
-
-    assert (mm._fused_step is mm._decode_step) == pytestconfig.getoption("--fused-twins")
+    assert (decode_step.takes_fused is decode_step.is_decode_step) == pytestconfig.getoption("--fused-twins")
 
 
 def test_a_graphed_step_hands_out_the_taps_an_eager_step_makes(monkeypatch):
@@ -566,9 +560,9 @@ def test_a_graphed_step_hands_out_the_taps_an_eager_step_makes(monkeypatch):
         for _ in range(8):  # past a grown buffer's new captures: replays that rewrite the same outputs
             ids = state.last_logits.argmax(-1)[:, None]
             with torch.no_grad():
-                streams, pre, step = model.begin(ids, state.cache, start=state.cache.length)
+                streams, pre, step = decode_step.begin(model, ids, state.cache, state.cache.length)
                 step.shared["taps"] = taps = {}
-                streams, pre = model.run_layers(streams, pre, step, state.cache, range(len(model.layers)))
+                streams, pre = decode_step.run_layers(model, streams, pre, step, state.cache, range(len(model.layers)))
                 state.last_logits = model.logits(streams, pre)[:, -1]
             state.cache.length = step.end
             out.append((step.graphs is not None, taps))
@@ -576,7 +570,7 @@ def test_a_graphed_step_hands_out_the_taps_an_eager_step_makes(monkeypatch):
 
     plain = tapped_steps(eager)
     monkeypatch.setattr(graphs, "wanted", lambda ids, image_mask, packed: ids.shape[1] == 1 and packed)
-    model._graphs = segments = ReplayedSegments()
+    model.derived["graphs"] = segments = ReplayedSegments()
     replayed = tapped_steps(graphed)
     assert len(segments) == 2 and not segments.failed  # two captures: pairs completing or not
     for (was_graphed, a), (is_graphed, b) in zip(plain, replayed):

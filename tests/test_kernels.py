@@ -1,7 +1,7 @@
 """The fused decode kernels (``model.kernels``) against their PyTorch twins, and the twins
 against the model's own decode step.
 
-- Twin == model: after a prefill of a tiny model, one decode step's ``Attention._attend``
+- Twin == model: after a prefill of a tiny model, one decode step's ``Attention.attend``
   and ``Indexer.scores`` are reproduced by ``sparse_attention_ref`` / ``indexer_scores_ref``
   from the cache's packed bytes (ring, records, index keys). Always runs (CI too).
 - Kernel == twin: random float latents packed with ``model.quant.pack_*``, over the shapes
@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 
+from model import decode_step as ds
 from model.args import ModelArgs
 from model.kernels import (hc_split, hc_split_ref, indexer_scores, indexer_scores_ref, sparse_attention,
                            sparse_attention_ref, triton_available)
@@ -74,7 +75,7 @@ def tiny_net():
 
 def capture_decode(net, prefill: int, batch: int = 2, seed: int = 0):
     """Prefill ``prefill`` tokens, then run one decode step while recording, per layer, the
-    query and output of ``_attend``, the top-k it gathered, and the indexer's inputs and scores
+    query and output of ``attend``, the top-k it gathered, and the indexer's inputs and scores
     (the model's reference path: its own use of the kernels is turned off here)."""
     ids = torch.randint(3, net.args.vocab_size, (batch, prefill + 1), generator=torch.Generator().manual_seed(seed))
     cache = net.new_cache(batch)
@@ -87,7 +88,7 @@ def capture_decode(net, prefill: int, batch: int = 2, seed: int = 0):
             net(ids[:, prefill:], cache)
         finally:
             for block in net.layers:
-                vars(block.attn).pop("_attend")
+                vars(block.attn).pop("attend")
                 vars(block.attn).pop("_selected_records")
                 if block.attn.indexer is not None:
                     vars(block.attn.indexer).pop("scores")
@@ -151,7 +152,7 @@ def _decode_wiring(kernels) -> None:
                 with (contextlib.nullcontext() if use else _kernels_off()):
                     net(ids[:, :150], cache)
                     assert calls == {"attention": 0, "indexer": 0}  # prefill: reference path
-                    logits[use] = torch.stack([net(ids[:, t: t + 1], cache)[:, -1] for t in range(150, 153)])
+                    logits[use] = torch.stack([ds.forward(net, ids[:, t: t + 1], cache)[:, -1] for t in range(150, 153)])
             finally:
                 kernels.sparse_attention, kernels.indexer_scores = real_attention, real_indexer
     n = net.args.num_hidden_layers
@@ -166,8 +167,6 @@ def test_decode_steps_on_the_twins_match_the_reference_path(norm_later, monkeypa
     gives the reference path's logits. The tiny net's pool is 8 records of the 150 its
     ratio-1 layers hold, so the pool decides the Reindex layer's top-k. ``norm_later``
     (where the site kernel runs): each mHC site's norm left to the GEMV or MoE gate after it."""
-    import model.model as mm
-
     if triton_available():
         from model.kernels import streams
 
@@ -179,10 +178,10 @@ def test_decode_steps_on_the_twins_match_the_reference_path(norm_later, monkeypa
     logits = {}
     with torch.no_grad():
         for fused in (False, True):
-            monkeypatch.setattr(mm, "_fused_step", mm._decode_step if fused else (lambda x, step, kv: False))
+            monkeypatch.setattr(ds, "takes_fused", ds.is_decode_step if fused else (lambda x, step, kv: False))
             cache = net.new_cache(2)
             net(ids[:, :150], cache)
-            logits[fused] = torch.stack([net(ids[:, t: t + 1], cache)[:, -1] for t in range(150, 153)])
+            logits[fused] = torch.stack([ds.forward(net, ids[:, t: t + 1], cache)[:, -1] for t in range(150, 153)])
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-3, atol=1e-3)
 
 
@@ -228,7 +227,7 @@ def test_indexer_scores_at_rows_are_those_of_the_whole_buffer():
 
 def _wrap(attn, seen: dict) -> None:
     """Instance attributes shadow the methods, so only this model's modules record."""
-    attend, select = attn._attend, attn._selected_records
+    attend, select = attn.attend, attn._selected_records
 
     def _attend(q, keys, key_mask, records):
         seen["q"], seen["out"] = q, attend(q, keys, key_mask, records)
@@ -238,7 +237,7 @@ def _wrap(attn, seen: dict) -> None:
         seen["topk"] = step.shared.get("topk")
         return select(cache, step)
 
-    attn._attend, attn._selected_records = _attend, _selected_records
+    attn.attend, attn._selected_records = _attend, _selected_records
     if attn.indexer is not None:
         scores = attn.indexer.scores
 
@@ -860,7 +859,7 @@ def test_kv_formats_pack_through_the_dispatcher() -> None:
 def test_a_compressor_step_is_made_in_four_launches(ratio, dtype) -> None:
     """``kernels.compress_step`` (the projections' GEMV, the ring, the pooled latent and its
     record, the index key's GEMV and its key: four launches) leaves a KV source as
-    ``Compressor.step`` and the packs of ``Attention.decode_step`` leave it, over steps at
+    ``decode_step.compressor_step`` and the packs of ``decode_step._compress`` leave it, over steps at
     every phase of a group: the history ring's positions bit for bit, its projections to
     rounding (the GEMV sums in another order); the records and index keys whose bytes
     nearly all agree (the GEMVs, the pool's exp and the norms' sums round otherwise, so a
@@ -879,8 +878,8 @@ def test_a_compressor_step_is_made_in_four_launches(ratio, dtype) -> None:
             pos, emits = torch.tensor([t], device=DEVICE), (t + 1) % ratio == 0
             for src in sources:
                 src.reserve(t)
-            assert attn._compress_step(x[:, t:t + 1], pos, sources[0], emits, ropes)
-            made = comp.step(x[:, t:t + 1], pos, sources[1], emits)
+            assert ds._compress_kernels(attn, x[:, t:t + 1], pos, sources[0], emits, ropes)
+            made = ds.compressor_step(comp, x[:, t:t + 1], pos, sources[1], emits)
             if made is not None:
                 latent, first = made
                 sources[1].write_at(first // ratio, quant.pack_main(apply_rope(latent, first, ropes.compress)),

@@ -162,11 +162,8 @@ def test_a_float_window_ring_is_read_before_the_chunk_writes_it(kv, tol) -> None
 def test_incremental_equals_full_layerwise(net, monkeypatch) -> None:
     """Uneven chunks, odd and even splits and single-token steps, past the window ring's wrap
     (144 slots): a first token alone, then 36, 1, 1, 62, 1, 1, 40, 1, 1 and 15 tokens. The
-    reference path's steps: the teacher forcing hooks each Block's forward, which a fused
-    decode step (one function over every layer) does not call."""
-    import model.model as mm
-
-    monkeypatch.setattr(mm, "_fused_step", lambda x, step, kv: False)
+    reference path's steps (``model(ids, cache)`` never takes the fused decode step): the
+    teacher forcing hooks each Block's forward."""
     cuts = [1, 37, 38, 39, 101, 102, 103, 143, 144, 145]
     ids, B, T = tokens(2, 160, seed=1), 2, 160
     spy = TeacherForcing(net)

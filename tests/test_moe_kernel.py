@@ -17,6 +17,7 @@ import torch
 
 import model.kernels as kernels
 from model.args import ModelArgs
+from model import decode_step as ds
 from model.moe import MoE
 from tests.hopper import compile_for_hopper
 from tests.interpreted import interpretable
@@ -62,7 +63,7 @@ CASES = (list(itertools.product([torch.float32, torch.bfloat16], ["sqrtsoftplus"
 
 
 def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
-    """``kernels.moe_decode`` on ``moe``'s own weights, as ``MoE._fused`` calls it."""
+    """``kernels.moe_decode`` on ``moe``'s own weights, as ``decode_step._moe_fused`` calls it."""
     g, shared = moe.gate, moe.shared_experts
     weights = (x, g.weight, g.bias, moe.grouped.w1.weight, moe.grouped.w3.weight, moe.grouped.w2.weight,
                shared.w1.weight, shared.w3.weight, shared.w2.weight)
@@ -108,8 +109,8 @@ def test_moe_kernel_matches_the_torch_path(dtype, scoring, n, spread, form, monk
     x = torch.randn(n, moe.gate.weight.shape[1], generator=torch.Generator().manual_seed(1)) * spread
     x = x.to(DEVICE, dtype)
     with torch.no_grad():
-        assert moe.runs_fused(x)
-        out = moe(x)
+        assert ds.moe_runs_fused(moe, x)
+        out = ds.moe_step(moe, x)
     ref = torch_path(moe, x)
     assert out.dtype == ref.dtype == dtype and out.shape == ref.shape
     rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
@@ -211,7 +212,7 @@ def test_moe_kernel_splits_the_gate_over_channel_chunks():
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=5, hidden_size=512)
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
-        out = moe(x)
+        out = ds.moe_step(moe, x)
     ref = torch_path(moe, x)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.float().abs().max().item())
 
@@ -229,7 +230,7 @@ def test_moe_kernel_at_small_widths(n, slots, monkeypatch):
                      n_routed_experts=64, num_experts_per_tok=6)
     x = torch.randn(n, 2048, generator=torch.Generator().manual_seed(2)).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
-        out = moe(x)
+        out = ds.moe_step(moe, x)
     ref = torch_path(moe, x)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.float().abs().max().item())
 
@@ -241,14 +242,14 @@ def test_moe_kernel_runs_only_on_a_few_text_tokens_outside_autograd(monkeypatch)
     moe = random_moe("sqrtsoftplus", torch.float32, seed=0)
     D = moe.gate.weight.shape[1]
     with torch.no_grad():
-        moe(torch.randn(2, 1, D, device=DEVICE))
-        moe(torch.randn(1, kernels.MOE_TOKENS + 1, D, device=DEVICE))  # a prefill chunk: torch
-        moe(torch.randn(1, 2, D, device=DEVICE), image_mask=torch.ones(1, 2, dtype=torch.bool, device=DEVICE))
+        ds.moe_step(moe, torch.randn(2, 1, D, device=DEVICE))
+        ds.moe_step(moe, torch.randn(1, kernels.MOE_TOKENS + 1, D, device=DEVICE))  # a prefill chunk: torch
+        ds.moe_step(moe, torch.randn(1, 2, D, device=DEVICE), image_mask=torch.ones(1, 2, dtype=torch.bool, device=DEVICE))
         monkeypatch.setenv("DSAGENT_FUSED_MOE", "0")
-        moe(torch.randn(1, 1, D, device=DEVICE))
+        ds.moe_step(moe, torch.randn(1, 1, D, device=DEVICE))
     monkeypatch.delenv("DSAGENT_FUSED_MOE")
     moe.requires_grad_(True)
-    moe(torch.randn(1, 1, D, device=DEVICE)).sum().backward()  # training: torch, with gradients
+    ds.moe_step(moe, torch.randn(1, 1, D, device=DEVICE)).sum().backward()  # training: torch, with gradients
     assert calls == [2] and moe.gate.weight.grad is not None
 
 
@@ -266,7 +267,7 @@ def test_moe_kernel_writes_bf16_as_the_cast_rounds_it(monkeypatch):
     monkeypatch.undo()
     interpretable(monkeypatch)
     with torch.no_grad():
-        assert torch.equal(moe(x), decode_call(moe, x, out_dtype=torch.bfloat16))  # the MoE's own call
+        assert torch.equal(ds.moe_step(moe, x), decode_call(moe, x, out_dtype=torch.bfloat16))  # the step's own call
 
 
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,

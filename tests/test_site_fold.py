@@ -129,12 +129,12 @@ def test_decode_steps_fold_each_site_after_a_pending_and_keep_their_logits(monke
     attention site after a MoE into its down sum (not the first layer's, nor one after an
     Engram layer's expand); the logits those of the same steps with the fold off (the mixes'
     dots summed over other blocks: fp32 rounding, through ten layers)."""
-    import model.model as mm
+    from model import decode_step as ds
     from model.kernels import streams as kernel
     from tests.test_kernels import tiny_net
 
     monkeypatch.setenv("DSAGENT_GRAPHS", "0")
-    monkeypatch.setattr(mm, "_fused_step", mm._decode_step)
+    monkeypatch.setattr(ds, "takes_fused", ds.is_decode_step)
     net = tiny_net().to(DEVICE)
     ids = torch.randint(3, net.args.vocab_size, (1, 133), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     folds = []
@@ -147,7 +147,7 @@ def test_decode_steps_fold_each_site_after_a_pending_and_keep_their_logits(monke
             cache = net.new_cache(1)
             net(ids[:, :131], cache)
             folds.clear()
-            logits[fold] = torch.stack([net(ids[:, t: t + 1], cache)[:, -1] for t in (131, 132)])
+            logits[fold] = torch.stack([ds.forward(net, ids[:, t: t + 1], cache)[:, -1] for t in (131, 132)])
     n, engram = net.args.num_hidden_layers, len(net.args.engram_layer_ids)
     # a step: n FFN sites, and the attention sites of layers 1.. whose streams need no expand first
     assert len(folds) == 2 * (n + n - 1 - engram)

@@ -5,7 +5,7 @@ streamed once by many programs, where cuBLAS runs one small GEMM a layer that re
 Owns ``gemv(x, *weights, groups=1, norm=None, rope_in=None, rope_out=None, keep=False)``:
 ``F.linear(x, w)`` for each weight (one launch for all of them, when they share ``x``: the
 query's and the K=V latent's projections of a layer), or with ``groups`` > 1 the grouped
-projection of ``Attention._grouped_wo_a``: group g of the output reads only group g of
+projection of ``model.linear.grouped_linear``: group g of the output reads only group g of
 ``x``'s channels. Products in fp32, summed in another order than cuBLAS's (so the outputs
 agree to rounding), rounded to ``x``'s dtype as the GEMM rounds (bf16: nearest even, on the
 bits). The options fold the launch beside it in: ``norm`` the RMSNorm of x (the query's

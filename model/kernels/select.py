@@ -36,7 +36,7 @@ from model.kernels.fused import _chain, chained
 
 # the candidate pool (its blocks' scores, their top-k and the pool's rows: ~50 µs of small launches at
 # `small`, 128K, on the H200; session 32) made on a side stream beside its source layer's own top-k and
-# the layers after it, up to the first that reads it (``model.csa2.Indexer.select_step``)
+# the layers after it, up to the first that reads it (``model.decode_step._select_step``)
 POOL_BESIDE = True
 SELECT_SLICE = 0  # scores a program reads, one slice of a row; 0: by the row's length (_slice)
 SELECT_WARPS = 8

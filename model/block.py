@@ -1,0 +1,306 @@
+"""One layer of the V4.1 network as the paper draws it: the shared-latent Attention, Engram
+and the mHC Block with its lagged ``pre`` (ARCHITECTURE.md §2).
+
+The Attention reads window entries and the records its indexer selects in one softmax with
+the per-head sink, de-rotates its output and projects it through the grouped low-rank
+``wo_a`` and ``wo_b``; its CSA2 mode (Full / Reindex / Reuse) is which of the CSA2 sources
+(``model.csa2``) the layer owns or reads. Engram gates hashed n-gram rows into the streams.
+A Block is [Engram] -> attention site -> FFN site, each site collapsing the hc streams with
+the *previous* site's ``pre`` and expanding with its own ``post`` / ``comb``.
+
+Every forward goes through an explicit :class:`model.cache.Cache`: the window entries,
+records and index keys the attention reads are the packed bytes of that cache, so a full
+forward, chunked prefill and decode compute the same function. Module and parameter names
+are the official checkpoint names.
+
+Does not own: the projections' kernels (``model.linear``), the mHC and norm operations'
+kernels and twins (``model.kernels``: each is one function of tensors, kernel or twin chosen
+by device), the CSA2 sources (``model.csa2``), the MoE (``model.moe``), the Transformer
+around the layers (``model.model``), nor the fused decode step that runs these layers'
+parameters through whole-layer kernels (``model.decode_step``: it reads this module; this
+module never calls it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import kernels
+from model.args import ModelArgs
+from model.cache import Cache, SourceKV
+from model.csa2 import Compressor, Indexer
+from model.layer import RMSNorm, Step
+from model.linear import Linear, grouped_linear
+from model.moe import MoE
+from model.quant import KVFormat
+from model.rope import Ropes, apply_rope, shared_rope_angles
+
+
+# ----------------------------------------------------------------------------- attention
+
+class Attention(nn.Module):
+    """Shared K=V latent attention over window entries plus selected compressed records."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args, self.layer = args, layer
+        self.ratio = args.ratios[layer]
+        self._projections(args)
+        self.compressor = Compressor(args, self.ratio) if layer in args.kv_source_layer_ids else None
+        self.indexer = Indexer(args, layer) if layer in args.index_source_layer_ids else None
+
+    def _projections(self, args: ModelArgs) -> None:
+        """The query low-rank path, the K=V latent, the grouped output and the sinks."""
+        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.wq_a = Linear(args.hidden_size, args.q_lora_rank)
+        self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
+        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.wkv = Linear(args.hidden_size, self.head_dim)
+        self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
+        group_in = self.n_heads * self.head_dim // args.o_groups
+        self.wo_a = Linear(group_in, args.o_groups * args.o_lora_rank)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.hidden_size)
+        self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
+        pos = step.positions(x.device)
+        q_res, q, kv = self.project(x, pos, ropes, cache.kv)
+        return self.output(self.core(x, q_res, q, kv, pos, step, cache, ropes), pos, ropes)
+
+    def project(self, x: torch.Tensor, pos: torch.Tensor, ropes: Ropes, fmt: KVFormat):
+        """(q_res [B, S, q_lora], RoPE'd queries [B, S, H, D], this step's window entries as
+        ``fmt`` rounds them [B, S, D]): reads no cache."""
+        B, S, _ = x.shape
+        inv = self.rope_table(ropes)
+        q_res, kv_lat = self.q_norm(self.wq_a(x)), self.wkv(x)
+        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
+        return q_res, q, self.window_values(kv_lat, pos, inv, fmt)
+
+    def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
+        """The attention output [B, S, H, D] de-rotated, through the grouped ``wo_a`` and ``wo_b``."""
+        turned = apply_rope(out, pos, self.rope_table(ropes), inverse=True)
+        return self.wo_b(grouped_linear(self.wo_a, turned.flatten(2), self.args.o_groups))
+
+    def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes, index_query=None) -> torch.Tensor:
+        """The part that reads and writes the cache: window ring, KV source, indexer, attention.
+        ``index_query``: the indexer's :meth:`Indexer.query` of these tokens, where the caller
+        made it already."""
+        keys, key_mask = self._window_keys(kv, step, cache)
+        records = None
+        if self.ratio:
+            self.update_source(x, step, cache, ropes)
+            if self.indexer is not None:
+                src = cache.sources[self.args.kv_source(self.layer)]
+                step.shared["topk"] = self.indexer(x, q_res, step, src, ropes.compress, index_query)
+                if step.index_losses is not None and "index_scores" in step.shared:
+                    step.index_losses.append(self._index_loss(q, src, step.shared.pop("index_scores")))
+            records = self._selected_records(cache, step)
+        return self.attend(q, keys, key_mask, records)
+
+    def rope_table(self, ropes: Ropes) -> torch.Tensor:
+        """The frequency table this layer rotates by: YaRN's compress table where it has a KV
+        source (ratio > 0), else the main one."""
+        return ropes.compress if self.ratio else ropes.main
+
+    def window_values(self, kv_lat: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
+        """Window entries from their K=V latent: normalised, rotated, as ``fmt`` rounds them."""
+        return fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
+
+    def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
+        """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""
+        ring = cache.windows[self.layer]
+        old, old_pos = ring.read()
+        pos = step.positions(kv.device)
+        old_pos = old_pos.masked_fill(old_pos >= step.start, -1)  # replayed positions come from kv
+        key_pos = torch.cat([old_pos, pos])
+        mask = (key_pos[None, :] >= 0) & (key_pos[None, :] <= pos[:, None]) \
+            & (key_pos[None, :] > pos[:, None] - self.args.sliding_window)
+        mask = mask[None]
+        if step.floor is not None:
+            mask = mask & (key_pos[None, None, :] >= step.floor[:, self.layer, None, None])
+        keys = torch.cat([old.to(kv.dtype), kv], dim=1)  # before the write: a float ring's read is its buffer
+        ring.write(kv, pos)
+        return keys, mask
+
+    def update_source(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> None:
+        """This layer's KV source (where it owns one): the groups that complete become FP4
+        records (rotated) and index keys."""
+        if self.compressor is None:
+            return
+        src = cache.sources[self.layer]
+        latent, first = self.compressor(x, step, src)
+        if latent is not None:
+            positions = first + self.ratio * torch.arange(latent.shape[1], device=x.device)
+            records = src.kv.pack_main(apply_rope(latent, positions, ropes.compress))
+            src.append(records, self.indexer.keys(latent.detach(), positions, ropes.compress, src.kv))
+
+    def _selected_records(self, cache: Cache, step: Step):
+        """(rows [B, S, k, D], valid [B, S, k]) gathered per query; while training, the
+        dense-mask form (every record [B, n, D], selected [B, S, n]) of the same softmax."""
+        idx = step.shared.get("topk")
+        src = cache.sources[self.args.kv_source(self.layer)]
+        if idx is None or src.n == 0:
+            return None
+        B, S, k = idx.shape
+        packed = src.view()[0]
+        if step.index_losses is not None:
+            # a -1 (no record) goes to a spare column: clamped to 0, its False would land on
+            # record 0 too, and of two writes to one place the last wins (on CUDA, either)
+            selected = torch.zeros(B, S, src.n + 1, dtype=torch.bool, device=idx.device)
+            selected.scatter_(-1, torch.where(idx >= 0, idx, src.n), True)
+            return src.kv.unpack_main(packed, self.head_dim), selected[..., :src.n]
+        rows = packed.gather(1, idx.clamp_min(0).reshape(B, S * k, 1).expand(-1, -1, packed.shape[-1]))
+        return src.kv.unpack_main(rows, self.head_dim).view(B, S, k, -1), idx >= 0
+
+    def attend(self, q, keys, key_mask, records) -> torch.Tensor:
+        """One softmax over window entries, selected records and the per-head sink."""
+        scale = self.head_dim ** -0.5
+        logits = [torch.einsum("bshd,bjd->bshj", q.float(), keys.float()) * scale]
+        logits[0] = logits[0].masked_fill(~key_mask[:, :, None, :], float("-inf"))
+        per_query = records is not None and records[0].dim() == 4
+        if records is not None:
+            rec, valid = records
+            r = torch.einsum("bshd,bskd->bshk" if per_query else "bshd,bkd->bshk", q.float(), rec) * scale
+            logits.append(r.masked_fill(~valid[:, :, None, :], float("-inf")))
+        sink = self.attn_sink.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1)
+        probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
+        n_win = keys.shape[1]
+        out = torch.einsum("bshj,bjd->bshd", probs[..., :n_win], keys.float())
+        if records is not None:
+            out = out + torch.einsum("bshk,bskd->bshd" if per_query else "bshk,bkd->bshd",
+                                     probs[..., n_win:-1], records[0])
+        return out.to(q.dtype)
+
+    def _index_loss(self, q: torch.Tensor, src: SourceKV, scores: torch.Tensor) -> torch.Tensor:
+        """KL from this layer's dense attention over every visible record (averaged over heads,
+        no gradient) to the indexer's softmax, per query with a visible record — the
+        indexer's training signal (DeepSeek-V3.2's lightning-indexer objective)."""
+        visible = scores > float("-inf")
+        with torch.no_grad():
+            rec = src.kv.unpack_main(src.view()[0], self.head_dim)
+            r = torch.einsum("bshd,bnd->bshn", q.float(), rec) * self.head_dim ** -0.5
+            target = r.masked_fill(~visible[:, :, None, :], float("-inf")).softmax(-1).nan_to_num(0.0).mean(2)
+        logp = scores.masked_fill(~visible, -1e4).log_softmax(-1)
+        kl = (target * (target.clamp_min(1e-12).log() - logp)).sum(-1)
+        rows = visible.any(-1)
+        return (kl * rows).sum() / rows.sum().clamp_min(1)
+
+
+# ----------------------------------------------------------------------------- Engram
+
+class EngramTable(nn.Module):
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class Engram(nn.Module):
+    """Hashed n-gram rows -> one key per hc stream and a shared value, gated into the streams."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args = args
+        self.slot = args.engram_layer_ids.index(layer)
+        self.embed = EngramTable(args.engram_num_embeddings[self.slot], args.engram_head_dim)
+        self.wkv = nn.Linear(args.engram_n_cols * args.engram_head_dim,
+                             args.hidden_size * (args.hc_mult + 1), bias=False)
+        self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
+        self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
+
+    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+        return self.gate(streams, self.kv(hash_ids), live)
+
+    def kv(self, hash_ids: torch.Tensor) -> torch.Tensor:
+        """The hashed rows' key and value [..., (hc + 1) * D]. Through torch's linear layer
+        (cuBLAS), never the GEMV kernel: a decode step may make them beside its layers
+        (``model.decode_step``), and either way they are the same bits."""
+        return self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+
+    def gate(self, streams: torch.Tensor, kv: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`kv`'s value gated into the streams by each stream's key."""
+        D, hc = self.args.hidden_size, self.args.hc_mult
+        key, value = kv.split([hc * D, D], dim=-1)
+        return kernels.engram_gate(streams, key, value, self.q_weight, self.k_weight, live, self.args.rms_norm_eps)
+
+
+# ----------------------------------------------------------------------------- mHC block
+
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_k pre_k * stream_k (``kernels.hc_collapse_ref``; one kernel on CUDA)."""
+    return kernels.hc_collapse(streams, pre)
+
+
+def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """out_k = post_k * y + sum_j comb[j, k] * residual_j (``kernels.hc_expand_ref``; one kernel on CUDA)."""
+    return kernels.hc_expand(y, residual, post, comb)
+
+
+def expand_output(streams: torch.Tensor, output: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """A site's ``output`` = (y, post, comb) added to ``streams`` (:func:`hc_expand`)."""
+    y, post, comb = output
+    return hc_expand(y, streams, post, comb)
+
+
+class Block(nn.Module):
+    """One layer: [Engram] -> attention site -> FFN site, each collapsing with the *previous*
+    site's ``pre`` (V4.1's lagged mHC) and expanding with its own ``post`` / ``comb``."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__()
+        self.args, self.layer = args, layer
+        self.attn = Attention(args, layer)
+        self.ffn = MoE(args)
+        self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.engram = Engram(args, layer) if layer in args.engram_layer_ids else None
+        self._mixes(args)
+
+    def _mixes(self, args: ModelArgs) -> None:
+        """Each site's mHC projection of the flattened streams, its bias and its scales."""
+        mix, width = (2 + args.hc_mult) * args.hc_mult, args.hc_mult * args.hidden_size
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", nn.Parameter(torch.zeros(mix, width)))
+            self.register_parameter(f"hc_{site}_base", nn.Parameter(torch.zeros(mix)))
+            self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
+
+    def forward(self, streams, pre, step: Step, cache: Cache, ropes: Ropes):
+        """(streams, pre) [B, S, hc, D], [B, S, hc] -> the same after this layer."""
+        streams = self.engram_site(streams, step.hash_ids, step.image_mask)
+        taps = step.shared.get("taps")
+        if isinstance(taps, dict) and self.layer in self.args.dspark_target_layer_ids:
+            taps[self.layer] = streams.mean(dim=2)  # DSpark context: this layer's input, averaged over hc
+        a_pre, a_post, a_comb, x = self.attn_site(streams, pre)
+        with shared_rope_angles():
+            y = self.attn(x, step, cache, ropes)
+        return self.ffn_site(y, streams, a_pre, a_post, a_comb, step.image_mask)
+
+    def engram_site(self, streams, hash_ids, image_mask=None):
+        """The Engram memory added to the streams, in a layer that has one (``hash_ids``:
+        the step's, every Engram layer's columns)."""
+        if self.engram is None or hash_ids is None:
+            return streams
+        return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask)
+
+    def attn_site(self, streams, pre):
+        """The attention site's mixes and its normalised input (reads no cache)."""
+        _, a_pre, a_post, a_comb, x = self.site("attn", streams, pre)
+        return a_pre, a_post, a_comb, x
+
+    def ffn_site(self, y, streams, a_pre, a_post, a_comb, image_mask=None):
+        """Attention output expanded into the streams, then the whole FFN site (reads no cache)."""
+        streams, f_pre, f_post, f_comb, x = self.site("ffn", streams, a_pre, expand=(y, a_post, a_comb))
+        return hc_expand(self.ffn(x, image_mask), streams, f_post, f_comb), f_pre
+
+    def site(self, name: str, streams, pre, expand=None):
+        """The attention or FFN site (``kernels.hc_site``): (streams, pre, post, comb, the
+        site's normalised input); ``expand``: the site before's (y, post, comb), added to the
+        streams first."""
+        norm = self.attn_norm if name == "attn" else self.ffn_norm
+        return kernels.hc_site(streams, pre, getattr(self, f"hc_{name}_fn"), getattr(self, f"hc_{name}_scale"),
+                               getattr(self, f"hc_{name}_base"), norm.weight, eps=self.args.rms_norm_eps,
+                               norm_eps=norm.eps, iters=self.args.hc_sinkhorn_iters, hc_eps=self.args.hc_eps,
+                               expand=expand)

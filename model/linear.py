@@ -1,0 +1,172 @@
+"""The linear family: every projection of the network, by weight format and parallel split.
+
+A :class:`Linear` is the one place a projection's kernel is chosen. It is an ``nn.Linear``
+(its ``weight`` keeps the checkpoint's name, so loading stays a name-for-name copy) that
+also knows two things:
+
+- its **format** — ``plain`` (a float weight), ``fp8`` (e4m3 bytes plus one ue8m0 scale per
+  ``block`` x ``block`` tile, the checkpoint's ``X.scale``) or ``fp4`` (two e2m1 values a
+  byte, even index in the low nibble, plus one ue8m0 scale per 1 x 32). Packed weights are
+  held as the checkpoint stores them, the same bytes;
+- its **split** over a :class:`World` — ``None`` (every rank holds all of it), ``column``
+  (the output features split: each rank makes its slice), ``row`` (the input features
+  split: each rank multiplies its slice and the ranks' partial outputs are summed) or
+  ``vocab`` (an embedding's or head's rows split, like ``column``).
+
+``forward`` picks the computation by device, format and row count: on a decode step's few
+rows of a plain weight the GEMV kernel (``model.kernels.gemv``, where it runs), else the
+PyTorch twin — the weight dequantised (:meth:`Linear.dense_weight`), then ``F.linear``. A
+new format or kernel plugs in here and nowhere else. :func:`grouped_linear` is the grouped
+output projection of the attention (``wo_a``), the same choice.
+
+Does not own: where the projections sit in the network (``model.block``, ``model.csa2``,
+``model.moe``), the checkpoint's name families (``model.checkpoint``), nor the process
+groups' creation (the caller's ``torch.distributed.init_process_group``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model import kernels
+from model.quant import dequantize_fp4_weight, dequantize_fp8_weight
+
+FORMATS = ("plain", "fp8", "fp4")
+SPLITS = (None, "column", "row", "vocab")
+FP8_BLOCK = 32  # V4.1's weight_block_size [32, 32]
+FP4_BLOCK = 32  # one ue8m0 scale per 32 inputs
+
+
+@dataclass(frozen=True)
+class World:
+    """Where this process sits among the ranks that share the model (tensor parallel =
+    expert parallel = ``size``): ``group`` is a ``torch.distributed`` group, None for the
+    default one. ``World()`` is one process alone."""
+    rank: int = 0
+    size: int = 1
+    group: object = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank {self.rank} is not in a world of {self.size}")
+
+    def part(self, n: int, what: str) -> slice:
+        """This rank's contiguous share of ``n`` items (``what`` names them for the error)."""
+        if n % self.size:
+            raise ValueError(f"{what}: {n} do not split evenly over {self.size} ranks")
+        share = n // self.size
+        return slice(self.rank * share, (self.rank + 1) * share)
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``t`` summed, in place (one all-reduce); ``t`` itself alone."""
+        if self.size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """The ranks' slices of ``t``'s last dim side by side, in rank order."""
+        if self.size == 1:
+            return t
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(t) for _ in range(self.size)]
+        dist.all_gather(parts, t.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+ALONE = World()
+
+
+class Linear(nn.Linear):
+    """``y = x @ W.T`` of a weight in one of :data:`FORMATS`, split as one of :data:`SPLITS`
+    over ``world``. ``in_features`` / ``out_features`` are the whole layer's; the weight is
+    this rank's part. No bias: the network has none."""
+
+    def __init__(self, in_features: int, out_features: int, *, fmt: str = "plain", split: str | None = None,
+                 world: World = ALONE, device=None, dtype=None):
+        if fmt not in FORMATS or split not in SPLITS:
+            raise ValueError(f"a Linear is one of {FORMATS} x {SPLITS}, not ({fmt!r}, {split!r})")
+        local_in = _local(in_features, world, "input features") if split == "row" else in_features
+        local_out = _local(out_features, world, "output features") if split in ("column", "vocab") else out_features
+        super().__init__(local_in, local_out, bias=False, device=device, dtype=None if fmt != "plain" else dtype)
+        self.fmt, self.split, self.world = fmt, split, world
+        self.full_in, self.full_out = in_features, out_features
+        if fmt != "plain":
+            self._packed(local_in, local_out, device)
+
+    def _packed(self, local_in: int, local_out: int, device) -> None:
+        """The checkpoint's stored tensors in place of a float weight."""
+        if self.fmt == "fp8":
+            weight = torch.empty(local_out, local_in, dtype=torch.float8_e4m3fn, device=device)
+            scale = torch.empty(-(-local_out // FP8_BLOCK), -(-local_in // FP8_BLOCK), dtype=torch.float8_e8m0fnu,
+                                device=device)
+        else:
+            weight = torch.empty(local_out, -(-local_in // 2), dtype=torch.int8, device=device)
+            scale = torch.empty(local_out, -(-local_in // FP4_BLOCK), dtype=torch.float8_e8m0fnu, device=device)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight as floats of ``dtype``: a plain one as it is (cast where it differs), a
+        packed one dequantised exactly as ``model.checkpoint`` dequantises it."""
+        if self.fmt == "plain":
+            w = self.weight  # read once: under training's QAT each read computes it
+            return w if w.dtype == dtype else w.to(dtype)
+        if self.fmt == "fp8":
+            return _fit(dequantize_fp8_weight(_padded(self.weight, self.scale, FP8_BLOCK, FP8_BLOCK), self.scale),
+                        self.weight.shape).to(dtype)
+        padded = _padded(self.weight, self.scale, 1, FP4_BLOCK // 2)
+        return dequantize_fp4_weight(padded, self.scale)[:, :self.in_features].to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "plain" and kernels.gemv_runs(x, self):
+            y = kernels.gemv(x, self.weight)[0]  # a decode step's few rows
+        else:
+            y = F.linear(x, self.dense_weight(x.dtype))
+        return self.world.sum(y) if self.split == "row" else y
+
+    def extra_repr(self) -> str:
+        split = "" if self.split is None else f", split={self.split} over {self.world.size}"
+        return f"in_features={self.full_in}, out_features={self.full_out}, fmt={self.fmt}{split}"
+
+
+def _local(n: int, world: World, what: str) -> int:
+    part = world.part(n, what)
+    return part.stop - part.start
+
+
+def _padded(q: torch.Tensor, scale: torch.Tensor, rows_per: int, cols_per: int) -> torch.Tensor:
+    """One-byte ``q`` zero-padded to the whole tiles its ``scale`` covers."""
+    rows, cols = scale.shape[0] * rows_per, scale.shape[1] * cols_per
+    if tuple(q.shape) == (rows, cols):
+        return q
+    out = torch.zeros(rows, cols, dtype=torch.uint8, device=q.device)
+    out[: q.shape[0], : q.shape[1]] = q.view(torch.uint8)
+    return out.view(q.dtype)
+
+
+def _fit(w: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return w[: shape[0], : shape[1]]
+
+
+def grouped_linear(layer: nn.Linear, x: torch.Tensor, groups: int) -> torch.Tensor:
+    """The grouped projection of ``x`` [..., groups * i] by ``layer`` [groups * o, i]: group g
+    of the output reads only group g of the input (the attention's ``wo_a``). -> [..., groups * o]."""
+    if kernels.gemv_runs(x, layer):
+        return kernels.gemv(x, layer.weight, groups=groups)[0]
+    weight = layer.dense_weight(x.dtype) if isinstance(layer, Linear) else layer.weight
+    return kernels.gemv_ref(x, weight, groups=groups)[0]
+
+
+def shard(full: torch.Tensor, layer: Linear) -> torch.Tensor:
+    """This rank's part of a whole layer's float weight ``full`` [out, in] (a loader's slice)."""
+    if layer.split == "row":
+        return full[:, layer.world.part(full.shape[1], "input features")]
+    if layer.split in ("column", "vocab"):
+        return full[layer.world.part(full.shape[0], "output features")]
+    return full
