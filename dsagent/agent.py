@@ -29,13 +29,17 @@ from model.cache import Cache, CacheFormatError
 from model.chat import encode_messages
 from model.dspark import speculator_for
 from model.dsml import DSMLError, StreamParser, TextDelta, ReasoningDelta, parse_completion
-from model.engine import Sampling, State
+from model.engine import ContextLimitError, Sampling, State
 from model.vision import expand_spans
 from sessions import ImageSpan, KVChunk, LocalStatePool, Store
 from tools import ToolRunner, Workspace, builtin_toolbox
 
 
 Event = dict
+
+
+class ContextFullError(ContextLimitError):
+    """The session's next input does not fit in the model's context: only a new session helps."""
 
 
 @dataclass
@@ -236,8 +240,14 @@ class Agent:
         if start == end:
             return
         ids = torch.tensor([self.log[start:end]])
-        self.rt.engine.prefill(self.state, ids, images=self._images(start, end),
-                               progress=lambda done, total: self.emit({"event": "prefill", "done": done, "total": total}))
+        try:
+            self.rt.engine.prefill(self.state, ids, images=self._images(start, end),
+                                   progress=lambda done, total: self.emit({"event": "prefill", "done": done,
+                                                                           "total": total}))
+        except ContextLimitError:  # the engine's own advice names no flag this command has
+            raise ContextFullError(f"session {self.name}: {start} tokens so far + {end - start} new exceed the "
+                                   f"model's context of {self.rt.engine.max_context} tokens; start a new session "
+                                   "(run without --session or with a new name; /clear in chat)") from None
         self.usage.prompt_tokens += end - start
 
     def _respond(self) -> tuple[dict, list[dict], str]:

@@ -29,7 +29,9 @@ from dsagent.render import JsonlWriter, PrefillNotice, StreamView, consoles, loa
 from dsagent.runtime import EMBEDDED_MODEL, Runtime, Settings, default_source
 from dsagent.settings import Defaults, config_path, resolve
 from model.engine import Sampling
-from sessions import Store, default_home
+from sessions import Store, StoreError, default_home
+from sessions.names import check_name
+from tools import builtin_toolbox
 
 app = typer.Typer(help="Local agent runtime for the DeepSeek-V4.1-Flash architecture.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -49,7 +51,8 @@ PRESET = typer.Option(None, "--preset", help="Random weights of a preset (tiny, 
 TOOLS = typer.Option(None, "--tool", "-t", help="Enable only this tool (repeatable; default: all built-in tools).")
 MAX_STEPS = typer.Option(8, "--max-steps", min=1, help="Most model calls per turn (tool loops end here).")
 MAX_NEW = typer.Option(None, "--max-new-tokens", min=1, help="Most tokens per model call.")
-SEED = typer.Option(None, "--seed", help="Sampling seed (matters with --temperature > 0).")
+SEED = typer.Option(None, "--seed", min=-2**63, max=2**64 - 1,  # the range torch's generator takes
+                    help="Sampling seed (matters with --temperature > 0).")
 TEMPERATURE = typer.Option(None, "--temperature", min=0.0, help="0 = greedy.")
 POLICY = typer.Option(None, "--policy", help="Tool approval: ask, yes or deny.")
 YES = typer.Option(False, "--yes", "-y", help="Approve every tool call (same as --policy yes).")
@@ -78,8 +81,27 @@ def agent_options(d: Defaults, session, tools, max_steps, seed, workspace, specu
 def _defaults(model, preset, policy, yes, thinking, max_new, temperature) -> Defaults:
     if model and preset:
         raise UsageError("pass --model or --preset, not both")
+    if yes and policy not in (None, "yes"):
+        raise UsageError(f"pass --yes or --policy {policy}, not both (--yes means --policy yes)")
     return resolve(model=model, preset=preset, policy="yes" if yes else policy, thinking=thinking,
                    max_new_tokens=max_new, temperature=temperature)
+
+
+def _check_agent_flags(session: str | None, tools: list[str] | None, workspace: Path | None) -> None:
+    """Refuse a bad session name, an unknown tool or a workspace that is not a directory
+    before the model loads or the store is opened (the agent would refuse them only then)."""
+    if session is not None:
+        try:
+            check_name(session)
+        except StoreError as e:
+            raise UsageError(f"--session: {e}") from None
+    known = builtin_toolbox().names()
+    unknown = [t for t in tools or [] if t not in known]
+    if unknown:
+        raise UsageError(f"unknown tool {', '.join(map(repr, unknown))} (--tool); known tools: {', '.join(known)}")
+    if workspace is not None and not workspace.expanduser().is_dir():
+        what = "is not a directory" if workspace.expanduser().exists() else "does not exist"
+        raise UsageError(f"--workspace {workspace} {what}; give an existing directory")
 
 
 @app.command()
@@ -101,6 +123,7 @@ def run(
         if as_json and jsonl:
             raise UsageError("pass --json or --jsonl, not both")
         d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature)
+        _check_agent_flags(session, tool, workspace)
         images = [p.read_bytes() for p in image or []]
         rt = load_runtime(d, device)
         approver = terminal_approver(err) if d.policy == "ask" and sys.stdin.isatty() else None
@@ -162,6 +185,7 @@ def chat(
             raise UsageError("pass --session or --continue, not both")
         tolerant_stdin()
         d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature)
+        _check_agent_flags(session, tool, workspace)
         rt = load_runtime(d, device)
         with Store.open() as store:
             name = latest_session(store) if resume_latest else session

@@ -7,7 +7,8 @@ errors whose messages already say what to do; this file only decides the code.
 
     0   ok
     1   error (a bad checkpoint, a store problem, a failed verify, ...)
-    2   usage (bad flags or arguments, a missing input file)
+    2   usage (bad or conflicting flags or arguments, a setting its flag would refuse, an
+        unknown tool, a missing input file or workspace)
     3   approval needed: a tool call was refused because the policy was `ask` and
         nobody could approve it (no terminal); rerun with --yes or --policy yes
     4   cache refused: the run finished, but the session's stored KV failed a check (or was
@@ -22,12 +23,13 @@ from typing import Iterator
 
 import typer
 
+from dsagent.settings import SettingError
 from model.args import ConfigError
 from model.checkpoint import CheckpointError
 from model.engine import ContextLimitError
 from model.vision import ImageError
 from sessions import StoreError
-from tools import ToolConfigError
+from tools import ToolConfigError, UnknownToolError, WorkspaceError
 
 OK, ERROR, USAGE, APPROVAL_NEEDED, CACHE_REFUSED, INTERRUPTED = 0, 1, 2, 3, 4, 130
 
@@ -36,10 +38,13 @@ class UsageError(Exception):
     """A command was called with arguments that cannot work together (exit 2)."""
 
 
-# Most specific first: ToolConfigError is also a ValueError, ImageError too.
+# Most specific first: ToolConfigError is also a ValueError, ImageError and SettingError too.
 _CODES: tuple[tuple[type[BaseException], int], ...] = (
     (UsageError, USAGE),
     (ToolConfigError, USAGE),
+    (UnknownToolError, USAGE),
+    (WorkspaceError, USAGE),
+    (SettingError, USAGE),
     (FileNotFoundError, USAGE),
     (IsADirectoryError, USAGE),
     (ImageError, USAGE),

@@ -4,7 +4,9 @@ Owns: the few defaults a person may want to set once (model, preset, approval po
 thinking mode, max new tokens, sampling temperature) and where they come from. Flags
 win; a command passes its flag values (None when not given) to `resolve`. Does not own
 the runtime settings of a loaded model (`dsagent.runtime.Settings`) nor the store's
-location (`sessions.default_home`, which reads `DSAGENT_HOME`).
+location (`sessions.default_home`, which reads `DSAGENT_HOME`). Every value is checked
+against what its flag accepts, whatever its source, before a command loads or stores
+anything.
 
     # ~/.local/share/dsagent/config.toml (or $DSAGENT_HOME/config.toml)
     model = "/models/v41-small"     # or: preset = "tiny"
@@ -15,18 +17,26 @@ location (`sessions.default_home`, which reads `DSAGENT_HOME`).
 """
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from model.chat import THINKING_MODES
 from sessions import default_home
+from tools import POLICIES
 
 CONFIG_NAME = "config.toml"
 
 
-class ConfigFileError(ValueError):
-    """config.toml cannot be read or holds an unknown key or a wrong type."""
+class SettingError(ValueError):
+    """A setting, from config.toml, a DSAGENT_ variable or a flag, that cannot be used: its
+    message names the setting and where it came from (a usage error, exit 2)."""
+
+
+class ConfigFileError(SettingError):
+    """config.toml cannot be read or holds an unknown key."""
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,15 @@ class Defaults:
 
 
 _ENV = {f.name: "DSAGENT_" + f.name.upper() for f in fields(Defaults)}
+_FLAG = {name: "--" + name.replace("_", "-") for name in _ENV}
+# What each flag accepts, so config.toml and the environment cannot set what the flag refuses
+# (click's float range lets nan through, hence isfinite).
+_RULES = {
+    "policy": (lambda v: v in POLICIES, f"is not one of {', '.join(POLICIES)}"),
+    "thinking": (lambda v: v in THINKING_MODES, f"is not one of {', '.join(THINKING_MODES)}"),
+    "max_new_tokens": (lambda v: v >= 1, "is not 1 or more"),
+    "temperature": (lambda v: math.isfinite(v) and v >= 0, "is not a finite number, 0 or more"),
+}
 
 
 def config_path() -> Path:
@@ -49,9 +68,19 @@ def config_path() -> Path:
 def _typed(name: str, value, source: str):
     kind = {f.name: f.type for f in fields(Defaults)}[name]
     try:
-        return int(value) if "int" in kind else float(value) if "float" in kind else str(value)
+        typed = int(value) if "int" in kind else float(value) if "float" in kind else str(value)
     except (TypeError, ValueError):
-        raise ConfigFileError(f"{source}: {name} = {value!r} is not a {kind}") from None
+        raise SettingError(f"{source}: {name} = {value!r} is not a {kind}") from None
+    return _checked(name, typed, source)
+
+
+def _checked(name: str, value, source: str):
+    """`value`, if the setting's flag would accept it; else a SettingError naming `source`."""
+    accepts, why = _RULES.get(name, (lambda v: True, ""))
+    if not accepts(value):
+        where = source if source == _FLAG[name] else f"{source}: {name} ="
+        raise SettingError(f"{where} {value!r} {why}")
+    return value
 
 
 def _from_file(path: Path) -> dict:
@@ -73,7 +102,7 @@ def _from_env() -> dict:
 
 def resolve(**flags) -> Defaults:
     """Defaults from config.toml, then the environment, then the flags that were given."""
-    given = {k: v for k, v in flags.items() if v is not None}
+    given = {k: _checked(k, v, _FLAG[k]) for k, v in flags.items() if v is not None}
     merged = {**_from_file(config_path()), **_from_env(), **given}
     if "model" in given or "preset" in given:  # a flag chooses the model; drop the other source
         merged = {**merged, "model": given.get("model"), "preset": given.get("preset")}

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import torch
 
 from model.args import ModelArgs
-from model.engine import Sampling, State
+from model.engine import ContextLimitError, Sampling, State
 from model.tokenizer import Tokenizer
 
 
@@ -46,11 +46,14 @@ class ScriptedEngine:
     def __init__(self, tokenizer: Tokenizer, script: list[str]):
         self.tok, self.script = tokenizer, list(script)
         self.prompts: list[list[int]] = []  # every prefilled id run, for assertions
+        self.max_context = 1 << 20  # a test lowers it to hit the limit, refused as Engine does
 
     def new_state(self) -> State:
         return State(cache=_NoKV())
 
     def prefill(self, state: State, ids: torch.Tensor, images=None, progress=None):
+        if state.cache.length + ids.shape[1] > self.max_context:
+            raise ContextLimitError(f"over the context limit of {self.max_context} tokens")
         self.prompts.append(ids[0].tolist())
         state.cache.length += ids.shape[1]
         if progress is not None:

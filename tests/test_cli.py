@@ -94,10 +94,63 @@ def test_run_usage_errors_exit_2(script, args):
     assert r.exit_code == 2, r.output
 
 
-def test_run_unknown_tool_exits_1(script):
-    script("unused")
-    r = invoke("run", "hi", "--tool", "nope")
-    assert r.exit_code == 1 and "no tool named 'nope'" in r.stderr
+@pytest.fixture
+def never_loads(monkeypatch, home):
+    """For flags refused up front: loading a model fails the test, and the store must stay unmade."""
+    def load(d, device):
+        raise AssertionError("the model was loaded before the flags were checked")
+    monkeypatch.setattr(cli, "load_runtime", load)
+    yield
+    assert not (home / "sessions.db").exists()
+
+
+@pytest.mark.parametrize("command", ["run", "chat"])
+def test_unknown_tool_is_a_usage_error_listing_the_known_ones(never_loads, command):
+    r = invoke(command, *(["hi"] if command == "run" else []), "--tool", "calculator", "--tool", "nosuch")
+    assert r.exit_code == 2 and "unknown tool 'nosuch'" in r.stderr
+    assert "known tools: read_file, list_dir" in r.stderr and "calculator" in r.stderr
+
+
+@pytest.mark.parametrize("args, named", [
+    (["--workspace", "no/such/dir"], "--workspace no/such/dir does not exist"),
+    (["--workspace", "file.txt"], "--workspace file.txt is not a directory"),
+    (["--policy", "deny", "--yes"], "--yes or --policy deny, not both"),
+    (["--policy", "sometimes"], "--policy 'sometimes' is not one of ask, yes, deny"),
+    (["--seed", str(2**64)], "--seed"),
+    (["--seed", str(-2**63 - 1)], "--seed"),
+    (["--temperature", "nan"], "--temperature"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--session", "no spaces"], "--session: invalid session name 'no spaces'"),
+])
+def test_bad_flags_exit_2_before_anything_loads(never_loads, tmp_path, args, named):
+    (tmp_path / "file.txt").write_text("x")
+    r = invoke("run", "hi", *args)
+    assert r.exit_code == 2 and named in r.output, r.output
+    assert "Traceback" not in r.output and "internal error" not in r.output
+
+
+@pytest.mark.parametrize("var, value", [("DSAGENT_TEMPERATURE", "nan"), ("DSAGENT_TEMPERATURE", "-1"),
+                                        ("DSAGENT_TEMPERATURE", "warm"), ("DSAGENT_MAX_NEW_TOKENS", "0"),
+                                        ("DSAGENT_POLICY", "always")])
+def test_a_setting_its_flag_would_refuse_exits_2(never_loads, monkeypatch, var, value):
+    monkeypatch.setenv(var, value)
+    r = invoke("run", "hi")
+    assert r.exit_code == 2 and r.stderr.startswith(f"error: {var}:"), r.output
+
+
+def test_a_config_file_value_its_flag_would_refuse_exits_2(never_loads, home):
+    home.mkdir(parents=True)
+    (home / "config.toml").write_text("max_new_tokens = 0\n")
+    r = invoke("chat")
+    assert r.exit_code == 2 and "config.toml: max_new_tokens = 0 is not 1 or more" in r.stderr
+
+
+def test_a_full_context_names_a_real_remedy(script):
+    rt = script("unused")
+    rt.engine.max_context = 50
+    r = invoke("run", "hi", "--session", "full", "--tool", "calculator")
+    assert r.exit_code == 1 and "exceed the model's context of 50 tokens" in r.stderr
+    assert "start a new session" in r.stderr and "--max-context" not in r.stderr
 
 
 def test_run_prompt_with_undecodable_bytes(script):
@@ -216,6 +269,8 @@ def test_model_init_writes_a_loadable_checkpoint(tmp_path):
     assert r.exit_code == 0, r.output
     assert json.loads(r.stdout)["tensors"] > 0 and (tmp_path / "ck" / "config.json").is_file()
     assert invoke("model", "init", str(tmp_path / "ck")).exit_code == 1  # not empty: refused
+    assert invoke("model", "init", str(tmp_path / "ck2"), "--seed", str(2**64)).exit_code == 2  # torch's range
+    assert not (tmp_path / "ck2").exists()
     assert invoke("model", "info", "--model", str(tmp_path / "ck"), "--json").exit_code == 0  # mounted beside init
 
 

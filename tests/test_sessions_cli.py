@@ -55,10 +55,17 @@ def test_fork_rm_asks_default_no(home):
 
 
 def test_prune_dry_run_and_yes(home):
-    assert "would remove a" in run("prune", "--older-than", "-1", "--dry-run").stdout
-    assert run("prune", "--older-than", "-1", input="n\n").exit_code == 1
-    assert "removed a" in run("prune", "--older-than", "-1", "--yes").stdout
+    assert "would remove a" in run("prune", "--older-than", "0", "--dry-run").stdout
+    assert run("prune", "--older-than", "0", input="n\n").exit_code == 1
+    assert "removed a" in run("prune", "--older-than", "0", "--yes").stdout
     assert run("list", "--json").stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("days", ["-1", "nan", "inf"])
+def test_prune_refuses_a_bad_age_before_touching_the_store(home, days):
+    r = run("prune", "--older-than", days, "--yes")
+    assert r.exit_code == 2 and "--older-than" in r.output
+    assert [s["name"] for s in json.loads(run("list", "--json").stdout)] == ["a"]
 
 
 def test_verify_and_gc(home):

@@ -27,7 +27,8 @@ def write_random_checkpoint(out: Path, preset: str = "tiny", seed: int = 0) -> d
 def init(
     out: Path = typer.Argument(..., help="New (or empty) directory to write."),
     preset: str = typer.Option("tiny", "--preset", help="Architecture preset: tiny, small or v41-flash."),
-    seed: int = typer.Option(0, "--seed", help="Weight seed; the same seed writes the same bytes."),
+    seed: int = typer.Option(0, "--seed", min=-2**63, max=2**64 - 1,  # the range torch's generator takes
+                             help="Weight seed; the same seed writes the same bytes."),
     as_json: bool = typer.Option(False, "--json", help="Print the checkpoint census as JSON."),
 ) -> None:
     """Write a random-weight checkpoint (FP8/FP4, official names and layout) for tests and demos."""

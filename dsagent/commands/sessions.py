@@ -1,7 +1,7 @@
 """`dsagent sessions ...`: list, show, export, fork, rm, prune, verify, gc, storage.
 
 Owns: turning the session store's results into stdout text or JSON, confirmation
-prompts for destructive commands, and exit codes (0 ok, 1 error or a failed verify).
+prompts for destructive commands, and exit codes (0 ok, 1 error or a failed verify, 2 a bad flag).
 Does not own: any storage logic; every command is a thin call into `sessions.Store`.
 The store lives in `$DSAGENT_HOME` (else the platform's user data directory).
 """
@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import json
+import math
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -118,9 +119,16 @@ def rm(
     typer.echo(f"removed {name}; freed {_mib(freed.kv_bytes + freed.image_bytes)}")
 
 
+def _finite(value: float) -> float:
+    """click's float range lets nan and inf through; an age must be a number of days."""
+    if not math.isfinite(value):
+        raise typer.BadParameter(f"{value} is not a finite number of days")
+    return value
+
+
 @app.command()
 def prune(
-    older_than: float = typer.Option(..., "--older-than", help="Days since last use."),
+    older_than: float = typer.Option(..., "--older-than", min=0, callback=_finite, help="Days since last use."),
     yes: bool = typer.Option(False, "--yes", "-y"),
     dry_run: bool = typer.Option(False, "--dry-run"),
 ) -> None:
