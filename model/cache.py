@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from model import kernels
 from model.args import ModelArgs
 from model.engram import DEAD
 from model.quant import KVFormat
@@ -52,8 +53,6 @@ class WindowRing:
     def write_step(self, kv: torch.Tensor, position: torch.Tensor) -> None:
         """:meth:`write` of one decode step's entries [B, 1, D] at ``position`` ([1], a device
         tensor): on a packed ring one kernel packs them into their slot where the kernels run."""
-        from model import kernels  # late: model.kernels builds on model.quant, as this module does
-
         if not (self.kv.packed and kernels.pack_window_at(kv, self.data, self.pos, position)):
             self.write(kv, position)
 

@@ -1,175 +1,24 @@
-"""Low-precision number formats of V4.1: the QAT fake-quantisers and the exact byte layouts.
+"""Quantisation as the model runs it: how a cache holds KV (:class:`KVFormat`) and the
+straight-through estimator of QAT (:func:`straight_through`).
 
-Owns: e2m1 (FP4) rounding, power-of-two (ue8m0) and e4m3 block scales, the three KV
-record layouts of ARCHITECTURE.md §2.10 (FP8 window 528 B, FP4 main record 288 B, FP4
-index key 68 B at the full size), and the FP8 / FP4 weight formats of the checkpoint.
-Does not own: where records live (``model.cache``) or which tensors use which format
-(``model.checkpoint``).
-
-Invariant tested in ``tests/test_quant.py``: ``unpack_*(pack_*(x)) == fake_quant_*(x)``
-bit for bit, so a cache that stores bytes computes exactly the trained function.
+Owns: the choice between packed bytes, QAT floats and plain floats, and that packing and
+fake-quantising go through ``model.kernels`` (a Triton kernel where one runs, else its
+twin). Does not own: the number formats and byte layouts themselves — those are
+``model.blockfp``'s, and are importable from here too (``model.quant.pack_main``, ...) —
+nor where records live (``model.cache``).
 """
 from __future__ import annotations
 
 import torch
 
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-WINDOW_BLOCK = 32  # FP8 window KV: one ue8m0 scale per 32 channels
-RECORD_BLOCK = 16  # FP4 main record: one e4m3 scale per 16 channels
-INDEX_BLOCK = 32  # FP4 index key: one ue8m0 scale per 32 channels
-
-_E2M1_VALUES = torch.tensor(
-    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+from model import kernels
+from model.blockfp import (  # noqa: F401 (re-exported: callers import the formats from here)
+    FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK, dequantize_fp4_weight, dequantize_fp8_weight,
+    e2m1_decode, e2m1_encode, fake_quant_fp4, fake_quant_fp8, fake_quant_fp8_weight, fp8_block_from_shapes,
+    index_record_bytes, main_record_bytes, pack_index, pack_main, pack_nibbles, pack_window, pow2_ceil,
+    quantize_fp4_weight, quantize_fp8_weight, ue8m0_decode, ue8m0_encode, unpack_index, unpack_main,
+    unpack_nibbles, unpack_window, window_record_bytes,
 )
-# Round-to-nearest-even thresholds between grid points: a tie goes to the even code,
-# so the ties at 0.75, 1.75 and 3.5 go up and those at 0.25, 1.25, 2.5 and 5.0 go down.
-_E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-_E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
-_E2M1_THRESHOLDS = torch.where(_E2M1_TIE_UP, _E2M1_MIDPOINTS,
-                               torch.nextafter(_E2M1_MIDPOINTS, _E2M1_MIDPOINTS + 1))
-_ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-
-def _on(name: str, table: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``table`` on ``device``, copied there once: a CUDA graph capture may not copy from
-    the host, so the eager warm-up before it leaves the copy here for the capture to reuse."""
-    key = (name, device)
-    if key not in _ON_DEVICE:
-        _ON_DEVICE[key] = table.to(device)
-    return _ON_DEVICE[key]
-
-
-# ----------------------------------------------------------------------------- scalars
-
-def pow2_ceil(t: torch.Tensor) -> torch.Tensor:
-    """2**ceil(log2(t)) for positive fp32 ``t``, read off the IEEE-754 bits (exact)."""
-    bits = t.float().contiguous().view(torch.int32)
-    exponent = (bits >> 23) & 0xFF
-    k = exponent - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-    return torch.exp2(k.float())
-
-
-def ue8m0_encode(scale: torch.Tensor) -> torch.Tensor:
-    """Power-of-two fp32 scales -> E8M0 exponent bytes (value = 2**(byte - 127))."""
-    return ((scale.float().contiguous().view(torch.int32) >> 23) & 0xFF).to(torch.uint8)
-
-
-def ue8m0_decode(codes: torch.Tensor) -> torch.Tensor:
-    return torch.exp2(codes.float() - 127.0)
-
-
-def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
-    """Pre-clamped fp32 values -> 4-bit codes (uint8, sign in bit 3), nearest-even."""
-    thresholds = _on("e2m1_thresholds", _E2M1_THRESHOLDS, q.device)
-    codes = (q.abs().unsqueeze(-1) >= thresholds).sum(-1).to(torch.uint8)
-    return codes | (torch.signbit(q).to(torch.uint8) << 3)
-
-
-def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return _on("e2m1_values", _E2M1_VALUES, codes.device)[codes.long()]
-
-
-def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """[..., 2n] codes -> [..., n] bytes, the even index in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    low, high = packed & 0x0F, packed >> 4
-    return torch.stack([low, high], dim=-1).flatten(-2)
-
-
-# ----------------------------------------------------------------------------- block quantisers
-
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    n = x.shape[-1]
-    assert n % block == 0, f"last dim {n} is not a multiple of the block size {block}"
-    return x.float().reshape(*x.shape[:-1], n // block, block)
-
-
-def _fp8_parts(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = _blocks(x, block)
-    scale = pow2_ceil(blocks.abs().amax(-1).clamp_min(1e-4) * (1.0 / FP8_MAX))
-    q = (blocks / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def _fp4_parts(x: torch.Tensor, block: int, e4m3_scales: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    blocks = _blocks(x, block)
-    amax = blocks.abs().amax(-1)
-    if e4m3_scales:
-        scale = (amax.clamp_min(FP4_MAX * 2.0**-9) / FP4_MAX).to(torch.float8_e4m3fn).float()
-    else:
-        scale = pow2_ceil(amax.clamp_min(FP4_MAX * 2.0**-126) * (1.0 / FP4_MAX))
-    codes = e2m1_encode((blocks / scale.unsqueeze(-1)).clamp(-FP4_MAX, FP4_MAX))
-    return codes, scale
-
-
-def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_BLOCK) -> torch.Tensor:
-    """FP8 e4m3 with one power-of-two scale per ``block`` channels, dequantised."""
-    q, scale = _fp8_parts(x, block)
-    return (q.float() * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
-
-
-def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
-    """FP4 e2m1 with one scale per ``block`` channels (ue8m0, or e4m3 when asked), dequantised."""
-    codes, scale = _fp4_parts(x, block, e4m3_scales)
-    return (e2m1_decode(codes) * scale.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
-
-
-# ----------------------------------------------------------------------------- KV byte layouts
-
-def window_record_bytes(dim: int) -> int:
-    return dim + dim // WINDOW_BLOCK
-
-
-def main_record_bytes(dim: int) -> int:
-    return dim // 2 + dim // RECORD_BLOCK
-
-
-def index_record_bytes(dim: int) -> int:
-    return dim // 2 + dim // INDEX_BLOCK
-
-
-def pack_window(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> uint8 [..., D + D/32]: e4m3 data, then one ue8m0 byte per 32 channels."""
-    q, scale = _fp8_parts(x, WINDOW_BLOCK)
-    data = q.reshape(*x.shape[:-1], -1).view(torch.uint8)
-    return torch.cat([data, ue8m0_encode(scale)], dim=-1)
-
-
-def unpack_window(b: torch.Tensor, dim: int) -> torch.Tensor:
-    data = b[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
-    scale = ue8m0_decode(b[..., dim:])
-    return (data.reshape(*b.shape[:-1], -1, WINDOW_BLOCK) * scale.unsqueeze(-1)).reshape(*b.shape[:-1], dim)
-
-
-def pack_main(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> uint8 [..., D/2 + D/16]: e2m1 pairs, then one e4m3 scale byte per 16."""
-    codes, scale = _fp4_parts(x, RECORD_BLOCK, e4m3_scales=True)
-    data = pack_nibbles(codes.reshape(*x.shape[:-1], -1))
-    scale_bytes = scale.to(torch.float8_e4m3fn).view(torch.uint8)
-    return torch.cat([data, scale_bytes], dim=-1)
-
-
-def unpack_main(b: torch.Tensor, dim: int) -> torch.Tensor:
-    values = e2m1_decode(unpack_nibbles(b[..., : dim // 2]))
-    scale = b[..., dim // 2 :].contiguous().view(torch.float8_e4m3fn).float()
-    return (values.reshape(*b.shape[:-1], -1, RECORD_BLOCK) * scale.unsqueeze(-1)).reshape(*b.shape[:-1], dim)
-
-
-def pack_index(x: torch.Tensor) -> torch.Tensor:
-    """[..., d] -> uint8 [..., d/2 + d/32]: e2m1 pairs, then one ue8m0 byte per 32."""
-    codes, scale = _fp4_parts(x, INDEX_BLOCK, e4m3_scales=False)
-    data = pack_nibbles(codes.reshape(*x.shape[:-1], -1))
-    return torch.cat([data, ue8m0_encode(scale)], dim=-1)
-
-
-def unpack_index(b: torch.Tensor, dim: int) -> torch.Tensor:
-    values = e2m1_decode(unpack_nibbles(b[..., : dim // 2]))
-    scale = ue8m0_decode(b[..., dim // 2 :])
-    return (values.reshape(*b.shape[:-1], -1, INDEX_BLOCK) * scale.unsqueeze(-1)).reshape(*b.shape[:-1], dim)
 
 
 # ----------------------------------------------------------------------------- KV formats
@@ -192,7 +41,7 @@ class _StraightThrough(torch.autograd.Function):
 
 
 class KVFormat:
-    """How a cache holds KV. ``PACKED``: the byte layouts above (inference, the store).
+    """How a cache holds KV. ``PACKED``: ``model.blockfp``'s byte layouts (inference, the store).
     ``TRAIN``: the same values as floats, with straight-through gradients (QAT training).
     ``FLOAT``: floats without any KV quantisation (the unquantised reference of the eval).
     Attention sees identical numbers under PACKED and TRAIN."""
@@ -212,10 +61,10 @@ class KVFormat:
 
     # fresh values, as attention and the indexer see them
     def window(self, kv: torch.Tensor) -> torch.Tensor:
-        return self._fake(kv, _kernels().fake_quant_fp8)
+        return self._fake(kv, kernels.fake_quant_fp8)
 
     def index_query(self, q: torch.Tensor) -> torch.Tensor:
-        return self._fake(q, lambda t: _kernels().fake_quant_fp4(t, INDEX_BLOCK))
+        return self._fake(q, lambda t: kernels.fake_quant_fp4(t, INDEX_BLOCK))
 
     # stored rows: width and dtype of one row of ``dim`` channels
     def window_row(self, dim: int) -> tuple[int, torch.dtype]:
@@ -229,34 +78,26 @@ class KVFormat:
 
     def pack_window(self, kv: torch.Tensor) -> torch.Tensor:
         """``kv`` is already what :meth:`window` returned."""
-        return _kernels().pack_window(kv) if self.packed else kv.float()
+        return kernels.pack_window(kv) if self.packed else kv.float()
 
     def unpack_window(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         return unpack_window(rows, dim) if self.packed else _snapshot(rows)
 
     def pack_main(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return _kernels().pack_main(x)
-        return self._fake(x.float(), lambda t: _kernels().fake_quant_fp4(t, RECORD_BLOCK, e4m3_scales=True))
+            return kernels.pack_main(x)
+        return self._fake(x.float(), lambda t: kernels.fake_quant_fp4(t, RECORD_BLOCK, e4m3_scales=True))
 
     def unpack_main(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         return unpack_main(rows, dim) if self.packed else _snapshot(rows)
 
     def pack_index(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
-            return _kernels().pack_index(x)
-        return self._fake(x.float(), lambda t: _kernels().fake_quant_fp4(t, INDEX_BLOCK))
+            return kernels.pack_index(x)
+        return self._fake(x.float(), lambda t: kernels.fake_quant_fp4(t, INDEX_BLOCK))
 
     def unpack_index(self, rows: torch.Tensor, dim: int) -> torch.Tensor:
         return unpack_index(rows, dim) if self.packed else _snapshot(rows)
-
-
-def _kernels():
-    """``model.kernels``: packs with a Triton kernel where one runs, else with this module's
-    functions (the same bytes). Imported late: it builds on this module."""
-    from model import kernels
-
-    return kernels
 
 
 def _snapshot(rows: torch.Tensor) -> torch.Tensor:
@@ -268,73 +109,3 @@ def _snapshot(rows: torch.Tensor) -> torch.Tensor:
 KVFormat.PACKED = KVFormat("PACKED", packed=True, quantise=True)
 KVFormat.TRAIN = KVFormat("TRAIN", packed=False, quantise=True)
 KVFormat.FLOAT = KVFormat("FLOAT", packed=False, quantise=False)
-
-
-# ----------------------------------------------------------------------------- weight formats
-
-def quantize_fp8_weight(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (float8_e4m3fn [out, in], float8_e8m0fnu [ceil(out/B), ceil(in/B)])."""
-    q, scale = _fp8_tiles(w, (block, block))
-    return q.to(torch.float8_e4m3fn), ue8m0_encode(scale).view(torch.float8_e8m0fnu)
-
-
-def _fp8_tile_view(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled (not yet rounded) values of the zero-padded ``w`` [..., out, in] as tiles
-    [..., To, bo, Ti, bi], and the power-of-two tile scales [..., To, 1, Ti, 1] (the padding
-    never raises a tile's amax)."""
-    (out_f, in_f), (bo, bi) = w.shape[-2:], block
-    pad = torch.nn.functional.pad(w.float(), (0, -in_f % bi, 0, -out_f % bo))
-    tiles = pad.view(*pad.shape[:-2], pad.shape[-2] // bo, bo, pad.shape[-1] // bi, bi)
-    scale = pow2_ceil(tiles.abs().amax(dim=(-3, -1), keepdim=True).clamp_min(1e-4) / FP8_MAX)
-    return (tiles / scale).clamp(-FP8_MAX, FP8_MAX), scale
-
-
-def _untile(tiles: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    rows = tiles.shape[-4] * tiles.shape[-3]
-    return tiles.reshape(*tiles.shape[:-4], rows, -1)[..., : shape[-2], : shape[-1]]
-
-
-def _fp8_tiles(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scaled (not yet rounded) values [out, in] and the power-of-two tile scales."""
-    q, scale = _fp8_tile_view(w, block)
-    return _untile(q, w.shape), scale[..., 0, :, 0]
-
-
-def fake_quant_fp8_weight(w: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """FP8 weight(s) [..., out, in] with one power-of-two scale per (rows, cols) tile,
-    dequantised on ``w``'s device (the scales broadcast over their tiles)."""
-    q, scale = _fp8_tile_view(w, block)
-    return _untile(q.to(torch.float8_e4m3fn).float() * scale, w.shape).to(w.dtype)
-
-
-def fp8_block_from_shapes(shape: tuple, scale_shape: tuple) -> tuple[int, int]:
-    """The power-of-two block (rows, cols) whose ceil-division of ``shape`` gives ``scale_shape``."""
-    def fit(n: int, blocks: int) -> int:
-        for b in (2 ** k for k in range(16)):
-            if -(-n // b) == blocks:
-                return b
-        raise ValueError(f"no power-of-two block turns {n} into {blocks} scale blocks")
-    return fit(shape[0], scale_shape[0]), fit(shape[1], scale_shape[1])
-
-
-def dequantize_fp8_weight(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None) -> torch.Tensor:
-    """Inverse of :func:`quantize_fp8_weight`; the block size is read from the shapes if not given."""
-    out_f, in_f = q.shape
-    bo, bi = block or fp8_block_from_shapes(tuple(q.shape), tuple(scale.shape))
-    s = ue8m0_decode(scale.view(torch.uint8))
-    s = s.repeat_interleave(bo, 0)[:out_f].repeat_interleave(bi, 1)[:, :in_f]
-    return q.float() * s
-
-
-def quantize_fp4_weight(w: torch.Tensor, block: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (int8 [out, in/2] packed e2m1, float8_e8m0fnu [out, in/block])."""
-    codes, scale = _fp4_parts(w, block, e4m3_scales=False)
-    packed = pack_nibbles(codes.reshape(w.shape[0], -1))
-    return packed.view(torch.int8), ue8m0_encode(scale).view(torch.float8_e8m0fnu)
-
-
-def dequantize_fp4_weight(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    values = e2m1_decode(unpack_nibbles(packed.view(torch.uint8)))
-    block = values.shape[-1] // scale.shape[-1]
-    s = ue8m0_decode(scale.view(torch.uint8))
-    return (values.reshape(*values.shape[:-1], -1, block) * s.unsqueeze(-1)).reshape(values.shape)

@@ -1,7 +1,7 @@
 """Fused decode kernels on packed cache bytes, and the one place that picks kernel or twin.
 
 Public functions: ``pack_window`` / ``pack_main`` / ``pack_index`` (KV rows to the cache's
-bytes, equal to ``model.quant``'s, whose functions are their twins) and ``fake_quant_fp8`` /
+bytes, equal to ``model.blockfp``'s, whose functions are their twins) and ``fake_quant_fp8`` /
 ``fake_quant_fp4`` (the values those bytes hold, likewise);
 ``hc_split(mixes, scale, base, hc, iters, eps)`` -> (pre, post, comb), the mHC mixes after
 their projection (the model's own maths is its twin ``hc_split_ref``, used wherever the
@@ -68,7 +68,7 @@ import warnings
 
 import torch
 
-from model import quant
+from model import blockfp
 from model.kernels import backward
 from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
                                     ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref, topk_rows_ref)
@@ -677,17 +677,17 @@ def _compiled_twin():
 
 
 def pack_window(x: torch.Tensor) -> torch.Tensor:
-    """FP8 window rows [..., D + D/32] bytes: the kernel where :func:`enabled`, else ``model.quant``."""
+    """FP8 window rows [..., D + D/32] bytes: the kernel where :func:`enabled`, else ``model.blockfp``."""
     return _pack("pack_window", x)
 
 
 def pack_main(x: torch.Tensor) -> torch.Tensor:
-    """FP4 main records [..., D/2 + D/16] bytes: the kernel where :func:`enabled`, else ``model.quant``."""
+    """FP4 main records [..., D/2 + D/16] bytes: the kernel where :func:`enabled`, else ``model.blockfp``."""
     return _pack("pack_main", x)
 
 
 def pack_index(x: torch.Tensor) -> torch.Tensor:
-    """FP4 index keys [..., d/2 + d/32] bytes: the kernel where :func:`enabled`, else ``model.quant``."""
+    """FP4 index keys [..., d/2 + d/32] bytes: the kernel where :func:`enabled`, else ``model.blockfp``."""
     return _pack("pack_index", x)
 
 
@@ -697,7 +697,7 @@ def pack_window_at(kv: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor,
     ran (:func:`enabled`, rows the pack kernel takes); False, and nothing written, where it
     does not or cannot be built: the caller writes in torch (``WindowRing.write``, its
     twin: the remainder, the pack, two scatters), the same bytes."""
-    if not (pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK) and _kernel_runs("pack_window", kv)):
+    if not (pow2_blocks(kv.shape[-1], blockfp.WINDOW_BLOCK) and _kernel_runs("pack_window", kv)):
         return False
     from model.kernels import pack
 
@@ -712,7 +712,7 @@ def window_entry(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
     took four. True where the kernel ran (:func:`enabled`, rows the pack kernel takes);
     False, and nothing written, where it does not or cannot be built: the caller runs the
     four. Its norm agrees with :func:`rms_norm`'s to rounding; the rest as the four round."""
-    if not (pow2_blocks(kv.shape[-1], quant.WINDOW_BLOCK) and _kernel_runs("window entry", kv)
+    if not (pow2_blocks(kv.shape[-1], blockfp.WINDOW_BLOCK) and _kernel_runs("window entry", kv)
             and kv.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == kv.dtype):
         return False
     from model.kernels import pack
@@ -760,24 +760,24 @@ def pow2_blocks(dim: int, block: int) -> bool:
     return dim % block == 0 and (dim // block) & (dim // block - 1) == 0
 
 
-def fake_quant_fp8(x: torch.Tensor, block: int = quant.WINDOW_BLOCK) -> torch.Tensor:
-    """FP8 values as the window stores them (:func:`model.quant.fake_quant_fp8`): one kernel
+def fake_quant_fp8(x: torch.Tensor, block: int = blockfp.WINDOW_BLOCK) -> torch.Tensor:
+    """FP8 values as the window stores them (:func:`model.blockfp.fake_quant_fp8`): one kernel
     where :func:`enabled`, no gradient is wanted and the rows suit it (:func:`pow2_blocks`),
     else the twin; bit-exact either way."""
     if not pow2_blocks(x.shape[-1], block):
-        return quant.fake_quant_fp8(x, block)
-    return _kernel_or_twin("FP8 values", "pack.fake_quant_fp8", quant.fake_quant_fp8, x, block, grads=(x,))
+        return blockfp.fake_quant_fp8(x, block)
+    return _kernel_or_twin("FP8 values", "pack.fake_quant_fp8", blockfp.fake_quant_fp8, x, block, grads=(x,))
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
     """FP4 values as records / index keys / QAT weights store them
-    (:func:`model.quant.fake_quant_fp4`): one kernel where :func:`enabled`, no gradient is
+    (:func:`model.blockfp.fake_quant_fp4`): one kernel where :func:`enabled`, no gradient is
     wanted and the rows suit it (:func:`pow2_blocks`), else the twin; bit-exact."""
     if not pow2_blocks(x.shape[-1], block):
-        return quant.fake_quant_fp4(x, block, e4m3_scales)
-    return _kernel_or_twin("FP4 values", "pack.fake_quant_fp4", quant.fake_quant_fp4, x, block, e4m3_scales,
+        return blockfp.fake_quant_fp4(x, block, e4m3_scales)
+    return _kernel_or_twin("FP4 values", "pack.fake_quant_fp4", blockfp.fake_quant_fp4, x, block, e4m3_scales,
                            grads=(x,))
 
 
 def _pack(name: str, x: torch.Tensor) -> torch.Tensor:
-    return _kernel_or_twin(name, f"pack.{name}", getattr(quant, name), x, grads=())  # bytes: no gradient either way
+    return _kernel_or_twin(name, f"pack.{name}", getattr(blockfp, name), x, grads=())  # bytes: no gradient either way

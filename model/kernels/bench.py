@@ -13,8 +13,8 @@ import torch
 
 from model.args import ModelArgs
 from model.kernels import indexer_scores_ref, sparse_attention_ref, triton_available
-from model.quant import fake_quant_fp4, index_record_bytes, main_record_bytes, pack_index, pack_main, pack_window
-from model.quant import INDEX_BLOCK, window_record_bytes
+from model.blockfp import fake_quant_fp4, index_record_bytes, main_record_bytes, pack_index, pack_main, pack_window
+from model.blockfp import INDEX_BLOCK, window_record_bytes
 
 
 def decode_shapes(args: ModelArgs, batch: int = 1, spare: int = 16) -> dict:

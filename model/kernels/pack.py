@@ -1,11 +1,11 @@
-"""Triton kernels that pack KV rows into the cache's byte layouts, bit for bit as ``model.quant``.
+"""Triton kernels that pack KV rows into the cache's byte layouts, bit for bit as ``model.blockfp``.
 
 Owns ``pack_window`` (FP8 e4m3 + one ue8m0 byte per 32 channels: 528 B at D=512),
 ``pack_main`` (FP4 e2m1 pairs + one e4m3 byte per 16: 288 B) and ``pack_index`` (FP4 e2m1
 pairs + one ue8m0 byte per 32: 68 B at d=128), one program per row. Their twins are
-``model.quant.pack_window`` / ``pack_main`` / ``pack_index``; ``tests/test_kernels.py``
+``model.blockfp.pack_window`` / ``pack_main`` / ``pack_index``; ``tests/test_kernels.py``
 requires equal bytes. The same kernels give ``fake_quant_fp8`` / ``fake_quant_fp4``: the
-quantised values themselves, decoded in registers (twins: ``model.quant``'s of the same
+quantised values themselves, decoded in registers (twins: ``model.blockfp``'s of the same
 names; every such value is exact in fp32 and bf16, so these are bit-exact too) — one launch
 where torch runs ~18 for the window's FP8 and ~25 for the indexer query's FP4. A decode step's
 rows made and packed in place in one launch each: ``window_entry`` (the window's), and a KV
@@ -28,9 +28,9 @@ import triton.language as tl
 
 from model.kernels import pow2_blocks
 from model.kernels.fused import _chain, _e2m1, _e4m3, _rms_normed, _round, _store, _turned, chained, unfused
-from model.quant import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
+from model.blockfp import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
 
-# e2m1 thresholds as model.quant.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
+# e2m1 thresholds as model.blockfp.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
 # rounds down (to the even code), so the threshold is the next float above the midpoint
 _MID = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=np.float32)
 _T = [float(np.nextafter(m, np.float32(np.inf)) if i % 2 == 0 else m) for i, m in enumerate(_MID)]
@@ -69,7 +69,7 @@ def _e4m3_encode(y):
 
 @triton.jit
 def _e2m1_encode(y):
-    """Pre-clamped fp32 -> 4-bit code (sign in bit 3), as ``model.quant.e2m1_encode``."""
+    """Pre-clamped fp32 -> 4-bit code (sign in bit 3), as ``model.blockfp.e2m1_encode``."""
     a = tl.abs(y)
     code = ((a >= _T0).to(tl.int32) + (a >= _T1).to(tl.int32) + (a >= _T2).to(tl.int32) + (a >= _T3).to(tl.int32)
             + (a >= _T4).to(tl.int32) + (a >= _T5).to(tl.int32) + (a >= _T6).to(tl.int32))
@@ -115,7 +115,7 @@ def _pack_window_kernel(x_ptr, out_ptr, s_x, s_o, D: tl.constexpr, BLOCK: tl.con
 @triton.jit
 def _fp4_blocks(even, odd, E4M3_SCALES: tl.constexpr):
     """A row's even and odd channels as blocks [NB, BLOCK/2] (fp32) -> (their e2m1 codes, even
-    and odd, sign in bit 3; each block's scale byte; the scale's value), as ``model.quant``'s
+    and odd, sign in bit 3; each block's scale byte; the scale's value), as ``model.blockfp``'s
     ``pack_main`` (E4M3_SCALES: e4m3 scales of amax / 6) and ``pack_index`` (ue8m0: powers of
     two) make them."""
     amax = tl.maximum(tl.max(tl.abs(even), 1), tl.max(tl.abs(odd), 1))
@@ -189,7 +189,7 @@ def pack_window(x: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quant_fp8(x: torch.Tensor, block: int = WINDOW_BLOCK) -> torch.Tensor:
-    """What ``pack_window``'s bytes decode to, in x's dtype (``model.quant.fake_quant_fp8``)."""
+    """What ``pack_window``'s bytes decode to, in x's dtype (``model.blockfp.fake_quant_fp8``)."""
     return _pack_fp8(x, block, values=True)
 
 
@@ -428,5 +428,5 @@ def pack_index(x: torch.Tensor) -> torch.Tensor:
 
 
 def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> torch.Tensor:
-    """What the FP4 bytes of ``x`` decode to, in x's dtype (``model.quant.fake_quant_fp4``)."""
+    """What the FP4 bytes of ``x`` decode to, in x's dtype (``model.blockfp.fake_quant_fp4``)."""
     return _pack_fp4(x, block, e4m3_scales, values=True)

@@ -11,7 +11,7 @@ bytes, one decode step (one query per row):
 ``sparse_attention_ref`` (``Attention._attend`` for S=1: one softmax over the valid window
 entries, the selected FP4 records and the per-head sink, shared K=V latent) and
 ``indexer_scores_ref`` (``Indexer.scores`` for S=1: weighted-ReLU scores against FP4 index
-keys). Both unpack with ``model.quant`` and compute in fp32, in the same order as the
+keys). Both unpack with ``model.blockfp`` and compute in fp32, in the same order as the
 model, so ``tests/test_kernels.py`` can check twin == model on a tiny model and kernel ==
 twin on random bytes. And the model's top-k, ``stable_topk`` / ``top_records`` (its own code,
 here so that ``topk_rows_ref``, a decode step's top-k in the kernel's order, is the same
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from model.quant import unpack_index, unpack_main, unpack_window
+from model.blockfp import unpack_index, unpack_main, unpack_window
 
 
 def sparse_attention_ref(q: torch.Tensor, window: torch.Tensor, window_valid: torch.Tensor,
