@@ -162,11 +162,11 @@ def test_step_kernel_does_what_the_steps_parts_do(B) -> None:
 
 @needs_kernel
 def test_a_decode_step_hashes_with_the_step_kernel(monkeypatch) -> None:
-    """``Transformer.engram_hash`` on one new token a row takes the one launch (a prompt's
-    chunk the parts); its rows and the ring it leaves are those of the parts."""
+    """A decode step's hashing (``decode_step._hash_step``) on one new token a row takes the
+    one launch; its rows and the ring it leaves are those of ``Transformer.engram_hash``'s parts."""
     import copy
 
-    from model import kernels
+    from model import decode_step, kernels
     from model.args import ModelArgs
     from model.cache import Cache
     from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
@@ -187,10 +187,8 @@ def test_a_decode_step_hashes_with_the_step_kernel(monkeypatch) -> None:
     monkeypatch.setattr(kernels, "engram_step", counted)
     for start in range(7, 12):
         ids = torch.randint(3, 1000, (2, 1), generator=g).to(DEVICE)
-        got = model.engram_hash(ids, mine, start)
-        with monkeypatch.context() as m:
-            m.setattr(kernels, "engram_step", lambda *a: None)  # not run: the parts
-            want = model.engram_hash(ids, theirs, start)
+        got = decode_step._hash_step(model, ids, mine, start)
+        want = model.engram_hash(ids, theirs, start)  # the reference: the parts
         assert torch.equal(got, want)
         assert torch.equal(mine.engram_ids, theirs.engram_ids) and torch.equal(mine.engram_pos, theirs.engram_pos)
     assert launched == [True] * 5  # the kernel ran each step

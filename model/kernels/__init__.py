@@ -19,7 +19,7 @@ also in training, through the closed-form backward passes of ``model.kernels.bac
 parts (``hc_site_parts``: the functions above);
 and, for one decode step (one query per batch row):
 - ``sparse_attention(q, window, window_valid, records, record_idx, sink, scale)`` -> [B, H, D]
-  fp32 (or ``out_dtype``): ``Attention._attend`` for S=1 on FP8 window rows and selected FP4
+  fp32 (or ``out_dtype``): ``Attention.attend`` for S=1 on FP8 window rows and selected FP4
   records; ``window_at`` = (ring positions, query position, span) in place of the mask.
 - ``pack_window_at(kv, data, ring_pos, pos)``: a step's window entry packed into its ring slot;
   ``window_entry(kv, norm_weight, eps, cos, sin, data, ring_pos, pos)``: the entry made from
@@ -399,7 +399,7 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
 
 def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
              rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
-    """:func:`gemv`'s twin: ``F.linear``, or the grouped einsum of ``Attention._grouped_wo_a``,
+    """:func:`gemv`'s twin: ``F.linear``, or the grouped einsum of ``model.linear.grouped_linear``,
     after ``rms_norm_ref`` / ``rope_ref`` of x and before ``rope_ref`` of the output."""
 
     def heads(t: torch.Tensor, rope) -> torch.Tensor:
@@ -708,7 +708,7 @@ def window_entry(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
                  data: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> bool:
     """One decode step's window entry made and written in one launch, from its K=V latent
     ``kv`` [B, 1, D]: ``pack_window_at(fake_quant_fp8(rope(rms_norm(kv, norm_weight, eps), cos,
-    sin)), data, ring_pos, pos)`` (``Attention.decode_step``), where torch's kernels or ours
+    sin)), data, ring_pos, pos)`` (``model.decode_step``), where torch's kernels or ours
     took four. True where the kernel ran (:func:`enabled`, rows the pack kernel takes);
     False, and nothing written, where it does not or cannot be built: the caller runs the
     four. Its norm agrees with :func:`rms_norm`'s to rounding; the rest as the four round."""
@@ -725,7 +725,7 @@ def compress_step(x: torch.Tensor, weights: tuple, norm: tuple, hist: tuple, rec
                   index: torch.Tensor, wk: torch.Tensor, k_norm: tuple, inv_freq: torch.Tensor, pos: torch.Tensor,
                   ratio: int, emit: bool) -> bool:
     """A KV source's compressor in one decode step at ``pos`` [1] on ``x`` [B, 1, D], written
-    into the source's buffers (``Attention.decode_step``): its projections by ``weights`` —
+    into the source's buffers (``model.decode_step``): its projections by ``weights`` —
     (wkv,) at ratio 1, fp32 (wkv, wgate) of ``x.float()`` above — in one GEMV launch; at ratio >
     1 kept in the history ring ``hist`` = (hist_kv, hist_gate, hist_pos); when ``emit`` (its
     group completes) the group's latent pooled and normalised by ``norm`` = (weight, eps), its

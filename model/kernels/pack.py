@@ -306,7 +306,7 @@ def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: to
 COMPRESS_STEP = True
 # those launches (~15 µs at `small` on the H200, session 32) on a side stream beside the query's
 # projections and the window entry, which need the site's input as they do
-# (``model.model.Attention.compress_beside``). Timed on the H200 (`small`, a step at 128K, bench_knobs,
+# (``model.decode_step._compress_beside``). Timed on the H200 (`small`, a step at 128K, bench_knobs,
 # best of two alternated rounds): 0.979 of inline (and 0.981 as "all on"), the control 0.991
 COMPRESS_BESIDE = True
 
