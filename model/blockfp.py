@@ -123,6 +123,12 @@ def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> to
 
 # ----------------------------------------------------------------------------- KV byte layouts
 
+def pow2_blocks(dim: int, block: int) -> bool:
+    """Whether a row of ``dim`` channels is a power-of-two number of ``block``-blocks: what
+    the pack kernels take (their block loop is one ``tl.arange``)."""
+    return dim % block == 0 and (dim // block) & (dim // block - 1) == 0
+
+
 def window_record_bytes(dim: int) -> int:
     return dim + dim // WINDOW_BLOCK
 

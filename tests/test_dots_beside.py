@@ -42,7 +42,7 @@ def _site_and_collapsed(rows: int, hc: int, D: int, dtype: torch.dtype, expanded
         new = kernels.hc_expand(y, streams, post, comb) if expanded else streams
         x = kernels.hc_collapse(new, pre)
     parts = (y, post, comb) if expanded else (None, None, None)
-    return x, kernels.Collapsed(streams, pre, *parts, new), weight
+    return x, kernels.Collapsed(streams, pre, *parts, new, kernels.hc_collapse), weight
 
 
 @kernel_only

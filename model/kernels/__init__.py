@@ -70,6 +70,7 @@ import torch
 
 from model import blockfp
 from model.kernels import backward
+from model.kernels.collapsed import Collapsed
 from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
                                     ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref, topk_rows_ref)
 
@@ -302,52 +303,6 @@ def resolve(y):
     return y.value() if isinstance(y, (Pending, Collapsed)) else y
 
 
-class Collapsed:
-    """An mHC site's input before its norm, not yet made (:func:`hc_site` where the site's
-    launches run beside, ``streams.DOTS_BESIDE``): the site's streams [..., hc, D] — first
-    expanded by the site before's y [..., D], post [..., hc] and comb [..., hc, hc] where it
-    has one — collapsed by ``pre`` [..., hc]. Its reader's launch makes it at the channels it
-    reads (:func:`gemv`'s and :func:`moe_decode`'s kernels, with their ``norm``: the same
-    products, sums and roundings as the site's own launch, so the same bits); any other
-    reader takes :meth:`value`. ``expanded``: the streams the side stream's dots launch
-    writes (what :meth:`value` collapses, once joined). Seen as a tensor of x's shape, dtype
-    and device (:meth:`reshape` regroups its leading dims)."""
-
-    def __init__(self, streams: torch.Tensor, pre: torch.Tensor, y: torch.Tensor | None, post: torch.Tensor | None,
-                 comb: torch.Tensor | None, expanded: torch.Tensor):
-        self.streams, self.pre, self.y, self.post, self.comb, self.expanded = streams, pre, y, post, comb, expanded
-        self.shape = streams.shape[:-2] + streams.shape[-1:]
-
-    dtype = property(lambda self: self.streams.dtype)
-    device = property(lambda self: self.streams.device)
-    is_cuda = property(lambda self: self.streams.is_cuda)
-
-    def numel(self) -> int:
-        return self.streams.numel() // self.streams.shape[-2]
-
-    def reshape(self, *shape) -> "Collapsed":
-        """The same input seen as ``shape`` (its last dim D; -1 allowed once)."""
-        out = Collapsed(self.streams, self.pre, self.y, self.post, self.comb, self.expanded)
-        out.shape = torch.Size(torch.empty(self.shape, device="meta").reshape(*shape).shape)
-        assert out.shape[-1] == self.shape[-1], (shape, self.shape)
-        return out
-
-    def launch_args(self) -> tuple[torch.Tensor, dict]:
-        """(rows [N, D]: a view of x's shape alone, neither read nor written; a reader kernel's
-        arguments: the streams, pre, y, post, comb — y, post, comb the streams where there is no
-        expand, unread then — and ``COLLAPSE_IN`` / ``C_EXPAND`` / ``C_HC``)."""
-        s, expand = self.streams, self.y is not None
-        y, post, comb = (self.y, self.post, self.comb) if expand else (s, s, s)
-        rows = s.reshape(-1, s.shape[-2], s.shape[-1])[:, 0]
-        return rows, dict(cs_ptr=s, cpre_ptr=self.pre, cy_ptr=y, cpost_ptr=post, ccomb_ptr=comb,
-                          COLLAPSE_IN=True, C_EXPAND=expand, C_HC=s.shape[-2])
-
-    def value(self) -> torch.Tensor:
-        """x made: the expanded streams collapsed by pre (:func:`hc_collapse`, which joins the
-        side stream first): the bits a reader's launch makes."""
-        return hc_collapse(self.expanded, self.pre).view(self.shape)
-
-
 def gemv_later(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | Pending:
     """``layer(x)`` as a :class:`Pending` of its GEMV launch where :func:`gemv_runs` (a decode
     step's last projection before an mHC site: the attention's ``wo_b``) and the site may fold
@@ -568,7 +523,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
         site = functools.partial(kernel.hc_site, overlap=beside, norm_later=later, dots_beside=dots_beside)
         out = _guarded("mHC site kernel", site, hc_site_parts, *args)
         if isinstance(out[4], tuple):  # the dots beside: x left to its reader
-            out = (*out[:4], Collapsed(*out[4], out[0]))
+            out = (*out[:4], Collapsed(*out[4], out[0], hc_collapse))
         return (*out, later and "mHC site kernel" not in _FAILED) if norm_later else out
     out = hc_site_parts(*args)
     return (*out, False) if norm_later else out
@@ -697,7 +652,7 @@ def pack_window_at(kv: torch.Tensor, data: torch.Tensor, ring_pos: torch.Tensor,
     ran (:func:`enabled`, rows the pack kernel takes); False, and nothing written, where it
     does not or cannot be built: the caller writes in torch (``WindowRing.write``, its
     twin: the remainder, the pack, two scatters), the same bytes."""
-    if not (pow2_blocks(kv.shape[-1], blockfp.WINDOW_BLOCK) and _kernel_runs("pack_window", kv)):
+    if not (blockfp.pow2_blocks(kv.shape[-1], blockfp.WINDOW_BLOCK) and _kernel_runs("pack_window", kv)):
         return False
     from model.kernels import pack
 
@@ -712,7 +667,7 @@ def window_entry(kv: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: t
     took four. True where the kernel ran (:func:`enabled`, rows the pack kernel takes);
     False, and nothing written, where it does not or cannot be built: the caller runs the
     four. Its norm agrees with :func:`rms_norm`'s to rounding; the rest as the four round."""
-    if not (pow2_blocks(kv.shape[-1], blockfp.WINDOW_BLOCK) and _kernel_runs("window entry", kv)
+    if not (blockfp.pow2_blocks(kv.shape[-1], blockfp.WINDOW_BLOCK) and _kernel_runs("window entry", kv)
             and kv.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == kv.dtype):
         return False
     from model.kernels import pack
@@ -754,17 +709,11 @@ def compress_step(x: torch.Tensor, weights: tuple, norm: tuple, hist: tuple, rec
     return _guarded("compressor step", run, lambda t: False, x)
 
 
-def pow2_blocks(dim: int, block: int) -> bool:
-    """Whether a row of ``dim`` channels is a power-of-two number of ``block``-blocks: what
-    the pack kernels take (their block loop is one ``tl.arange``)."""
-    return dim % block == 0 and (dim // block) & (dim // block - 1) == 0
-
-
 def fake_quant_fp8(x: torch.Tensor, block: int = blockfp.WINDOW_BLOCK) -> torch.Tensor:
     """FP8 values as the window stores them (:func:`model.blockfp.fake_quant_fp8`): one kernel
     where :func:`enabled`, no gradient is wanted and the rows suit it (:func:`pow2_blocks`),
     else the twin; bit-exact either way."""
-    if not pow2_blocks(x.shape[-1], block):
+    if not blockfp.pow2_blocks(x.shape[-1], block):
         return blockfp.fake_quant_fp8(x, block)
     return _kernel_or_twin("FP8 values", "pack.fake_quant_fp8", blockfp.fake_quant_fp8, x, block, grads=(x,))
 
@@ -773,7 +722,7 @@ def fake_quant_fp4(x: torch.Tensor, block: int, e4m3_scales: bool = False) -> to
     """FP4 values as records / index keys / QAT weights store them
     (:func:`model.blockfp.fake_quant_fp4`): one kernel where :func:`enabled`, no gradient is
     wanted and the rows suit it (:func:`pow2_blocks`), else the twin; bit-exact."""
-    if not pow2_blocks(x.shape[-1], block):
+    if not blockfp.pow2_blocks(x.shape[-1], block):
         return blockfp.fake_quant_fp4(x, block, e4m3_scales)
     return _kernel_or_twin("FP4 values", "pack.fake_quant_fp4", blockfp.fake_quant_fp4, x, block, e4m3_scales,
                            grads=(x,))

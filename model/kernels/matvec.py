@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, chained, unfused
-from model.kernels import Collapsed
+from model.kernels.collapsed import Collapsed
 from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles, _stream_rows
 
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into

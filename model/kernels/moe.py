@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
-from model.kernels import Collapsed
+from model.kernels.collapsed import Collapsed
 from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles, _stream_rows
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}

@@ -26,9 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels import pow2_blocks
 from model.kernels.fused import _chain, _e2m1, _e4m3, _rms_normed, _round, _store, _turned, chained, unfused
-from model.blockfp import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK
+from model.blockfp import FP4_MAX, FP8_MAX, INDEX_BLOCK, RECORD_BLOCK, WINDOW_BLOCK, pow2_blocks
 
 # e2m1 thresholds as model.blockfp.e2m1_encode builds them: a tie at 0.25, 1.25, 2.5 or 5.0
 # rounds down (to the even code), so the threshold is the next float above the midpoint
