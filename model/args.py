@@ -13,7 +13,9 @@ the full model; the presets below are the only place those numbers appear.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,9 @@ class VisionArgs:
     min_pixels: int = 295936  # images are upscaled to at least this many pixels
     max_wh_ratio: float | None = None  # clamp for very wide images (None: no clamp)
     rms_norm_eps: float = 1e-6  # ViT RMSNorm epsilon
+
+    def __post_init__(self) -> None:
+        _check_types(self, "vision_config.")
 
 
 @dataclass(frozen=True)
@@ -188,17 +193,22 @@ class ModelArgs:
 
     @classmethod
     def from_config(cls, cfg: dict) -> "ModelArgs":
-        text = dict(cfg.get("text_config", cfg))
+        """Read a composite (``text_config`` / ``vision_config``) or flat config; a value of
+        the wrong shape or type is a ConfigError naming its field."""
+        if not isinstance(cfg, dict):
+            raise ConfigError(f"config.json must hold a JSON object at its top level, not {_kind(cfg)}; "
+                              "check that it is the model's config.json")
+        text = dict(_section(cfg, "text_config", cfg))
         known = {f.name for f in dataclasses.fields(cls)} - _NON_TEXT
         kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in text.items() if k in known}
         if "image_token_id" in cfg:
             kwargs["image_token_id"] = cfg["image_token_id"]
-        quant = cfg.get("quantization_config") or {}
+        quant = _section(cfg, "quantization_config", {})
         if quant.get("weight_block_size"):
-            kwargs["weight_block_size"] = int(quant["weight_block_size"][0])
+            kwargs["weight_block_size"] = _block_size(quant["weight_block_size"])
         if quant.get("expert_dtype") or cfg.get("expert_dtype"):
             kwargs["expert_dtype"] = quant.get("expert_dtype") or cfg["expert_dtype"]
-        vision = cfg.get("vision_config")
+        vision = _section(cfg, "vision_config", {})
         if vision:
             vknown = {f.name for f in dataclasses.fields(VisionArgs)}
             kwargs["vision"] = VisionArgs(**{k: v for k, v in vision.items() if k in vknown})
@@ -210,11 +220,15 @@ class ModelArgs:
         if path.is_dir():
             path = path / "config.json"
         try:
-            cfg = json.loads(path.read_text())
+            cfg = json.loads(path.read_bytes().decode("utf-8"))
         except FileNotFoundError:
             raise ConfigError(f"no config.json at {path}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}); save config.json as UTF-8 JSON") from None
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+        except OSError as e:
+            raise ConfigError(f"cannot read {path}: {e.strerror or e}") from None
         return cls.from_config(cfg)
 
     @classmethod
@@ -225,6 +239,77 @@ class ModelArgs:
 
 
 _NON_TEXT = {"vision", "weight_block_size", "expert_dtype"}
+
+
+# ----------------------------------------------------------------------------- shape and types
+
+def _kind(value: object) -> str:
+    """How JSON would name a value's type, for messages."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+            list: "a list", tuple: "a list", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _section(cfg: dict, name: str, default: Any) -> Any:
+    """``cfg[name]``, which must be a JSON object when present (null reads as absent)."""
+    value = cfg.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, dict):
+        _fail(name, f"must be a JSON object, got {_kind(value)} ({value!r:.40})")
+    return value
+
+
+def _is_int(v: object) -> bool:
+    # bool is an int subclass in Python, but `true` is never a size in a config.json
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _block_size(value: Any) -> int:
+    """quantization_config.weight_block_size: [rows, cols] (the official form) or one int."""
+    sizes = value if isinstance(value, (list, tuple)) else [value]
+    if not sizes or not all(_is_int(v) and v > 0 for v in sizes):
+        _fail("quantization_config.weight_block_size", f"must be a list of positive integers, got {value!r:.40}")
+    return sizes[0]
+
+
+def _fits(value: object, hint: Any) -> str | None:
+    """None when ``value`` fits the field's annotation, else what the field expects."""
+    if hint is int:
+        return None if _is_int(value) else "an integer"
+    if hint is float:  # JSON writes 10000.0 as 10000 just as well
+        return None if isinstance(value, (int, float)) and not isinstance(value, bool) else "a number"
+    if hint is bool:
+        return None if isinstance(value, bool) else "true or false"
+    if hint is str:
+        return None if isinstance(value, str) else "a string"
+    if hint is dict:
+        return None if isinstance(value, dict) else "a JSON object"
+    if hint is tuple:  # every tuple field is a per-layer list of integers (ratios, layer ids, sizes)
+        return None if isinstance(value, tuple) and all(_is_int(v) for v in value) else "a list of integers"
+    args = typing.get_args(hint)
+    if type(None) in args:
+        if value is None:
+            return None
+        inner = next(a for a in args if a is not type(None))
+        why = _fits(value, inner)
+        return None if why is None else f"{why} or null"
+    return None if isinstance(value, hint) else hint.__name__
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _check_types(obj: object, prefix: str = "") -> None:
+    """Every field holds a value of its annotated type (before any check does arithmetic)."""
+    for name, hint in _hints(type(obj)).items():
+        value = getattr(obj, name)
+        why = _fits(value, hint)
+        if why is not None:
+            _fail(prefix + name, f"must be {why}, got {_kind(value)} ({value!r:.40})")
 
 
 # ----------------------------------------------------------------------------- validation
@@ -307,6 +392,7 @@ def _check_engram(a: ModelArgs) -> None:
 
 
 def validate(a: ModelArgs) -> None:
+    _check_types(a)
     _check_sizes(a)
     _check_schedule(a)
     _check_index(a)
