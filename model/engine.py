@@ -92,7 +92,8 @@ class Engine:
     def _check_room(self, state: State, n: int) -> None:
         if state.length + n > self.max_context:
             raise ContextLimitError(f"{state.length} cached + {n} new tokens exceed the context limit of "
-                                    f"{self.max_context} tokens; start a new session or raise --max-context")
+                                    f"{self.max_context} tokens; start a new session (the history no longer fits) "
+                                    "or send a shorter input")
 
     # ------------------------------------------------------------------ prefill
     @torch.no_grad()
