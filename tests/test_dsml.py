@@ -13,7 +13,7 @@ from model.chat import encode_messages
 from model.dsml import (MAX_VALUE_DEPTH, DSMLError, ReasoningDelta, StreamParser, TextDelta, ToolCall,
                         ToolCallError, parse_completion)
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "chat-v41"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "chat-v41"
 EOS = "<｜end▁of▁sentence｜>"
 
 

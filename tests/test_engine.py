@@ -56,7 +56,7 @@ def close_enough(a: torch.Tensor, b: torch.Tensor) -> tuple[float, float]:
     return d.median().item(), (d > 1e-2).float().mean().item()
 
 
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "v41-tiny-a"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "v41-tiny-a"
 
 
 def prefill_then_decode(model, ids, split: int, chunk: int) -> torch.Tensor:
@@ -67,7 +67,7 @@ def prefill_then_decode(model, ids, split: int, chunk: int) -> torch.Tensor:
     return torch.stack(got, 1)
 
 
-@pytest.mark.skipif(not GOLDEN.is_dir(), reason="shared/golden/v41-tiny-a is not beside the checkout")
+@pytest.mark.skipif(not GOLDEN.is_dir(), reason="tests/golden/v41-tiny-a is missing")
 def test_decode_after_exact_prefill_equals_full_forward_golden():
     from safetensors.torch import load_file
 

@@ -17,7 +17,7 @@ from model.kernels.reference import stable_topk
 from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-GOLDEN = Path(__file__).resolve().parents[2] / "shared" / "golden" / "v41-tiny-a"
+GOLDEN = Path(__file__).resolve().parent / "golden" / "v41-tiny-a"
 SMALL = dict(sliding_window=16, index_topk=8, candidate_topk_blocks=3, candidate_block_size=2)
 DEFAULT_MODEL = Path(__file__).resolve().parents[1] / "model" / "assets" / "default"
 
@@ -30,7 +30,7 @@ def no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
-@pytest.mark.skipif(not GOLDEN.is_dir(), reason="shared/golden/v41-tiny-a is not beside the checkout")
+@pytest.mark.skipif(not GOLDEN.is_dir(), reason="tests/golden/v41-tiny-a is missing")
 def test_golden_logits_on_cuda():
     from safetensors.torch import load_file
 
