@@ -23,7 +23,6 @@ module never calls it).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from model import kernels
@@ -31,7 +30,7 @@ from model.args import ModelArgs
 from model.cache import Cache, SourceKV
 from model.csa2 import Compressor, Indexer
 from model.layer import RMSNorm, Step
-from model.linear import Linear, grouped_linear
+from model.linear import Linear, Table, grouped_linear
 from model.moe import MoE
 from model.quant import KVFormat
 from model.rope import Ropes, apply_rope, shared_rope_angles
@@ -189,15 +188,6 @@ class Attention(nn.Module):
 
 # ----------------------------------------------------------------------------- Engram
 
-class EngramTable(nn.Module):
-    def __init__(self, rows: int, dim: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, dim))
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
-
-
 class Engram(nn.Module):
     """Hashed n-gram rows -> one key per hc stream and a shared value, gated into the streams."""
 
@@ -205,9 +195,8 @@ class Engram(nn.Module):
         super().__init__()
         self.args = args
         self.slot = args.engram_layer_ids.index(layer)
-        self.embed = EngramTable(args.engram_num_embeddings[self.slot], args.engram_head_dim)
-        self.wkv = nn.Linear(args.engram_n_cols * args.engram_head_dim,
-                             args.hidden_size * (args.hc_mult + 1), bias=False)
+        self.embed = Table(args.engram_num_embeddings[self.slot], args.engram_head_dim)
+        self.wkv = Linear(args.engram_n_cols * args.engram_head_dim, args.hidden_size * (args.hc_mult + 1), gemv=False)
         self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
 
@@ -215,10 +204,11 @@ class Engram(nn.Module):
         return self.gate(streams, self.kv(hash_ids), live)
 
     def kv(self, hash_ids: torch.Tensor) -> torch.Tensor:
-        """The hashed rows' key and value [..., (hc + 1) * D]. Through torch's linear layer
-        (cuBLAS), never the GEMV kernel: a decode step may make them beside its layers
-        (``model.decode_step``), and either way they are the same bits."""
-        return self.wkv(self.embed(hash_ids).flatten(-2).to(self.wkv.weight.dtype))
+        """The hashed rows' key and value [..., (hc + 1) * D], in the model's float dtype (that of
+        ``q_weight``: the table and the projection may be packed). Never by the GEMV kernel
+        (``gemv=False``): a decode step may make them beside its layers (``model.decode_step``),
+        where cuBLAS's few programs suit, and either way they are the same bits."""
+        return self.wkv(self.embed(hash_ids).flatten(-2).to(self.q_weight.dtype))
 
     def gate(self, streams: torch.Tensor, kv: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
         """:meth:`kv`'s value gated into the streams by each stream's key."""

@@ -37,6 +37,7 @@ from model.cache import Cache, SourceKV, WindowRing
 from model.csa2 import Compressor, Indexer, candidate_rows
 from model.engram import DEAD
 from model.layer import Step
+from model.linear import grouped_linear
 from model.moe import MoE
 from model.quant import KVFormat, main_record_bytes
 from model.rope import Ropes, apply_rope, rope_angles, share_rope_angles, shared_rope_angles
@@ -281,7 +282,7 @@ def _output(attn: Attention, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes,
                               rope_in=None if turned else (angles.cos, angles.neg_sin, attn.head_dim))
     else:
         turned_out = out if turned else apply_rope(out, pos, inv, inverse=True)
-        lat = kernels.gemv_ref(turned_out.flatten(2), attn.wo_a.weight, groups=attn.args.o_groups)[0]
+        lat = grouped_linear(attn.wo_a, turned_out.flatten(2), attn.args.o_groups)
     return kernels.gemv_later(lat, attn.wo_b)
 
 

@@ -37,7 +37,7 @@ from model.args import ModelArgs
 from model.cache import Cache, WindowRing
 from model.engine import Engine, Sampling, State, shaped_probs  # the same shaping as plain sampling
 from model.layer import RMSNorm, Step, embedding
-from model.linear import grouped_linear
+from model.linear import Linear, grouped_linear
 from model.block import Attention, Block, hc_collapse
 from model.moe import MoE
 from model.quant import fake_quant_fp8
@@ -125,7 +125,7 @@ class DraftStage(Block):
             self.register_parameter(f"hc_{site}_scale", nn.Parameter(torch.ones(3)))
         D = args.hidden_size
         if stage == 0:
-            self.main_proj = nn.Linear(len(args.dspark_target_layer_ids) * D, D, bias=False)
+            self.main_proj = Linear(len(args.dspark_target_layer_ids) * D, D)
             self.main_norm = RMSNorm(D, args.rms_norm_eps)
         if stage == args.num_nextn_predict_layers - 1:
             self.norm = RMSNorm(D, args.rms_norm_eps)
@@ -153,7 +153,7 @@ class DSpark(nn.ModuleList):
     def context(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:
         """c_t [B, S, D] from the target layers' taps (each [B, S, D])."""
         x = torch.cat([taps[layer] for layer in self.args.dspark_target_layer_ids], dim=-1)
-        return self[0].main_norm(self[0].main_proj(x.to(self[0].main_proj.weight.dtype)))
+        return self[0].main_norm(self[0].main_proj(x.to(self[0].main_norm.weight.dtype)))
 
     def add_context(self, ctx: "DraftContext", taps: dict[int, torch.Tensor], start: int, ropes) -> None:
         """Append the context entries of positions [start, start + S) to every stage's ring."""

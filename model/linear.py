@@ -19,6 +19,8 @@ PyTorch twin — the weight dequantised (:meth:`Linear.dense_weight`), then ``F.
 new format or kernel plugs in here and nowhere else. :func:`grouped_linear` is the grouped
 output projection of the attention (``wo_a``), the same choice.
 
+:class:`Table` is the same for a lookup table (the Engram tables, FP8 by rows).
+
 Does not own: where the projections sit in the network (``model.block``, ``model.csa2``,
 ``model.moe``), the checkpoint's name families (``model.checkpoint``), nor the process
 groups' creation (the caller's ``torch.distributed.init_process_group``).
@@ -32,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import kernels
-from model.quant import dequantize_fp4_weight, dequantize_fp8_weight
+from model.blockfp import dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
+from model.checkpoint import quantize_fp8_rows
 
 FORMATS = ("plain", "fp8", "fp4")
 SPLITS = (None, "column", "row", "vocab")
@@ -82,34 +85,56 @@ class World:
 ALONE = World()
 
 
-class Linear(nn.Linear):
+class Stored(nn.Module):
+    """A module whose weight may be held as the checkpoint stores it (``fmt`` not ``plain``)."""
+
+    fmt = "plain"
+
+    def _apply(self, fn, recurse=True):
+        """A move keeps the stored bytes' dtypes: ``model.to(torch.bfloat16)`` casts the float
+        weights, never a packed weight or its scales (a float8 tensor is a float to torch)."""
+        if self.fmt == "plain":
+            return super()._apply(fn, recurse)
+        kept = {name: p.dtype for name, p in self._parameters.items() if p is not None}
+        super()._apply(fn, recurse)
+        for name, p in self._parameters.items():
+            if p is not None and p.dtype != kept[name]:
+                p.data = p.data.to(kept[name])  # exact: e4m3 and e8m0 values are all bf16 / fp32 values
+        return self
+
+
+class Linear(Stored, nn.Linear):
     """``y = x @ W.T`` of a weight in one of :data:`FORMATS`, split as one of :data:`SPLITS`
     over ``world``. ``in_features`` / ``out_features`` are the whole layer's; the weight is
     this rank's part. No bias: the network has none."""
 
     def __init__(self, in_features: int, out_features: int, *, fmt: str = "plain", split: str | None = None,
-                 world: World = ALONE, device=None, dtype=None):
+                 world: World = ALONE, block: int = FP8_BLOCK, gemv: bool = True, device=None, dtype=None):
         if fmt not in FORMATS or split not in SPLITS:
             raise ValueError(f"a Linear is one of {FORMATS} x {SPLITS}, not ({fmt!r}, {split!r})")
         local_in = _local(in_features, world, "input features") if split == "row" else in_features
         local_out = _local(out_features, world, "output features") if split in ("column", "vocab") else out_features
-        super().__init__(local_in, local_out, bias=False, device=device, dtype=None if fmt != "plain" else dtype)
-        self.fmt, self.split, self.world = fmt, split, world
+        super().__init__(local_in, local_out, bias=False, device=device, dtype=dtype)
+        self.fmt, self.split, self.world, self.block = "plain", split, world, block
         self.full_in, self.full_out = in_features, out_features
+        self.gemv = gemv  # False: never the GEMV kernel (cuBLAS's GEMM on few rows too)
         if fmt != "plain":
-            self._packed(local_in, local_out, device)
+            self.pack(fmt)
 
-    def _packed(self, local_in: int, local_out: int, device) -> None:
-        """The checkpoint's stored tensors in place of a float weight."""
-        if self.fmt == "fp8":
-            weight = torch.empty(local_out, local_in, dtype=torch.float8_e4m3fn, device=device)
-            scale = torch.empty(-(-local_out // FP8_BLOCK), -(-local_in // FP8_BLOCK), dtype=torch.float8_e8m0fnu,
-                                device=device)
+    def pack(self, fmt: str) -> None:
+        """Hold the weight in ``fmt`` from now on, as the checkpoint stores it: quantised from the
+        float weight held now (bit for bit the checkpoint writer's bytes), or, on the meta
+        device, the stored tensors' shapes for a load to fill."""
+        if fmt not in FORMATS[1:] or self.fmt != "plain":
+            raise ValueError(f"a plain Linear packs to one of {FORMATS[1:]}, not {self.fmt!r} -> {fmt!r}")
+        w = self.weight.detach()
+        if w.is_meta:
+            weight, scale = _stored_shapes(fmt, w.shape, self.block)
         else:
-            weight = torch.empty(local_out, -(-local_in // 2), dtype=torch.int8, device=device)
-            scale = torch.empty(local_out, -(-local_in // FP4_BLOCK), dtype=torch.float8_e8m0fnu, device=device)
+            weight, scale = quantize_fp8_weight(w, self.block) if fmt == "fp8" else _quantize_fp4(w)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
+        self.fmt = fmt
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight as floats of ``dtype``: a plain one as it is (cast where it differs), a
@@ -118,13 +143,13 @@ class Linear(nn.Linear):
             w = self.weight  # read once: under training's QAT each read computes it
             return w if w.dtype == dtype else w.to(dtype)
         if self.fmt == "fp8":
-            return _fit(dequantize_fp8_weight(_padded(self.weight, self.scale, FP8_BLOCK, FP8_BLOCK), self.scale),
+            return _fit(dequantize_fp8_weight(_padded(self.weight, self.scale, self.block, self.block), self.scale),
                         self.weight.shape).to(dtype)
         padded = _padded(self.weight, self.scale, 1, FP4_BLOCK // 2)
         return dequantize_fp4_weight(padded, self.scale)[:, :self.in_features].to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "plain" and kernels.gemv_runs(x, self):
+        if self.fmt == "plain" and self.gemv and kernels.gemv_runs(x, self):
             y = kernels.gemv(x, self.weight)[0]  # a decode step's few rows
         else:
             y = F.linear(x, self.dense_weight(x.dtype))
@@ -133,6 +158,57 @@ class Linear(nn.Linear):
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", split={self.split} over {self.world.size}"
         return f"in_features={self.full_in}, out_features={self.full_out}, fmt={self.fmt}{split}"
+
+
+class Table(Stored):
+    """A lookup table of ``rows`` x ``dim`` (the Engram tables): float rows, or rows held as the
+    checkpoint stores them (``fp8``: e4m3 bytes with one ue8m0 scale per 1 x ``block``), each
+    gathered row dequantised as it is read."""
+
+    def __init__(self, rows: int, dim: int, block: int = FP8_BLOCK):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rows, dim))
+        self.fmt, self.block = "plain", block
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "plain":
+            return F.embedding(ids, self.weight)
+        q, scale = self.weight[ids], self.scale[ids]  # [..., dim] bytes, [..., dim / block] scales
+        flat = dequantize_fp8_weight(q.reshape(-1, q.shape[-1]), scale.reshape(-1, scale.shape[-1]), (1, self.block))
+        return flat.view(*ids.shape, -1)
+
+    def pack(self, fmt: str) -> None:
+        """Rows held in ``fmt`` (only ``fp8``): quantised from the float rows (the checkpoint
+        writer's bytes), or on the meta device the stored shapes."""
+        if fmt != "fp8" or self.fmt != "plain":
+            raise ValueError(f"a plain Table packs to fp8 rows, not {self.fmt!r} -> {fmt!r}")
+        w = self.weight.detach()
+        rows, dim = w.shape
+        if w.is_meta:
+            weight = torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device="meta")
+            scale = torch.empty(rows, -(-dim // self.block), dtype=torch.float8_e8m0fnu, device="meta")
+        else:
+            weight, scale = quantize_fp8_rows(w, self.block)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scale = nn.Parameter(scale, requires_grad=False)
+        self.fmt = fmt
+
+
+def _stored_shapes(fmt: str, shape: torch.Size, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Empty stored tensors (meta) of a weight of ``shape`` in ``fmt``."""
+    out_f, in_f = shape
+    if fmt == "fp8":
+        return (torch.empty(out_f, in_f, dtype=torch.float8_e4m3fn, device="meta"),
+                torch.empty(-(-out_f // block), -(-in_f // block), dtype=torch.float8_e8m0fnu, device="meta"))
+    return (torch.empty(out_f, -(-in_f // 2), dtype=torch.int8, device="meta"),
+            torch.empty(out_f, -(-in_f // FP4_BLOCK), dtype=torch.float8_e8m0fnu, device="meta"))
+
+
+def _quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4 bytes and scales of ``w`` zero-padded to whole blocks, the bytes cut back to ceil(in/2)."""
+    in_f = w.shape[1]
+    packed, scale = quantize_fp4_weight(F.pad(w.float(), (0, -in_f % FP4_BLOCK)), FP4_BLOCK)
+    return packed[:, : -(-in_f // 2)].contiguous(), scale
 
 
 def _local(n: int, world: World, what: str) -> int:

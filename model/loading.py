@@ -13,47 +13,107 @@ import torch
 
 from model.args import PRESETS, ConfigError, ModelArgs
 from model.engram import compressed_token_map, find_tokenizer_json
+from model.linear import Linear, Table
 from model.model import Transformer
 from model.moe import stack_experts
 
 BUNDLED_TOKENIZER = Path(__file__).parent / "assets" / "tokenizer" / "tokenizer.json"
 
 
+WEIGHTS = ("plain", "packed")  # how a model holds the checkpoint's FP8 / FP4 families
+
+
 def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-         progress=None) -> Transformer:
-    """A preset name gives seeded random weights; a directory gives its checkpoint."""
+         progress=None, weights: str = "plain", args: ModelArgs | None = None) -> Transformer:
+    """A preset name gives seeded random weights; a directory gives its checkpoint. ``weights``:
+    ``plain`` dequantises the FP8 / FP4 families into ``dtype``; ``packed`` keeps them as the
+    checkpoint stores them (``model.linear``). ``args``: the preset's, reshaped (fewer layers,
+    smaller Engram tables: ``ModelArgs.shortened``)."""
+    if weights not in WEIGHTS:
+        raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     if str(path_or_preset) in PRESETS:
-        args = ModelArgs.preset(str(path_or_preset))
-        model = build(args, device=device, dtype=dtype, seed=seed)
+        args = args or ModelArgs.preset(str(path_or_preset))
+        model = build(args, device=device, dtype=dtype, seed=seed, weights=weights)
         tokenizer = BUNDLED_TOKENIZER if BUNDLED_TOKENIZER.is_file() else None
     else:
         path = Path(path_or_preset)
         if not path.is_dir():
             raise ConfigError(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
         args = ModelArgs.from_file(path)
-        model = build(args, device="meta", dtype=dtype)
+        sharded = (path / "model.safetensors.index.json").is_file()  # a single file holds floats: packed after
+        model = build(args, device="meta", dtype=dtype, weights=weights if sharded else "plain")
         load_weights(model, path, device=device, dtype=dtype, progress=progress)
+        if weights == "packed" and not sharded:
+            pack_weights(model)
         tokenizer = find_tokenizer_json(path)
     bind_tokenizer(model, tokenizer)
     model.tokenizer_json = tokenizer  # the tokenizer its ids mean: written back with it, read by the scripts
     return model.eval()
 
 
-def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, seed: int | None = 0) -> Transformer:
+def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, seed: int | None = 0,
+          weights: str = "plain") -> Transformer:
     """A model of ``args`` in ``dtype``: seeded random weights, routed experts stacked (see
-    ``MoE.stack_experts``); on the meta device, shapes only (``load_weights`` fills it)."""
-    with torch.device(device):
-        model = Transformer(args)
+    ``MoE.stack_experts``); on the meta device, shapes only (``load_weights`` fills it).
+    ``weights="packed"``: the FP8 / FP4 families quantised as the checkpoint writer would,
+    made part by part (each layer's float image alone in memory, then packed), the same
+    values as a ``plain`` build packed whole."""
     if str(device) == "meta":
-        return cast_model(model, dtype)
-    init_weights(model, seed or 0)
-    return stack_experts(cast_model(model, dtype))
+        with torch.device("meta"):
+            model = cast_model(Transformer(args), dtype)
+        return pack_weights(model) if weights == "packed" else model
+    if weights == "plain":
+        with torch.device(device):
+            model = Transformer(args)
+        init_weights(model, seed or 0)
+        return stack_experts(cast_model(model, dtype))
+    with torch.device("meta"):
+        model = Transformer(args)
+    g = torch.Generator(device=device).manual_seed(seed or 0)  # as init_weights: one stream, in name order
+    for name, p in list(model._parameters.items()):  # the model's own (image span vectors): first in that order
+        setattr(model, name, torch.nn.Parameter(torch.empty_like(p, device=device)))
+        with torch.no_grad():
+            getattr(model, name).copy_(_init_value(name, getattr(model, name), g))
+    for prefix, part in _parts(model):
+        part.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in part.named_parameters(prefix=prefix):
+                p.copy_(_init_value(name, p, g))
+        cast_model(part, dtype, prefix)
+        pack_weights(part, prefix, args)
+    model.ropes.make_on(device)
+    return stack_experts(model)
 
 
-def cast_model(model: Transformer, dtype: torch.dtype) -> Transformer:
+def _parts(model: Transformer):
+    """(name prefix, module) of every direct child, a layer list as its layers: with the
+    model's own parameters they hold every parameter once, in ``named_parameters`` order."""
+    for name, child in model.named_children():
+        if isinstance(child, torch.nn.ModuleList):
+            yield from ((f"{name}.{i}", layer) for i, layer in enumerate(child))
+        else:
+            yield name, child
+
+
+def pack_weights(module: torch.nn.Module, prefix: str = "", args: ModelArgs | None = None) -> torch.nn.Module:
+    """Every ``model.linear.Linear`` and ``Table`` under ``module`` whose checkpoint family is
+    FP8 or FP4 (``model.checkpoint.stored_format`` of its name) held packed; returns ``module``."""
+    from model.checkpoint import stored_format
+
+    args = args or module.args
+    for name, m in module.named_modules(prefix=prefix):
+        if isinstance(m, (Linear, Table)) and m.fmt == "plain":
+            fmt = stored_format(f"{name}.weight", tuple(m.weight.shape), args.expert_dtype)
+            if fmt in ("fp8", "fp4"):
+                m.block = args.weight_block_size
+                m.pack(fmt)
+    return module
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype, prefix: str = "") -> torch.nn.Module:
     """Cast to ``dtype`` but keep the tensors the checkpoint stores in F32 (hc, sinks, gate biases)."""
     model.to(dtype)
-    for name, p in model.named_parameters():
+    for name, p in model.named_parameters(prefix=prefix):
         if _keeps_fp32(name):
             p.data = p.data.float()
     return model
@@ -99,27 +159,71 @@ def _init_value(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 
 
 def expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    """Official name -> logical shape: a packed weight as the float weight it stands for, its
+    scale not listed (the checkpoint reader pairs it with its weight)."""
+    packed = _packed_modules(model)
+    out = {}
+    for k, v in model.state_dict().items():
+        if k in packed:
+            m = packed[k]
+            out[k] = (m.out_features, m.in_features) if isinstance(m, Linear) else tuple(v.shape)
+        elif not (k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in packed):
+            out[k] = tuple(v.shape)
+    return out
+
+
+def _packed_modules(model: torch.nn.Module) -> dict[str, Linear | Table]:
+    """Weight name -> the packed Linear or Table that holds it."""
+    return {f"{n}.weight": m for n, m in model.named_modules()
+            if isinstance(m, (Linear, Table)) and m.fmt != "plain"}
 
 
 def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float32, progress=None) -> None:
     """Fill a meta-device model from an official checkpoint directory (sharded or single file),
-    one layer group at a time, so peak memory is the model in ``dtype`` plus one group."""
-    expected = expected_shapes(model)
+    one layer group at a time, so peak memory is the model in ``dtype`` plus one group. A packed
+    Linear takes the stored bytes and scales as they are; every other tensor is dequantised."""
+    expected, packed = expected_shapes(model), _packed_modules(model)
     if (path / "model.safetensors.index.json").is_file():
         from model.checkpoint import iter_checkpoint
 
         groups = iter_checkpoint(path, expected, dtype=dtype, device="cpu", progress=progress,
-                                 ignore_prefixes=_unbuilt_prefixes(model))
+                                 ignore_prefixes=_unbuilt_prefixes(model), compressed=bool(packed))
     else:
         groups = [("all", _read_single_file(path, expected))]
     for _, tensors in groups:
-        tensors = {k: v.to(device, torch.float32 if _keeps_fp32(k) else dtype) for k, v in tensors.items()}
+        if packed:
+            tensors = _unpacked_but(tensors, packed, expected, model.args, dtype)
+        tensors = {k: v.to(device) if _is_stored(k, packed) else v.to(device, torch.float32 if _keeps_fp32(k) else dtype)
+                   for k, v in tensors.items()}
         model.load_state_dict(tensors, strict=False, assign=True)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"checkpoint reader left parameters unloaded: {left[:5]}"
     model.ropes.make_on(device)  # its fp32 tables, made where the weights now live
     stack_experts(model.to(device))  # after the loads: each assigning load would stack again
+
+
+def _is_stored(name: str, packed: dict) -> bool:
+    """A packed Linear's weight or scale: kept in its stored dtype."""
+    return name in packed or name.removesuffix(".scale") + ".weight" in packed
+
+
+def _unpacked_but(tensors: dict, packed: dict, expected: dict, args: ModelArgs, dtype) -> dict:
+    """A group read as stored, with every packed family that no packed Linear holds dequantised
+    (the Engram tables and projection, the vision tower's)."""
+    from model.checkpoint import dequantize_tensor, scale_name, stored_format
+
+    out = {}
+    for name, t in tensors.items():
+        if name.endswith(".scale") or name in packed:
+            if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" not in packed:
+                continue  # read with its weight below
+            out[name] = t
+            continue
+        fmt = stored_format(name, expected[name], args.expert_dtype)
+        scale = tensors.get(scale_name(name))
+        out[name] = t if scale is None else dequantize_tensor(fmt, t, scale, expected[name],
+                                                              block=args.weight_block_size, dtype=dtype)
+    return out
 
 
 def _unbuilt_prefixes(model: Transformer) -> tuple:

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from model.args import ModelArgs
+from model.linear import Linear
 
 
 class Gate(nn.Module):
@@ -64,9 +65,9 @@ class Expert(nn.Module):
     def __init__(self, dim: int, inter: int, limit: float):
         super().__init__()
         self.limit = limit
-        self.w1 = nn.Linear(dim, inter, bias=False)
-        self.w2 = nn.Linear(inter, dim, bias=False)
-        self.w3 = nn.Linear(dim, inter, bias=False)
+        self.w1 = Linear(dim, inter)
+        self.w2 = Linear(inter, dim)
+        self.w3 = Linear(dim, inter)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         y = swiglu(self.w1(x), self.w3(x), self.limit)
@@ -204,7 +205,10 @@ class MoE(nn.Module):
     def stack_experts(self) -> None:
         """Hold the routed experts' w1/w2/w3 as three [E, out, in] tensors whose slices become the
         experts' own weights (nothing is duplicated; names and state dicts are unchanged). A no-op
-        when they already are; a conversion (``_apply``) or a load by assignment stacks again."""
+        when they already are; a conversion (``_apply``) or a load by assignment stacks again.
+        Packed experts (FP4 bytes, ``model.linear``) are not stacked: they run one by one."""
+        if self.experts[0].w1.fmt != "plain":
+            return
         for name in ("w1", "w2", "w3"):
             params = [_stored_weight(getattr(e, name)) for e in self.experts]
             grouped = getattr(self.grouped, name)
