@@ -232,10 +232,21 @@ class ModelArgs:
         return cls.from_config(cfg)
 
     @classmethod
-    def preset(cls, name: str) -> "ModelArgs":
+    def preset(cls, name: str, layers: int | None = None, engram_rows: int | None = None) -> "ModelArgs":
+        """A preset's config; ``layers`` / ``engram_rows``: :meth:`shortened` (for benchmarks)."""
         if name not in PRESETS:
             raise ConfigError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
-        return PRESETS[name]()
+        return PRESETS[name]().shortened(layers, engram_rows)
+
+    def shortened(self, layers: int | None = None, engram_rows: int | None = None) -> "ModelArgs":
+        """The same model at ``layers`` backbone layers that still hold every kind of layer the
+        schedule has (a window-only layer, an Engram layer, each ratio's KV and index source
+        with a Reuse reader, the candidate source, a Reindex reader of its pool and a Reuse
+        after that): the first layer of each kind and the sources it reads, then others spread
+        over the rest; widths unchanged. ``engram_rows``: Engram tables of about that many rows
+        each (their primes walked up from a smaller start). None: as they are."""
+        out = self if layers is None or layers >= self.num_hidden_layers else _keep_layers(self, layers)
+        return out if engram_rows is None else _engram_rows(out, engram_rows)
 
 
 _NON_TEXT = {"vision", "weight_block_size", "expert_dtype"}
@@ -431,6 +442,85 @@ def engram_primes(vocab_size: int, n_heads: int, max_ngram: int, n_layers: int) 
             per_layer.append(sizes)
         out.append(per_layer)
     return out
+
+
+# ----------------------------------------------------------------------------- shortened schedules
+
+def _keep_layers(a: ModelArgs, n: int) -> ModelArgs:
+    """``a`` at ``n`` of its layers (:meth:`ModelArgs.shortened`), renumbered in order."""
+    kept = _every_kind(a)
+    if len(kept) > n:
+        raise ConfigError(f"layers: {n} cannot hold every kind of layer of this schedule; {len(kept)} can "
+                          f"(layers {sorted(kept)})")
+    rest = [i for i in range(a.num_hidden_layers) if i not in kept]
+    for i in _spread(rest):
+        more = kept | _with_sources(a, i)
+        if len(more) <= n:
+            kept = more
+        if len(kept) == n:
+            break
+    return _renumbered(a, sorted(kept))
+
+
+def _every_kind(a: ModelArgs) -> set[int]:
+    """The first layer of each kind, with the sources it reads."""
+    roles = [(a.ratios[i], a.role(i), a.uses_candidates(i), i == a.candidate_source_layer_id, i in a.engram_layer_ids)
+             for i in range(a.num_hidden_layers)]
+    kept: set[int] = set()
+    for kind in dict.fromkeys(roles):
+        kept |= _with_sources(a, roles.index(kind))
+    after = [i for i in range(a.num_hidden_layers) if a.uses_candidates(i) or i == a.candidate_source_layer_id]
+    for i in after:  # a Reuse layer after a Reindex reader of the pool: it reads the pool's top-k
+        if i + 1 < a.num_hidden_layers and a.role(i + 1) == "reuse":
+            kept |= _with_sources(a, i + 1)
+            break
+    return kept
+
+
+def _with_sources(a: ModelArgs, i: int) -> set[int]:
+    """Layer ``i`` and the layers it reads: its KV source, its index source, the candidate source."""
+    out = {i}
+    if a.ratios[i]:
+        out |= {a.kv_source(i), a.index_source(i)}
+        if a.uses_candidates(i):
+            out |= {a.candidate_source_layer_id}
+    return out
+
+
+def _spread(items: list[int]) -> list[int]:
+    """``items`` in an order that covers their span evenly first (halves, quarters, ...)."""
+    order, seen, step = [], set(), len(items)
+    while step >= 1:
+        for k in range(0, len(items), step):
+            if k not in seen:
+                seen.add(k)
+                order.append(items[k])
+        step //= 2
+    return order
+
+
+def _renumbered(a: ModelArgs, kept: list[int]) -> ModelArgs:
+    new = {old: i for i, old in enumerate(kept)}
+    engram = [(new[layer], rows) for layer, rows in zip(a.engram_layer_ids, a.engram_num_embeddings) if layer in new]
+    targets = tuple(range(len(kept) - len(a.dspark_target_layer_ids), len(kept)))  # the last layers, as in V4.1
+    c = a.candidate_source_layer_id
+    return a.replace(
+        num_hidden_layers=len(kept),
+        compress_ratios=tuple(a.compress_ratios[i] for i in kept) + tuple(a.compress_ratios[a.num_hidden_layers:]),
+        kv_source_layer_ids=tuple(new[s] for s in a.kv_source_layer_ids if s in new),
+        index_source_layer_ids=tuple(new[s] for s in a.index_source_layer_ids if s in new),
+        candidate_source_layer_id=new.get(c, -1) if c >= 0 else c,
+        engram_layer_ids=tuple(layer for layer, _ in engram), engram_num_embeddings=tuple(r for _, r in engram),
+        dspark_target_layer_ids=targets if a.num_nextn_predict_layers else a.dspark_target_layer_ids)
+
+
+def _engram_rows(a: ModelArgs, rows: int) -> ModelArgs:
+    """Engram tables of about ``rows`` rows: the primes walked up from ``rows / columns``."""
+    if not a.engram_layer_ids:
+        return a
+    start = max(2, rows // a.engram_n_cols)
+    sums = _engram_sums(start, a.engram_n_heads, a.engram_max_ngram_size, a.engram_layer_ids)
+    return a.replace(engram_vocab_size=start, engram_num_embeddings=sums)
 
 
 # ----------------------------------------------------------------------------- presets

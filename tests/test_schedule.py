@@ -1,0 +1,50 @@
+"""Shortened schedules (``ModelArgs.preset(name, layers=N, engram_rows=R)``): fewer layers that
+still hold every kind of layer, and smaller Engram tables, for benchmarks at full width."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.args import ConfigError, ModelArgs
+
+
+def _kinds(a: ModelArgs) -> set[str]:
+    kinds = {a.role(i) for i in range(a.num_hidden_layers)} | {f"ratio-{r}" for r in set(a.ratios) if r}
+    kinds |= {"engram"} if a.engram_layer_ids else set()
+    kinds |= {"candidate source"} if a.candidate_source_layer_id >= 0 else set()
+    kinds |= {"candidate reader"} if any(a.uses_candidates(i) for i in range(a.num_hidden_layers)) else set()
+    return kinds | ({"ced"} if a.supports_ced else set())
+
+
+@pytest.mark.parametrize("layers", [8, 9, 11, 16, 23, 39])
+def test_a_shortened_full_model_keeps_every_kind_of_layer(layers):
+    full, short = ModelArgs.preset("v41-flash"), ModelArgs.preset("v41-flash", layers=layers)
+    assert short.num_hidden_layers == layers and _kinds(short) == _kinds(full)
+    assert (short.hidden_size, short.n_routed_experts, short.index_topk) == (full.hidden_size, 384, 512)
+    assert short.dspark_target_layer_ids == tuple(range(layers - 3, layers))
+
+
+def test_too_few_layers_to_hold_every_kind_is_refused():
+    with pytest.raises(ConfigError, match="layers: 7 cannot hold every kind"):
+        ModelArgs.preset("v41-flash", layers=7)
+    assert ModelArgs.preset("tiny", layers=40) == ModelArgs.preset("tiny")
+
+
+def test_engram_rows_shrink_the_tables():
+    a = ModelArgs.preset("v41-flash", layers=8, engram_rows=1_000_000)
+    assert all(1_000_000 <= rows < 1_020_000 for rows in a.engram_num_embeddings)
+    assert ModelArgs.preset("v41-flash").engram_num_embeddings[0] > 300 * a.engram_num_embeddings[0]
+
+
+def test_a_shortened_model_prefills_and_decodes(tmp_path):
+    from model.engine import Engine
+    from model.loading import load
+
+    args = ModelArgs.preset("tiny", layers=8, engram_rows=2000)
+    model = load("tiny", args=args)
+    assert len(model.layers) == 8 and model.layers[1].engram.embed.weight.shape[0] == args.engram_num_embeddings[0]
+    engine = Engine(model, mode="ced", chunk=32)
+    state = engine.new_state()
+    engine.prefill(state, torch.randint(3, 1000, (1, 150), generator=torch.Generator().manual_seed(0)))
+    logits = engine.decode(state, state.last_logits.argmax(-1))
+    assert torch.isfinite(logits).all()
