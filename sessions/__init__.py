@@ -8,16 +8,18 @@ meaning of KV bytes, recomputing KV, or printing; it imports neither `model`,
 
 from .blob import DEFAULT_ZSTD_LEVEL, FORMAT_VERSION, ImageSpan, KVChunk
 from .errors import (
-    BlobError, NotADatabase, SchemaTooNew, SessionExists, SessionInUse, SessionNotFound, StoreError,
+    BlobError, NotADatabase, SchemaTooNew, SessionDamaged, SessionExists, SessionInUse, SessionNotFound, StoreError,
+    StoreFull, StoreReadOnly,
 )
+from .integrity import RepairPlan
 from .manage import GcResult, PruneResult, SessionStorage, StorageReport, VerifyResult
 from .pool import LocalStatePool, ResumePlan, plan_resume
 from .store import DB_NAME, Loaded, SaveResult, SessionInfo, Store, default_home
 
 __all__ = [
     "DB_NAME", "DEFAULT_ZSTD_LEVEL", "FORMAT_VERSION", "BlobError", "GcResult", "ImageSpan",
-    "KVChunk", "LocalStatePool", "Loaded", "NotADatabase", "PruneResult", "ResumePlan",
-    "SaveResult", "SchemaTooNew", "SessionExists", "SessionInUse", "SessionInfo",
-    "SessionNotFound", "SessionStorage", "StorageReport", "Store", "StoreError",
-    "VerifyResult", "default_home", "plan_resume",
+    "KVChunk", "LocalStatePool", "Loaded", "NotADatabase", "PruneResult", "RepairPlan", "ResumePlan",
+    "SaveResult", "SchemaTooNew", "SessionDamaged", "SessionExists", "SessionInUse", "SessionInfo",
+    "SessionNotFound", "SessionStorage", "StorageReport", "Store", "StoreError", "StoreFull",
+    "StoreReadOnly", "VerifyResult", "default_home", "plan_resume",
 ]

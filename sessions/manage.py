@@ -1,9 +1,10 @@
-"""Management of the session store: fork, rm, prune, verify, gc and storage figures.
+"""Management of the session store: fork, rm, prune, verify (and repair), gc and storage figures.
 
 Owns: the operations behind `dsagent sessions ...` that are not save or load, and
 the small result records they return (plain dataclasses, JSON-ready through
 `dataclasses.asdict`). Does not own: printing, confirmation prompts or exit codes
-(the CLI), nor the chain checks themselves (`Store.check_chain`).
+(the CLI), the chain checks themselves (`Store.check_chain`), nor what makes a
+session's messages and token log whole (`integrity.py`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,16 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from . import integrity
 from .errors import SessionExists, SessionInUse, StoreError
+from .integrity import RepairPlan
 from .names import check_name
 
 if TYPE_CHECKING:
     from .store import SessionInfo, Store
 
 # Tables keyed by session_id, copied by fork and cleared by rm.
-SESSION_TABLES = ("messages", "token_segments", "image_spans", "session_images", "session_chunks")
+SESSION_TABLES = ("messages", "token_segments", "image_spans", "session_images", "session_chunks", "save_points")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class VerifyResult:
     chunks: int
     bad_chunks: int
     problems: list[str] = field(default_factory=list)
+    repair: RepairPlan | None = None  # what `verify --repair` would do; None: nothing it can mend
 
     @property
     def ok(self) -> bool:
@@ -147,26 +151,62 @@ def gc(store: Store, dry_run: bool = False) -> GcResult:
 
 
 def verify(store: Store, name: str | None = None) -> list[VerifyResult]:
-    """Check every chunk's chain hash, header and checksum, and every image's hash."""
-    infos = [store.get_session(name)] if name else store.list_sessions()
-    return [_verify_one(store, info) for info in infos]
-
-
-def _verify_one(store: Store, info: SessionInfo) -> VerifyResult:
-    with store._read():
-        sid = store._row(info.name)["id"]
-        n_links = len(store._chain(sid))
+    """Check every session (or one): message bodies, the token log and where it ends, every
+    chunk's chain hash, header and checksum, and every image's hash. One damaged session
+    never stops the others being checked."""
+    names = [name] if name else [i.name for i in store.list_sessions()]
+    out = []
+    for n in names:
         try:
-            tokens, spans = store._tokens_from(sid, 0), store._spans(sid)
+            out.append(_verify_one(store, n))
         except StoreError as exc:
-            return VerifyResult(info.name, n_links, n_links, [str(exc)])
-        problems = _image_problems(store, sid)
-        bad: list[str] = []
-        if n_links:
-            _, bad = store.check_chain(sid, tokens, spans, info.fingerprint, info.chunk_tokens or 1, stop_first=False)
-        if len(tokens) != info.n_tokens:
-            problems.append(f"token log has {len(tokens)} tokens, session row says {info.n_tokens}")
-    return VerifyResult(info.name, n_links, len(bad), bad + problems)
+            if name:  # the one asked for: an unknown name stays an error
+                raise
+            out.append(VerifyResult(n, 0, 0, [str(exc)]))
+    return out
+
+
+def _verify_one(store: Store, name: str) -> VerifyResult:
+    with store._read():
+        found, chain, bad, first_bad, meta_ok, sid = _examine(store, name)
+        problems = ([] if meta_ok else ["the session row's settings (meta) are not a JSON object"])
+        problems += found.problems + _image_problems(store, sid)
+        plan = integrity.plan(store, name, sid, found, chain, first_bad, meta_ok)
+    return VerifyResult(name, len(chain), len(bad), bad + problems, None if plan.empty else plan)
+
+
+def _examine(store: Store, name: str):
+    """Scan a session's rows and its chunk chain against the tokens that read back."""
+    row = store._row(name)
+    sid = row["id"]
+    found = integrity.scan(store, sid, row["n_tokens"], row["n_messages"])
+    chain = store._chain(sid)
+    bad: list[str] = []
+    first_bad = None
+    if chain:
+        good, bad = store.check_chain(sid, found.tokens, store._spans(sid), row["fingerprint"],
+                                      row["chunk_tokens"] or 1, stop_first=False)
+        first_bad = len(good) if bad else None
+    return found, chain, bad, first_bad, _meta_ok(row["meta"]), sid
+
+
+def _meta_ok(raw: object) -> bool:
+    return integrity.parse_meta(raw) is not None
+
+
+def repair(store: Store, name: str, dry_run: bool = False) -> RepairPlan:
+    """Cut a damaged session back to its last whole turn that reads back, and its KV chain
+    back to before the first bad chunk; returns what was (or, dry, would be) dropped."""
+    if dry_run:
+        with store._read():
+            found, chain, _, first_bad, meta_ok, sid = _examine(store, name)
+            return integrity.plan(store, name, sid, found, chain, first_bad, meta_ok)
+    with store.lock(name, store.lock_timeout), store._tx():
+        found, chain, _, first_bad, meta_ok, sid = _examine(store, name)
+        plan = integrity.plan(store, name, sid, found, chain, first_bad, meta_ok)
+        if not plan.empty:
+            integrity.apply(store, sid, plan, chain)
+    return plan
 
 
 def _image_problems(store: Store, sid: int) -> list[str]:

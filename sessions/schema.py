@@ -14,7 +14,7 @@ from typing import Callable
 
 import sqlite_utils
 
-from .errors import SchemaTooNew
+from .errors import SchemaTooNew, StoreReadOnly
 
 MIGRATIONS_TABLE = "_migrations"
 
@@ -74,12 +74,23 @@ def m005_kv_chunks(db: sqlite_utils.Database) -> None:
     db["session_chunks"].create_index(["key"])
 
 
+def m006_save_points(db: sqlite_utils.Database) -> None:
+    # Where each save point left the session (tokens, messages) and whether it closed a
+    # turn: verify tells an unfinished turn by it, and repair cuts back to a whole turn.
+    # Sessions saved before this migration have no rows; integrity.py infers theirs.
+    db["save_points"].create(
+        {"session_id": int, "n_tokens": int, "n_messages": int, "closed": int, "created_at": float},
+        pk=("session_id", "n_tokens", "n_messages"), not_null={"closed"},
+    )
+
+
 MIGRATIONS: list[Callable[[sqlite_utils.Database], None]] = [
     m001_sessions,
     m002_transcript,
     m003_token_log,
     m004_images,
     m005_kv_chunks,
+    m006_save_points,
 ]
 
 
@@ -97,6 +108,18 @@ def check_not_newer(db: sqlite_utils.Database, path: str) -> None:
             f"{path} was written by a newer dsagent (unknown migrations: {', '.join(unknown)}); "
             "upgrade dsagent, or set DSAGENT_HOME to use another store. The file was not modified."
         )
+
+
+# Migrations a store opened read-only may lack: the code that reads their tables copes
+# without them (a read-only store cannot be migrated).
+READ_OPTIONAL = {"m006_save_points"}
+
+
+def check_readable(db: sqlite_utils.Database, path: str) -> None:
+    """A store opened read-only has every table that reading needs."""
+    missing = [m.__name__ for m in _missing(db) if m.__name__ not in READ_OPTIONAL]
+    if missing:
+        raise StoreReadOnly(path, f"bring its tables up to date ({', '.join(missing)})")
 
 
 def _missing(db: sqlite_utils.Database) -> list[Callable[[sqlite_utils.Database], None]]:

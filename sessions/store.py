@@ -1,9 +1,11 @@
 """The session store: one SQLite file (WAL) holding transcripts, token logs, images
 and the global-KV chunks derived from them.
 
-Owns: opening the file (and refusing one that is not SQLite or is too new), the
-session rows, the save point (one transaction per turn), and loading a session with
-the longest prefix of KV chunks that passes every check. Does not own: what the
+Owns: opening the file (and refusing one that is not SQLite or is too new; opening one
+this process may not write read-only), the session rows, the save point (one transaction
+per turn), loading a session with the longest prefix of KV chunks that passes every
+check, and turning SQLite's and the file system's errors into typed `StoreError`s that
+name the file (disk full, read-only, busy, damaged). Does not own: what the
 messages, tokens or KV bytes mean (`dsagent` and `model` decide), recomputing KV
 (the engine prefills what we could not return), or printing anything.
 
@@ -14,6 +16,7 @@ the methods here only delegate to it, so that callers see one object.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -27,13 +30,16 @@ import platformdirs
 import sqlite_utils
 
 from . import export as _export
+from . import integrity
 from . import manage
 from . import schema
 from .blob import (
     DEFAULT_ZSTD_LEVEL, FORMAT_VERSION, ROOT_KEY, ImageSpan, KVChunk, chunk_key,
     decode_blob, encode_blob, tokens_from_bytes, tokens_to_bytes,
 )
-from .errors import BlobError, NotADatabase, SessionExists, SessionNotFound, StoreError
+from .errors import (
+    BlobError, NotADatabase, SessionDamaged, SessionExists, SessionNotFound, StoreError, StoreFull, StoreReadOnly,
+)
 from .lock import SessionLock
 from .names import check_name
 
@@ -92,9 +98,10 @@ class SaveResult:
 
 
 def _info(row: dict) -> SessionInfo:
+    # damaged settings must not make the session (or a listing of all of them) unreadable
     return SessionInfo(
         name=row["name"], fingerprint=row["fingerprint"], chunk_tokens=row["chunk_tokens"],
-        meta=json.loads(row["meta"]), parent=row["parent"], created_at=row["created_at"],
+        meta=integrity.parse_meta(row["meta"]) or {}, parent=row["parent"], created_at=row["created_at"],
         updated_at=row["updated_at"], n_tokens=row["n_tokens"], n_messages=row["n_messages"],
     )
 
@@ -102,13 +109,53 @@ def _info(row: dict) -> SessionInfo:
 def _check_is_sqlite(path: Path) -> None:
     if not path.exists() or path.stat().st_size == 0:
         return
-    with open(path, "rb") as f:
-        head = f.read(len(_SQLITE_MAGIC))
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_SQLITE_MAGIC))
+    except OSError as exc:
+        raise StoreError(f"cannot read the store {path}: {exc.strerror or exc}; check its permissions, "
+                         "or set DSAGENT_HOME to another directory") from None
     if head != _SQLITE_MAGIC:
         raise NotADatabase(
             f"{path} is not an SQLite database; move it away, or set DSAGENT_HOME "
             "to another directory"
         )
+
+
+# SQLite's primary result codes (the low byte of an extended code)
+_SQLITE_BUSY, _SQLITE_READONLY, _SQLITE_CORRUPT, _SQLITE_FULL, _SQLITE_NOTADB = 5, 8, 11, 13, 26
+
+
+def store_error(path: Path, exc: BaseException) -> BaseException:
+    """The typed error for a failure of SQLite or the file system on the store at ``path``."""
+    if isinstance(exc, StoreError) or not isinstance(exc, (sqlite3.Error, OSError)):
+        return exc
+    code = (getattr(exc, "sqlite_errorcode", None) or 0) & 0xFF
+    text = str(exc).lower()
+    err = exc.errno if isinstance(exc, OSError) else None
+    if err == errno.ENOSPC or code == _SQLITE_FULL or "disk is full" in text:
+        return StoreFull(path)
+    if err in (errno.EROFS, errno.EACCES, errno.EPERM) or code == _SQLITE_READONLY or "readonly database" in text:
+        return StoreReadOnly(path)
+    if code == _SQLITE_BUSY or "database is locked" in text:
+        return StoreError(f"the store {path} is busy: another process held its write lock for too long; retry")
+    if code in (_SQLITE_CORRUPT, _SQLITE_NOTADB) or "not a database" in text or "malformed" in text:
+        return NotADatabase(f"{path} cannot be read as an SQLite database ({exc}); move it away, "
+                            "or set DSAGENT_HOME to another directory")
+    if isinstance(exc, OSError):
+        return StoreError(f"cannot use the store {path}: {exc.strerror or exc}")
+    return StoreError(f"the store {path} failed: {exc}")
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process may write the store: its file and the folder that holds it
+    (SQLite keeps the -wal and -shm files beside it; the session locks live there too)."""
+    folder = path.parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent  # where creating the store's folder would start
+    if path.exists():
+        return os.access(path, os.W_OK) and os.access(path.parent, os.W_OK | os.X_OK)
+    return os.access(folder, os.W_OK | os.X_OK)
 
 
 def spans_in(spans: Sequence[ImageSpan], start: int, end: int) -> list[ImageSpan]:
@@ -127,20 +174,57 @@ class Store:
         self.zstd_level = zstd_level
         self.lock_timeout = lock_timeout
         self._held: dict[str, SessionLock] = {}
+        if path.is_dir():
+            raise NotADatabase(f"{path} is a directory, not the session store; move it away, "
+                               "or set DSAGENT_HOME to another directory")
         _check_is_sqlite(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.conn = sqlite3.connect(path, isolation_level=None, timeout=busy_timeout_s)
+        self.read_only = not _writable(path)
+        if self.read_only and not path.exists():
+            raise StoreReadOnly(path, "create it")
+        try:
+            if not self.read_only:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            self.conn = self._connect(busy_timeout_s)
+        except (sqlite3.Error, OSError) as exc:
+            raise store_error(path, exc) from None
         try:
             self.db = sqlite_utils.Database(self.conn)
             schema.check_not_newer(self.db, str(path))  # before anything could write
-            self._configure()
-            schema.migrate(self.db, str(path))
-        except sqlite3.DatabaseError as exc:
+            if self.read_only:
+                schema.check_readable(self.db, str(path))
+            else:
+                self._configure()
+                schema.migrate(self.db, str(path))
+        except (sqlite3.Error, OSError) as exc:
             self.conn.close()
-            raise NotADatabase(f"{path} cannot be read as an SQLite database ({exc})") from None
+            raise store_error(path, exc) from None
         except BaseException:
             self.conn.close()
             raise
+
+    def _connect(self, busy_timeout_s: float) -> sqlite3.Connection:
+        conn = self._connect_mode(busy_timeout_s)
+        # A damaged text cell (a name, settings) reads as U+FFFD instead of failing the whole
+        # query, and with it every other session; message bodies are read as bytes and checked.
+        conn.text_factory = lambda b: b.decode("utf-8", "replace")
+        return conn
+
+    def _connect_mode(self, busy_timeout_s: float) -> sqlite3.Connection:
+        if not self.read_only:
+            return sqlite3.connect(self.path, isolation_level=None, timeout=busy_timeout_s)
+        uri = self.path.resolve().as_uri()
+        conn = sqlite3.connect(f"{uri}?mode=ro", uri=True, isolation_level=None, timeout=busy_timeout_s)
+        try:
+            conn.execute("select count(*) from sqlite_master").fetchone()
+            return conn
+        except sqlite3.OperationalError:
+            # A WAL database needs its -shm file, which a read-only folder cannot hold.
+            # Without a -wal file every commit is in the main file, so reading it as
+            # immutable is exact; with one, the error above stands.
+            conn.close()
+            if Path(f"{self.path}-wal").exists():
+                raise
+            return sqlite3.connect(f"{uri}?immutable=1", uri=True, isolation_level=None)
 
     @classmethod
     def open(cls, path_or_home: str | Path | None = None, **kwargs: Any) -> "Store":
@@ -179,22 +263,25 @@ class Store:
 
     @contextlib.contextmanager
     def _tx(self, mode: str = "IMMEDIATE") -> Iterator[None]:
-        """One transaction; joins the caller's when one is already open."""
+        """One transaction; joins the caller's when one is already open. Whatever fails
+        inside rolls all of it back; SQLite's and the OS's errors leave as StoreErrors."""
         if self.conn.in_transaction:
             yield
             return
-        self.conn.execute(f"BEGIN {mode}")
+        if mode == "IMMEDIATE" and self.read_only:
+            raise StoreReadOnly(self.path)
         try:
-            yield
-        except BaseException:
-            self.conn.execute("ROLLBACK")
-            raise
-        try:
-            self.conn.execute("COMMIT")
-        except BaseException:
-            if self.conn.in_transaction:
-                self.conn.execute("ROLLBACK")
-            raise
+            self.conn.execute(f"BEGIN {mode}")
+            try:
+                yield
+                self.conn.execute("COMMIT")
+            except BaseException:
+                # SQLite may have rolled back already (a full disk does), so ask first
+                if self.conn.in_transaction:
+                    self.conn.execute("ROLLBACK")
+                raise
+        except (sqlite3.Error, OSError) as exc:
+            raise store_error(self.path, exc) from exc
 
     def _read(self) -> contextlib.AbstractContextManager[None]:
         """A read transaction: one consistent snapshot across several queries."""
@@ -207,8 +294,13 @@ class Store:
         if name in self._held:
             yield
             return
+        if self.read_only:  # a lock is taken to change a session, and its file could not be made
+            raise StoreReadOnly(self.path, f"change session '{name}'")
         path = self.home / "locks" / f"{name}.lock"
-        self._held[name] = SessionLock(path, name, timeout)
+        try:
+            self._held[name] = SessionLock(path, name, timeout)
+        except OSError as exc:
+            raise store_error(path.parent, exc) from None
         try:
             yield
         finally:
@@ -239,25 +331,38 @@ class Store:
         return self.get_session(name)
 
     def get_session(self, name: str) -> SessionInfo:
-        return _info(self._row(name))
+        with self._read():
+            return _info(self._row(name))
 
     def latest_session(self) -> SessionInfo | None:
-        rows = list(self.db.query("select * from sessions order by updated_at desc limit 1"))
+        with self._read():
+            rows = list(self.db.query("select * from sessions order by updated_at desc limit 1"))
         return _info(rows[0]) if rows else None
 
     def list_sessions(self) -> list[SessionInfo]:
-        return [_info(r) for r in self.db.query("select * from sessions order by updated_at desc")]
+        with self._read():
+            return [_info(r) for r in self.db.query("select * from sessions order by updated_at desc")]
 
     def messages(self, name: str) -> list[dict]:
-        """The transcript of a session, oldest first."""
+        """The transcript of a session, oldest first; a row that does not read back is a
+        SessionDamaged naming it (other sessions are unaffected)."""
         with self._read():
             sid = self._row(name)["id"]
-            return [json.loads(r["body"]) for r in
-                    self.db.query("select body from messages where session_id = ? order by seq", [sid])]
+            out = []
+            for seq, body in self.conn.execute(
+                    "select seq, cast(body as blob) from messages where session_id = ? order by seq", [sid]):
+                if seq != len(out):
+                    raise SessionDamaged(name, f"message row {len(out)} is missing")
+                try:
+                    out.append(integrity.parse_body(body))
+                except ValueError as e:
+                    raise SessionDamaged(name, f"message row {seq} {e}") from None
+            return out
 
     def image(self, sha256: str) -> bytes:
         """The bytes of a stored image; verified against its hash."""
-        rows = list(self.db.query("select data from images where sha256 = ?", [sha256]))
+        with self._read():
+            rows = list(self.db.query("select data from images where sha256 = ?", [sha256]))
         if not rows:
             raise StoreError(f"image {sha256[:12]}… is not in the store")
         data = bytes(rows[0]["data"])
@@ -270,13 +375,16 @@ class Store:
     def save_point(
         self, name: str, *, messages: Sequence[dict] = (), new_tokens: Sequence[int] = (),
         image_spans: Sequence[ImageSpan] = (), images: dict[str, bytes] | None = None,
-        kv_chunks: Sequence[KVChunk] = (), fingerprint: str, chunk_tokens: int,
+        kv_chunks: Sequence[KVChunk] = (), fingerprint: str, chunk_tokens: int, closed: bool = True,
     ) -> SaveResult:
         """Append one turn (messages, tokens, images, KV chunks) in ONE transaction.
 
-        `kv_chunks` must start at a chunk boundary no later than the previous save's
-        `next_chunk_start` (earlier rewrites the chain from there), be contiguous,
-        all of `chunk_tokens` tokens but the last, and end within the token log.
+        `closed`: the session now ends at a finished turn (False: it ends where the next
+        save continues it, e.g. at a prompt not yet answered); `verify` reports a session
+        whose last save was not closed. `kv_chunks` must start at a chunk boundary no
+        later than the previous save's `next_chunk_start` (earlier rewrites the chain from
+        there), be contiguous, all of `chunk_tokens` tokens but the last, and end within
+        the token log.
         """
         images = dict(images or {})
         _check_images(images)
@@ -295,6 +403,8 @@ class Store:
                 " fingerprint = ?, chunk_tokens = ? where id = ?",
                 [n1, n_messages, time.time(), fingerprint, chunk_tokens, sid],
             )
+            self.conn.execute("insert or replace into save_points values (?, ?, ?, ?, ?)",
+                              [sid, n1, n_messages, int(closed), time.time()])
         return SaveResult(n1, n_messages, kv_tokens, kv_tokens - kv_tokens % chunk_tokens,
                           len(kv_chunks), written)
 
@@ -336,20 +446,28 @@ class Store:
         return list(self.db.query("select * from session_chunks where session_id = ? order by idx", [sid]))
 
     def _tokens_from(self, sid: int, start: int) -> list[int]:
-        """The token log from `start` on."""
+        """The token log from `start` on; a gap or a damaged segment is a SessionDamaged."""
         segs = list(self.db.query("select * from token_segments where session_id = ? and end > ?"
                                   " order by start", [sid, start]))
         out: list[int] = []
         pos = segs[0]["start"] if segs else start
         if pos > start:
-            raise StoreError(f"token log of session id {sid} has a gap at {start}; run `dsagent sessions verify`")
+            raise SessionDamaged(self._name_of(sid), f"the token log has a gap at token {start}")
         base = pos
         for seg in segs:
             if seg["start"] != pos:
-                raise StoreError(f"token log of session id {sid} has a gap at {pos}; run `dsagent sessions verify`")
-            out.extend(tokens_from_bytes(seg["ids"]))
+                raise SessionDamaged(self._name_of(sid), f"the token log has a gap at token {pos}")
+            ids = seg["ids"]
+            if not isinstance(ids, bytes) or len(ids) != 4 * (seg["end"] - seg["start"]):
+                raise SessionDamaged(self._name_of(sid), f"token log segment row {seg['start']}-{seg['end']} "
+                                     "is damaged")
+            out.extend(tokens_from_bytes(ids))
             pos = seg["end"]
         return out[start - base :]
+
+    def _name_of(self, sid: int) -> str:
+        rows = self.conn.execute("select name from sessions where id = ?", [sid]).fetchall()
+        return rows[0][0] if rows else f"#{sid}"
 
     def _spans(self, sid: int) -> list[ImageSpan]:
         rows = self.db.query("select start, end, sha256 from image_spans where session_id = ? order by start", [sid])
@@ -463,6 +581,9 @@ class Store:
 
     def verify(self, name: str | None = None) -> list[manage.VerifyResult]:
         return manage.verify(self, name)
+
+    def repair(self, name: str, dry_run: bool = False) -> integrity.RepairPlan:
+        return manage.repair(self, name, dry_run)
 
     def gc(self, dry_run: bool = False) -> manage.GcResult:
         return manage.gc(self, dry_run)

@@ -1,14 +1,19 @@
 """Every way stored KV can go bad: the KV from the first bad chunk on is dropped with
-a warning, the transcript and token log always load. Plus files the store refuses."""
+a warning, the transcript and token log always load. Then a session's own rows going bad
+(a message body, a gap in the token log, an unfinished turn): named by session and row,
+other sessions untouched, repaired back to the last whole turn. Plus files the store
+refuses, a read-only store, and a disk that fills during a save."""
 
+import errno
 import json
 import sqlite3
 import struct
 
 import pytest
 
-from sessions import KVChunk, NotADatabase, SchemaTooNew, Store
+from sessions import KVChunk, NotADatabase, SchemaTooNew, SessionDamaged, Store, StoreFull, StoreReadOnly
 from sessions import blob as blob_mod
+from sessions import store as store_mod
 
 FP = "fp-a"
 C = 8
@@ -150,3 +155,160 @@ def test_migrations_are_recorded_in_order(tmp_path):
     assert names == [m.__name__ for m in MIGRATIONS]
     assert sqlite3.connect(tmp_path / "sessions.db").execute("pragma journal_mode").fetchone()[0] == "wal"
     json.dumps(names)
+
+
+# ---------------------------------------------------------------------------- a session's own rows
+def turns(store, name, n, *, start=0, closed_last=True):
+    """``n`` whole turns (a user message and the reply, 10 tokens) after ``start`` of them."""
+    for k in range(start, start + n):
+        last = k == start + n - 1
+        store.save_point(name, messages=[{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}],
+                         new_tokens=list(range(10 * k, 10 * k + 10)), fingerprint=FP, chunk_tokens=C,
+                         kv_chunks=[kv(s, min(s + C, 10 * k + 10)) for s in range(10 * k - (10 * k) % C, 10 * k + 10, C)],
+                         closed=closed_last or not last)
+
+
+@pytest.fixture
+def two(tmp_path):
+    """Sessions x and y of three whole turns each."""
+    with Store.open(tmp_path) as st:
+        for name in ("x", "y"):
+            st.create_session(name, fingerprint=FP)
+            turns(st, name, 3)
+        yield st
+
+
+def sid(store, name):
+    return store.conn.execute("select id from sessions where name = ?", [name]).fetchone()[0]
+
+
+def repaired_to(store, name, n_turns):
+    """Repair cut ``name`` back to its first ``n_turns`` turns, which load and verify clean."""
+    plan = store.repair(name)
+    assert (plan.keep_messages, plan.keep_tokens) == (2 * n_turns, 10 * n_turns), plan
+    loaded = store.load(name, fingerprint=FP, chunk_tokens=C)
+    assert loaded.tokens == list(range(10 * n_turns)) and len(loaded.messages) == 2 * n_turns
+    assert loaded.warnings == [] and 10 * n_turns - C < loaded.kv_tokens <= 10 * n_turns  # whole chunks, or the last save's tail
+    assert store.verify(name)[0].ok and store.repair(name).empty
+    return plan
+
+
+@pytest.mark.parametrize("body, why", [("not json", "is not JSON"), ("[1, 2]", "is not a message"),
+                                       (b"{\"role\": \"\xff\"}", "is not UTF-8")], ids=["json", "list", "utf8"])
+def test_a_corrupt_message_row_names_session_and_row_and_repairs_to_the_turn_before(two, body, why):
+    two.conn.execute("update messages set body = ? where session_id = ? and seq = 3", [body, sid(two, "x")])
+    with pytest.raises(SessionDamaged, match=rf"session 'x': message row 3 {why}.*verify x --repair"):
+        two.load("x", fingerprint=FP, chunk_tokens=C)
+    assert len(two.load("y", fingerprint=FP, chunk_tokens=C).messages) == 6  # the others are untouched
+    x, y = sorted(two.verify(), key=lambda r: r.name)
+    assert y.ok and not x.ok and any(p.startswith(f"message row 3 {why}") for p in x.problems)
+    assert x.repair is not None and x.repair.drop_messages == 4
+    assert two.repair("x", dry_run=True) == x.repair and len(two.messages("y")) == 6
+    assert two.db.execute("select count(*) from messages where session_id = ?", [sid(two, "x")]).fetchone()[0] == 6
+    repaired_to(two, "x", 1)
+    assert two.verify("y")[0].ok and len(two.messages("y")) == 6
+
+
+def test_a_gap_in_the_token_log_is_named_and_repaired(two):
+    two.conn.execute("delete from token_segments where session_id = ? and start = 10", [sid(two, "x")])
+    with pytest.raises(SessionDamaged, match="session 'x': the token log has a gap at token 10"):
+        two.load("x", fingerprint=FP, chunk_tokens=C)
+    x = two.verify("x")[0]
+    assert "token log has a gap at token 10 (the next segment row starts at 20)" in x.problems
+    repaired_to(two, "x", 1)
+
+
+def test_a_damaged_token_segment_is_named(two):
+    two.conn.execute("update token_segments set ids = x'0102' where session_id = ? and start = 20", [sid(two, "x")])
+    assert "token log segment row 20-30 is damaged (2 bytes for 10 tokens)" in two.verify("x")[0].problems
+    repaired_to(two, "x", 2)
+
+
+def test_a_session_that_ends_in_an_unfinished_turn(two):
+    two.save_point("x", messages=[{"role": "user", "content": "q3"}], new_tokens=list(range(30, 36)),
+                   fingerprint=FP, chunk_tokens=C, closed=False)
+    x = two.verify("x")[0]
+    assert x.problems == ["the session ends in an unfinished turn (message row 6 is a user message with no reply)"]
+    assert x.repair.drop_messages == 1 and x.repair.drop_tokens == 6
+    repaired_to(two, "x", 3)
+
+
+def test_sessions_saved_before_save_points_were_recorded(two):
+    """What a failed turn used to leave: the user's message and its tokens, no reply. With no
+    save points recorded, they are inferred from the rows (one segment and one timestamp a save)."""
+    two.save_point("x", messages=[{"role": "user", "content": "q3"}], new_tokens=list(range(30, 36)),
+                   fingerprint=FP, chunk_tokens=C)
+    two.conn.execute("delete from save_points")
+    x = two.verify("x")[0]
+    assert x.problems == ["the session ends in an unfinished turn (message row 6 is a user message with no reply)"]
+    assert two.verify("y")[0].ok
+    repaired_to(two, "x", 3)
+    two.conn.execute("delete from save_points")
+    two.conn.execute("update messages set body = '{' where session_id = ? and seq = 2", [sid(two, "x")])
+    repaired_to(two, "x", 1)
+
+
+def test_unreadable_settings_do_not_hide_the_session(two):
+    two.conn.execute("update sessions set meta = 'oops' where name = 'x'")
+    assert [s.name for s in two.list_sessions()] == ["y", "x"] and two.get_session("x").meta == {}
+    x = two.verify("x")[0]
+    assert "the session row's settings (meta) are not a JSON object" in x.problems and x.repair.reset_meta
+    two.repair("x")
+    assert two.verify("x")[0].ok
+
+
+# ---------------------------------------------------------------------------- the store's file and device
+def test_a_store_path_that_is_a_directory(tmp_path):
+    (tmp_path / "sessions.db").mkdir()
+    with pytest.raises(NotADatabase, match="sessions.db is a directory, not the session store.*DSAGENT_HOME"):
+        Store.open(tmp_path)
+
+
+@pytest.mark.parametrize("fault", [sqlite3.OperationalError("database or disk is full"),
+                                   OSError(errno.ENOSPC, "No space left on device")], ids=["sqlite-full", "enospc"])
+def test_a_full_disk_during_a_save_writes_nothing_and_keeps_the_previous_turn(store, monkeypatch, fault):
+    before = store.load("a", fingerprint=FP, chunk_tokens=C)
+
+    def full(*a, **kw):  # after the messages and tokens of the save are written
+        raise fault
+
+    monkeypatch.setattr(Store, "_write_kv", full)
+    with pytest.raises(StoreFull, match=rf"no space left on the device holding the store \({store.path}\)"):
+        store.save_point("a", messages=[{"role": "user", "content": "lost"}], new_tokens=[1, 2, 3],
+                         kv_chunks=[kv(32, 39)], fingerprint=FP, chunk_tokens=C)
+    assert not store.conn.in_transaction
+    after = store.load("a", fingerprint=FP, chunk_tokens=C)
+    assert (after.messages, after.tokens, after.kv_tokens) == (before.messages, before.tokens, before.kv_tokens)
+    assert store.verify("a")[0].ok
+
+
+def test_a_read_only_store_reads_and_refuses_writes_by_name(store, monkeypatch):
+    path = store.path
+    store.close()
+    monkeypatch.setattr(store_mod, "_writable", lambda p: False)
+    with Store.open(path.parent) as ro:
+        assert ro.read_only and [s.name for s in ro.list_sessions()] == ["a"]
+        assert ro.load("a", fingerprint=FP, chunk_tokens=C).kv_tokens == N
+        assert "keep me" in ro.export("a") and ro.verify("a")[0].chunks == 5 and ro.storage().file_bytes
+        assert ro.repair("a", dry_run=True).keep_tokens == N
+        for write in (lambda: ro.create_session("b", fingerprint=FP), lambda: ro.fork("a", "b"),
+                      lambda: ro.rm("a"), lambda: ro.gc(), lambda: ro.repair("a"),
+                      lambda: ro.save_point("a", new_tokens=[1], fingerprint=FP, chunk_tokens=C)):
+            with pytest.raises(StoreReadOnly, match=f"the store is read-only: {path}"):
+                write()
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):  # SQLite itself holds to it too
+            ro.conn.execute("delete from messages")
+
+
+def test_a_read_only_store_not_yet_migrated_still_reads(store, monkeypatch):
+    store.conn.execute("drop table save_points")
+    store.conn.execute("delete from _migrations where name = 'm006_save_points'")
+    path = store.path
+    store.close()
+    monkeypatch.setattr(store_mod, "_writable", lambda p: False)
+    unfinished = ["the session ends in an unfinished turn (message row 0 is a user message with no reply)"]
+    with Store.open(path.parent) as ro:
+        assert ro.messages("a") and ro.verify("a")[0].problems == unfinished  # judged by its rows
+    monkeypatch.undo()
+    with Store.open(path.parent) as rw:  # writable again: migrated on open
+        assert "save_points" in rw.db.table_names() and rw.verify("a")[0].problems == unfinished
