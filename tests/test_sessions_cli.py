@@ -1,4 +1,6 @@
-"""`dsagent sessions ...` through typer's CliRunner, on a store in DSAGENT_HOME."""
+"""`dsagent sessions ...` through typer's CliRunner, on a store in DSAGENT_HOME: every command,
+a damaged session found and repaired, and store problems (a directory where the file should
+be, a read-only store, an export into a missing folder) as messages and exit codes."""
 
 import json
 
@@ -7,6 +9,7 @@ from typer.testing import CliRunner
 
 from dsagent.commands.sessions import app
 from sessions import KVChunk, Store
+from sessions import store as store_mod
 
 FP = "fp"
 C = 8
@@ -25,6 +28,11 @@ def home(tmp_path, monkeypatch):
 
 def run(*args, input=None):
     return CliRunner().invoke(app, list(args), input=input)
+
+
+def flat(text: str) -> str:
+    """Output with rich's error box and its line wrapping taken out."""
+    return " ".join(text.replace("│", " ").replace("╭", " ").replace("╰", " ").split())
 
 
 def test_list_show_storage(home):
@@ -90,3 +98,71 @@ def test_errors_go_to_stderr_with_exit_1(home):
     (home / "sessions.db").write_text("not a database")
     r = run("list")
     assert r.exit_code == 1 and "not an SQLite database" in r.stderr
+
+
+def _damage_row(home, name, seq):
+    with Store.open() as st:
+        st.conn.execute("update messages set body = 'garbage' where seq = ? and session_id ="
+                        " (select id from sessions where name = ?)", [seq, name])
+
+
+def _turn(st, name, k):
+    st.save_point(name, messages=[{"role": "user", "content": f"q{k}"}, {"role": "assistant", "content": f"a{k}"}],
+                  new_tokens=list(range(12 + 5 * k, 17 + 5 * k)), fingerprint=FP, chunk_tokens=C)
+
+
+def test_verify_names_a_damaged_row_and_repair_asks_then_cuts_back(home):
+    with Store.open() as st:
+        st.create_session("b", fingerprint=FP)
+        for k in range(3):
+            _turn(st, "a", k)
+    _damage_row(home, "a", 4)
+    r = run("verify")
+    assert r.exit_code == 1 and "message row 4 is not JSON" in r.stdout
+    assert "--repair would keep 3 message(s) and 17 token(s); drop 4 message(s), 10 token(s)" in r.stdout
+    assert "b " in r.stdout and "ok" in r.stdout.split("b ", 1)[1].splitlines()[0]  # the other session is fine
+    r = run("export", "a")
+    assert r.exit_code == 1 and "session 'a': message row 4" in r.stderr and "Traceback" not in r.output
+    assert run("export", "b").exit_code == 0
+    r = run("verify", "--repair", "--dry-run")
+    assert r.exit_code == 1 and "would repair a: keep 3 message(s)" in r.stdout
+    r = run("verify", "a", "--repair", input="\n")
+    assert r.exit_code == 1 and "aborted" in r.stderr
+    assert json.loads(run("show", "a", "--json").stdout)["session"]["n_messages"] == 7  # nothing changed
+    r = run("verify", "--repair", "--yes")
+    assert r.exit_code == 0 and "repaired a: keep 3 message(s)" in r.stdout
+    assert run("verify").exit_code == 0 and run("export", "a", "-f", "jsonl").stdout.count("\n") == 3
+
+
+def test_verify_repair_flags_go_together(home):
+    for flags in (["--yes"], ["--dry-run"]):
+        r = run("verify", *flags)
+        assert r.exit_code == 2 and "--repair" in r.output
+    assert "nothing to repair" in run("verify", "--repair", "--yes").stdout
+
+
+def test_export_into_a_missing_folder_is_refused_naming_the_flag(home, tmp_path):
+    r = run("export", "a", "-o", str(tmp_path / "no" / "such" / "t.md"))
+    assert r.exit_code == 2 and "--output" in flat(r.output) and "does not exist" in flat(r.output)
+    r = run("export", "a", "-o", str(tmp_path))
+    assert r.exit_code == 2 and "is a directory" in flat(r.output)
+
+
+def test_a_store_file_that_is_a_directory(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path))
+    (tmp_path / "sessions.db").mkdir()
+    for command in (["list"], ["verify"], ["show", "a"]):
+        r = run(*command)
+        assert r.exit_code == 1 and "is a directory, not the session store" in r.stderr, (command, r.output)
+
+
+def test_a_read_only_store(home, monkeypatch):
+    with monkeypatch.context() as m:
+        m.setattr(store_mod, "_writable", lambda p: False)
+        assert "a " in run("list").stdout and run("show", "a").exit_code == 0
+        assert "hello there" in run("export", "a").stdout and run("storage").exit_code == 0
+        assert run("verify").exit_code == 0 and "nothing to repair" in run("verify", "--repair").stdout
+        for command in (["rm", "a", "--yes"], ["fork", "a", "b"], ["prune", "--older-than", "0", "--yes"], ["gc"]):
+            r = run(*command)
+            assert r.exit_code == 1 and f"the store is read-only: {home / 'sessions.db'}" in r.stderr, (command, r.output)
+    assert [s["name"] for s in json.loads(run("list", "--json").stdout)] == ["a"]

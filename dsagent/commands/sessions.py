@@ -1,7 +1,8 @@
-"""`dsagent sessions ...`: list, show, export, fork, rm, prune, verify, gc, storage.
+"""`dsagent sessions ...`: list, show, export, fork, rm, prune, verify (and repair), gc, storage.
 
 Owns: turning the session store's results into stdout text or JSON, confirmation
 prompts for destructive commands, and exit codes (0 ok, 1 error or a failed verify, 2 a bad flag).
+A read-only store serves list, show, export, storage and verify; the others say it is read-only.
 Does not own: any storage logic; every command is a thin call into `sessions.Store`.
 The store lives in `$DSAGENT_HOME` (else the platform's user data directory).
 """
@@ -19,7 +20,7 @@ from typing import Iterator, Optional
 import typer
 
 from dsagent.inputs import text_arg
-from sessions import Store, StoreError
+from sessions import Store, StoreError, StoreReadOnly
 
 app = typer.Typer(help="Manage stored sessions.", no_args_is_help=True)
 NAME = typer.Argument(..., callback=text_arg)  # a name typed with bytes that are not UTF-8 is still looked up
@@ -73,19 +74,36 @@ def show(name: str = NAME, as_json: bool = typer.Option(False, "--json")) -> Non
         typer.echo(f"{key:<20} {value}")
 
 
+def _output_path(value: Optional[Path]) -> Optional[Path]:
+    """--output must name a file in a folder that exists (checked before the store opens)."""
+    if value is None:
+        return None
+    path = value.expanduser()
+    if path.is_dir():
+        raise typer.BadParameter(f"{value} is a directory; name a file to write")
+    if not path.parent.is_dir():
+        raise typer.BadParameter(f"the folder {path.parent} does not exist; create it first or write elsewhere")
+    return path
+
+
 @app.command()
 def export(
     name: str = NAME,
     fmt: str = typer.Option("markdown", "--format", "-f", help="markdown, json or jsonl"),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write here instead of stdout."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", callback=_output_path,
+                                          help="Write here instead of stdout."),
 ) -> None:
     """Export a transcript."""
     with _store() as store:
         text = store.export(name, fmt)
     if output is None:
         typer.echo(text, nl=False)
-    else:
-        output.write_text(text)
+        return
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        typer.echo(f"error: cannot write {output}: {exc.strerror or exc}", err=True)
+        raise typer.Exit(1) from None
 
 
 @app.command()
@@ -147,10 +165,21 @@ def prune(
 
 
 @app.command()
-def verify(name: Optional[str] = typer.Argument(None, callback=text_arg), as_json: bool = typer.Option(False, "--json")) -> None:
-    """Check chunk chains, checksums and images; exit 1 if anything is wrong."""
+def verify(
+    name: Optional[str] = typer.Argument(None, callback=text_arg),
+    as_json: bool = typer.Option(False, "--json"),
+    repair: bool = typer.Option(False, "--repair", help="Cut damaged sessions back to their last whole turn."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Repair without asking."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what --repair would drop."),
+) -> None:
+    """Check message bodies, the token log and where it ends, chunk chains, checksums and
+    images; exit 1 if anything is wrong. --repair drops each damaged session's broken tail."""
+    if (yes or dry_run) and not repair:
+        raise typer.BadParameter("--yes and --dry-run go with --repair", param_hint="--yes / --dry-run")
     with _store() as store:
         results = store.verify(name)
+        if repair:
+            results = _repair(store, name, results, yes, dry_run, as_json)
     if as_json:
         _json([{**dataclasses.asdict(r), "ok": r.ok} for r in results])
     else:
@@ -158,8 +187,31 @@ def verify(name: Optional[str] = typer.Argument(None, callback=text_arg), as_jso
             typer.echo(f"{r.name:<24} {'ok' if r.ok else 'BAD'}  {r.chunks - r.bad_chunks}/{r.chunks} chunks good")
             for p in r.problems:
                 typer.echo(f"  {p}")
+            if r.repair is not None and not repair:
+                typer.echo(f"  --repair would {r.repair.describe()}: `dsagent sessions verify {r.name} --repair`")
     if not all(r.ok for r in results):
         raise typer.Exit(1)
+
+
+def _repair(store: Store, name: Optional[str], results: list, yes: bool, dry_run: bool, as_json: bool) -> list:
+    """Repair every damaged session that can be (asking first unless --yes); verify again."""
+    todo = [r.repair for r in results if r.repair is not None]
+    say = (lambda line: typer.echo(line, err=True)) if as_json else typer.echo
+    if not todo:
+        say("nothing to repair")
+        return results
+    if dry_run:
+        for plan in todo:
+            say(f"would repair {plan.name}: {plan.describe()}")
+        return results
+    if store.read_only:  # say so before asking, not after
+        raise StoreReadOnly(store.path, "repair sessions")
+    listing = "; ".join(f"{p.name}: {p.describe()}" for p in todo)
+    _confirm(f"Repair {len(todo)} session(s) ({listing})?", yes)
+    for plan in todo:
+        done = store.repair(plan.name)
+        say(f"repaired {done.name}: {done.describe()}")
+    return store.verify(name)
 
 
 @app.command()
