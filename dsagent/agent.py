@@ -10,16 +10,22 @@ events to a callback instead of printing; the CLI renders them.
 
 Invariant: ``self.log`` holds every token the session has, and the model state covers
 its first ``state.length`` tokens; the rest (at most a turn's worth) is prefilled next.
+A turn is all or nothing: it is saved in one transaction at its end, and a turn that
+fails (an engine error, a full context, a full disk during the save) is dropped from the
+log, the transcript and the model state, so that the next turn starts from the last save
+point exactly as a run that never tried it would. Ctrl-C is not a failure: during
+generation it ends the reply where it stands; elsewhere (a long prefill, a tool) the turn
+so far is kept with an empty reply, so the log still ends at a closed turn.
 """
 from __future__ import annotations
 
 import math
 import secrets
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -98,6 +104,7 @@ class Agent:
         self.kv_refused: list[str] = []  # why stored KV was dropped on resume (rebuilt from the log)
         self._stack = ExitStack()
         self.name = ""
+        self._touched = False  # the engine ran on the state during the turn in progress
 
     # ------------------------------------------------------------------ open / resume
     def open(self) -> "Agent":
@@ -151,19 +158,84 @@ class Agent:
             cache, k = self.rt.model.new_cache(1), 0
         self.state = State(cache=cache)
         self.next_chunk = loaded.next_chunk_start if k else 0
-        self.usage.cached_tokens = k
+        self.usage.cached_tokens += k
         if k:
             log = torch.tensor([self.log[:k]])
             self.rt.engine.replay(self.state, log, images=self._images, tokens=self.opts.replay_tokens)
-            self.usage.replayed_tokens = min(k, self.opts.replay_tokens or self.rt.args.sliding_window)
+            self.usage.replayed_tokens += min(k, self.opts.replay_tokens or self.rt.args.sliding_window)
+
+    # ------------------------------------------------------------------ all or nothing
+    @contextmanager
+    def _atomic(self) -> Iterator[None]:
+        """Save what the body adds in one transaction at its end, or nothing of it: when the
+        body or the save fails, put the log, transcript and state back to the last save."""
+        self._touched = False
+        try:
+            yield
+        except KeyboardInterrupt:
+            self._keep_interrupted()
+            raise
+        except BaseException:
+            self._roll_back()
+            raise
+        try:
+            self.save()
+        except BaseException:
+            self._roll_back()
+            raise
+
+    def _keep_interrupted(self) -> None:
+        """Ctrl-C outside generation: keep the turn so far, its open prompt answered by an
+        empty reply (as a reply interrupted before its first token is), and save it without
+        KV, since the state may stop inside a prefill; then reload the state from the store."""
+        try:
+            if len(self.messages) > self.saved_messages and self.messages[-1].get("role") != "assistant":
+                self.messages.append(_unparsed("", self.rt.tokenizer))
+                self.log.append(self.rt.tokenizer.eos_id)
+            self.save(kv=False)
+        except BaseException:  # not even that could be saved: drop the turn as a failure would
+            self._roll_back()
+            return
+        if self._touched:
+            self._reload_state()
+
+    def _roll_back(self) -> None:
+        del self.messages[self.saved_messages:]
+        del self.log[self.saved_tokens:]
+        del self.spans[self.saved_spans:]
+        self.new_images = {}
+        if self._touched:
+            self._reload_state()
+
+    def _reload_state(self) -> None:
+        """The state has seen tokens the log no longer holds, and a cache rolls back only a
+        few positions: load the last save point's state as a resume from disk does. (The
+        RAM pool's copy, if any, is this same object, so it cannot serve.)"""
+        if self.pool is not None:
+            self.pool.pop(self.name)
+        self.state = self.rt.engine.new_state()
+        try:
+            loaded = self.store.load(self.name, fingerprint=self.rt.fingerprint, chunk_tokens=self.opts.chunk_tokens)
+            if loaded.tokens != self.log:  # the store is the truth: what it holds is what comes next
+                self.messages, self.log, self.spans = list(loaded.messages), list(loaded.tokens), list(loaded.image_spans)
+                self.saved_messages, self.saved_tokens = len(self.messages), len(self.log)
+                self.saved_spans = len(self.spans)
+            if loaded.kv_tokens:
+                self._restore_kv(loaded)
+            else:
+                self.next_chunk = 0
+        except Exception:
+            # Whatever failed (the store, the replay), a fresh state is always right: the
+            # next turn prefills the whole log, and the stored chunks before next_chunk stay valid.
+            self.state = self.rt.engine.new_state()
 
     # ------------------------------------------------------------------ the turn
     def turn(self, text: str, images: list[bytes] = ()) -> TurnResult:
         """One user turn: prompt, generate, run tools until an answer or the step limit; save."""
         result = TurnResult(session=self.name, usage=self.usage)
-        content = self._user_content(text, images)
-        pending = self._opening_messages() + [{"role": "user", "content": content}]
-        try:
+        with self._atomic():
+            content = self._user_content(text, images)
+            pending = self._opening_messages() + [{"role": "user", "content": content}]
             for result.steps in range(1, self.opts.max_steps + 1):
                 self._append(pending)
                 message, calls, stop = self._respond()
@@ -174,8 +246,6 @@ class Agent:
                     result.stop = "max_steps"
                     break
                 pending = self._run_tools(calls, result)
-        finally:
-            self.save()
         self.emit({"event": "usage", **asdict(self.usage)})
         return result
 
@@ -220,18 +290,16 @@ class Agent:
         prompt) after the log, prefill them and save; nothing is generated. ``images`` holds
         the bytes of their ``sha256:`` image blocks. When the last message is a user or tool
         turn the log ends at the generation header, which :meth:`reply` answers."""
-        self.new_images.update(images or {})
-        self._append(messages)
-        self._prefill_pending()
-        self.save()
+        with self._atomic():
+            self.new_images.update(images or {})
+            self._append(messages)
+            self._prefill_pending()
 
     def reply(self) -> dict:
         """Generate one assistant message for the log as it stands and save; its tool calls
         are parsed, not run."""
-        try:
+        with self._atomic():
             message, _, _ = self._respond()
-        finally:
-            self.save()
         return message
 
     # ------------------------------------------------------------------ model I/O
@@ -240,11 +308,13 @@ class Agent:
         if start == end:
             return
         ids = torch.tensor([self.log[start:end]])
+        touched, self._touched = self._touched, True
         try:
             self.rt.engine.prefill(self.state, ids, images=self._images(start, end),
                                    progress=lambda done, total: self.emit({"event": "prefill", "done": done,
                                                                            "total": total}))
         except ContextLimitError:  # the engine's own advice names no flag this command has
+            self._touched = touched  # refused before the state was touched (Engine._check_room)
             raise ContextFullError(f"session {self.name}: {start} tokens so far + {end - start} new exceed the "
                                    f"model's context of {self.rt.engine.max_context} tokens; start a new session "
                                    "(run without --session or with a new name; /clear in chat)") from None
@@ -274,6 +344,7 @@ class Agent:
         eos, ids, stop = self.rt.tokenizer.eos_id, [], "max_tokens"
         params = Sampling(**{**asdict(self.opts.sampling), "stop_ids": (eos,)})
         stream = _TextStream(self.rt.tokenizer, StreamParser(self.opts.thinking_mode), self.emit)
+        self._touched = True
         tokens = self.speculator.generate(self.state, params, list(self.log)) if self.speculator \
             else self.rt.engine.generate(self.state, params)
         try:
@@ -339,17 +410,20 @@ class Agent:
         return [{"type": "text", "text": res.text}] + blocks if blocks else res.text
 
     # ------------------------------------------------------------------ save / close
-    def save(self) -> None:
-        """One transaction: new messages, tokens, image spans, images and KV chunks."""
+    def save(self, kv: bool = True) -> None:
+        """One transaction: new messages, tokens, image spans, images and (unless ``kv`` is
+        False) KV chunks. The log ends at a closed turn unless its newest message awaits a
+        reply (``add_history``)."""
         mult = math.lcm(*(r for r in self.rt.args.ratios if r)) if any(self.rt.args.ratios) else 1
-        k = self.state.cache.stored_tokens(mult)
+        k = self.state.cache.stored_tokens(mult) if kv else 0
         ct, chunks = self.opts.chunk_tokens, []
         for c in range(self.next_chunk, k, ct):
             chunks.append(KVChunk(c, min(c + ct, k), self.state.cache.export_range(c, min(c + ct, k))))
         res = self.store.save_point(
             self.name, messages=self.messages[self.saved_messages:], new_tokens=self.log[self.saved_tokens:],
             image_spans=self.spans[self.saved_spans:], images=self.new_images, kv_chunks=chunks,
-            fingerprint=self.rt.fingerprint, chunk_tokens=ct)
+            fingerprint=self.rt.fingerprint, chunk_tokens=ct,
+            closed=not self.messages or self.messages[-1].get("role") == "assistant")
         self.saved_messages, self.saved_tokens, self.saved_spans = len(self.messages), len(self.log), len(self.spans)
         self.next_chunk, self.new_images = res.next_chunk_start, {}
 

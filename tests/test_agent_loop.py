@@ -3,12 +3,17 @@
 The double "generates" DSML tool calls; the real Agent parses them, runs the real tools
 under the approval policy, feeds the results back, and saves to a real Store in a
 temporary DSAGENT_HOME. No model numerics here (tests/test_e2e.py runs the real model).
+A turn that fails (the engine raising mid-turn, a full context, a full disk during the save)
+leaves the session as it was, and the next turn's log equals a run that never tried it.
 """
+import errno
+import sqlite3
+
 import pytest
 
-from dsagent.agent import Agent, AgentOptions
+from dsagent.agent import Agent, AgentOptions, ContextFullError
 from model.engine import Sampling
-from sessions import Store
+from sessions import Store, StoreFull
 from tests.scripted_runtime import ScriptedRuntime, tool_call
 
 
@@ -140,3 +145,143 @@ def test_add_history_logs_without_generating_and_reply_answers_it(store, tmp_pat
     assert message["tool_calls"][0]["function"]["name"] == "calculator"
     assert [m["role"] for m in store.messages("s")] == ["system", "user", "assistant", "user", "assistant"]
     assert "tool_result" not in rt.tokenizer.decode(agent.log)  # the call is parsed, not run
+
+
+# ---------------------------------------------------------------------------- failed turns
+class _Broken(RuntimeError):
+    """What the engine double raises where a script says FAIL."""
+
+
+FAIL = object()  # a script entry: yield a few tokens of a reply, then raise _Broken
+
+
+class FailingRuntime(ScriptedRuntime):
+    """The scripted double, whose engine fails mid-generation where the script says FAIL."""
+
+    def __init__(self, script: list):
+        super().__init__([])
+        engine, plain = self.engine, self.engine.generate
+        engine.script = list(script)
+
+        def generate(state, params):
+            if engine.script and engine.script[0] is FAIL:
+                engine.script.pop(0)
+                for token in rt_tokens(self, "half a rep"):
+                    yield token
+                raise _Broken("the engine failed mid-turn")
+            yield from plain(state, params)
+
+        engine.generate = generate
+
+
+def rt_tokens(rt, text: str) -> list[int]:
+    return rt.tokenizer.encode_content(text)
+
+
+def _saved(store, name):
+    loaded = store.load(name, fingerprint="scripted-test-double", chunk_tokens=256)
+    return loaded.messages, loaded.tokens
+
+
+def _clean_run(tmp_path, script, prompts, **kw):
+    """The same turns in a store of their own, none failing: what the log must equal."""
+    with Store.open(tmp_path / "clean") as clean:
+        with Agent(ScriptedRuntime(script), clean, _options(tmp_path, **kw)) as agent:
+            for p in prompts:
+                agent.turn(p)
+            log = list(agent.log)
+        return log, _saved(clean, "s")
+
+
+def test_a_turn_that_fails_mid_generation_saves_nothing_and_the_next_equals_a_clean_run(store, tmp_path):
+    rt = FailingRuntime(["first", FAIL, "second"])
+    with Agent(rt, store, _options(tmp_path, tools=[])) as agent:
+        agent.turn("one")
+        before_log, before = list(agent.log), _saved(store, "s")
+        with pytest.raises(_Broken):
+            agent.turn("two")
+        assert agent.log == before_log and _saved(store, "s") == before  # nothing of it, in RAM or on disk
+        assert store.verify("s")[0].ok
+        assert agent.turn("two").text == "second"
+        log = list(agent.log)
+    clean_log, clean = _clean_run(tmp_path, ["first", "second"], ["one", "two"], tools=[])
+    assert log == clean_log and _saved(store, "s") == clean
+    assert rt.tokenizer.decode(log).count("half a rep") == 0
+    with Agent(ScriptedRuntime([]), store, _options(tmp_path, tools=[])) as again:
+        assert again.log == clean_log  # and it resumes as the clean run's would
+
+
+def test_a_failure_after_a_tool_ran_drops_the_whole_turn(store, tmp_path):
+    rt = FailingRuntime([tool_call("calculator", expression="6*7"), FAIL,
+                         tool_call("calculator", expression="6*7"), "42."])
+    with Agent(rt, store, _options(tmp_path, tools=["calculator"])) as agent:
+        with pytest.raises(_Broken):
+            agent.turn("What is 6*7?")
+        assert agent.log == [] and agent.messages == [] and store.messages("s") == []
+        assert agent.turn("What is 6*7?").text == "42."
+        log = list(agent.log)
+    clean_log, clean = _clean_run(tmp_path, [tool_call("calculator", expression="6*7"), "42."],
+                                  ["What is 6*7?"], tools=["calculator"])
+    assert log == clean_log and _saved(store, "s") == clean
+
+
+@pytest.mark.parametrize("fault", [sqlite3.OperationalError("database or disk is full"),
+                                   OSError(errno.ENOSPC, "No space left on device")], ids=["sqlite-full", "enospc"])
+def test_a_full_disk_during_the_save_keeps_the_previous_turn(store, tmp_path, monkeypatch, fault):
+    rt = ScriptedRuntime(["first", "lost", "second"])
+    with Agent(rt, store, _options(tmp_path, tools=[])) as agent:
+        agent.turn("one")
+        before_log, before = list(agent.log), _saved(store, "s")
+        real = Store._append_tokens
+
+        def full(self, *a, **kw):  # after the messages' rows are written: they must go too
+            raise fault
+
+        monkeypatch.setattr(Store, "_append_tokens", full)
+        with pytest.raises(StoreFull, match=r"no space left on the device holding the store \(.*sessions.db\)"):
+            agent.turn("two")
+        monkeypatch.setattr(Store, "_append_tokens", real)
+        assert agent.log == before_log and _saved(store, "s") == before and store.verify("s")[0].ok
+        assert agent.turn("two").text == "second"
+        log = list(agent.log)
+    clean_log, clean = _clean_run(tmp_path, ["first", "second"], ["one", "two"], tools=[])
+    assert log == clean_log and _saved(store, "s") == clean
+
+
+def test_a_full_context_drops_the_turn_without_touching_the_state(store, tmp_path):
+    rt = ScriptedRuntime(["first", "second"])
+    with Agent(rt, store, _options(tmp_path, tools=[])) as agent:
+        agent.turn("one")
+        state, before_log = agent.state, list(agent.log)
+        rt.engine.max_context = len(before_log) + 3
+        with pytest.raises(ContextFullError, match="start a new session"):
+            agent.turn("two")
+        assert agent.state is state and agent.log == before_log  # refused before the engine ran: kept live
+        rt.engine.max_context = 1 << 20
+        agent.turn("two")
+        log = list(agent.log)
+    assert log == _clean_run(tmp_path, ["first", "second"], ["one", "two"], tools=[])[0]
+
+
+def test_ctrl_c_during_a_prefill_keeps_the_prompt_with_an_empty_reply(store, tmp_path, monkeypatch):
+    """Ctrl-C is not a failure: the prompt stays, answered by an empty reply, so the log ends at a
+    closed turn and the next turn reads as it would after a reply interrupted before its first token."""
+    rt = ScriptedRuntime(["first", "second"])
+    with Agent(rt, store, _options(tmp_path, tools=[])) as agent:
+        agent.turn("one")
+        plain = rt.engine.prefill
+
+        def interrupted(state, ids, images=None, progress=None):
+            state.cache.length += 3  # part of the prompt went in before the interrupt
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(rt.engine, "prefill", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            agent.turn("two")
+        monkeypatch.setattr(rt.engine, "prefill", plain)
+        assert [m["role"] for m in store.messages("s")][-2:] == ["user", "assistant"]
+        assert agent.log[-1] == rt.tokenizer.eos_id and store.load("s", fingerprint=rt.fingerprint,
+                                                                   chunk_tokens=256).tokens == agent.log
+        assert agent.state.length <= len(agent.log) and store.verify("s")[0].ok
+        assert agent.turn("three").text == "second"
+    assert [m["content"] for m in store.messages("s")][-4:] == ["two", "", "three", "second"]
