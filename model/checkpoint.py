@@ -386,7 +386,9 @@ class StoredTensor:
 
 def _open_shards(root: Path, weight_map: Mapping[str, str], stack: ExitStack,
                  problems: list[str]) -> tuple[dict, dict[str, StoredTensor | None]]:
-    """Open every shard (memory-mapped) and read its header; missing shards become problems.
+    """Open every shard (memory-mapped) and read its header; missing shards and shards
+    whose header does not read (a file cut short: the header must cover every byte)
+    become problems.
 
     A tensor that could not be read maps to None: it is already reported, not "missing".
     """
@@ -397,10 +399,18 @@ def _open_shards(root: Path, weight_map: Mapping[str, str], stack: ExitStack,
             count = sum(1 for v in weight_map.values() if v == shard)
             problems.append(f"missing shard: {shard} (the index names it for {count} tensors)")
             continue
-        handles[shard] = stack.enter_context(safe_open(str(path), framework="pt"))
+        try:
+            handles[shard] = stack.enter_context(safe_open(str(path), framework="pt"))
+        except Exception as e:  # safetensors raises its own SafetensorError, or OSError
+            problems.append(f"damaged shard: {shard} cannot be read ({_reason(e)}; {path.stat().st_size} bytes): "
+                            "it is truncated or corrupt")
     for name, shard in weight_map.items():
         infos[name] = _header_entry(handles[shard], name, shard, problems) if shard in handles else None
     return handles, infos
+
+
+def _reason(e: BaseException) -> str:
+    return str(e).removeprefix("Error while deserializing header: ") or type(e).__name__
 
 
 def _header_entry(handle, name: str, shard: str, problems: list[str]) -> StoredTensor | None:
@@ -464,6 +474,9 @@ def _unexpected(weight_map: Mapping[str, str], plan: Mapping[str, str],
             if n not in known and not _ignored(n, ignore_prefixes)]
 
 
+_SHARD_KINDS = ("missing shard", "damaged shard")
+
+
 def _raise_problems(root: Path, problems: list[str], headline: str = "does not match the model") -> None:
     if not problems:
         return
@@ -473,10 +486,14 @@ def _raise_problems(root: Path, problems: list[str], headline: str = "does not m
     lines = []
     for items in kinds.values():
         lines += items[:_MAX_LISTED] + ([f"... and {len(items) - _MAX_LISTED} more"] if len(items) > _MAX_LISTED else [])
-    raise CheckpointError(
-        f"checkpoint {root} {headline} ({len(problems)} problems):\n  " + "\n  ".join(lines)
-        + "\ncheck that the checkpoint was made for this model configuration (config.json), "
-          "or regenerate it with `dsagent model init`")
+    if set(kinds) <= set(_SHARD_KINDS):  # the files, not the model they were made for
+        headline = "has shards that are missing or cannot be read"
+        advice = "copy or download the checkpoint's shard files again (a shard cut short by a copy or download fails so)"
+    else:
+        advice = ("check that the checkpoint was made for this model configuration (config.json), "
+                  "or regenerate it with `dsagent model init`")
+    raise CheckpointError(f"checkpoint {root} {headline} ({len(problems)} problems):\n  " + "\n  ".join(lines)
+                          + "\n" + advice)
 
 
 # ----------------------------------------------------------------------------- reader: loading
@@ -492,7 +509,13 @@ class _Reader:
     block: int
 
     def tensor(self, name: str, device: str | torch.device) -> torch.Tensor:
-        return self.handles[self.infos[name].shard].get_tensor(name).to(device)
+        shard = self.infos[name].shard
+        try:
+            stored = self.handles[shard].get_tensor(name)
+        except Exception as e:  # the header read, but the bytes did not (an I/O error on the memory map)
+            raise CheckpointError(f"shard {shard}: cannot read {name} ({_reason(e)}); the file is damaged or "
+                                  "unreadable: copy or download it again") from None
+        return stored.to(device)
 
     def logical(self, name: str, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
         fmt = self.plan[name]

@@ -389,6 +389,29 @@ def test_index_naming_a_tensor_its_shard_lacks(written, tmp_path):
         census(ckpt)
 
 
+@pytest.mark.parametrize("keep", [0.5, 100, 5], ids=["half", "header-cut", "stub"])
+def test_a_truncated_shard_is_a_checkpoint_error_naming_it(written, tmp_path, keep):
+    """A shard cut short (an interrupted copy or download) is named, as an error the CLI maps to
+    exit 1; the tensors it holds are not listed one by one as missing or mis-typed."""
+    from dsagent.errors import ERROR, exit_code_for
+
+    ckpt = _copy_ckpt(written[0], tmp_path / "cut")
+    shard = read_weight_map(ckpt)["layers.1.attn.wq_a.weight"]
+    data = (ckpt / shard).read_bytes()
+    (ckpt / shard).write_bytes(data[: int(len(data) * keep) if keep < 1 else keep])
+    shapes = {k: tuple(v.shape) for k, v in written[1].items()}
+    with pytest.raises(CheckpointError) as err:
+        read_checkpoint(ckpt, shapes)
+    msg = str(err.value)
+    assert f"damaged shard: {shard} cannot be read" in msg and "truncated or corrupt" in msg
+    assert "has shards that are missing or cannot be read" in msg and "copy or download" in msg
+    assert "missing: " not in msg and "dtype: " not in msg
+    code, line = exit_code_for(err.value)
+    assert code == ERROR and shard in line and "internal error" not in line
+    with pytest.raises(CheckpointError, match=f"damaged shard: {shard}"):
+        census(ckpt)
+
+
 # ----------------------------------------------------------------------------- census
 
 def test_census_counts(written):
