@@ -68,18 +68,18 @@ def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, see
         init_weights(model, seed or 0)
         return stack_experts(cast_model(model, dtype))
     with torch.device("meta"):
-        model = Transformer(args)
+        model = cast_model(Transformer(args), dtype)  # each part made in its dtype: one float copy at a time
     g = torch.Generator(device=device).manual_seed(seed or 0)  # as init_weights: one stream, in name order
     for name, p in list(model._parameters.items()):  # the model's own (image span vectors): first in that order
         setattr(model, name, torch.nn.Parameter(torch.empty_like(p, device=device)))
         with torch.no_grad():
-            getattr(model, name).copy_(_init_value(name, getattr(model, name), g))
+            getattr(model, name).copy_(_init_value(name, getattr(model, name), g).to(dtype))
     for prefix, part in _parts(model):
         part.to_empty(device=device)
         with torch.no_grad():
             for name, p in part.named_parameters(prefix=prefix):
-                p.copy_(_init_value(name, p, g))
-        cast_model(part, dtype, prefix)
+                # rounded as a plain build's cast rounds: to dtype, and the fp32 families back from it
+                p.copy_(_init_value(name, p, g).to(dtype))
         pack_weights(part, prefix, args)
     model.ropes.make_on(device)
     return stack_experts(model)

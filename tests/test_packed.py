@@ -3,6 +3,7 @@ on the model as in the files, the same logits as the dequantised model, the same
 whether a preset is packed whole or built part by part."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from model.checkpoint import read_checkpoint, write_checkpoint
@@ -47,11 +48,14 @@ def test_a_packed_model_holds_about_the_checkpoints_bytes(tmp_path):
     assert held < 0.6 * sum(t.numel() * t.element_size() for t in plain.state_dict().values())
 
 
-def test_a_preset_built_packed_part_by_part_equals_one_packed_whole():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_preset_built_packed_part_by_part_equals_one_packed_whole(dtype):
+    """The same seeded stream, the same roundings: a benchmark of packed against plain weights
+    compares one model's two forms."""
     from model.args import ModelArgs
 
     args = ModelArgs.preset("tiny")
-    by_part, whole = build(args, weights="packed"), pack_weights(build(args))
+    by_part, whole = build(args, dtype=dtype, weights="packed"), pack_weights(build(args, dtype=dtype))
     a, b = by_part.state_dict(), whole.state_dict()
     assert list(a) == list(b) and all(torch.equal(_bytes(a[k]), _bytes(b[k])) for k in a)
     assert build(args).state_dict().keys() <= a.keys()
