@@ -166,14 +166,18 @@ class Agent:
 
     # ------------------------------------------------------------------ all or nothing
     @contextmanager
-    def _atomic(self) -> Iterator[None]:
+    def _atomic(self, *, keep_interrupted: bool = True) -> Iterator[None]:
         """Save what the body adds in one transaction at its end, or nothing of it: when the
-        body or the save fails, put the log, transcript and state back to the last save."""
+        body or the save fails, put the log, transcript and state back to the last save.
+        ``keep_interrupted``: Ctrl-C keeps the turn so far (else it drops it as a failure)."""
         self._touched = False
         try:
             yield
         except KeyboardInterrupt:
-            self._keep_interrupted()
+            if keep_interrupted:
+                self._keep_interrupted()
+            else:
+                self._roll_back()
             raise
         except BaseException:
             self._roll_back()
@@ -290,7 +294,7 @@ class Agent:
         prompt) after the log, prefill them and save; nothing is generated. ``images`` holds
         the bytes of their ``sha256:`` image blocks. When the last message is a user or tool
         turn the log ends at the generation header, which :meth:`reply` answers."""
-        with self._atomic():
+        with self._atomic(keep_interrupted=False):  # a history is logged whole or not at all
             self.new_images.update(images or {})
             self._append(messages)
             self._prefill_pending()

@@ -285,3 +285,23 @@ def test_ctrl_c_during_a_prefill_keeps_the_prompt_with_an_empty_reply(store, tmp
         assert agent.state.length <= len(agent.log) and store.verify("s")[0].ok
         assert agent.turn("three").text == "second"
     assert [m["content"] for m in store.messages("s")][-4:] == ["two", "", "three", "second"]
+
+
+def test_a_history_whose_prefill_fails_is_not_logged(store, tmp_path, monkeypatch):
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "6*7?"}]
+    rt = ScriptedRuntime([])
+    with Agent(rt, store, _options(tmp_path, tools=[])) as agent:
+        plain = rt.engine.prefill
+
+        def broken(state, ids, images=None, progress=None):
+            state.cache.length += 2
+            raise KeyboardInterrupt  # a Ctrl-C drops a history too: it is logged whole or not at all
+
+        monkeypatch.setattr(rt.engine, "prefill", broken)
+        with pytest.raises(KeyboardInterrupt):
+            agent.add_history(history)
+        assert agent.log == [] and agent.state.length == 0 and store.messages("s") == []
+        monkeypatch.setattr(rt.engine, "prefill", plain)
+        agent.add_history(history)
+        assert rt.engine.prompts == [agent.log] and store.messages("s") == history
+    assert not store.verify("s")[0].ok  # it ends at a prompt not yet answered, as add_history said

@@ -28,11 +28,12 @@ NAME = typer.Argument(..., callback=text_arg)  # a name typed with bytes that ar
 
 @contextlib.contextmanager
 def _store() -> Iterator[Store]:
-    """Open the store; any StoreError becomes a message on stderr and exit code 1."""
+    """Open the store; any StoreError (or an OSError the store did not type) becomes a
+    message on stderr and exit code 1, never a traceback."""
     try:
         with Store.open() as store:
             yield store
-    except StoreError as exc:
+    except (StoreError, OSError) as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
 
