@@ -238,7 +238,10 @@ def _read_single_file(path: Path, expected: dict) -> dict[str, torch.Tensor]:
     file = path / "model.safetensors"
     if not file.is_file():
         raise ConfigError(f"{path} has neither model.safetensors.index.json nor model.safetensors")
-    tensors = {k: v for k, v in load_file(str(file)).items() if k in expected}
+    try:
+        tensors = {k: v for k, v in load_file(str(file)).items() if k in expected}
+    except Exception as e:  # safetensors' own error types: a header or data cut short, not a safetensors file
+        raise ConfigError(f"{file} does not read as safetensors ({e}); copy the checkpoint again") from None
     missing = sorted(set(expected) - set(tensors))
     bad = [f"{k}: {tuple(v.shape)} != {expected[k]}" for k, v in tensors.items() if tuple(v.shape) != expected[k]]
     if missing or bad:

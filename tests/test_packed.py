@@ -102,3 +102,15 @@ def test_packed_weights_take_the_fused_steps_twins(tmp_path, monkeypatch):
         token = state.last_logits.argmax(-1)
         outs.append([engine.decode(state, token).clone() for _ in range(3)])
     assert all(torch.equal(a, b) for a, b in zip(*outs))
+
+
+def test_a_truncated_single_file_checkpoint_is_named(tmp_path):
+    from model.args import ConfigError, ModelArgs
+    from safetensors.torch import save_file
+
+    (tmp_path / "config.json").write_text(__import__("json").dumps(ModelArgs.preset("tiny").to_config()))
+    save_file({"embed.weight": torch.zeros(4, 4)}, str(tmp_path / "model.safetensors"))
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConfigError, match="model.safetensors does not read as safetensors"):
+        load(tmp_path)
