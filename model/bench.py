@@ -42,6 +42,35 @@ def _timed(fn, device):
     return out, time.perf_counter() - t
 
 
+def bench_model(preset: str, *, device="cuda", dtype: torch.dtype = torch.bfloat16, weights: str = "plain",
+                layers: int | None = None, engram_rows: int | None = None) -> tuple[Transformer, dict]:
+    """A preset for benchmarks (seeded weights), cut to ``layers`` / ``engram_rows``
+    (``ModelArgs.shortened``), ``weights`` plain or packed, and what loading it took: seconds,
+    the bytes its tensors hold, and on CUDA the memory allocated after and at the peak. A
+    preset whose vocabulary the bundled tokenizer cannot hash (``v41-flash``: 129K ids
+    against 1,024) gets a synthetic Engram token map of the real one's shape."""
+    from model.args import ModelArgs
+    from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
+
+    args = ModelArgs.preset(preset, layers=layers, engram_rows=engram_rows)
+    if str(device).startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    model = build(args, device=device, dtype=dtype, weights=weights).eval()
+    if args.engram_layer_ids and args.vocab_size != 1024:
+        model.bind_token_map([i % args.engram_compressed_vocab_size for i in range(args.vocab_size)])
+    else:
+        bind_tokenizer(model, BUNDLED_TOKENIZER)
+    _sync(device)
+    out = {"bench": "load", "preset": preset, "layers": args.num_hidden_layers, "weights": weights,
+           "engram_rows": list(args.engram_num_embeddings), "load_s": time.perf_counter() - start,
+           "held_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
+    if str(device).startswith("cuda"):
+        out.update(gpu_allocated_bytes=torch.cuda.memory_allocated(), gpu_peak_bytes=torch.cuda.max_memory_allocated())
+        out["allocated_over_held"] = out["gpu_allocated_bytes"] / out["held_bytes"]
+    return model, out
+
+
 def prompt_ids(model: Transformer, n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, model.args.vocab_size, (1, n), generator=g).to(model.device)

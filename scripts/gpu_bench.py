@@ -1,6 +1,7 @@
 """Run the engine benchmarks on a GPU (the device machine) and write JSON lines.
 
-Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--prefill 8192,32768] [--decode 4096,32768]
+Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--layers N] [--engram-rows R] [--weights packed]
+       [--prefill 8192,32768] [--decode 4096,32768]
        [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--profile 16384]
        [--knobs moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2 --knobs-ctx 131072 --knobs-rounds 2] [--set moe.DOWN_EARLY,...]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
@@ -11,12 +12,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 
 import torch
 
-from model import load
-from model.bench import (bench_batch, bench_decode, bench_host, bench_knobs, bench_linears, bench_paths,
+from model.bench import (bench_batch, bench_model, bench_decode, bench_host, bench_knobs, bench_linears, bench_paths,
                          bench_prefill, bench_profile, bench_resume, copy_tb_per_s, kernel_knob, matmul_tflops,
                          switched)
 
@@ -30,6 +29,10 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--preset", default="small")
+    p.add_argument("--layers", type=int, default=None, help="the preset cut to this many layers (every kind kept)")
+    p.add_argument("--engram-rows", type=int, default=None, help="Engram tables of about this many rows")
+    p.add_argument("--weights", default="plain", choices=("plain", "packed"),
+                   help="packed: the FP8 / FP4 families kept as a checkpoint stores them")
     p.add_argument("--prefill", default="8192")
     p.add_argument("--decode", default="4096,32768")
     p.add_argument("--resume", default="8192")
@@ -61,10 +64,8 @@ def main() -> None:
             module, name, value = kernel_knob(knob)
             setattr(module, name, value)
             emit({"set": knob})
-        t = time.perf_counter()
-        model = load(a.preset, device="cuda", dtype=torch.bfloat16)
-        emit({"load_s": time.perf_counter() - t, "params": sum(x.numel() for x in model.parameters()),
-              "gpu_mem_gb": torch.cuda.memory_allocated() / 1e9})
+        model, loaded = bench_model(a.preset, weights=a.weights, layers=a.layers, engram_rows=a.engram_rows)
+        emit({**loaded, "params": sum(x.numel() for x in model.parameters())})
         for n in map(int, filter(None, a.prefill.split(","))):
             emit(bench_prefill(model, n, gen=16))
         short, *longs = list(map(int, filter(None, a.decode.split(",")))) or [0]

@@ -48,3 +48,16 @@ def test_a_shortened_model_prefills_and_decodes(tmp_path):
     engine.prefill(state, torch.randint(3, 1000, (1, 150), generator=torch.Generator().manual_seed(0)))
     logits = engine.decode(state, state.last_logits.argmax(-1))
     assert torch.isfinite(logits).all()
+
+
+def test_a_benchmarks_model_reports_what_it_holds():
+    """``bench_model`` (``gpu_bench.py --layers --engram-rows --weights``): on the meta device the
+    full-width 8-layer cut's bytes, packed against plain, without allocating them."""
+    from model.bench import bench_model
+
+    _, packed = bench_model("v41-flash", device="meta", weights="packed", layers=8, engram_rows=1_000_000)
+    _, plain = bench_model("v41-flash", device="meta", layers=8, engram_rows=1_000_000)
+    assert packed["layers"] == 8 and packed["held_bytes"] < 0.3 * plain["held_bytes"]
+    assert 65e9 < packed["held_bytes"] < 80e9  # fits one 141 GB GPU with room for the KV and activations
+    model, tiny = bench_model("tiny", device="cpu", dtype=torch.float32, weights="packed", layers=8)
+    assert tiny["load_s"] > 0 and len(model.layers) == 8 and model.hasher is not None
