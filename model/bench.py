@@ -334,7 +334,7 @@ def layer_map(spans: list, boundary: str = "_down_slots_kernel", layers: int | N
     work too), as lists of ``layers`` (a step's; None: one list of all); ``kernels``: for each
     layer of the first full step, its kernels in order of end, each (name, advance µs: how far
     the layer's last end moved when it ended — :func:`span_advances`' measure within a
-    layer). What session 32's map of a `small` step was read from (model/kernels/HISTORY.md,
+    layer). What session 32's map of a `small` step was read from (docs/gpu-fast-path.md,
     session 32)."""
     spans = sorted(spans, key=lambda s: s[1])
     ends = [i for i, (_, _, name) in enumerate(spans) if name.startswith(boundary)]

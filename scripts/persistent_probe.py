@@ -26,7 +26,7 @@ graph replays) and the weights' TB/s; also with ``--rows 256`` (tiles
 that stream in ~no time) so the boundary's latency stands alone. A probe, not a test: it
 decides whether the rewrite is worth making.
 
-Session 35 (H200, 320 stages; model/kernels/HISTORY.md, *Tried and not kept*): PDL
+Session 35 (H200, 320 stages; docs/gpu-fast-path.md, *Tried and not kept*): PDL
 launches 3.47-3.50 µs a stage of 8 MB and 1.08-1.09 of 128 KB; persistent at best 3.83-3.92
 and 1.40-1.69 (no poll or program count got closer): a boundary inside one Triton kernel
 costs more than a dependent launch's, so the persistent layer is not the route (not kept in

@@ -27,7 +27,7 @@ SITE = (1e-6, 1e-6, 20, 1e-6)  # eps, norm_eps, iters, hc_eps
 @pytest.fixture(autouse=True)
 def _folding(monkeypatch):
     """The fold on (both producers), whatever the defaults (off since timed: session 31 in
-    model/kernels/HISTORY.md)."""
+    docs/gpu-fast-path.md)."""
     from model.kernels import moe, streams
 
     interpretable(monkeypatch)

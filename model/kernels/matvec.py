@@ -51,7 +51,7 @@ TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 # small kernels run) 0.975, then 1.025 against a control of 1.020 in four rounds — the GEMVs'
 # share of the step fell 0.650 -> 0.557 ms, the prefetch kernels took it back. Neither kept.
 # (session 34: the same asks made by riders, extra programs of the attention's or its merge's launch,
-# 0.999-1.42x of a step: not kept; the figures: model/kernels/HISTORY.md, "Tried and not kept")
+# 0.999-1.42x of a step: not kept; the figures: docs/gpu-fast-path.md, "Tried and not kept")
 
 
 # a timing probe, never on in a run: x's de-rotation (``rope_in``) left out (the output is then wrong), for

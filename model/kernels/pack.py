@@ -276,7 +276,7 @@ def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_pt
 # a timing probe, never on in a run: the window entry's launch left out, for ``gpu_bench --knobs
 # pack.PROBE_NO_ENTRY`` (what a step would gain were the entry made inside another launch).
 # (session 34: the entry made by the attention's own launch, not kept; the figures:
-# model/kernels/HISTORY.md, "Tried and not kept")
+# docs/gpu-fast-path.md, "Tried and not kept")
 PROBE_NO_ENTRY = False
 
 
