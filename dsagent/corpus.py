@@ -60,12 +60,12 @@ NUMBER_WORDS = ["zero", "one", "two", "three", "four", "five", "six"]
 IMAGE_SIDE, GRID = 126, 3  # 3x3 cells of 42 px: shapes never touch
 RECALL_TOKENS = (2000, 6000)
 # how a recall log states a key: "colon" is this corpus version's; "is" says it in the answer's
-# words (`badge id of lumen is UBE-2192`), an experiment's (docs/default-model-training.md, session 17)
+# words (`badge id of lumen is UBE-2192`), an experiment's (docs/default-model-training.md, 2026-12-01)
 RECALL_FORMS = {"colon": "{key}: {value}", "is": "{key} is {value}"}
 # what a planted value looks like: "digits" (`4417-2192`) is this corpus version's, "mixed"
 # (`UBE-2192`) version 2's. A model learns to look the digits up and not the capitals: no filler
 # line holds a digit, while a capital starts every filler line's names and days, so a capital
-# does not point at the value (docs/default-model-training.md, session 18)
+# does not point at the value (docs/default-model-training.md, 2026-12-02)
 RECALL_VALUES = ("digits", "mixed")
 
 
@@ -223,7 +223,7 @@ def focus_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
     reply that spell one of ``words`` (whole words; a token may also hold the space before
     one: " 4" of " 4417-2192"): the one skill's own signal, not diluted by the reply's words
     around it — a fresh model learns the recall lookup from the value's tokens alone, and not
-    in as many steps from the whole reply (docs/default-model-training.md, session 7).
+    in as many steps from the whole reply (docs/default-model-training.md, 2026-11-30).
     ``laid_out``: the record's ``training_example`` where the caller has it (not encoded again)."""
     ex = laid_out or training_example(record, tokenizer, args)
     ids, trained = list(ex.ids), list(ex.trained)

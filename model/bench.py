@@ -292,8 +292,9 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     rounds (each one's best kept), so a figure is a ratio taken in one process. One constant
     may come with several values (``fused.ATTN_PROBE=1,fused.ATTN_PROBE=2``): each is a variant
     of its own, and then there is no "all on". A last variant, "control", is all off again,
-    timed at the end of each round: its ratio to "all off" is the bench's own noise (session 29
-    read 0.2% that way, by hand, beside effects of 0.5-1.4%). The knobs are left as they were."""
+    timed at the end of each round: its ratio to "all off" is the bench's own noise (on
+    2026-12-03, 88b7232, read 0.2% that way, by hand, beside effects of 0.5-1.4%). The knobs
+    are left as they were."""
     where = [kernel_knob(k) for k in knobs]
     saved = [getattr(module, name) for module, name, _ in where]
     off = [value if "=" in knob else False for knob, value in zip(knobs, saved)]
@@ -334,8 +335,8 @@ def layer_map(spans: list, boundary: str = "_down_slots_kernel", layers: int | N
     work too), as lists of ``layers`` (a step's; None: one list of all); ``kernels``: for each
     layer of the first full step, its kernels in order of end, each (name, advance µs: how far
     the layer's last end moved when it ended — :func:`span_advances`' measure within a
-    layer). What session 32's map of a `small` step was read from (docs/gpu-fast-path.md,
-    session 32)."""
+    layer). What the map of a `small` step of 2026-12-04 (3097e7e) was read from
+    (docs/gpu-fast-path.md)."""
     spans = sorted(spans, key=lambda s: s[1])
     ends = [i for i, (_, _, name) in enumerate(spans) if name.startswith(boundary)]
     spans_us, kernels = [], []
@@ -510,7 +511,7 @@ def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 
     summed device time per step, and the ``top`` kernels by time. A guide for fusing, not
     a target; on the CPU it counts operators instead of kernels. The kernels launch plainly
     here (``DSAGENT_PDL=0``): a dependent launch's time includes its wait for the kernel
-    before (session 22: 7.8 ms "busy" in a 5.9 ms step), so only plain launches give each
+    before (2026-12-02, 51f0d94: 7.8 ms "busy" in a 5.9 ms step), so only plain launches give each
     kernel's own time. ``chained``: as the step runs, dependent launches on — then the
     summary's ``advance`` (each kernel's share of the step's span: how far the last end
     moved when it ended) is the one to read, not the busy time. ``spans``: a list that gets

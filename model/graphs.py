@@ -9,7 +9,7 @@ candidate pools run on the cache's fixed buffers with the position as a tensor
 (``model.decode_step``), and the host keeps the counts around the one replay. Those buffers stay put: the capture is keyed on their
 addresses and redone when one moves (a new cache, a grown buffer); a model whose
 compressors pool pairs has two captures, for steps that complete a pair and steps that do
-not. (One graph a layer, as until session 13, cost the host ~160 us a layer in Python and
+not. (One graph a layer, as until 2026-12-01 (0157739), cost the host ~160 us a layer in Python and
 launches: the device waited on it.) Without the fused kernels two segments a layer
 replay — the attention site (mixes, norm, projections, RoPE) and the FFN site (output
 projection, mixes, the whole MoE) — around the eager cache work. A segment reads another

@@ -1,4 +1,4 @@
-"""Run the engine benchmarks on a GPU (the device machine) and write JSON lines.
+"""Run the engine benchmarks on a GPU and write JSON lines.
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--layers N] [--engram-rows R] [--weights packed]
        [--prefill 8192,32768] [--decode 4096,32768]

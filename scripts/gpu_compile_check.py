@@ -15,14 +15,14 @@ distinct one through ``triton.compile`` for ``GPUTarget("cuda", 90, 32)`` (front
 and ptxas: no GPU needed), again as a programmatic dependent launch where the kernel takes
 ``PDL`` (its ``griddepcontrol`` PTX, which the interpreter never runs), and prints every
 failure. Exit status 1 if any kernel fails to build or the tests fail. A check before a
-device call, not a test: CI has no Triton. With ``DSAGENT_PTXAS=1`` each build's PTX also
+run on the GPU, not a test: CI has no Triton. With ``DSAGENT_PTXAS=1`` each build's PTX also
 goes through Triton's own ptxas with ``-v``: registers a thread and bytes spilled, read on
 the CPU (a kernel at 255 registers with spills, like the sparse attention's, is the one to
 look at first). Each recorded launch keeps which arguments the GPU would specialise as
 multiples of 16 (tensors at 16-byte addresses, integers divisible by 16 outside the kernel's
 ``do_not_specialize``), so the build vectorises its loads as the GPU's does. With
 ``DSAGENT_SASS=1`` the SASS census counts what the compiler gave the kernel's threads to do:
-the sparse attention's key decode was found so (session 29: 3,936 instructions with 65 spill
+the sparse attention's key decode was found so (2026-12-03, 88b7232: 3,936 instructions with 65 spill
 stores at 4 warps before, 1,280 with none after, on 8 warps).
 """
 from __future__ import annotations

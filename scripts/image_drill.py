@@ -14,7 +14,7 @@ rise above that is the ViT learning form.
 
 ``--form-only`` trains and scores the kind and count words alone (chance: a third of the
 kinds, a fifth of the counts) — with ``--tower-only`` the colour then drifts, nothing asking
-for it (session 12: 286 such steps named every picture green); ``--form-share F`` narrows a
+for it (2026-12-01, a99ee58: 286 such steps named every picture green); ``--form-share F`` narrows a
 share F of the conversations so and keeps the whole reply in the rest. ``--tower-only``
 trains the vision tower alone (text is answered as before). ``--prompted`` keeps the system
 prompt in every conversation (training and held-out), as the agent and ``dsagent eval``

@@ -26,7 +26,7 @@ graph replays) and the weights' TB/s; also with ``--rows 256`` (tiles
 that stream in ~no time) so the boundary's latency stands alone. A probe, not a test: it
 decides whether the rewrite is worth making.
 
-Session 35 (H200, 320 stages; docs/gpu-fast-path.md, *Tried and not kept*): PDL
+Timed 2026-12-04 (a3c5b58; H200, 320 stages; docs/gpu-fast-path.md, *Tried and not kept*): PDL
 launches 3.47-3.50 µs a stage of 8 MB and 1.08-1.09 of 128 KB; persistent at best 3.83-3.92
 and 1.40-1.69 (no poll or program count got closer): a boundary inside one Triton kernel
 costs more than a dependent launch's, so the persistent layer is not the route (not kept in
@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernel_sweep import graphed_us  # noqa: E402  (scripts/ is this script's own folder)
 from model.kernels import matvec  # noqa: E402
 
-SPIN_LIMIT = tl.constexpr(1 << 20)  # polls before a program gives up (a bug must not hang the device call)
+SPIN_LIMIT = tl.constexpr(1 << 20)  # polls before a program gives up (a bug must not hang the GPU run)
 
 
 @triton.jit

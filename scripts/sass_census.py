@@ -14,7 +14,7 @@ as multiples of 16. Then ``gpu_compile_check.py --compile`` builds each for sm_9
 ``DSAGENT_SASS=1``: instructions (a static count, every branch), spill stores and the
 commonest opcodes a launch. ``--set`` changes kernel constants first (``model.bench.kernel_knob``
 form), to count a variant. A guide to where a kernel's serial chain is instructions, not a
-timing: the attention's key decode was found so (session 29).
+timing: the attention's key decode was found so (2026-12-03, 88b7232).
 """
 from __future__ import annotations
 

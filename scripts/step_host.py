@@ -1,4 +1,4 @@
-"""Where a decode step's host time goes (device machine): ``bench_host``; every operation in a
+"""Where a decode step's host time goes (on a GPU): ``bench_host``; every operation in a
 step that makes the host wait for the device (``torch.cuda.set_sync_debug_mode``), each
 with the lines that called it; then cProfile over steps.
 

@@ -1,6 +1,6 @@
 """The reference path on CUDA matches the CPU reference (skips cleanly without a GPU).
 
-Run on the device machine with `python3 -m pytest -q tests/test_gpu.py` (it needs only the
+Run on a machine with a GPU with `python3 -m pytest -q tests/test_gpu.py` (it needs only the
 `model` package). CI has no GPU, so everything here skips there; the CPU reference itself
 is covered by tests/test_golden.py and tests/test_engine.py.
 """
@@ -148,7 +148,7 @@ def test_a_training_step_on_cuda_matches_the_cpu():
     """The CUDA training path — QAT values from the kernels, the dense MoE, the compiled mHC
     twin — gives the CPU reference's loss, and gradients as close to the CPU's as the CPU's
     own are under float-rounding-sized noise. Not closer: this step is sensitive to that noise.
-    On the H200 (session 8) CUDA's gradients were 7.7% from the CPU's, in float64 as in
+    On the H200 (2026-11-30, e8bbb74) CUDA's gradients were 7.7% from the CPU's, in float64 as in
     float32, with the quantisers bit-equal and CUDA's fast paths 0.15% from its reference;
     on the CPU, noise of 1e-6 (relative) on layer 0's output moves them by 7.9%, with the
     same tensors worst (a 3-element mHC scale 4.5x its norm, two routed experts by 0.45-0.47
@@ -156,7 +156,7 @@ def test_a_training_step_on_cuda_matches_the_cpu():
     weights, whose near-ties are far more common (chunking alone moved a random model's loss
     by 2%)."""
     cpu, cuda, noisy = _training_step("cpu"), _training_step("cuda"), _training_step("cpu", noise=1e-6)
-    # losses 2e-3 apart at most: 1.1e-3 on the H200 with session 12's default (2026-12-01:
+    # losses 2e-3 apart at most: 1.1e-3 on the H200 with the default of 2026-12-01 (a99ee58:
     # CPU 11.1563, CUDA 11.1689; the CPU under the 1e-6 noise 11.1609, 0.4e-3 away)
     assert abs(cpu[0] - cuda[0]) <= 2e-3 * abs(cpu[0]), (cpu[0], cuda[0], noisy[0])
     floor = _gradient_gap(cpu[1], noisy[1])

@@ -350,7 +350,7 @@ def test_a_replaced_capture_leaves_no_outputs_behind():
 def test_rope_angles_are_shared_within_a_scope_and_never_into_a_nested_one():
     """A graph segment opens its own scope: angles an eager warm-up computed outside it (in
     memory the graph does not own) must not be reused by its capture — the bug that made
-    the first H200 run of session 5 read freed memory on replay."""
+    the first H200 run of 2026-11-30 (bf14f19) read freed memory on replay."""
     from model.rope import rope_angles, shared_rope_angles
 
     pos, inv = torch.arange(3), torch.rand(4)

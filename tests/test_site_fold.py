@@ -26,8 +26,8 @@ SITE = (1e-6, 1e-6, 20, 1e-6)  # eps, norm_eps, iters, hc_eps
 
 @pytest.fixture(autouse=True)
 def _folding(monkeypatch):
-    """The fold on (both producers), whatever the defaults (off since timed: session 31 in
-    docs/gpu-fast-path.md)."""
+    """The fold on (both producers), whatever the defaults (off since timed on 2026-12-04,
+    55ed118: docs/gpu-fast-path.md)."""
     from model.kernels import moe, streams
 
     interpretable(monkeypatch)

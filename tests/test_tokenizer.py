@@ -161,8 +161,8 @@ def test_the_bundled_tokenizer_spells_numbers_digit_by_digit():
 
 
 def test_the_merged_digit_tokenizer_is_reproducible():
-    """`--digits merged` rebuilds, byte for byte, the tokenizer bundled until session 10 (and
-    carried by the defaults trained on it): its sha256 is pinned here."""
+    """`--digits merged` rebuilds, byte for byte, the tokenizer bundled until commit dd4d2a2
+    of 2026-11-30 (and carried by the defaults trained on it): its sha256 is pinned here."""
     spec = importlib.util.spec_from_file_location("train_tokenizer", REPO / "scripts" / "train_tokenizer.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)

@@ -198,9 +198,9 @@ def test_every_parameter_learns(tiny):
 def test_trainer_state_round_trips(tmp_path, tiny, device, fused):
     """A resumed run continues bit for bit: the next AdamW step after load_state equals the
     step the unbroken run takes. Fused AdamW (the trainer's choice on CUDA) wants its step
-    counters on the parameters' device: session 9 found them loaded onto the CPU, which
-    stopped every resumed CUDA run at its first step (a CUDA twin of this case failed so on
-    the H200 without the fix and passed with it)."""
+    counters on the parameters' device: on 2026-11-30 (f73cb93) they were found loaded onto
+    the CPU, which stopped every resumed CUDA run at its first step (a CUDA twin of this case
+    failed so on the H200 without the fix and passed with it)."""
     import train_default
 
     def fresh(seed):
@@ -687,7 +687,7 @@ def test_trainer_logs_bare_recall_steps_apart(tmp_path, capsys):
 def test_trainer_ends_a_run_whose_steps_keep_running_out_of_memory(tmp_path, capsys, monkeypatch):
     """A step out of memory is skipped; OOM_STREAK of them in a row end the run (checkpoint
     and TRAINING.json written, the reason in it, exit status 1) rather than spend the budget
-    skipping, as a 32-row bare phase at ~3K tokens beside two other trainers did (session 18).
+    skipping, as a 32-row bare phase at ~3K tokens beside two other trainers did (2026-12-02, 89beacf).
     A step that fits resets the count. The CPU raises the CUDA error through a stand-in loss."""
     import train_default
 

@@ -267,7 +267,7 @@ class Beside:
     event recorded after it, so later work on the side stream is not waited for) and returns
     its result; every one made in a capture must be joined before the capture ends. One side
     stream a device: work beside is ordered among itself in the order it was launched.
-    Timed (session 32): pays where the work is long and read late; a join is a full
+    Timed (2026-12-04, 3097e7e): pays where the work is long and read late; a join is a full
     dependency, ~2 µs, so moving a 2 µs launch beside gains nothing."""
 
     _streams: dict = {}  # device index -> the side stream, made once
@@ -324,7 +324,7 @@ GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLA
 def gemv_runs(x: torch.Tensor, *layers: torch.nn.Module) -> bool:
     """Whether :func:`gemv` runs on rows ``x`` [..., D] against the ``layers``' weights: where
     :func:`enabled` and ``DSAGENT_GEMV`` is not ``0``, outside autograd, at most ``GEMV_TOKENS``
-    rows, weights and rows of one float dtype. On by default since session 26, when each
+    rows, weights and rows of one float dtype. On by default since 2026-12-03 (0b5cbd1), when each
     program began asking for its whole weight tile before its dependent launch's wait: a
     `small` decode step on the H200 took 3.84 ms at 128K where cuBLAS's GEMMs took 4.55
     (4K: 3.57 against 4.24; one call, ``DSAGENT_GEMV`` 1 beside 0). The weights are read

@@ -13,7 +13,7 @@ masks, the products, XORs and remainders) once a step. Integers, so equal to the
 ``engram_step``: a decode step's whole Engram look-up in one launch — the new token's
 compressed id, the look-back read from the cache's ring, the hash, the ring's write — where
 the step ran ~16 (torch's lookups and masks around the hash kernel: ~38 µs at its start on the
-H200, session 32).
+H200, 2026-12-04, 3097e7e).
 
 Does not own: the hashed rows and their projection (``model.model.Engram``), or choosing
 kernel or twin (``model.kernels``). Imported only when Triton is importable.
@@ -27,7 +27,7 @@ import triton.language as tl
 from model.kernels.fused import _chain, _store, chained, unfused
 
 # a decode step's Engram projections (each layer's hashed rows through its ``wkv``: 126 MB at
-# `small`, ~35 µs a layer on the step's path on the H200; session 32) launched from the step's start
+# `small`, ~35 µs a layer on the step's path on the H200; 2026-12-04, 3097e7e) launched from the step's start
 # on a side stream, beside the layers before theirs (``model.kernels.Beside``). Timed on the H200
 # (`small`, a step at 128K, bench_knobs, best of three alternated rounds): 0.987 / 0.989 of inline in
 # two calls (controls 0.997 / 1.003); the GEMV kernel beside, where cuBLAS runs it now, 0.994

@@ -16,9 +16,10 @@ How the numbers stay within ~2^-20 of fp32:
   probabilities, an fp32 query) goes in as three bf16 parts, every bit of its 24
   (``_bf16_parts``): its rounding is 2^-24 relative.
 - Attention runs its [16 heads, D] x [D, 16 keys] and [16, 16] x [16, D] dots whole, 2D, on
-  4 warps: 10.5 us a call with its merge at ``small``'s decode shapes, where the session-14
-  form (tf32 dots batched over 32-channel chunks, 255 registers with spills) took 21.0
-  (session 24, a CUDA graph of 20 calls on the H200, as ``kernel_sweep.py`` times).
+  4 warps: 10.5 us a call with its merge at ``small``'s decode shapes, where the form of
+  2026-12-01, 8d9f0f3 (tf32 dots batched over 32-channel chunks, 255 registers with spills),
+  took 21.0 (2026-12-02, b4d612c, a CUDA graph of 20 calls on the H200, as ``kernel_sweep.py``
+  times).
 
 Sparse attention runs flash-decoding style: grid (B, head groups of 16, splits), the splits
 so that one decode row (B=1) fills the GPU rather than one SM — down to one block of 16
@@ -43,15 +44,15 @@ import triton.language as tl
 
 BLOCK_H = 16  # heads per program: tl.dot needs M >= 16 (fewer heads are masked rows)
 BLOCK_N = 16  # window entries / records per inner step (32 and 64: slower or out of registers)
-ATTN_WARPS = 8  # with the keys decoded blockwise (session 29, H200, `small`, 128K, bench_knobs, two
+ATTN_WARPS = 8  # with the keys decoded blockwise (2026-12-03, 88b7232, H200, `small`, 128K, bench_knobs, two
 # alternated rounds): a step 3.307 ms with 4 warps, 3.258 with 8 (the whole-row decode: 3.369 with 4,
 # 3.461 with 8); the kernel alone (+ merge, kernel_sweep) 7.78 -> 7.31 us. ptxas for sm_90: 8 warps, no spills
-# (session 28: keys decoded as even / odd channel halves straight to bf16, 3.455 -> 3.626 ms, not kept)
+# (2026-12-03, 59331ce: keys decoded as even / odd channel halves straight to bf16, 3.455 -> 3.626 ms, not kept)
 INDEX_BLOCK_N = 64  # index keys per program
 INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --only indexer, small, 16K keys)
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
 MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
-# (session 28: 2 blocks a split made a step at 128K 9.6% slower, 3.397 -> 3.722 ms, bench_knobs)
+# (2026-12-03, 59331ce: 2 blocks a split made a step at 128K 9.6% slower, 3.397 -> 3.722 ms, bench_knobs)
 # a timing probe, never on in a run (the attention's output is then wrong): a bit mask of the
 # attention's stages to leave out (``_sparse_attention_kernel``'s PROBE), for ``gpu_bench --knobs
 # fused.ATTN_PROBE=1`` (a step) or ``kernel_sweep.py --only attention-probe`` (the kernel alone)
@@ -68,12 +69,12 @@ PROBE_NO_MERGE = False
 # bytes read and decoded once a block (32 a record, 16 a window row) and broadcast over its channels,
 # a record's codes read as int32 words of eight nibbles, the window's e4m3 bytes converted by the
 # hardware, where the whole-row form reads and decodes one scale byte and one code byte per channel.
-# sm_90 SASS (4 warps, static count): 3,672 -> 2,160 instructions; session 29 on the H200 (`small`, 128K,
+# sm_90 SASS (4 warps, static count): 3,672 -> 2,160 instructions; 2026-12-03 (88b7232) on the H200 (`small`, 128K,
 # bench_knobs, two alternated rounds): a step 3.369 -> 3.307 ms; the kernel alone 9.82 -> 7.78 us.
 # Stages then (kernel_sweep --only attention-probe): leaving the keys' bytes and decode out no
 # longer shortens the kernel (7.67 -> 7.62 us); the query's dot does (-1.5 us), the partials' store -0.8
 ATTN_BLOCKWISE = True
-# (session 29: the query and the sink read before the dependent launch's wait — the query is made two
+# (2026-12-03, 88b7232: the query and the sink read before the dependent launch's wait — the query is made two
 # launches or more before the attention — 3.213 -> 3.197 ms a step at 128K, -0.5%: not kept)
 SPLIT_WAVES = 3  # programs per SM the splits aim for; matters from batch ~8 (kernel_sweep --only splits,
 # small, batch 16, 8 warps: 77.6 us a call with 1, 60.6 with 2, 59.1 with 3, 61.0 with 4; batch 4: 22.0-22.5 us for all)

@@ -16,14 +16,15 @@ kernel rounds. All launches
 run without FMA contraction (``unfused``), as the RoPE kernel does, so the rotations are bit
 for bit ``rope_ref``'s.
 
-How it reads (session 26): each program holds one tile of the weight — ``BLOCK_O`` whole
+How it reads (2026-12-03, 0b5cbd1): each program holds one tile of the weight — ``BLOCK_O`` whole
 rows, ``TILE_BYTES`` at most — and asks for all of it in one load, *before* its dependent
 launch's wait (``fused._chain``): no kernel of a decode step writes a weight, so the tile
 may stream in while the kernel before runs, and every program has its whole tile in flight
 at once. Then it waits, reads the rows of ``x`` and reduces, one row after another over the
 tile it holds (the weight is read once whatever the batch). Inputs wider than
-``BLOCK_D_MAX`` channels read the rest in chunks after the wait. Session 16's form looped
-over 256-channel chunks, one chunk in flight per program, and lost to cuBLAS in a step.
+``BLOCK_D_MAX`` channels read the rest in chunks after the wait. The form of 2026-12-01
+(9275c3a) looped over 256-channel chunks, one chunk in flight per program, and lost to cuBLAS in
+a step.
 
 Does not own: when it runs (``model.kernels.gemv_runs``), or which layers use it
 (``model.model``). Imported only when Triton is importable.
@@ -41,16 +42,16 @@ from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles,
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
 TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
-# (session 28, a step at 128K, bench_knobs: 8 KB tiles +3.0%; the window entry made by programs of the
+# (2026-12-03, 59331ce, a step at 128K, bench_knobs: 8 KB tiles +3.0%; the window entry made by programs of the
 # query's GEMV launch rather than a launch of its own +1.8% / +1.5%: neither kept)
-# (session 30, a step at 128K, bench_knobs, two rounds, its control variant 0.977 of "all off"): the
+# (2026-12-03, ced59ff, a step at 128K, bench_knobs, two rounds, its control variant 0.977 of "all off"): the
 # launch's ``maxnreg`` capping a program's registers at 168 / 128 (so that all 512 programs of an 8 MB
 # weight hold their tiles at once: uncapped, the de-rotating ``wo_a`` GEMV takes 218 registers and
 # 264 of its programs fit, the query's 168 and 396) 0.995 / 0.973; the layer's weights asked into the
 # L2 beside the step (``cp.async.bulk.prefetch.L2`` on a stream of their own, while the chains of
 # small kernels run) 0.975, then 1.025 against a control of 1.020 in four rounds — the GEMVs'
 # share of the step fell 0.650 -> 0.557 ms, the prefetch kernels took it back. Neither kept.
-# (session 34: the same asks made by riders, extra programs of the attention's or its merge's launch,
+# (2026-12-04, 505a62b: the same asks made by riders, extra programs of the attention's or its merge's launch,
 # 0.999-1.42x of a step: not kept; the figures: docs/gpu-fast-path.md, "Tried and not kept")
 
 

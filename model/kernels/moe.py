@@ -44,7 +44,7 @@ from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles,
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
 # each gate-logits program (one chunk of channels) asks for its weight before its dependent
-# launch's wait. Timed on the H200 (session 27, `small`, batch 1, 128K, bench_knobs, best of two
+# launch's wait. Timed on the H200 (2026-12-03, 0813500, `small`, batch 1, 128K, bench_knobs, best of two
 # alternated rounds): a step 3.716 -> 3.624 ms
 GATE_EARLY = True
 # tile sizes of the expert kernels: rows of w1 / w3 per up program and channels per load;
@@ -64,14 +64,14 @@ UP_EARLY_TILE_BYTES = 16384
 DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 # the down sum with every slot's rows loaded together (``_down_slots_kernel``) rather than slot by
 # slot (``_down_kernel``, which read its 22 MB at ~1.4 TB/s at `small`, batch 1, where the up kernel
-# read its 44 MB at ~3.2 TB/s). Timed on the H200 (session 18, `small`, bf16, batch 1, experts
+# read its 44 MB at ~3.2 TB/s). Timed on the H200 (2026-12-02, 89beacf, `small`, bf16, batch 1, experts
 # cycled from HBM): a whole moe_decode 37.1 -> 32.8 us (kernel_sweep.py --only down), a decode step
 # at 4K context 5.93 -> 5.76 ms (three alternated pairs, 5.98/5.91/5.91 against 5.80/5.75/5.74);
 # tiles within ~1.5 us of the sweep's best (8, 256, 8), inside its noise
 DOWN_SLOTS = True
 SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
-# as the GEMV (session 26) asks for its weights. Off: slower on the H200 (session 27, timed as
+# as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
 # while the up kernel still streams, hold their tiles and take the SMs the up kernel's programs
 # wait for. Kept as a knob: without the channel loop it is the form Triton's interpreter runs
@@ -79,10 +79,10 @@ DOWN_EARLY = False
 # the down sum left for the next attention site to fold its dots launch into (``moe_decode``'s
 # ``defer``, ``streams.Fold``). Its programs are launched without FMA contraction (``unfused``),
 # folded or not, so that the sum a site folds in is the sum it would read
-DOWN_FOLD = False  # session 31: a step 4-5% slower with it (``streams.SITE_FOLD`` says why)
-# Tried in session 28 (a step at 128K, bench_knobs, two alternated rounds each): one output channel a
+DOWN_FOLD = False  # 2026-12-04 (55ed118): a step 4-5% slower with it (``streams.SITE_FOLD`` says why)
+# Tried on 2026-12-03 (59331ce; a step at 128K, bench_knobs, two alternated rounds each): one output channel a
 # down program with every slot's whole row of I in one load (80 registers where this tile took 178 —
-# builds without the GPU's 16-byte specialisation; 40 as the GPU builds it, session 29)
+# builds without the GPU's 16-byte specialisation; 40 as the GPU builds it, 88b7232)
 # +3.6%; the gate's top-k made by the last gate-logits program of each token (an arrival count),
 # one launch a layer fewer, +0.2% / -1.6% / +0.7% in three runs: no gain. Neither kept
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program

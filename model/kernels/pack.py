@@ -275,7 +275,7 @@ def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_pt
 
 # a timing probe, never on in a run: the window entry's launch left out, for ``gpu_bench --knobs
 # pack.PROBE_NO_ENTRY`` (what a step would gain were the entry made inside another launch).
-# (session 34: the entry made by the attention's own launch, not kept; the figures:
+# (2026-12-04, 505a62b: the entry made by the attention's own launch, not kept; the figures:
 # docs/gpu-fast-path.md, "Tried and not kept")
 PROBE_NO_ENTRY = False
 
@@ -303,7 +303,7 @@ def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: to
 # a compressor's decode step in four launches (``model.kernels.compress_step``); off: torch's ~30,
 # for ``gpu_bench.py --knobs pack.COMPRESS_STEP=False``
 COMPRESS_STEP = True
-# those launches (~15 µs at `small` on the H200, session 32) on a side stream beside the query's
+# those launches (~15 µs at `small` on the H200, 2026-12-04, 3097e7e) on a side stream beside the query's
 # projections and the window entry, which need the site's input as they do
 # (``model.decode_step._compress_beside``). Timed on the H200 (`small`, a step at 128K, bench_knobs,
 # best of two alternated rounds): 0.979 of inline (and 0.981 as "all on"), the control 0.991

@@ -199,7 +199,7 @@ def stable_topk(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     index scores make exact ties common; the reference leaves them unspecified. (A top-k
     over unique int64 keys — order-preserving score bits above, the index's complement
     below — picks the same, but torch's one-row top-k of int64 took 57 us a call on the
-    H200, where the sort's main radix kernel takes ~8; session 14.)"""
+    H200, where the sort's main radix kernel takes ~8; 2026-12-01, 8d9f0f3.)"""
     values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
     return values[..., :k], indices[..., :k]
 

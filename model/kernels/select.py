@@ -18,7 +18,7 @@ how many ties it may take (the first ones in position order, until k) and so whe
 choice starts in the output. A fifth launch, :func:`_write_kernel`, writes each slice's
 choice there: in ascending order, and the same on every run whatever order the programs ran
 in. Six launches with the zeroing of the counters, each a few µs, where torch's sort of a row
-took ~8: on the H200 (session 25, a graph of 20 calls at batch 1) 15.2 / 17.4 / 27.2 µs at
+took ~8: on the H200 (2026-12-03, 4789f0a, a graph of 20 calls at batch 1) 15.2 / 17.4 / 27.2 µs at
 2K / 16K / 128K scores where the sort took 23.3 / 53.6 / 54.1, and at batch 16 69 µs at 128K
 where it took 190. Three passes of 12, 12 and 8 bits took 50-58 µs at 2K (4,096-bin
 histograms: 255 registers). Rows of any length; k up to n.
@@ -35,7 +35,7 @@ import triton.language as tl
 from model.kernels.fused import _chain, chained
 
 # the candidate pool (its blocks' scores, their top-k and the pool's rows: ~50 µs of small launches at
-# `small`, 128K, on the H200; session 32) made on a side stream beside its source layer's own top-k and
+# `small`, 128K, on the H200; 2026-12-04, 3097e7e) made on a side stream beside its source layer's own top-k and
 # the layers after it, up to the first that reads it (``model.decode_step._select_step``)
 POOL_BESIDE = True
 SELECT_SLICE = 0  # scores a program reads, one slice of a row; 0: by the row's length (_slice)
@@ -171,7 +171,7 @@ def _write_kernel(s_ptr, rows_ptr, out_ptr, sync_ptr, work_ptr, n, width, s_s, s
 
 def _slice(n: int) -> int:
     """Scores a program takes of a row of ``n``: 1,024, or more (a power of two, at most 4,096)
-    where a row would need more than 64 programs (H200, session 25, a graph of 20 calls at
+    where a row would need more than 64 programs (H200, 2026-12-03, 4789f0a, a graph of 20 calls at
     batch 1: slices of 1,024 took 15.2 / 17.4 µs at 2K / 16K scores where 2,048 took 19.6 /
     20.6; at 128K 2,048 took 27.2, 1,024 and 4,096 more; at batch 16 4,096 did best at 64K+)."""
     return SELECT_SLICE or min(4096, max(1024, triton.next_power_of_2(triton.cdiv(n, 64))))

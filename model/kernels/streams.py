@@ -98,7 +98,7 @@ SITE_BLOCK_C = 64  # channels per program of the mixes' dots (kernel_sweep.py --
 SITE_WARPS = 4
 # a caller's request that the site leave its norm to x's consumer (``hc_site``'s ``norm_later``) is
 # honoured: the dots launch writes the collapse and the second launch is the split alone (beside the
-# layer in a graph). Timed on the H200 (session 27, `small`, batch 1, 128K, bench_knobs, best of two
+# layer in a graph). Timed on the H200 (2026-12-03, 0813500, `small`, batch 1, 128K, bench_knobs, best of two
 # alternated rounds): 3.716 -> 3.631 ms a step. Tried and not kept then: the dots' program asking for
 # its whole 24 KB tile of the mixes' projection before its wait, 3.716 -> 4.336 ms (a dependent
 # launch's programs that hold big tiles early take the SMs the kernel before still needs)
@@ -107,7 +107,7 @@ NORM_LATER = True
 # attention's ``wo_b`` GEMV, the MoE's down sum with ``moe.DOWN_FOLD``) has that launch do its dots
 # launch's work at each program's output channels (``Fold``): one launch a site fewer, the expand,
 # collapse and partial dots at the end of the producer's programs. Off: no faster on the H200
-# (session 31, `small`, batch 1, a step at 128K, bench_knobs, best of three alternated rounds, two
+# (2026-12-04, 55ed118, `small`, batch 1, a step at 128K, bench_knobs, best of three alternated rounds, two
 # calls): both folds 3.001 / 3.096 ms, the GEMV's alone 2.861 / 2.959, neither 2.883 + 2.865 /
 # 2.991 + 2.930 (controls 1.002 / 1.017 of the first). Folded into the down sum, the FFN site's
 # split (now over 512 channel blocks' partial sums, not 32) must end before the down sum starts,
