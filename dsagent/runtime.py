@@ -1,23 +1,28 @@
 """The loaded model as the application sees it: weights, tokenizer, engine, fingerprint.
 
 Owns: choosing the model (``--model DIR``, ``--preset NAME`` or the embedded default),
-the runtime settings (device, dtype, prefill mode, context limit), and turning image
-bytes into span embeddings (one path for user images and tool images). Does not own the
-turn loop (``dsagent.agent``) or any printing.
+the runtime settings (device, dtype, compute threads, prefill mode, context limit), and
+turning image bytes into span embeddings (one path for user images and tool images).
+Does not own the turn loop (``dsagent.agent``) or any printing.
+
+Importing this module imports neither torch nor the model (``Runtime.load`` does), so the
+command line can name the embedded default without paying for them.
 """
 from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+from dsagent.threads import apply_threads
 
-from model.engine import Engine
-from model.loading import fingerprint, load
-from model.model import Transformer
-from model.tokenizer import Tokenizer
-from model.vision import decode_image
+if TYPE_CHECKING:
+    import torch
+
+    from model.engine import Engine
+    from model.model import Transformer
+    from model.tokenizer import Tokenizer
 
 EMBEDDED_MODEL = Path(__file__).resolve().parent.parent / "model" / "assets" / "default"
 
@@ -33,6 +38,7 @@ class Settings:
     prefill: str = "ced"  # or "exact"
     chunk: int = 512  # prefill chunk (tokens)
     max_context: int | None = None
+    threads: int | None = None  # torch's threads; None = the CPUs this process may use
 
 
 def default_source() -> str:
@@ -47,6 +53,13 @@ class Runtime:
 
     @classmethod
     def load(cls, settings: Settings, progress=None) -> "Runtime":
+        import torch
+
+        from model.engine import Engine
+        from model.loading import fingerprint, load
+        from model.tokenizer import Tokenizer
+
+        apply_threads(settings.threads)
         source = settings.preset or settings.model or default_source()
         dtype = getattr(torch, settings.dtype)
         model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress)
@@ -64,6 +77,8 @@ class Runtime:
 
     def image_span(self, data: bytes) -> tuple[str, torch.Tensor]:
         """(sha256, span embeddings [n, D]) of image bytes; raises ImageError on bad input."""
+        from model.vision import decode_image
+
         sha = hashlib.sha256(data).hexdigest()
         if sha not in self._spans:
             if not self.reads_images:

@@ -1,7 +1,8 @@
 """User defaults of the CLI: `$DSAGENT_HOME/config.toml` < environment < flags.
 
 Owns: the few defaults a person may want to set once (model, preset, approval policy,
-thinking mode, max new tokens, sampling temperature) and where they come from. Flags
+thinking mode, max new tokens, sampling temperature, compute threads) and where they come
+from. Flags
 win; a command passes its flag values (None when not given) to `resolve`. Does not own
 the runtime settings of a loaded model (`dsagent.runtime.Settings`) nor the store's
 location (`sessions.default_home`, which reads `DSAGENT_HOME`). Every value is checked
@@ -14,6 +15,10 @@ anything.
     thinking = "chat"               # chat | thinking
     max_new_tokens = 512
     temperature = 0.0
+    threads = 4                     # torch's threads (default: the CPUs this process may use)
+
+Imports neither torch nor the model: `dsagent --help` and every refusal of a bad setting
+run without them.
 """
 from __future__ import annotations
 
@@ -39,6 +44,12 @@ class ConfigFileError(SettingError):
     """config.toml cannot be read or holds an unknown key."""
 
 
+class FlagError(SettingError):
+    """Flags or arguments that cannot work together, or name something that is not there
+    (an unknown tool, a missing image): a usage error, exit 2. A SettingError, so that it
+    is refused without importing anything heavy (`dsagent.failures`)."""
+
+
 @dataclass(frozen=True)
 class Defaults:
     model: str | None = None
@@ -47,6 +58,7 @@ class Defaults:
     thinking: str = "chat"
     max_new_tokens: int = 256
     temperature: float = 0.0
+    threads: int | None = None  # None: the CPUs this process may use (dsagent.threads)
 
 
 _ENV = {f.name: "DSAGENT_" + f.name.upper() for f in fields(Defaults)}
@@ -58,6 +70,7 @@ _RULES = {
     "thinking": (lambda v: v in THINKING_MODES, f"is not one of {', '.join(THINKING_MODES)}"),
     "max_new_tokens": (lambda v: v >= 1, "is not 1 or more"),
     "temperature": (lambda v: math.isfinite(v) and v >= 0, "is not a finite number, 0 or more"),
+    "threads": (lambda v: v >= 1, "is not 1 or more"),
 }
 
 

@@ -1,0 +1,70 @@
+"""torch's thread count comes from the CPUs this process may use (`dsagent.threads`).
+
+The cgroup files are faked in a temporary tree (v2 `cpu.max`; v1 `cpu.cfs_quota_us` /
+`cpu.cfs_period_us`), so the quota rules are checked on any machine. How much the choice
+matters is a measurement, not a test: README, *Threads*.
+"""
+import pytest
+from dsagent import threads
+
+
+def _tree(tmp_path, files: dict[str, str], own: str) -> tuple:
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    proc = tmp_path / "proc_cgroup"
+    proc.write_text(own)
+    return root, proc
+
+
+def test_v2_quota_of_the_own_cgroup_and_its_ancestors(tmp_path):
+    root, proc = _tree(tmp_path, {"cpu.max": "max 100000\n", "a/cpu.max": "400000 100000\n",
+                                  "a/b/cpu.max": "150000 100000\n"}, "0::/a/b\n")
+    assert threads.quota_cpus(root, proc) == 1.5
+
+
+def test_v2_without_a_quota(tmp_path):
+    root, proc = _tree(tmp_path, {"cpu.max": "max 100000\n"}, "0::/\n")
+    assert threads.quota_cpus(root, proc) is None
+
+
+def test_v2_mounted_at_the_root_inside_a_container(tmp_path):
+    """The path /proc names is the host's; inside the container only the root file exists."""
+    root, proc = _tree(tmp_path, {"cpu.max": "200000 100000\n"}, "0::/docker/0123abcd\n")
+    assert threads.quota_cpus(root, proc) == 2
+
+
+def test_v1_quota(tmp_path):
+    root, proc = _tree(tmp_path, {"cpu,cpuacct/job/cpu.cfs_quota_us": "300000\n",
+                                  "cpu,cpuacct/job/cpu.cfs_period_us": "100000\n",
+                                  "cpu,cpuacct/cpu.cfs_quota_us": "-1\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"},
+                       "4:memory:/job\n3:cpu,cpuacct:/job\n")
+    assert threads.quota_cpus(root, proc) == 3
+
+
+def test_v1_unlimited(tmp_path):
+    root, proc = _tree(tmp_path, {"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"},
+                       "1:cpu:/\n")
+    assert threads.quota_cpus(root, proc) is None
+
+
+@pytest.mark.parametrize("affinity, quota, expected", [(8, None, 8), (8, 2.0, 2), (8, 1.5, 1), (8, 0.2, 1),
+                                                       (2, 16.0, 2)])
+def test_available_cpus_is_the_affinity_capped_by_the_quota_rounded_down(monkeypatch, affinity, quota, expected):
+    monkeypatch.setattr(threads, "affinity_cpus", lambda: affinity)
+    monkeypatch.setattr(threads, "quota_cpus", lambda: quota)
+    assert threads.available_cpus() == expected
+
+
+def test_apply_threads_sets_torchs_count(monkeypatch):
+    import torch
+
+    before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "available_cpus", lambda: 1)
+    try:
+        assert threads.apply_threads(None) == 1 and torch.get_num_threads() == 1
+        assert threads.apply_threads(2) == 2 and torch.get_num_threads() == 2  # asked for: taken as asked
+    finally:
+        torch.set_num_threads(before)
