@@ -399,3 +399,14 @@ def test_a_steps_map_by_layer_splits_it_at_each_down_sum():
     out = layer_map(spans, layers=2)
     assert out["layer_us"] == [[20, 20], [6]]
     assert out["kernels"] == [[("split", 4), ("gemv", 1), (down, 15)], [("attn", 15), (down, 5)]]
+
+
+def test_model_info_fits_80_columns_and_names_the_model(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    for args in ([], ["--preset", "v41-flash"]):
+        r = invoke("model", "info", *args)
+        assert r.exit_code == 0, r.output
+        lines = r.stdout.splitlines()
+        assert max(map(len, lines)) <= 80 and "…" not in r.stdout
+        assert lines[0] == ("model: preset v41-flash" if args else f"model: the embedded default ({cli.EMBEDDED_MODEL})")
+    assert json.loads(invoke("model", "info", "--json").stdout)["model"].startswith("the embedded default")

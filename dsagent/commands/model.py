@@ -3,7 +3,11 @@
 Owns: turning ``model.census.census`` (and, for a checkpoint directory, the dtype census
 of ``model.checkpoint``) into JSON or readable tables, and exit codes (0 ok, 1 a config or
 checkpoint problem, with the message on stderr). Does not own any counting: every number
-comes from the ``model`` package.
+comes from the ``model`` package, imported when the command runs (it imports torch).
+
+Without --preset or --model it describes the model `dsagent run` would load (the
+embedded default), and it names what it describes first. The tables fit 80 columns
+without cutting a number: columns that hold numbers or names never wrap or shorten.
 """
 
 from __future__ import annotations
@@ -13,12 +17,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from model import checkpoint
+from dsagent.runtime import EMBEDDED_MODEL, default_source
 from model.args import ConfigError, ModelArgs
-from model.census import census
 
 app = typer.Typer(help="Inspect model configurations and checkpoints.", no_args_is_help=True)
 
@@ -28,7 +32,7 @@ def _group() -> None:
     """Inspect model configurations and checkpoints."""
 
 
-def _args(preset: str, model_dir: Optional[Path]) -> ModelArgs:
+def _args(preset: Optional[str], model_dir: Optional[Path]) -> ModelArgs:
     try:
         return ModelArgs.from_file(model_dir) if model_dir else ModelArgs.preset(preset)
     except ConfigError as exc:
@@ -36,8 +40,22 @@ def _args(preset: str, model_dir: Optional[Path]) -> ModelArgs:
         raise typer.Exit(1) from None
 
 
+def _chosen(preset: Optional[str], model_dir: Optional[Path]) -> tuple[Optional[str], Optional[Path], str]:
+    """(preset, checkpoint dir, the name to print): the flags', else what `run` loads."""
+    if model_dir is not None:
+        return None, model_dir, str(model_dir)
+    if preset is not None:
+        return preset, None, f"preset {preset}"
+    source = default_source()
+    if source == str(EMBEDDED_MODEL):
+        return None, EMBEDDED_MODEL, f"the embedded default ({EMBEDDED_MODEL})"
+    return source, None, f"preset {source} (the embedded default is missing)"
+
+
 def _checkpoint_census(model_dir: Path) -> Optional[dict]:
     """The directory's per-dtype tensor census, when ``model.checkpoint`` offers one."""
+    from model import checkpoint
+
     if not hasattr(checkpoint, "census"):
         return None
     try:
@@ -55,7 +73,9 @@ def _n(x: int) -> str:
 
 
 def _summary(c: dict) -> Table:
-    t = Table(title="Parameters and KV", show_header=False)
+    t = Table(title="Parameters and KV", show_header=False, box=box.SIMPLE)
+    t.add_column(no_wrap=True)
+    t.add_column(no_wrap=True, justify="right")
     rows = [("total", _n(c["params_total"])), ("backbone", _n(c["params_backbone"])),
             ("engram", _n(c["params_engram"])), ("dspark", _n(c["params_dspark"])),
             ("vision", _n(c["params_vision"])), ("active per decoded token", _n(c["params_active_decode"])),
@@ -69,9 +89,11 @@ def _summary(c: dict) -> Table:
 
 
 def _layers(c: dict) -> Table:
-    t = Table(title="Layers")
-    for col in ("layer", "ratio", "role", "kv src", "index src", "candidates", "engram", "part", "params"):
-        t.add_column(col)
+    # short headings and no vertical rules: nine columns fit 80 with every value whole
+    t = Table(title="Layers", box=box.SIMPLE_HEAD, pad_edge=False,
+              caption="kv / idx: the layer whose KV / index keys it reads; cand: candidate pool")
+    for col in ("layer", "ratio", "role", "kv", "idx", "cand", "engram", "part", "params"):
+        t.add_column(col, no_wrap=True, justify="right" if col in ("layer", "ratio", "kv", "idx", "params") else "left")
     for r in c["layers"]:
         cand = "source" if r["candidate_source"] else ("yes" if r["candidates"] else "")
         t.add_row(str(r["index"]), str(r["ratio"]), r["role"], str(r["kv_source"] if r["kv_source"] is not None else ""),
@@ -83,16 +105,16 @@ def _layers(c: dict) -> Table:
 def _tables(c: dict) -> list[Table]:
     out = [_summary(c), _layers(c)]
     if c["engram_tables"]:
-        t = Table(title="Engram tables")
+        t = Table(title="Engram tables", box=box.SIMPLE_HEAD)
         for col in ("layer", "prime sum", "rows", "match"):
-            t.add_column(col)
+            t.add_column(col, no_wrap=True)
         for r in c["engram_tables"]:
             t.add_row(str(r["layer"]), f"{r['primes_sum']:,}", f"{r['num_embeddings']:,}", "yes" if r["match"] else "NO")
         out.append(t)
     if "checkpoint" in c:
-        t = Table(title="Checkpoint tensors by dtype")
+        t = Table(title="Checkpoint tensors by dtype", box=box.SIMPLE_HEAD)
         for col in ("dtype", "tensors", "bytes"):
-            t.add_column(col)
+            t.add_column(col, no_wrap=True, justify="left" if col == "dtype" else "right")
         for dtype, e in c["checkpoint"].get("by_dtype", {}).items():
             t.add_row(dtype, f"{e['tensors']:,}", f"{e['bytes']:,}")
         out.append(t)
@@ -100,11 +122,17 @@ def _tables(c: dict) -> list[Table]:
 
 
 @app.command()
-def info(preset: str = typer.Option("tiny", "--preset", help="v41-flash, small or tiny."),
-         model_dir: Optional[Path] = typer.Option(None, "--model", help="A checkpoint directory (overrides --preset)."),
+def info(preset: Optional[str] = typer.Option(None, "--preset", metavar="P",
+                                              help="v41-flash, small or tiny (random weights)."),
+         model_dir: Optional[Path] = typer.Option(None, "--model", metavar="DIR",
+                                                  help="A checkpoint directory (overrides --preset)."),
          as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
-    """Parameter census (total, backbone, active), global KV bytes per token and layer roles."""
-    c = census(_args(preset, model_dir))
+    """Parameter census (total, backbone, active), global KV bytes per token and layer roles
+    of a preset, a checkpoint, or (by default) the embedded model `dsagent run` loads."""
+    from model.census import census
+
+    preset, model_dir, name = _chosen(preset, model_dir)
+    c = {"model": name, **census(_args(preset, model_dir))}
     if model_dir is not None:
         ckpt = _checkpoint_census(model_dir)
         if ckpt is not None:
@@ -113,6 +141,7 @@ def info(preset: str = typer.Option("tiny", "--preset", help="v41-flash, small o
         typer.echo(json.dumps(c, indent=2, default=str))
         return
     console = Console()
+    console.print(f"model: {name}", markup=False, highlight=False, soft_wrap=True)
     for table in _tables(c):
         console.print(table)
 
