@@ -30,7 +30,7 @@ from model.args import ModelArgs
 from model.cache import Cache, SourceKV
 from model.csa2 import Compressor, Indexer
 from model.layer import RMSNorm, Step
-from model.linear import Linear, Table, grouped_linear
+from model.linear import ALONE, Linear, Table, World, grouped_linear
 from model.moe import MoE
 from model.quant import KVFormat
 from model.rope import Ropes, apply_rope, shared_rope_angles
@@ -41,25 +41,28 @@ from model.rope import Ropes, apply_rope, shared_rope_angles
 class Attention(nn.Module):
     """Shared K=V latent attention over window entries plus selected compressed records."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, world: World = ALONE):
         super().__init__()
         self.args, self.layer = args, layer
         self.ratio = args.ratios[layer]
-        self._projections(args)
+        self._projections(args, world)
         self.compressor = Compressor(args, self.ratio) if layer in args.kv_source_layer_ids else None
         self.indexer = Indexer(args, layer) if layer in args.index_source_layer_ids else None
 
-    def _projections(self, args: ModelArgs) -> None:
-        """The query low-rank path, the K=V latent, the grouped output and the sinks."""
-        self.n_heads, self.head_dim = args.num_attention_heads, args.head_dim
+    def _projections(self, args: ModelArgs, world: World = ALONE) -> None:
+        """The query low-rank path, the K=V latent, the grouped output and the sinks. Over a
+        ``world`` of N ranks each holds H/N heads and their G/N output groups (``wq_b`` and
+        ``wo_a`` split by columns, ``wo_b`` by rows: one all-reduce); the latent is everyone's."""
+        heads, self.head_dim = args.num_attention_heads, args.head_dim
+        self.n_heads, self.o_groups = _local(heads, world, "num_attention_heads"), _local(args.o_groups, world, "o_groups")
         self.wq_a = Linear(args.hidden_size, args.q_lora_rank)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
-        self.wq_b = Linear(args.q_lora_rank, self.n_heads * self.head_dim)
+        self.wq_b = Linear(args.q_lora_rank, heads * self.head_dim, split="column", world=world)
         self.wkv = Linear(args.hidden_size, self.head_dim)
         self.kv_norm = RMSNorm(self.head_dim, args.rms_norm_eps)
-        group_in = self.n_heads * self.head_dim // args.o_groups
-        self.wo_a = Linear(group_in, args.o_groups * args.o_lora_rank)
-        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.hidden_size)
+        group_in = heads * self.head_dim // args.o_groups
+        self.wo_a = Linear(group_in, args.o_groups * args.o_lora_rank, split="column", world=world)
+        self.wo_b = Linear(args.o_groups * args.o_lora_rank, args.hidden_size, split="row", world=world)
         self.attn_sink = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
 
     def forward(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> torch.Tensor:
@@ -79,7 +82,7 @@ class Attention(nn.Module):
     def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
         """The attention output [B, S, H, D] de-rotated, through the grouped ``wo_a`` and ``wo_b``."""
         turned = apply_rope(out, pos, self.rope_table(ropes), inverse=True)
-        return self.wo_b(grouped_linear(self.wo_a, turned.flatten(2), self.args.o_groups))
+        return self.wo_b(grouped_linear(self.wo_a, turned.flatten(2), self.o_groups))
 
     def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes, index_query=None) -> torch.Tensor:
         """The part that reads and writes the cache: window ring, KV source, indexer, attention.
@@ -186,6 +189,11 @@ class Attention(nn.Module):
         return (kl * rows).sum() / rows.sum().clamp_min(1)
 
 
+def _local(n: int, world: World, what: str) -> int:
+    part = world.part(n, what)
+    return part.stop - part.start
+
+
 # ----------------------------------------------------------------------------- Engram
 
 class Engram(nn.Module):
@@ -239,10 +247,10 @@ class Block(nn.Module):
     """One layer: [Engram] -> attention site -> FFN site, each collapsing with the *previous*
     site's ``pre`` (V4.1's lagged mHC) and expanding with its own ``post`` / ``comb``."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, world: World = ALONE):
         super().__init__()
         self.args, self.layer = args, layer
-        self.attn = Attention(args, layer)
+        self.attn = Attention(args, layer, world)
         self.ffn = MoE(args)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)

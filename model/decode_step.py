@@ -78,7 +78,10 @@ def begin(model, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None,
 
 
 def run_layers(model, streams, pre, step: Step, cache: Cache, layers: range):
-    """``Transformer.run_layers`` on the fastest path that computes it here."""
+    """``Transformer.run_layers`` on the fastest path that computes it here (one process
+    alone: the fused kernels sum no partial outputs over ranks yet)."""
+    if model.world.size > 1:
+        return model.run_layers(streams, pre, step, cache, layers)
     if takes_fused(streams, step, cache.kv):
         return _fused_layers(model, streams, pre, step, cache, layers)
     if step.graphs is not None:
@@ -278,11 +281,11 @@ def _output(attn: Attention, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes,
     rows = out.flatten(2)
     if kernels.gemv_runs(rows, attn.wo_a):
         angles = rope_angles(pos, inv)
-        (lat,) = kernels.gemv(rows, attn.wo_a.weight, groups=attn.args.o_groups,
+        (lat,) = kernels.gemv(rows, attn.wo_a.weight, groups=attn.o_groups,
                               rope_in=None if turned else (angles.cos, angles.neg_sin, attn.head_dim))
     else:
         turned_out = out if turned else apply_rope(out, pos, inv, inverse=True)
-        lat = grouped_linear(attn.wo_a, turned_out.flatten(2), attn.args.o_groups)
+        lat = grouped_linear(attn.wo_a, turned_out.flatten(2), attn.o_groups)
     return kernels.gemv_later(lat, attn.wo_b)
 
 

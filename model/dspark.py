@@ -79,7 +79,7 @@ class DraftAttention(Attention):
         mask = torch.cat([seen, torch.ones(S, dtype=torch.bool, device=x.device)]).expand(S, -1)
         out = self.attend(q, torch.cat([old.to(kv.dtype), kv], dim=1), mask[None], None)
         out = apply_rope(out, pos, ropes.main, inverse=True)
-        return self.wo_b(grouped_linear(self.wo_a, out.flatten(2), self.args.o_groups))
+        return self.wo_b(grouped_linear(self.wo_a, out.flatten(2), self.o_groups))
 
 
 class MarkovHead(nn.Module):

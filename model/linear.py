@@ -194,6 +194,20 @@ class Table(Stored):
         self.fmt = fmt
 
 
+class VocabEmbedding(nn.Embedding):
+    """The token embedding over a ``world``: a rank holds the rows of its share of the
+    vocabulary; ids outside it give zeros, and the ranks' lookups are summed (one all-reduce)."""
+
+    def __init__(self, rows: int, dim: int, world: World):
+        self.world, self.rows = world, world.part(rows, "vocab_size")
+        super().__init__(self.rows.stop - self.rows.start, dim, _weight=torch.empty(self.rows.stop - self.rows.start, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mine = (ids >= self.rows.start) & (ids < self.rows.stop)
+        out = F.embedding(torch.where(mine, ids - self.rows.start, 0), self.weight) * mine.unsqueeze(-1)
+        return self.world.sum(out)
+
+
 def _stored_shapes(fmt: str, shape: torch.Size, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Empty stored tensors (meta) of a weight of ``shape`` in ``fmt``."""
     out_f, in_f = shape

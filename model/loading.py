@@ -13,7 +13,7 @@ import torch
 
 from model.args import PRESETS, ConfigError, ModelArgs
 from model.engram import compressed_token_map, find_tokenizer_json
-from model.linear import Linear, Table
+from model.linear import Linear, Table, VocabEmbedding, shard
 from model.model import Transformer
 from model.moe import stack_experts
 
@@ -223,6 +223,25 @@ def _unpacked_but(tensors: dict, packed: dict, expected: dict, args: ModelArgs, 
         scale = tensors.get(scale_name(name))
         out[name] = t if scale is None else dequantize_tensor(fmt, t, scale, expected[name],
                                                               block=args.weight_block_size, dtype=dtype)
+    return out
+
+
+def local_state(model: Transformer, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A rank's part of a whole model's float state dict ``full`` for ``model`` (built over its
+    world): each split Linear's slice, the embedding's vocabulary rows, the sinks of its heads;
+    the rest whole (``docs/tensor-and-expert-parallel-design.md``)."""
+    owners = {f"{n}.{k}": m for n, m in model.named_modules() for k in m._parameters}
+    out = {}
+    for name in model.state_dict():
+        owner, t = owners.get(name), full[name]
+        if isinstance(owner, Linear) and owner.split is not None:
+            assert owner.fmt == "plain", "a packed weight is sliced by the checkpoint reader"
+            t = shard(t, owner)
+        elif isinstance(owner, VocabEmbedding):
+            t = t[owner.rows]
+        elif name.endswith(".attn_sink"):
+            t = t[model.world.part(t.shape[0], "num_attention_heads")]
+        out[name] = t
     return out
 
 

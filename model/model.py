@@ -28,7 +28,7 @@ from model.cache import Cache
 from model.dspark import DSpark
 from model.engram import NgramHasher
 from model.layer import RMSNorm, Step, embedding
-from model.linear import Linear
+from model.linear import ALONE, Linear, VocabEmbedding, World
 from model.quant import KVFormat
 from model.rope import Ropes
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
@@ -37,13 +37,17 @@ from model.vision import Aligner, VisionTransformer, encode_image_span, preproce
 class Transformer(nn.Module):
     """The V4.1 backbone. ``model(ids)`` is the exact full forward: logits [B, T, vocab]."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, world: World = ALONE):
+        """``world``: the ranks that share the model (tensor and expert parallel: attention
+        heads, vocabulary; ``docs/tensor-and-expert-parallel-design.md``); one process alone by default."""
         super().__init__()
-        self.args = args
-        self.embed = embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList([Block(args, i) for i in range(args.num_hidden_layers)])
+        self.args, self.world = args, world
+        alone = world.size == 1
+        self.embed = embedding(args.vocab_size, args.hidden_size) if alone else \
+            VocabEmbedding(args.vocab_size, args.hidden_size, world)
+        self.layers = nn.ModuleList([Block(args, i, world) for i in range(args.num_hidden_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.head = Linear(args.hidden_size, args.vocab_size)
+        self.head = Linear(args.hidden_size, args.vocab_size, split=None if alone else "vocab", world=world)
         self.ropes = Ropes(args)
         self.hasher: NgramHasher | None = None
         if args.vision is not None:
@@ -52,7 +56,7 @@ class Transformer(nn.Module):
             self.image_start = nn.Parameter(torch.zeros(args.hidden_size))
             self.image_end = nn.Parameter(torch.zeros(args.hidden_size))
             self.image_newline = nn.Parameter(torch.zeros(args.hidden_size))
-        if args.num_nextn_predict_layers:
+        if args.num_nextn_predict_layers and alone:  # the draft stages read the whole vocabulary's logits
             self.mtp = DSpark(args)  # the draft stages, checkpoint names mtp.K.*
         self.derived: dict = {}  # what a fast path made from the weights' addresses (captured graphs)
         self.register_load_state_dict_post_hook(lambda module, keys: module.derived.clear())
@@ -126,7 +130,7 @@ class Transformer(nn.Module):
         return streams, pre
 
     def logits(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
-        return self.head(self.final_hidden(streams, pre)).float()
+        return self.world.gather(self.head(self.final_hidden(streams, pre))).float()
 
     def final_hidden(self, streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
         return self.norm(hc_collapse(streams, pre))
