@@ -10,6 +10,7 @@ loading the model (`dsagent.cli`).
 '''
 from __future__ import annotations
 
+import contextlib
 import signal
 import time
 from dataclasses import replace
@@ -20,7 +21,7 @@ from rich.markup import escape
 
 from dsagent.agent import Agent, AgentOptions
 from dsagent.errors import exit_code_for
-from dsagent.render import PrefillNotice, StreamView, usage_line
+from dsagent.render import Activity, StreamView, stop_note, usage_line
 from dsagent.runtime import Runtime
 from sessions import LocalStatePool, Store, StoreError
 from tools import ToolCallRequest, valid_text
@@ -75,16 +76,25 @@ def _read_block(read) -> str:
     return "\n".join(lines)
 
 
-def terminal_approver(err: Console, read=input):
-    """An approver that asks on the terminal; anything but y/yes refuses."""
+def terminal_approver(err: Console, read=input, hold=None):
+    """An approver that asks on the terminal; anything but y/yes refuses. ``hold(note)`` is a
+    context manager that gives the terminal to the question (the live status line down,
+    keys echoed again) and prints ``note`` in the status line's place."""
     def approve(request: ToolCallRequest) -> bool:
         action = "writes files" if request.writes else "runs a program"
-        err.print(f"[bold yellow]approve?[/] {escape(request.summary())} ({action})")
-        try:
-            return read("allow [y/N] ").strip().lower() in ("y", "yes")
-        except (EOFError, KeyboardInterrupt):
-            return False
+        note = f"waiting for approval: {request.summary()} ({action})"
+        with hold(note) if hold else _printed(err, note):
+            try:
+                return read("allow [y/N] ").strip().lower() in ("y", "yes")
+            except (EOFError, KeyboardInterrupt):
+                return False
     return approve
+
+
+@contextlib.contextmanager
+def _printed(err: Console, note: str):
+    err.print(note, markup=False, style="bold yellow")
+    yield
 
 
 def new_session_name(store: Store) -> str:
@@ -103,7 +113,7 @@ class ChatShell:
         self.out, self.err, self.read = out, err, read
         self.pool = LocalStatePool(ttl_s=600, max_bytes=2**31)
         self.view = StreamView(out, err)
-        self.notice = PrefillNotice(err, self.view)
+        self.notice = Activity(err, self.view, stdout_is_terminal=out.is_terminal)
         self.agent: Agent | None = None
         self.images: list[bytes] = []
 
@@ -114,7 +124,7 @@ class ChatShell:
         if self.agent is not None and name == self.agent.name:
             return
         agent = Agent(self.rt, self.store, replace(self.opts, session=name), pool=self.pool,
-                      on_event=self.notice, approver=terminal_approver(self.err, self.read)).open()
+                      on_event=self.notice, approver=terminal_approver(self.err, self.read, self._asking)).open()
         if self.agent is not None:  # only now: a session that fails to open leaves us where we were
             self.agent.close()
         self.agent, self.images = agent, []
@@ -159,8 +169,14 @@ class ChatShell:
             self.view.newline()
         if result is None or result.stop == "interrupted":
             self.err.print("[yellow]interrupted[/] [dim](the session is kept)[/]")
-        elif result.stop in ("max_tokens", "max_steps"):
-            self.err.print(f"[dim]stopped: {result.stop}[/]")
+        else:
+            note = stop_note(result.stop, self.opts.max_steps, self.opts.sampling.max_new_tokens)
+            if note:
+                self.err.print(f"[yellow]{escape(note)}[/]")
+
+    def _asking(self, note: str):
+        """An approval mid-reply: the status line down while the person is asked."""
+        return self.notice.paused(note)
 
     def error(self, e: BaseException) -> None:
         self.err.print(f"[red]error:[/] {escape(exit_code_for(e)[1])}")

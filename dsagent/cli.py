@@ -1,11 +1,16 @@
 """The `dsagent` command line: `run`, `chat`, `doctor`, `eval`, and the `sessions`, `model`, `bench` groups.
 
 Owns: flags and their defaults (config.toml < environment < flags, see `dsagent.settings`),
-loading the model with a progress bar, wiring the agent to a renderer (terminal, one JSON
-object, or JSON lines), and exit codes (the table is in `dsagent.errors`). Every command
-body is a thin call into the library. Does not own the turn loop (`dsagent.agent`), the
-interactive loop (`dsagent.chat`) or rendering (`dsagent.render`). Data goes to stdout;
-progress, warnings and errors to stderr.
+the order of a command (check every flag and setting, `dsagent.preflight`; then load the
+model with a progress bar; then open the store), wiring the agent to a renderer (terminal,
+one JSON object, or JSON lines), and exit codes (the table is in `dsagent.errors`; usage
+errors and a closed stdout end in `dsagent.failures`). Every command body is a thin call
+into the library. Does not own the turn loop (`dsagent.agent`), the interactive loop
+(`dsagent.chat`) or rendering (`dsagent.render`). Data goes to stdout; progress, warnings
+and errors to stderr.
+
+Start-up: this module imports neither torch nor the model. `dsagent --help`, `sessions
+...` and every refused flag run without them; a command imports them when it runs one.
 """
 from __future__ import annotations
 
@@ -17,21 +22,38 @@ from typing import List, Optional
 
 import typer
 
-from dsagent.agent import Agent, AgentOptions, TurnResult
-from dsagent.chat import ChatShell, latest_session, terminal_approver
+from dsagent import preflight
 from dsagent.commands import bench as bench_cmd
 from dsagent.commands import eval as eval_cmd
 from dsagent.commands import model as model_cmd
 from dsagent.commands import sessions as sessions_cmd
-from dsagent.errors import APPROVAL_NEEDED, CACHE_REFUSED, INTERRUPTED, UsageError, handled
+from dsagent.failures import PIPE_CLOSED, guarded
 from dsagent.inputs import text_arg, tolerant_stdin
-from dsagent.render import JsonlWriter, PrefillNotice, StreamView, consoles, load_progress, usage_line
+from dsagent.render import consoles, load_progress
 from dsagent.runtime import EMBEDDED_MODEL, Runtime, Settings, default_source
-from dsagent.settings import Defaults, config_path, resolve
-from model.engine import Sampling
-from sessions import Store, StoreError, default_home
-from sessions.names import check_name
-from tools import builtin_toolbox
+from dsagent.settings import Defaults, FlagError, config_path, resolve
+from sessions import default_home
+
+
+def _switches_take_no_value() -> None:
+    """typer 0.2x prints every option's type in --help, a switch's too (`--yes <bool>`); a
+    switch takes no value, so it gets none."""
+    try:
+        from typer.core import TyperOption
+    except ImportError:
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_no_bool", False):
+        return
+
+    def display_type_rich(self, ctx):
+        return None if getattr(self, "is_flag", False) and self.metavar is None else shown(self, ctx)
+
+    display_type_rich._no_bool = True
+    TyperOption.display_type_rich = display_type_rich
+
+
+_switches_take_no_value()
 
 app = typer.Typer(help="Local agent runtime for the DeepSeek-V4.1-Flash architecture.", no_args_is_help=True,
                   pretty_exceptions_enable=False)
@@ -43,22 +65,30 @@ app.command("eval")(eval_cmd.eval_command)
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dsagent", "model", "sessions", "tools")
 
-# Options shared by `run` and `chat`.
-SESSION = typer.Option(None, "--session", "-s", help="Session name: created if new, resumed if it exists.",
-                       callback=text_arg)
-MODEL = typer.Option(None, "--model", help="Checkpoint directory (default: the embedded model).")
-PRESET = typer.Option(None, "--preset", help="Random weights of a preset (tiny, small, v41-flash) instead.")
-TOOLS = typer.Option(None, "--tool", "-t", help="Enable only this tool (repeatable; default: all built-in tools).")
-MAX_STEPS = typer.Option(8, "--max-steps", min=1, help="Most model calls per turn (tool loops end here).")
-MAX_NEW = typer.Option(None, "--max-new-tokens", min=1, help="Most tokens per model call.")
-SEED = typer.Option(None, "--seed", min=-2**63, max=2**64 - 1,  # the range torch's generator takes
+# Options shared by `run` and `chat`. Those left None take their default from config.toml or
+# DSAGENT_<KEY>, so the help states the built-in default itself.
+SESSION = typer.Option(None, "--session", "-s", metavar="NAME", callback=text_arg,
+                       help="Session name: created if new, resumed if it exists.")
+MODEL = typer.Option(None, "--model", metavar="DIR", help="Checkpoint directory (default: the embedded model).")
+PRESET = typer.Option(None, "--preset", metavar="P", help="Random weights of a preset (tiny, small, v41-flash) instead.")
+TOOLS = typer.Option(None, "--tool", "-t", metavar="T",
+                     help="Enable only this tool (repeatable; default: all built-in tools).")
+MAX_STEPS = typer.Option(8, "--max-steps", min=1, metavar="N", help="Most model calls per turn (tool loops end here).")
+MAX_NEW = typer.Option(None, "--max-new-tokens", min=1, metavar="N", help="Most tokens per model call. \\[default: 256]")
+SEED = typer.Option(None, "--seed", min=-2**63, max=2**64 - 1, metavar="N",  # the range torch's generator takes
                     help="Sampling seed (matters with --temperature > 0).")
-TEMPERATURE = typer.Option(None, "--temperature", min=0.0, help="0 = greedy.")
-POLICY = typer.Option(None, "--policy", help="Tool approval: ask, yes or deny.")
+TEMPERATURE = typer.Option(None, "--temperature", min=0.0, metavar="T", help="0 = greedy. \\[default: 0]")
+POLICY = typer.Option(None, "--policy", metavar="ask|yes|deny",
+                      help="Tool approval: ask first before writing or running, approve all, refuse. \\[default: ask]")
 YES = typer.Option(False, "--yes", "-y", help="Approve every tool call (same as --policy yes).")
-THINKING = typer.Option(None, "--thinking", help="chat or thinking.")
-WORKSPACE = typer.Option(None, "--workspace", help="Root directory tools may touch (default: the current one).")
-DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
+THINKING = typer.Option(None, "--thinking", metavar="chat|thinking",
+                        help="Chat mode, or thinking mode (only on a model that learnt it). \\[default: chat]")
+WORKSPACE = typer.Option(None, "--workspace", metavar="DIR",
+                         help="Root directory tools may touch (default: the current one).")
+DEVICE = typer.Option("cpu", "--device", metavar="cpu|cuda[:N]", help="Where the model runs.")
+THREADS = typer.Option(None, "--threads", min=1, metavar="N",
+                       help="torch's compute threads (default: the CPUs this process may use, from its affinity "
+                            "and cgroup quota).")
 SPECULATIVE = typer.Option(True, "--speculative/--no-speculative",
                            help="DSpark speculative decoding (off by itself when the checkpoint has no draft stages).")
 
@@ -68,99 +98,130 @@ def load_runtime(d: Defaults, device: str) -> Runtime:
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     _, err = consoles()
     with load_progress(err, "loading model") as progress:
-        return Runtime.load(Settings(model=d.model, preset=d.preset, device=device, dtype=dtype), progress=progress)
+        settings = Settings(model=d.model, preset=d.preset, device=device, dtype=dtype, threads=d.threads)
+        return Runtime.load(settings, progress=progress)
 
 
-def agent_options(d: Defaults, session, tools, max_steps, seed, workspace, speculative=True) -> AgentOptions:
+def agent_options(d: Defaults, session, tools, max_steps, seed, workspace, speculative=True):
+    from dsagent.agent import AgentOptions
+    from model.engine import Sampling
+
     sampling = Sampling(temperature=d.temperature, seed=seed, max_new_tokens=d.max_new_tokens)
     return AgentOptions(session=session, thinking_mode=d.thinking, tools=tools or None, policy=d.policy,
                         workspace=workspace or Path.cwd(), max_steps=max_steps, sampling=sampling,
                         speculative=speculative)
 
 
-def _defaults(model, preset, policy, yes, thinking, max_new, temperature) -> Defaults:
+def _defaults(model, preset, policy, yes, thinking, max_new, temperature, threads) -> Defaults:
     if model and preset:
-        raise UsageError("pass --model or --preset, not both")
+        raise FlagError("pass --model or --preset, not both")
     if yes and policy not in (None, "yes"):
-        raise UsageError(f"pass --yes or --policy {policy}, not both (--yes means --policy yes)")
+        raise FlagError(f"pass --yes or --policy {policy}, not both (--yes means --policy yes)")
     return resolve(model=model, preset=preset, policy="yes" if yes else policy, thinking=thinking,
-                   max_new_tokens=max_new, temperature=temperature)
+                   max_new_tokens=max_new, temperature=temperature, threads=threads)
 
 
-def _check_agent_flags(session: str | None, tools: list[str] | None, workspace: Path | None) -> None:
-    """Refuse a bad session name, an unknown tool or a workspace that is not a directory
-    before the model loads or the store is opened (the agent would refuse them only then)."""
-    if session is not None:
-        try:
-            check_name(session)
-        except StoreError as e:
-            raise UsageError(f"--session: {e}") from None
-    known = builtin_toolbox().names()
-    unknown = [t for t in tools or [] if t not in known]
-    if unknown:
-        raise UsageError(f"unknown tool {', '.join(map(repr, unknown))} (--tool); known tools: {', '.join(known)}")
-    if workspace is not None and not workspace.expanduser().is_dir():
-        what = "is not a directory" if workspace.expanduser().exists() else "does not exist"
-        raise UsageError(f"--workspace {workspace} {what}; give an existing directory")
+def _checked(d: Defaults, session: str | None, tools: list[str] | None, workspace: Path | None) -> None:
+    """The checks of a run or chat that need neither torch nor the store. `check_device`
+    comes last of all (it imports torch), then the model loads, then the store opens."""
+    preflight.check_session(session)
+    preflight.check_tools(tools)
+    preflight.check_workspace(workspace)
+    preflight.check_thinking(d.thinking, d.model, d.preset, default_source())
 
 
 @app.command()
 def run(
-    prompt: str = typer.Argument(..., help="The user message.", callback=text_arg),
+    prompt: Optional[str] = typer.Argument(None, metavar="PROMPT", callback=text_arg,
+                                           help="The user message; text piped on stdin goes before it."),
     session: Optional[str] = SESSION, model: Optional[str] = MODEL, preset: Optional[str] = PRESET,
     tool: Optional[List[str]] = TOOLS,
-    image: Optional[List[Path]] = typer.Option(None, "--image", "-i", help="Attach an image (repeatable)."),
+    image: Optional[List[Path]] = typer.Option(None, "--image", "-i", metavar="PATH", help="Attach an image (repeatable)."),
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
-    speculative: bool = SPECULATIVE,
+    threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
     as_json: bool = typer.Option(False, "--json", help="Print one result object on stdout."),
     jsonl: bool = typer.Option(False, "--jsonl", help="Print every event as a JSON line on stdout."),
 ) -> None:
     """Run one agent turn (tools included) and print the answer."""
     out, err = consoles()
-    with handled():
+    with guarded():
         if as_json and jsonl:
-            raise UsageError("pass --json or --jsonl, not both")
-        d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature)
-        _check_agent_flags(session, tool, workspace)
-        images = [p.read_bytes() for p in image or []]
-        rt = load_runtime(d, device)
-        approver = terminal_approver(err) if d.policy == "ask" and sys.stdin.isatty() else None
-        sink = _event_sink(as_json, jsonl, out, err)
-        opts = agent_options(d, session, tool, max_steps, seed, workspace, speculative)
-        with Store.open() as store, Agent(rt, store, opts, on_event=sink, approver=approver) as agent:
-            sink.start()
-            try:
-                result = agent.turn(prompt, images)
-            finally:
-                sink.stop()
-            refused = bool(agent.kv_refused)
-    _finish(result, as_json, jsonl, out, err)
-    raise typer.Exit(_exit_code(result, d.policy, approver, refused))
+            raise FlagError("pass --json or --jsonl, not both")
+        d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature, threads)
+        images = preflight.read_images(image)
+        _checked(d, session, tool, workspace)
+        text = preflight.prompt_text(prompt, notice=_notice(err))
+        preflight.check_device(device)
+        code = _run_turn(d, text, images, session, tool, max_steps, seed, workspace, device, speculative,
+                         as_json, jsonl, out, err)
+    raise typer.Exit(code)
+
+
+def _notice(err):
+    return (lambda message: err.print(f"[dim]{message}[/]")) if err.is_terminal else None
+
+
+def _run_turn(d: Defaults, text, images, session, tool, max_steps, seed, workspace, device, speculative,
+              as_json, jsonl, out, err) -> int:
+    from dsagent.agent import Agent
+    from dsagent.chat import terminal_approver
+    from sessions import Store
+
+    rt = load_runtime(d, device)
+    for data in images:  # decoded and checked now, so a bad image stops the run before the store opens
+        rt.image_span(data)
+    sink = _event_sink(as_json, jsonl, out, err)
+    approver = terminal_approver(err, hold=sink.paused) if d.policy == "ask" and sys.stdin.isatty() else None
+    opts = agent_options(d, session, tool, max_steps, seed, workspace, speculative)
+    with Store.open() as store, Agent(rt, store, opts, on_event=sink, approver=approver) as agent:
+        sink.start()
+        try:
+            result = agent.turn(text, images)
+        finally:
+            sink.stop()
+        refused = bool(agent.kv_refused)
+    if sink.closed:  # nobody reads stdout any more: the session is saved, say nothing
+        return PIPE_CLOSED
+    _finish(result, as_json, jsonl, out, err, d, max_steps)
+    return _exit_code(result, d.policy, approver, refused)
 
 
 def _event_sink(as_json: bool, jsonl: bool, out, err):
-    """--jsonl: every event on stdout; --json: only warnings (on stderr); else the terminal view."""
+    """--jsonl: every event on stdout; --json: only warnings (on stderr); else the terminal view.
+    The status line shows on a terminal, except where JSON lines go to that same terminal."""
+    from dsagent.render import Activity, JsonlWriter, StreamView
+
     if jsonl:
-        return PrefillNotice(err, JsonlWriter(), show=False)
+        return Activity(err, JsonlWriter(), show=not out.is_terminal, stdout_is_terminal=out.is_terminal)
     view = StreamView(out, err)
     if as_json:
-        return PrefillNotice(err, lambda e: e["event"] == "warning" and view(e), show=False)
-    return PrefillNotice(err, view)
+        return Activity(err, lambda e: e["event"] == "warning" and view(e), stdout_is_terminal=False)
+    return Activity(err, view, stdout_is_terminal=out.is_terminal)
 
 
-def _finish(result: TurnResult, as_json: bool, jsonl: bool, out, err) -> None:
+def _finish(result, as_json: bool, jsonl: bool, out, err, d: Defaults, max_steps: int) -> None:
+    from dsagent.render import JsonlWriter, stop_note, usage_line
+
     if as_json:
         typer.echo(json.dumps(result.to_json(), ensure_ascii=False))
     elif jsonl:
         JsonlWriter()({"event": "result", **result.to_json()})
     else:
         out.print()
+    note = stop_note(result.stop, max_steps, d.max_new_tokens)
+    if note:
+        err.print(f"[yellow]{note}[/]", highlight=False)
+    if not (as_json or jsonl):
         err.print(f"[dim]session {result.session}: {usage_line(result.to_json()['usage'])}; stop: {result.stop}[/]")
 
 
-def _exit_code(result: TurnResult, policy: str, approver, cache_refused: bool) -> int:
+def _exit_code(result, policy: str, approver, cache_refused: bool) -> int:
+    """0 also when the turn stopped at --max-steps or --max-new-tokens: the run did what it
+    was allowed to (stderr says where it stopped, and `stop` in --json / --jsonl)."""
+    from dsagent.errors import APPROVAL_NEEDED, CACHE_REFUSED, INTERRUPTED
+
     if result.stop == "interrupted":
         return INTERRUPTED
     if policy == "ask" and approver is None and any(c["denied"] for c in result.tool_calls):
@@ -176,32 +237,40 @@ def chat(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
-    speculative: bool = SPECULATIVE,
+    threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
 ) -> None:
     """Chat interactively; /help lists the slash commands, Ctrl-C stops a reply, Ctrl-D leaves."""
     out, err = consoles()
-    with handled():
+    with guarded():
         if session and resume_latest:
-            raise UsageError("pass --session or --continue, not both")
+            raise FlagError("pass --session or --continue, not both")
         tolerant_stdin()
-        d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature)
-        _check_agent_flags(session, tool, workspace)
-        rt = load_runtime(d, device)
-        with Store.open() as store:
-            name = latest_session(store) if resume_latest else session
-            if resume_latest and name is None:
-                err.print("[dim]no session to continue; starting a new one[/]")
-            shell = ChatShell(rt, store, agent_options(d, None, tool, max_steps, seed, workspace, speculative), out, err)
-            try:
-                shell.open(name)
-                shell.loop()
-            finally:
-                shell.close()
+        d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature, threads)
+        _checked(d, session, tool, workspace)
+        preflight.check_device(device)
+        _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, speculative, out, err)
+
+
+def _chat(d: Defaults, session, resume_latest, tool, max_steps, seed, workspace, device, speculative, out, err):
+    from dsagent.chat import ChatShell, latest_session
+    from sessions import Store
+
+    rt = load_runtime(d, device)
+    with Store.open() as store:
+        name = latest_session(store) if resume_latest else session
+        if resume_latest and name is None:
+            err.print("[dim]no session to continue; starting a new one[/]")
+        shell = ChatShell(rt, store, agent_options(d, None, tool, max_steps, seed, workspace, speculative), out, err)
+        try:
+            shell.open(name)
+            shell.loop()
+        finally:
+            shell.close()
 
 
 @app.command()
 def doctor(as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout.")) -> None:
-    """Check the installation: torch and CUDA, flash-attn, the store, the embedded model, the packages."""
+    """Check the installation: torch and CUDA, threads, flash-attn, the store, the embedded model, the packages."""
     checks = _doctor_checks()
     if as_json:
         typer.echo(json.dumps(checks, indent=2))
@@ -220,12 +289,21 @@ def _doctor_checks() -> dict:
     return {
         "python": {"ok": sys.version_info >= (3, 10), "detail": sys.version.split()[0]},
         "torch": {"ok": True, "detail": f"{torch.__version__}; CUDA {'available: ' + gpus if cuda else 'not available'}"},
+        "threads": {"ok": True, "detail": _threads_detail()},
         "flash-attn": {"ok": True, "detail": "installed" if flash else "not installed (the reference attention runs)"},
         "store": {"ok": True, "detail": _store_detail()},
         "config": {"ok": True, "detail": f"{config_path()} ({'present' if config_path().is_file() else 'absent'})"},
         "embedded model": {"ok": True, "detail": _embedded_detail()},
         "packages": _packages_check(),
     }
+
+
+def _threads_detail() -> str:
+    from dsagent.threads import affinity_cpus, available_cpus, quota_cpus
+
+    quota = quota_cpus()
+    limit = f"cgroup quota {quota:g} CPUs" if quota is not None else "no cgroup quota"
+    return f"{available_cpus()} by default ({affinity_cpus()} CPUs in this process's affinity, {limit})"
 
 
 def _store_detail() -> str:

@@ -401,6 +401,115 @@ def test_a_steps_map_by_layer_splits_it_at_each_down_sum():
     assert out["kernels"] == [[("split", 4), ("gemv", 1), (down, 15)], [("attn", 15), (down, 5)]]
 
 
+# ---------------------------------------------------------------------------- as people expect it
+def test_piped_stdin_goes_before_the_prompt(script):
+    """`cat notes.txt | dsagent run "What does this say?"` (simonw/llm's convention: one space between)."""
+    script("It says hello.")
+    r = invoke("run", "What does this say?", "--session", "p", "--tool", "calculator", input="hello from a file\n")
+    assert r.exit_code == 0, r.output
+    with Store.open() as st:
+        assert st.messages("p")[1]["content"] == "hello from a file\n What does this say?"
+
+
+def test_piped_stdin_alone_is_the_prompt(script):
+    script("Noted.")
+    r = invoke("run", "--session", "q", "--tool", "calculator", input="only this")
+    assert r.exit_code == 0, r.output
+    with Store.open() as st:
+        assert st.messages("q")[1]["content"] == "only this"
+
+
+def test_piped_stdin_past_the_cap_is_refused(never_loads):
+    from dsagent.preflight import STDIN_CAP
+
+    r = invoke("run", "summarise", input="x" * (STDIN_CAP + 1))
+    assert r.exit_code == 2 and f"more than {STDIN_CAP:,} bytes" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("args", [["run", ""], ["run", "  \n"], ["run"]])
+def test_an_empty_prompt_exits_2_unless_stdin_has_text(never_loads, args):
+    r = invoke(*args)
+    assert r.exit_code == 2 and "prompt is empty" in r.stderr, r.output
+
+
+@pytest.mark.parametrize("args, said", [
+    (["run", "hi", "--thinking", "maybe"], "--thinking 'maybe' is not one of chat, thinking"),
+    (["chat", "--thinking", "maybe"], "--thinking 'maybe' is not one of chat, thinking"),
+    (["run", "hi", "--image", "nope.png"], "no such image: nope.png"),
+    (["run", "hi", "--image", "."], "is a directory"),
+    (["run", "hi", "--thinking", "thinking"], "did not learn thinking mode"),
+    (["chat", "--thinking", "thinking"], "did not learn thinking mode"),
+    (["run", "hi", "--device", "tpu"], "--device 'tpu' is not cpu, cuda or cuda:N"),
+    (["chat", "--device", "gpu"], "--device 'gpu' is not cpu, cuda or cuda:N"),
+])
+def test_a_command_that_fails_validation_creates_nothing(never_loads, args, said):
+    """`never_loads` also checks that no store (so no empty session) was made."""
+    r = invoke(*args)
+    assert r.exit_code == 2 and said in r.stderr, r.output
+    assert "Traceback" not in r.output
+
+
+def test_cuda_without_a_cuda_build_is_a_usage_error(never_loads):
+    import torch
+
+    if torch.backends.cuda.is_built():
+        pytest.skip("this torch has CUDA")
+    r = invoke("run", "hi", "--device", "cuda")
+    assert r.exit_code == 2 and "this torch build has no CUDA" in r.stderr, r.output
+
+
+def test_a_checkpoint_declares_the_chat_modes_it_learnt(tmp_path):
+    from dsagent.preflight import check_thinking, declared_chat_modes
+    from dsagent.runtime import EMBEDDED_MODEL
+    from dsagent.settings import FlagError
+
+    plain, declared, trained = tmp_path / "plain", tmp_path / "declared", tmp_path / "trained"
+    for d in (plain, declared, trained):
+        d.mkdir()
+        (d / "config.json").write_text("{}")
+    (declared / "config.json").write_text('{"chat_modes": ["chat", "thinking"]}')
+    (trained / "TRAINING.json").write_text('{"chat_modes": ["thinking"]}')
+    assert declared_chat_modes(plain) == ("chat",) and declared_chat_modes(EMBEDDED_MODEL) == ("chat",)
+    assert declared_chat_modes(declared) == ("chat", "thinking") and declared_chat_modes(trained) == ("thinking",)
+    check_thinking("thinking", str(declared), None, str(EMBEDDED_MODEL))
+    check_thinking("thinking", None, "tiny", str(EMBEDDED_MODEL))  # random weights: either mode
+    with pytest.raises(FlagError, match="did not learn chat mode"):
+        check_thinking("chat", str(trained), None, str(EMBEDDED_MODEL))
+
+
+def test_a_run_stopped_at_max_steps_says_so_and_exits_0(script):
+    script(tool_call("calculator", expression="1+1"), tool_call("calculator", expression="2+2"))
+    r = invoke("run", "add", "--tool", "calculator", "--max-steps", "1")
+    assert r.exit_code == 0 and "stopped at --max-steps 1" in r.stderr, r.output
+
+
+def test_a_reply_cut_short_says_so_once(script):
+    script("A reply that goes on for far longer than three tokens.")
+    r = invoke("run", "talk", "--tool", "calculator", "--max-new-tokens", "3", "--json")
+    assert r.exit_code == 0 and json.loads(r.stdout)["stop"] == "max_tokens"
+    assert r.stderr.count("cut short at --max-new-tokens 3") == 1, r.stderr
+
+
+@pytest.mark.xfail(strict=True, reason="dsagent.agent turns a tool call cut short by --max-new-tokens into a "
+                                       "parse error sent back to the model, once per step")
+def test_a_tool_call_cut_short_is_reported_once_as_cut_short(script):
+    script(*[tool_call("calculator", expression="12345 * 67890")] * 8)
+    r = invoke("run", "multiply", "--tool", "calculator", "--max-new-tokens", "20")  # cut inside the markup
+    assert "tool call not understood" not in r.stderr and r.stderr.count("cut short") == 1, r.stderr
+
+
+def test_help_shows_switches_without_types_and_the_defaults(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    for command in ("run", "chat"):
+        r = invoke(command, "--help")
+        assert r.exit_code == 0
+        assert "<bool>" not in r.stdout and "{prompt}" not in r.stdout
+        for default in ("[default: ask]", "[default: 0]", "[default: 256]", "[default: 8]"):
+            assert default in r.stdout, (command, default)
+        assert "--threads" in r.stdout
+    assert "Usage: root run [OPTIONS] [PROMPT]" in invoke("run", "--help").stdout
+
+
 def test_model_info_fits_80_columns_and_names_the_model(monkeypatch):
     monkeypatch.setenv("COLUMNS", "80")
     for args in ([], ["--preset", "v41-flash"]):

@@ -18,8 +18,14 @@ ARGS = ["--tool", "calculator", "--max-new-tokens", "4"]
 def dsagent(home, *args, input=None):
     env = {k: v for k, v in os.environ.items() if k not in ("DSAGENT_MODEL", "DSAGENT_PRESET")}  # the embedded default
     env.update(DSAGENT_HOME=str(home), NO_COLOR="1")
-    return subprocess.run([sys.executable, "-m", "dsagent", *args], input=input, capture_output=True,
-                          text=True, env=env, timeout=300)
+    return subprocess.run([sys.executable, "-m", "dsagent", *args], input=input, capture_output=True, text=True,
+                          env=env, timeout=300, stdin=None if input is not None else subprocess.DEVNULL)  # run reads a piped stdin
+
+
+def _env(home) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("DSAGENT_MODEL", "DSAGENT_PRESET")}
+    env.update(DSAGENT_HOME=str(home), NO_COLOR="1")
+    return env
 
 
 def test_two_turns_exit_resume_third_turn(tmp_path):
@@ -93,3 +99,19 @@ def test_the_readmes_main_job_answers_through_the_calculator(tmp_path):
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     printed = readme.split("The main job prints", 1)[1].split("```", 2)[1]
     assert all(line in printed for line in (call, result, answer))
+
+
+def test_jsonl_into_a_reader_that_leaves_ends_quietly(tmp_path):
+    """`dsagent run --jsonl ... | head -1`: exit 0 or 141 (128 + SIGPIPE), no error line, and
+    the turn kept as an interrupted one."""
+    home = tmp_path / "home"
+    p = subprocess.Popen([sys.executable, "-m", "dsagent", "run", "--yes", "--jsonl", "--session", "J",
+                          "What is 48 * 12?"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=_env(home))
+    first = json.loads(p.stdout.readline())
+    p.stdout.close()  # the reader leaves after one line
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) in (0, 141), err
+    assert first["event"] in ("prefill", "token", "tool_call") and err == "", err
+    with Store.open(home) as st:
+        assert st.get_session("J").n_messages >= 2

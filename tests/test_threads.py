@@ -5,6 +5,9 @@ The cgroup files are faked in a temporary tree (v2 `cpu.max`; v1 `cpu.cfs_quota_
 matters is a measurement, not a test: README, *Threads*.
 """
 import pytest
+from typer.testing import CliRunner
+
+import dsagent.cli as cli
 from dsagent import threads
 
 
@@ -68,3 +71,39 @@ def test_apply_threads_sets_torchs_count(monkeypatch):
         assert threads.apply_threads(2) == 2 and torch.get_num_threads() == 2  # asked for: taken as asked
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture
+def seen(tmp_path, monkeypatch):
+    """The Defaults `run` would load a model with (the load itself is stopped)."""
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("DSAGENT_THREADS", raising=False)
+    got = []
+
+    def load(d, device):
+        got.append(d)
+        raise KeyboardInterrupt  # stop here: exit 130, nothing else runs
+
+    monkeypatch.setattr(cli, "load_runtime", load)
+    return got
+
+
+def test_threads_flag_env_and_config(seen, tmp_path, monkeypatch):
+    run = lambda *a: CliRunner().invoke(cli.app, ["run", "hi", *a])
+    assert run().exit_code == 130 and seen[-1].threads is None  # None: the CPUs this process may use
+    assert run("--threads", "3").exit_code == 130 and seen[-1].threads == 3
+    monkeypatch.setenv("DSAGENT_THREADS", "5")
+    assert run().exit_code == 130 and seen[-1].threads == 5
+    assert run("--threads", "2").exit_code == 130 and seen[-1].threads == 2  # the flag wins
+    monkeypatch.delenv("DSAGENT_THREADS")
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "config.toml").write_text("threads = 4\n")
+    assert run().exit_code == 130 and seen[-1].threads == 4
+
+
+@pytest.mark.parametrize("args, env", [(["--threads", "0"], None), ([], "0"), ([], "many")])
+def test_bad_threads_exit_2(seen, monkeypatch, args, env):
+    if env is not None:
+        monkeypatch.setenv("DSAGENT_THREADS", env)
+    r = CliRunner().invoke(cli.app, ["run", "hi", *args])
+    assert r.exit_code == 2 and not seen, r.output

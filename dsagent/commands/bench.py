@@ -4,23 +4,23 @@ Owns: loading the model for a benchmark, building real FP4 KV payloads from a pr
 engine state for the store benchmark, and printing the returned dicts (JSON with
 `--json`, `key: value` lines otherwise). Does not own any measurement: those are
 `model.bench` (engine) and `sessions.bench` (store). Benchmarks are never tests.
+Those two are imported when a benchmark runs, not when the command line is built
+(`model.bench` imports torch, which `dsagent --help` must not wait for).
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 from typing import Optional
 
 import typer
 
-from dsagent.errors import handled
+from dsagent.failures import guarded
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
-from model.bench import (bench_decode, bench_host, bench_linears, bench_paths, bench_prefill, bench_profile,
-                         bench_resume, bench_speculative, prompt_ids)
-from model.engine import Engine
+from dsagent.settings import FlagError, resolve
 from sessions import DEFAULT_ZSTD_LEVEL, KVChunk
-from sessions.bench import store_throughput, zstd_levels
 
 app = typer.Typer(help="Measure prefill, decode, resume, linear layers and the store (prints figures; never a test).",
                   no_args_is_help=True)
@@ -32,11 +32,23 @@ DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 JSON = typer.Option(False, "--json", help="One JSON object on stdout.")
 
 
+def _measure():
+    """`model.bench`, imported when a benchmark runs."""
+    import model.bench
+
+    return model.bench
+
+
 def _runtime(model: str | None, preset: str | None, device: str) -> Runtime:
+    from dsagent.preflight import check_device
+
+    check_device(device)
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    threads = resolve().threads  # DSAGENT_THREADS or config.toml; else the CPUs this process may use
     _, err = consoles()
     with load_progress(err, "loading model") as progress:
-        return Runtime.load(Settings(model=model, preset=preset, device=device, dtype=dtype), progress=progress)
+        return Runtime.load(Settings(model=model, preset=preset, device=device, dtype=dtype, threads=threads),
+                            progress=progress)
 
 
 def _emit(result: dict, as_json: bool) -> None:
@@ -50,8 +62,8 @@ def _emit(result: dict, as_json: bool) -> None:
 def prefill(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int = CTX,
             device: str = DEVICE, as_json: bool = JSON) -> None:
     """CED prefill vs exact prefill: tokens/s and how far their outputs agree."""
-    with handled():
-        _emit(bench_prefill(_runtime(model, preset, device).model, ctx, gen=16), as_json)
+    with guarded():
+        _emit(_measure().bench_prefill(_runtime(model, preset, device).model, ctx, gen=16), as_json)
 
 
 @app.command()
@@ -71,32 +83,33 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
            batch: int = typer.Option(1, "--batch", min=1, help="Rows of each --paths or --profile step (the MoE "
                                                                 "paths differ most at batch 16).")) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
-    with handled():
+    with guarded():
         m = _runtime(model, preset, device).model
         if profiled:
-            _emit(bench_profile(m, ctx, batch=batch, chained=chained), as_json)
+            _emit(_measure().bench_profile(m, ctx, batch=batch, chained=chained), as_json)
         elif host:
-            _emit(bench_host(m, ctx), as_json)
+            _emit(_measure().bench_host(m, ctx), as_json)
         elif paths:
-            _emit(bench_paths(m, ctx, batch=batch), as_json)
+            _emit(_measure().bench_paths(m, ctx, batch=batch), as_json)
         else:
-            _emit(bench_speculative(m, ctx) if speculative else bench_decode(m, ctx, steps=8), as_json)
+            measure = _measure()
+            _emit(measure.bench_speculative(m, ctx) if speculative else measure.bench_decode(m, ctx, steps=8), as_json)
 
 
 @app.command()
 def resume(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int = CTX,
            device: str = DEVICE, as_json: bool = JSON) -> None:
     """Resume from exported global KV plus a window replay vs a full re-prefill."""
-    with handled():
-        _emit(bench_resume(_runtime(model, preset, device).model, ctx, gen=16), as_json)
+    with guarded():
+        _emit(_measure().bench_resume(_runtime(model, preset, device).model, ctx, gen=16), as_json)
 
 
 @app.command()
 def linears(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, device: str = DEVICE, as_json: bool = JSON,
             tokens: int = typer.Option(8192, "--tokens", min=1, help="Tokens of the one exact prefill chunk.")) -> None:
     """Prefill linear layers (nn.Linear and grouped-expert GEMMs) against the device's matmul rate."""
-    with handled():
-        _emit(bench_linears(_runtime(model, preset, device).model, tokens), as_json)
+    with guarded():
+        _emit(_measure().bench_linears(_runtime(model, preset, device).model, tokens), as_json)
 
 
 @app.command()
@@ -104,7 +117,9 @@ def store(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int
           chunk_tokens: int = typer.Option(256, "--chunk-tokens", min=1), device: str = DEVICE,
           as_json: bool = JSON) -> None:
     """zstd levels and store save/load throughput on real FP4 KV from a prefilled state."""
-    with handled():
+    with guarded():
+        from sessions.bench import store_throughput, zstd_levels
+
         rt = _runtime(model, preset, device)
         chunks, tokens = real_chunks(rt, ctx, chunk_tokens)
         payloads = {kind: b"".join(b for c in chunks for n, b in c.blobs.items() if n.endswith(kind))
@@ -118,9 +133,11 @@ def store(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int
 
 def real_chunks(rt: Runtime, ctx: int, chunk_tokens: int) -> tuple[list[KVChunk], list[int]]:
     """KV chunks of a CED prefill of ``ctx`` random tokens, cut as the agent's save point cuts them."""
+    from model.engine import Engine
+
     engine = Engine(rt.model, mode="ced")
     state = engine.new_state()
-    ids = prompt_ids(rt.model, ctx)
+    ids = _measure().prompt_ids(rt.model, ctx)
     engine.prefill(state, ids)
     ratios = [r for r in rt.args.ratios if r]
     mult = math.lcm(*ratios) if ratios else 1
@@ -132,3 +149,26 @@ def real_chunks(rt: Runtime, ctx: int, chunk_tokens: int) -> tuple[list[KVChunk]
     chunks = [KVChunk(c, min(c + chunk_tokens, k), state.cache.export_range(c, min(c + chunk_tokens, k)))
               for c in range(0, k, chunk_tokens)]
     return chunks, ids[0, :k].tolist()
+
+
+@app.command("threads")
+def threads_(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int = CTX, as_json: bool = JSON,
+             counts: str = typer.Option("", "--counts", metavar="A,B,...",
+                                        help="Thread counts to time (default: the machine's CPUs, then the CPUs "
+                                             "this process may use)."),
+             busy: int = typer.Option(0, "--co-load", min=0, metavar="N",
+                                      help="Busy-loop processes started beside the run, each taking a CPU."),
+             steps: int = typer.Option(16, "--steps", min=1, help="Decode steps timed after each prefill."),
+             rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds; the counts alternate within each.")) -> None:
+    """Prefill and decode time at several torch thread counts, beside busy loops if asked."""
+    from dsagent.threads import available_cpus, measure
+
+    with guarded():
+        try:
+            chosen = [int(c) for c in counts.split(",") if c.strip()] or [os.cpu_count() or 1, available_cpus()]
+        except ValueError:
+            raise FlagError(f"--counts takes thread counts like 2,1, not {counts!r}") from None
+        if min(chosen) < 1:
+            raise FlagError("--counts: every thread count must be 1 or more")
+        m = _runtime(model, preset, "cpu").model
+        _emit(measure(m, list(dict.fromkeys(chosen)), ctx, steps, rounds, busy), as_json)

@@ -4,6 +4,10 @@ Owns: the flags, loading the model with a progress bar, the evaluation progress 
 and printing the result as a table (rows skills, columns modes, cells correct/n) or as
 one JSON object with `--json`. Does not own cases, generation or scoring: those are
 `dsagent.evaluate`, whose docstring states the rules.
+
+The flags' defaults are written here, not imported from `dsagent.evaluate` (which imports
+torch and the model): building `dsagent --help` must not load them. A test checks that
+they equal the evaluation's own constants.
 """
 from __future__ import annotations
 
@@ -13,12 +17,17 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from dsagent.corpus import RECALL_TOKENS
-from dsagent.errors import UsageError, handled
-from dsagent.evaluate import (HELD_OUT_SEED, MAX_NEW_TOKENS, MODES, SKILL_NAMES, SKILLS, EvalConfigError,
-                              EvalResult, check_config, run_eval)
+from dsagent.failures import guarded
 from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
+from dsagent.settings import FlagError, resolve
+
+# = dsagent.evaluate's HELD_OUT_SEED, MODES, SKILLS, MAX_NEW_TOKENS and dsagent.corpus's RECALL_TOKENS
+HELD_OUT_SEED = 7919
+MODES = ("exact", "ced", "float-kv", "resume")
+SKILLS = ("a", "b", "c", "d", "e", "r")
+MAX_NEW_TOKENS = 128
+RECALL_TOKENS = (2000, 6000)
 
 
 def eval_command(
@@ -40,19 +49,21 @@ def eval_command(
 ) -> None:
     """Score the model on held-out cases per skill, in exact, CED, float-KV and resumed modes."""
     out, err = consoles()
-    with handled():
+    with guarded():
         if model and preset:
-            raise UsageError("pass --model or --preset, not both")
+            raise FlagError("pass --model or --preset, not both")
         try:
             lengths = tuple(int(x) for x in _split(recall_tokens))
         except ValueError:
-            raise UsageError(f"--recall-tokens takes LO,HI (two integers), not {recall_tokens!r}") from None
+            raise FlagError(f"--recall-tokens takes LO,HI (two integers), not {recall_tokens!r}") from None
+        from dsagent.evaluate import EvalConfigError, check_config, run_eval
+
         try:
             check_config(skills=_split(skills), modes=_split(modes), seed=seed, recall_tokens=lengths)
         except EvalConfigError as e:
-            raise UsageError(str(e)) from None
+            raise FlagError(str(e)) from None
         rt = _runtime(model, preset, device)
-        with load_progress(err, "evaluating") as progress:
+        with load_progress(err, "evaluating", unit="cases") as progress:
             result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
                               max_new_tokens=max_new_tokens, recall_tokens=lengths, progress=progress)
     if as_json:
@@ -66,13 +77,21 @@ def _split(value: str) -> list[str]:
 
 
 def _runtime(model: str | None, preset: str | None, device: str) -> Runtime:
+    from dsagent.preflight import check_device
+
+    check_device(device)
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    threads = resolve().threads  # DSAGENT_THREADS or config.toml; else the CPUs this process may use
     _, err = consoles()
     with load_progress(err, "loading model") as progress:
-        return Runtime.load(Settings(model=model, preset=preset, device=device, dtype=dtype), progress=progress)
+        return Runtime.load(Settings(model=model, preset=preset, device=device, dtype=dtype, threads=threads),
+                            progress=progress)
 
 
-def result_table(result: EvalResult) -> Table:
+def result_table(result) -> Table:
+    """The `EvalResult` as a table: rows skills, columns modes."""
+    from dsagent.evaluate import SKILL_NAMES
+
     logs = "" if tuple(result.recall_tokens) == RECALL_TOKENS else ", recall logs {}-{} tokens".format(*result.recall_tokens)
     t = Table(title=f"held-out skills (seed {result.seed}{logs}), correct/n")
     t.add_column("skill")
