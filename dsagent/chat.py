@@ -4,7 +4,9 @@ Owns: reading multi-line input with plain `input()` (a line ending in `\\` conti
 line `"""` opens a block that the next `"""` line closes), the slash commands, switching
 sessions (`/session NAME`, `/fork NAME`, `/clear`), asking the person to approve tool
 calls, and what Ctrl-C / Ctrl-D mean at the prompt (Ctrl-C clears the input, Ctrl-D
-leaves; Ctrl-C during generation is caught by the agent and keeps the session).
+leaves; Ctrl-C during generation is caught by the agent and keeps the session). Keys
+typed while a reply streams are not echoed into it: they come back, editable, at the
+next prompt (`dsagent.typeahead`).
 Does not own the turn loop (`dsagent.agent`), event rendering (`dsagent.render`) or
 loading the model (`dsagent.cli`).
 '''
@@ -12,17 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
+from rich.table import Table
 
 from dsagent.agent import Agent, AgentOptions
 from dsagent.errors import exit_code_for
 from dsagent.render import Activity, StreamView, stop_note, usage_line
 from dsagent.runtime import Runtime
+from dsagent.typeahead import TypeAhead, prefill_next_input
 from sessions import LocalStatePool, Store, StoreError
 from tools import ToolCallRequest, valid_text
 
@@ -35,6 +40,7 @@ HELP = """\
 /fork NAME      copy this session to NAME and continue there
 /stats          tokens, KV bytes and cache state
 /clear          start a new, empty session
+/help           this list
 /exit           leave (Ctrl-D works too)
 End a line with \\ to continue it; wrap several lines in \"\"\" ... \"\"\"."""
 
@@ -114,6 +120,7 @@ class ChatShell:
         self.pool = LocalStatePool(ttl_s=600, max_bytes=2**31)
         self.view = StreamView(out, err)
         self.notice = Activity(err, self.view, stdout_is_terminal=out.is_terminal)
+        self.typeahead = TypeAhead() if _has_fileno() else None
         self.agent: Agent | None = None
         self.images: list[bytes] = []
 
@@ -156,9 +163,11 @@ class ChatShell:
 
     def turn(self, text: str) -> None:
         images, self.images = self.images, []
+        typed = self.typeahead or contextlib.nullcontext()
         self.notice.start()
         try:
-            result = self.agent.turn(text, images)
+            with typed:
+                result = self.agent.turn(text, images)
         except Exception as e:
             self.error(e)
             return
@@ -167,6 +176,7 @@ class ChatShell:
         finally:
             self.notice.stop()
             self.view.newline()
+            self._keep_typed()
         if result is None or result.stop == "interrupted":
             self.err.print("[yellow]interrupted[/] [dim](the session is kept)[/]")
         else:
@@ -174,9 +184,18 @@ class ChatShell:
             if note:
                 self.err.print(f"[yellow]{escape(note)}[/]")
 
+    @contextlib.contextmanager
     def _asking(self, note: str):
-        """An approval mid-reply: the status line down while the person is asked."""
-        return self.notice.paused(note)
+        """An approval mid-reply: the status line down, the terminal as it was."""
+        normal = self.typeahead.normal() if self.typeahead else contextlib.nullcontext()
+        with self.notice.paused(note), normal:
+            yield
+
+    def _keep_typed(self) -> None:
+        """Keys typed during the reply go on the next prompt, editable."""
+        text = self.typeahead.text if self.typeahead else ""
+        if text and not prefill_next_input(text):
+            self.err.print(f"[dim]typed during the reply (not sent): {escape(text)}[/]")
 
     def error(self, e: BaseException) -> None:
         self.err.print(f"[red]error:[/] {escape(exit_code_for(e)[1])}")
@@ -212,11 +231,16 @@ class ChatShell:
 
     def cmd_tools(self, arg: str) -> None:
         tools = list(self.agent.runner.toolbox)
-        for t in tools:
-            flag = " [yellow](asks first)[/]" if t.needs_approval and self.opts.policy == "ask" else ""
-            self.out.print(f"[bold]{t.name}[/]{flag} — {escape(t.description.splitlines()[0])}")
         if not tools:
-            self.out.print("no tools enabled")
+            return self.out.print("no tools enabled")
+        # a grid, so that a long description wraps on words under itself, not mid-word at the edge
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(no_wrap=True)
+        grid.add_column(overflow="fold")
+        for t in tools:
+            flag = "\n[yellow](asks first)[/]" if t.needs_approval and self.opts.policy == "ask" else ""
+            grid.add_row(f"[bold]{t.name}[/]{flag}", escape(t.description.splitlines()[0]))
+        self.out.print(grid, soft_wrap=False)
 
     def cmd_session(self, arg: str) -> None:
         if arg:
@@ -248,6 +272,14 @@ def _cache_state(usage: dict) -> str:
     if usage["cached_tokens"]:
         return f"resumed from the RAM pool ({usage['cached_tokens']} tokens)"
     return "live (built in this process)"
+
+
+def _has_fileno() -> bool:
+    try:
+        sys.stdin.fileno()
+        return True
+    except (OSError, ValueError, AttributeError):  # a test's captured input: no terminal to manage
+        return False
 
 
 def latest_session(store: Store) -> str | None:

@@ -1,7 +1,8 @@
 """`dsagent chat` in a real pseudo-terminal (pexpect), with the embedded default model.
 
 Reads the screen: the banner, the prefill indicator, Ctrl-C stopping a reply without
-losing the session, slash commands, and a clean exit. Skipped when pexpect is missing.
+losing the session, slash commands, keys typed during a reply, and a clean exit. Skipped
+when pexpect is missing.
 """
 import os
 import signal
@@ -49,3 +50,32 @@ def test_chat_in_a_terminal(tmp_path):
     assert child.exitstatus == 0
     with Store.open(home) as st:
         assert st.messages("tty")[1]["content"] == "\n".join([LINE] * LINES)  # the interrupted turn was kept
+
+
+def test_keys_typed_during_a_reply_wait_for_the_next_prompt(tmp_path):
+    """Typed mid-turn, "abc" is not echoed into the reply; the next prompt holds it, editable,
+    and Enter sends it."""
+    home = tmp_path / "home"
+    env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
+    child = pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", "--session", "keys", "--max-new-tokens", "24"],
+                          env=env, encoding="utf-8", timeout=300, dimensions=(40, 120))
+    try:
+        child.expect("› ")
+        for _ in range(LINES - 1):
+            child.sendline(LINE + "\\")
+            child.expect("… ")
+        child.sendline(LINE)
+        child.expect("prefilling")  # the turn has begun: keys from here on are held back
+        child.send("abc")
+        child.expect("› ")  # the reply ends at the next prompt
+        assert "abc" not in child.before  # not echoed into the reply
+        child.expect("abc")  # but put back on the prompt line
+        child.sendline("")
+        child.expect("› ")
+        child.sendline("/exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    with Store.open(home) as st:
+        users = [m["content"] for m in st.messages("keys") if m["role"] == "user"]
+    assert users[-1] == "abc"

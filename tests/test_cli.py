@@ -519,3 +519,17 @@ def test_model_info_fits_80_columns_and_names_the_model(monkeypatch):
         assert max(map(len, lines)) <= 80 and "…" not in r.stdout
         assert lines[0] == ("model: preset v41-flash" if args else f"model: the embedded default ({cli.EMBEDDED_MODEL})")
     assert json.loads(invoke("model", "info", "--json").stdout)["model"].startswith("the embedded default")
+
+
+def test_chat_help_lists_itself_and_tools_wrap_on_words(script, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "50")
+    script("unused")
+    r = invoke("chat", "--tool", "read_file", "--tool", "run_shell", input="/help\n/tools\n")
+    assert r.exit_code == 0, r.output
+    assert "/help           this list" in r.stderr
+    from tools import builtin_toolbox
+
+    words = {w for t in builtin_toolbox() for w in (t.name, *t.description.splitlines()[0].split(), "(asks", "first)")}
+    tool_lines = [line for line in r.stdout.replace("› ", "").splitlines() if line.strip()]  # input()'s prompts
+    assert tool_lines and max(map(len, tool_lines)) <= 50
+    assert {w for line in tool_lines for w in line.split()} <= words  # no word cut in two
