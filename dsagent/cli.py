@@ -75,8 +75,7 @@ TOOLS = typer.Option(None, "--tool", "-t", metavar="T",
                      help="Enable only this tool (repeatable; default: all built-in tools).")
 MAX_STEPS = typer.Option(8, "--max-steps", min=1, metavar="N", help="Most model calls per turn (tool loops end here).")
 MAX_NEW = typer.Option(None, "--max-new-tokens", min=1, metavar="N", help="Most tokens per model call. \\[default: 256]")
-SEED = typer.Option(None, "--seed", min=-2**63, max=2**64 - 1, metavar="N",  # the range torch's generator takes
-                    help="Sampling seed (matters with --temperature > 0).")
+SEED = typer.Option(None, "--seed", metavar="N", help="Sampling seed (matters with --temperature > 0).")
 TEMPERATURE = typer.Option(None, "--temperature", min=0.0, metavar="T", help="0 = greedy. \\[default: 0]")
 POLICY = typer.Option(None, "--policy", metavar="ask|yes|deny",
                       help="Tool approval: ask first before writing or running, approve all, refuse. \\[default: ask]")
@@ -121,9 +120,11 @@ def _defaults(model, preset, policy, yes, thinking, max_new, temperature, thread
                    max_new_tokens=max_new, temperature=temperature, threads=threads)
 
 
-def _checked(d: Defaults, session: str | None, tools: list[str] | None, workspace: Path | None) -> None:
+def _checked(d: Defaults, session: str | None, tools: list[str] | None, workspace: Path | None,
+             seed: int | None) -> None:
     """The checks of a run or chat that need neither torch nor the store. `check_device`
     comes last of all (it imports torch), then the model loads, then the store opens."""
+    preflight.check_seed(seed)
     preflight.check_session(session)
     preflight.check_tools(tools)
     preflight.check_workspace(workspace)
@@ -151,7 +152,7 @@ def run(
             raise FlagError("pass --json or --jsonl, not both")
         d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature, threads)
         images = preflight.read_images(image)
-        _checked(d, session, tool, workspace)
+        _checked(d, session, tool, workspace, seed)
         text = preflight.prompt_text(prompt, notice=_notice(err))
         preflight.check_device(device)
         code = _run_turn(d, text, images, session, tool, max_steps, seed, workspace, device, speculative,
@@ -246,7 +247,7 @@ def chat(
             raise FlagError("pass --session or --continue, not both")
         tolerant_stdin()
         d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature, threads)
-        _checked(d, session, tool, workspace)
+        _checked(d, session, tool, workspace, seed)
         preflight.check_device(device)
         _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, speculative, out, err)
 

@@ -1,7 +1,7 @@
 """Checks of `run` and `chat` arguments that come before anything loads or is stored.
 
-Owns: refusing, with a `FlagError` (exit 2) that names the flag, a bad session name, an
-unknown tool, a workspace that is not a directory, an image that is not there, a device
+Owns: refusing, with a `FlagError` (exit 2) that names the flag, a seed torch cannot take,
+a bad session name, an unknown tool, a workspace that is not a directory, an image that is not there, a device
 this torch cannot use, thinking mode on a checkpoint that never learnt it, and an empty
 prompt; and reading a prompt piped on stdin. Each check runs before the model loads and
 before the session store is opened, so a command that fails one leaves nothing behind.
@@ -35,6 +35,13 @@ STDIN_CAP = 256 * 1024  # bytes of piped prompt text; past it the run is refused
 STDIN_NOTICE_S = 2.0  # a terminal is told what it waits for after this long
 CHAT_MODES_KEY = "chat_modes"
 DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+
+
+def check_seed(seed: int | None) -> None:
+    """The range torch's generator takes (checked here rather than by the option, whose
+    range would fill a column of --help)."""
+    if seed is not None and not -2**63 <= seed < 2**64:
+        raise FlagError(f"--seed {seed} is outside the range a seed takes, -2**63 to 2**64 - 1")
 
 
 def check_session(name: str | None) -> None:
