@@ -251,7 +251,7 @@ class Block(nn.Module):
         super().__init__()
         self.args, self.layer = args, layer
         self.attn = Attention(args, layer, world)
-        self.ffn = MoE(args)
+        self.ffn = MoE(args, world=world)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.engram = Engram(args, layer) if layer in args.engram_layer_ids else None

@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from model.args import ModelArgs
-from model.linear import Linear
+from model.linear import ALONE, Linear, World
 
 
 class Gate(nn.Module):
@@ -136,18 +136,37 @@ class GroupedExperts(nn.Module):
 DENSE_RATIO = 4  # see MoE.runs_dense
 
 
+class Experts(nn.ModuleDict):
+    """The routed experts a rank holds, named by their global index (``experts.37.w1.weight``,
+    the checkpoint's names): indexed by that int, iterated as modules in order."""
+
+    def __getitem__(self, e) -> "Expert":
+        return super().__getitem__(str(e))
+
+    def __iter__(self):
+        return iter(self.values())
+
+    def __contains__(self, e) -> bool:
+        return super().__contains__(str(e))
+
+
 class MoE(nn.Module):
     """The gate's top-k routed experts plus the shared expert. The routed experts run one
     SwiGLU per expert (``_loop``: the reference), all at once from stacked weights
     (``grouped``, outside autograd) or densely (``_dense``, training on CUDA);
     :meth:`runs_grouped` and :meth:`runs_dense` choose."""
 
-    def __init__(self, args: ModelArgs, n_experts: int | None = None, top_k: int | None = None):
+    def __init__(self, args: ModelArgs, n_experts: int | None = None, top_k: int | None = None,
+                 world: World = ALONE):
+        """``world``: expert parallel over its ranks — each holds a contiguous range of the
+        experts, every rank routes every token, the routed sums meet in one all-reduce."""
         super().__init__()
         n_experts = n_experts or args.n_routed_experts
         self.gate = Gate(args, n_experts, top_k or args.num_experts_per_tok)
         inter = args.moe_intermediate_size
-        self.experts = nn.ModuleList([Expert(args.hidden_size, inter, args.swiglu_limit) for _ in range(n_experts)])
+        self.world = world
+        self.experts = Experts({str(e): Expert(args.hidden_size, inter, args.swiglu_limit)
+                                for e in range(n_experts)[world.part(n_experts, "n_routed_experts")]})
         self.shared_experts = Expert(args.hidden_size, inter, args.swiglu_limit)
         self.grouped = GroupedExperts(args.swiglu_limit)
         self.register_load_state_dict_post_hook(_restack_after_load)
@@ -161,7 +180,7 @@ class MoE(nn.Module):
         """The MoE of tokens ``flat`` [N, D] (``image_mask`` [..] of N: image-span tokens)."""
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         routed = self.grouped if self.runs_grouped(flat) else self._dense if self.runs_dense(flat) else self._loop
-        y = routed(flat, weights, indices)
+        y = self.world.sum(routed(flat, weights, indices))
         y += self.shared_experts(flat).float()
         return y.to(flat.dtype)
 
@@ -169,6 +188,8 @@ class MoE(nn.Module):
         """The reference: one Expert call per expert that has tokens (reads their ids on the host)."""
         y = torch.zeros_like(x, dtype=torch.float32)
         for e in indices.unique().tolist():
+            if e not in self.experts:  # another rank's
+                continue
             rows, slot = torch.where(indices == e)
             y[rows] += self.experts[e](x[rows], weights[rows, slot, None]).float()
         return y
@@ -181,7 +202,7 @@ class MoE(nn.Module):
         gate = torch.zeros(x.shape[0], len(self.experts), device=x.device, dtype=weights.dtype)
         gate = gate.scatter(1, indices, weights)  # [N, E]; differentiable in the weights
         w1, w2, w3 = (torch.stack([getattr(e, name).weight for e in self.experts]) for name in ("w1", "w2", "w3"))
-        h = swiglu(torch.einsum("nd,eid->nei", x, w1), torch.einsum("nd,eid->nei", x, w3), self.experts[0].limit)
+        h = swiglu(torch.einsum("nd,eid->nei", x, w1), torch.einsum("nd,eid->nei", x, w3), self._first().limit)
         return torch.einsum("nei,edi->nd", (h * gate[:, :, None]).to(x.dtype), w2).float()
 
     def runs_dense(self, x: torch.Tensor) -> bool:
@@ -189,17 +210,22 @@ class MoE(nn.Module):
         model's 8 and top-2): the loop reads each layer's expert ids on the host, ~9 syncs
         a layer that stop the host queuing work ahead, on steps bound by the host.
         ``DSAGENT_DENSE_MOE=0`` forces the loop."""
-        return (x.is_cuda and torch.is_grad_enabled() and len(self.experts) <= DENSE_RATIO * self.gate.top_k
+        return (x.is_cuda and torch.is_grad_enabled() and self.world.size == 1
+                and len(self.experts) <= DENSE_RATIO * self.gate.top_k
                 and os.environ.get("DSAGENT_DENSE_MOE", "1") != "0")
 
     def parametrized(self) -> bool:
-        return parametrize.is_parametrized(self.experts[0].w1)  # QAT covers every expert alike
+        return parametrize.is_parametrized(self._first().w1)  # QAT covers every expert alike
+
+    def _first(self) -> "Expert":
+        return next(iter(self.experts))
 
     def runs_grouped(self, x: torch.Tensor) -> bool:
         """The grouped path computes what the loop does only from stacked, unparametrized weights
         (training's QAT rewrites them) and without autograd; ``DSAGENT_GROUPED_MOE=0`` forces the loop."""
         w = self.grouped.w1.weight
-        return (w is not None and not torch.is_grad_enabled() and grouped_mm_supported(x, w.shape[1])
+        return (w is not None and self.world.size == 1 and not torch.is_grad_enabled()
+                and grouped_mm_supported(x, w.shape[1])
                 and os.environ.get("DSAGENT_GROUPED_MOE", "1") != "0" and not self.parametrized())
 
     def stack_experts(self) -> None:
@@ -207,7 +233,7 @@ class MoE(nn.Module):
         experts' own weights (nothing is duplicated; names and state dicts are unchanged). A no-op
         when they already are; a conversion (``_apply``) or a load by assignment stacks again.
         Packed experts (FP4 bytes, ``model.linear``) are not stacked: they run one by one."""
-        if self.experts[0].w1.fmt != "plain":
+        if self._first().w1.fmt != "plain":
             return
         for name in ("w1", "w2", "w3"):
             params = [_stored_weight(getattr(e, name)) for e in self.experts]

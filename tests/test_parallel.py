@@ -1,5 +1,5 @@
-"""The model over a world of two gloo processes on the CPU (attention heads and vocabulary
-split, ``model.linear.World``) against one process: the same logits to float rounding on a
+"""The model over a world of two gloo processes on the CPU (attention heads, vocabulary and
+routed experts split, ``model.linear.World``) against one process: the same logits to float rounding on a
 float KV cache (with the FP8 / FP4 cache a sum in another order can flip a rounding, and
 the logits then move by more), the same 32 greedy tokens on the packed cache."""
 from __future__ import annotations
@@ -58,6 +58,7 @@ def _rank(rank: int, size: int, init: str, ids: torch.Tensor, results) -> None:
         stack_experts(model.eval())
         bind_tokenizer(model, DEFAULT / "tokenizer" / "tokenizer.json")
         assert model.layers[0].attn.n_heads == ARGS.num_attention_heads // size
+        assert len(model.layers[0].ffn.experts) == ARGS.n_routed_experts // size
         with torch.no_grad():
             full = model(ids, model.new_cache(1, kv=KVFormat.FLOAT))
         results[rank] = (full, _greedy(model, ids, 32))
