@@ -15,15 +15,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.element_size() == 1 else t
 
 
-def _written(tmp_path):
+@pytest.fixture(scope="module")
+def written(tmp_path_factory):
+    """The tiny preset written as an official checkpoint in several shards (once a module)."""
+    path = tmp_path_factory.mktemp("packed") / "m"
     model = load("tiny", seed=0)
-    write_checkpoint(tmp_path / "m", model.args.to_config(), model.state_dict(), tokenizer_json=BUNDLED_TOKENIZER,
+    write_checkpoint(path, model.args.to_config(), model.state_dict(), tokenizer_json=BUNDLED_TOKENIZER,
                      expert_dtype=model.args.expert_dtype, block=model.args.weight_block_size, shard_bytes=4_000_000)
-    return tmp_path / "m"
+    return path
 
 
-def test_a_packed_load_holds_the_stored_bytes_and_computes_the_dequantised_model(tmp_path):
-    path = _written(tmp_path)
+def test_a_packed_load_holds_the_stored_bytes_and_computes_the_dequantised_model(written):
+    path = written
     packed, plain = load(path, weights="packed"), load(path)
     linears = [m for m in packed.modules() if isinstance(m, Linear)]
     fp8 = [m for m in linears if m.fmt == "fp8"]
@@ -38,8 +41,8 @@ def test_a_packed_load_holds_the_stored_bytes_and_computes_the_dequantised_model
         assert torch.equal(packed(tokens), plain(tokens))
 
 
-def test_a_packed_model_holds_about_the_checkpoints_bytes(tmp_path):
-    path = _written(tmp_path)
+def test_a_packed_model_holds_about_the_checkpoints_bytes(written):
+    path = written
     model = load(path, weights="packed", dtype=torch.bfloat16)
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     on_disk = sum(f.stat().st_size for f in path.glob("*.safetensors"))
@@ -71,10 +74,10 @@ def test_a_cast_leaves_the_packed_bytes_as_they_are():
     assert layer(x).dtype == torch.bfloat16
 
 
-def test_a_packed_model_decodes_through_the_engine(tmp_path):
+def test_a_packed_model_decodes_through_the_engine(written):
     from model.engine import Engine
 
-    path = _written(tmp_path)
+    path = written
     outs = []
     for weights in ("packed", "plain"):
         model = load(path, weights=weights)
@@ -86,14 +89,14 @@ def test_a_packed_model_decodes_through_the_engine(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
-def test_packed_weights_take_the_fused_steps_twins(tmp_path, monkeypatch):
+def test_packed_weights_take_the_fused_steps_twins(written, monkeypatch):
     """The fused decode step (on its PyTorch twins here) reads packed projections through the
     linear family: the same logits as the plain model's fused steps."""
     from model import decode_step
     from model.engine import Engine
 
     monkeypatch.setattr(decode_step, "takes_fused", decode_step.is_decode_step)
-    path = _written(tmp_path)
+    path = written
     outs = []
     for weights in ("packed", "plain"):
         engine = Engine(load(path, weights=weights), mode="ced", chunk=32)
