@@ -70,11 +70,13 @@ PACKAGES = ("dsagent", "model", "sessions", "tools")
 SESSION = typer.Option(None, "--session", "-s", metavar="NAME", callback=text_arg,
                        help="Session name: created if new, resumed if it exists.")
 MODEL = typer.Option(None, "--model", metavar="DIR", help="Checkpoint directory (default: the embedded model).")
-PRESET = typer.Option(None, "--preset", metavar="P", help="Random weights of a preset (tiny, small, v41-flash) instead.")
+PRESET = typer.Option(None, "--preset", metavar="P",
+                      help="Random weights of a preset (tiny, small, v41-flash) instead.")
 TOOLS = typer.Option(None, "--tool", "-t", metavar="T",
                      help="Enable only this tool (repeatable; default: all built-in tools).")
 MAX_STEPS = typer.Option(8, "--max-steps", min=1, metavar="N", help="Most model calls per turn (tool loops end here).")
-MAX_NEW = typer.Option(None, "--max-new-tokens", min=1, metavar="N", help="Most tokens per model call. \\[default: 256]")
+MAX_NEW = typer.Option(None, "--max-new-tokens", min=1, metavar="N",
+                      help="Most tokens per model call. \\[default: 256]")
 SEED = typer.Option(None, "--seed", metavar="N", help="Sampling seed (matters with --temperature > 0).")
 TEMPERATURE = typer.Option(None, "--temperature", min=0.0, metavar="T", help="0 = greedy. \\[default: 0]")
 POLICY = typer.Option(None, "--policy", metavar="ask|yes|deny",
@@ -137,7 +139,8 @@ def run(
                                            help="The user message; text piped on stdin goes before it."),
     session: Optional[str] = SESSION, model: Optional[str] = MODEL, preset: Optional[str] = PRESET,
     tool: Optional[List[str]] = TOOLS,
-    image: Optional[List[Path]] = typer.Option(None, "--image", "-i", metavar="PATH", help="Attach an image (repeatable)."),
+    image: Optional[List[Path]] = typer.Option(None, "--image", "-i", metavar="PATH",
+                                               help="Attach an image (repeatable)."),
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,

@@ -1,9 +1,9 @@
 """Checks of `run` and `chat` arguments that come before anything loads or is stored.
 
 Owns: refusing, with a `FlagError` (exit 2) that names the flag, a seed torch cannot take,
-a bad session name, an unknown tool, a workspace that is not a directory, an image that is not there, a device
-this torch cannot use, thinking mode on a checkpoint that never learnt it, and an empty
-prompt; and reading a prompt piped on stdin. Each check runs before the model loads and
+a bad session name, an unknown tool, a workspace that is not a directory, an image that
+is not there, a device this torch cannot use, thinking mode on a checkpoint that never
+learnt it, and an empty prompt; and reading a prompt piped on stdin. Each check runs before the model loads and
 before the session store is opened, so a command that fails one leaves nothing behind.
 Only `check_device` imports torch (it has to ask torch), and it runs last.
 

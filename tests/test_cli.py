@@ -517,7 +517,8 @@ def test_model_info_fits_80_columns_and_names_the_model(monkeypatch):
         assert r.exit_code == 0, r.output
         lines = r.stdout.splitlines()
         assert max(map(len, lines)) <= 80 and "…" not in r.stdout
-        assert lines[0] == ("model: preset v41-flash" if args else f"model: the embedded default ({cli.EMBEDDED_MODEL})")
+        named = "model: preset v41-flash" if args else f"model: the embedded default ({cli.EMBEDDED_MODEL})"
+        assert lines[0] == named
     assert json.loads(invoke("model", "info", "--json").stdout)["model"].startswith("the embedded default")
 
 

@@ -18,8 +18,9 @@ ARGS = ["--tool", "calculator", "--max-new-tokens", "4"]
 def dsagent(home, *args, input=None):
     env = {k: v for k, v in os.environ.items() if k not in ("DSAGENT_MODEL", "DSAGENT_PRESET")}  # the embedded default
     env.update(DSAGENT_HOME=str(home), NO_COLOR="1")
+    stdin = None if input is not None else subprocess.DEVNULL  # run reads a stdin that is not a terminal
     return subprocess.run([sys.executable, "-m", "dsagent", *args], input=input, capture_output=True, text=True,
-                          env=env, timeout=300, stdin=None if input is not None else subprocess.DEVNULL)  # run reads a piped stdin
+                          env=env, timeout=300, stdin=stdin)
 
 
 def _env(home) -> dict:

@@ -159,7 +159,8 @@ def threads_(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: 
              busy: int = typer.Option(0, "--co-load", min=0, metavar="N",
                                       help="Busy-loop processes started beside the run, each taking a CPU."),
              steps: int = typer.Option(16, "--steps", min=1, help="Decode steps timed after each prefill."),
-             rounds: int = typer.Option(3, "--rounds", min=1, help="Rounds; the counts alternate within each.")) -> None:
+             rounds: int = typer.Option(3, "--rounds", min=1,
+                                        help="Rounds; the counts alternate within each.")) -> None:
     """Prefill and decode time at several torch thread counts, beside busy loops if asked."""
     from dsagent.threads import available_cpus, measure
 
