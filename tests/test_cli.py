@@ -327,6 +327,17 @@ def test_bench_knobs_times_each_variant_and_restores_the_knobs(monkeypatch):
     assert {n for _, _, n in seen} == {16, 8, 4} and fake.N == 16
 
 
+def test_bench_threads_prints_each_count_and_its_ratio_to_the_first():
+    """Figures only, never timed here: that each count was run, beside one busy loop."""
+    r = invoke("bench", "threads", "--preset", "tiny", "--ctx", "16", "--steps", "1", "--rounds", "1",
+               "--counts", "2,1", "--co-load", "1", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["bench"] == "threads" and out["busy_loops"] == 1 and out["counts"] == [2, 1]
+    assert set(out["prefill_s"]) == {"2", "1"} and out["prefill_time_over_2_threads"]["2"] == 1.0
+    assert invoke("bench", "threads", "--counts", "2,x").exit_code == 2
+
+
 def test_bench_linears_prints_the_ratio():
     r = invoke("bench", "linears", "--preset", "tiny", "--tokens", "32", "--json")
     assert r.exit_code == 0, r.output
