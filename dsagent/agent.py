@@ -337,9 +337,11 @@ class Agent:
         calls = [{**c, "id": f"call_{len(self.log)}_{i}"} for i, c in enumerate(message.get("tool_calls", []))]
         message["tool_calls"] = calls
         self.messages.append(message)
-        if error and stop != "interrupted":
+        if error and stop not in ("interrupted", "max_tokens"):  # a reply cut short is reported once, as cut short
             self.emit({"event": "tool_error", "message": error})
             calls = [{"id": None, "error": error}]
+        elif error:
+            calls = []
         return message, calls, stop
 
     def _generate(self) -> tuple[list[int], str]:
@@ -356,6 +358,7 @@ class Agent:
                 ids.append(token)
                 self.log.append(token)
                 stream.push(ids)
+                self.emit({"event": "generating", "tokens": len(ids)})
                 if token == eos:
                     stop = "eos"
         except KeyboardInterrupt:

@@ -51,6 +51,8 @@ def test_export_formats(home, tmp_path):
     out = tmp_path / "t.json"
     assert run("export", "a", "-f", "json", "-o", str(out)).exit_code == 0
     assert json.loads(out.read_text())["session"]["name"] == "a"
+    r = run("export", "a", "-f", "html")
+    assert r.exit_code == 2 and "'html'" in r.stderr  # a usage error naming the value (the box wraps the rest)
 
 
 def test_fork_rm_asks_default_no(home):

@@ -61,6 +61,16 @@ def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array."))
         typer.echo(f"{i.name:<24} {_when(i.updated_at)}  {i.n_messages:>5} msgs  {i.n_tokens:>8} tokens")
 
 
+EXPORT_FORMATS = ("markdown", "json", "jsonl")
+
+
+def _export_format(value: str) -> str:
+    """--format is one of :data:`EXPORT_FORMATS` (a usage error, before the store opens)."""
+    if value not in EXPORT_FORMATS:
+        raise typer.BadParameter(f"{value!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    return value
+
+
 @app.command()
 def show(name: str = NAME, as_json: bool = typer.Option(False, "--json")) -> None:
     """Show one session: its record and the storage it uses."""
@@ -90,7 +100,7 @@ def _output_path(value: Optional[Path]) -> Optional[Path]:
 @app.command()
 def export(
     name: str = NAME,
-    fmt: str = typer.Option("markdown", "--format", "-f", help="markdown, json or jsonl"),
+    fmt: str = typer.Option("markdown", "--format", "-f", callback=_export_format, help="markdown, json or jsonl"),
     output: Optional[Path] = typer.Option(None, "--output", "-o", callback=_output_path,
                                           help="Write here instead of stdout."),
 ) -> None:
