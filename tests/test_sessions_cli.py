@@ -37,7 +37,8 @@ def flat(text: str) -> str:
 
 def test_list_show_storage(home):
     r = run("list")
-    assert r.exit_code == 0 and "a " in r.stdout and "12 tokens" in r.stdout
+    assert r.exit_code == 0 and r.stdout.splitlines()[1].split()[:1] + r.stdout.splitlines()[1].split()[-4:-2] == [
+        "a", "1", "12"]
     assert json.loads(run("list", "--json").stdout)[0]["name"] == "a"
     assert json.loads(run("show", "a", "--json").stdout)["storage"]["kv_tokens"] == 12
     assert "n_tokens" in run("show", "a").stdout
@@ -168,3 +169,55 @@ def test_a_read_only_store(home, monkeypatch):
             r = run(*command)
             assert r.exit_code == 1 and f"the store is read-only: {home / 'sessions.db'}" in r.stderr, (command, r.output)
     assert [s["name"] for s in json.loads(run("list", "--json").stdout)] == ["a"]
+
+
+def test_show_prints_a_dash_for_no_parent_and_metadata_as_lines(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path))
+    with Store.open() as st:
+        st.create_session("m", fingerprint=FP, meta={"model": "tiny", "seed": 3})
+    out = run("show", "m").stdout
+    assert "parent:              –" in out and "None" not in out
+    assert "  model: tiny\n" in out and "  seed: 3\n" in out and "{" not in out
+
+
+def test_list_has_a_header_and_a_clipped_preview(home, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with Store.open() as st:
+        st.create_session("long", fingerprint=FP)
+        st.save_point("long", messages=[{"role": "system", "content": "be brief"},
+                                        {"role": "user", "content": "word " * 40}], fingerprint=FP, chunk_tokens=C)
+    lines = run("list").stdout.splitlines()
+    assert lines[0].split() == ["NAME", "UPDATED", "MSGS", "TOKENS", "FIRST", "MESSAGE"]
+    row = {line.split()[0]: line for line in lines[1:]}
+    assert row["a"].endswith("hello there")
+    assert row["long"].endswith("…") and len(row["long"]) == 80 and "be brief" not in row["long"]
+
+
+def test_list_on_an_empty_store(tmp_path, monkeypatch):
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path))
+    r = run("list")
+    assert r.exit_code == 0 and r.stdout == "no sessions yet\n"
+
+
+def test_markdown_export_shows_images_and_calls_readably(tmp_path, monkeypatch):
+    import hashlib
+
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path))
+    png = b"\x89PNG" + b"\0" * 96
+    sha = hashlib.sha256(png).hexdigest()
+    call = {"type": "function", "id": "call_0_0",
+            "function": {"name": "calculator", "arguments": '{"expression": "48 * 12"}'}}
+    messages = [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"sha256:{sha}"}},
+                                     {"type": "text", "text": "what is 48 * 12?"}]},
+        {"role": "assistant", "content": "", "reasoning_content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "576"},
+        {"role": "assistant", "content": "", "tool_calls": []},  # nothing to show: no heading
+    ]
+    with Store.open() as st:
+        st.create_session("img", fingerprint=FP)
+        st.save_point("img", messages=messages, images={sha: png}, fingerprint=FP, chunk_tokens=C)
+    out = run("export", "img").stdout
+    assert f"![image](sha256:{sha[:12]}…) (100 bytes)\n" in out
+    assert '→ calculator({"expression": "48 * 12"})\n' in out and '"id"' not in out
+    assert out.count("## ") == 3 and "## assistant\n\n## " not in out and not out.rstrip().endswith("## assistant")

@@ -14,6 +14,7 @@ import dataclasses
 import datetime as dt
 import json
 import math
+import shutil
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -52,13 +53,37 @@ def _mib(n: int) -> str:
 
 @app.command("list")
 def list_(as_json: bool = typer.Option(False, "--json", help="One JSON array.")) -> None:
-    """List sessions, most recently used first."""
+    """List sessions, most recently used first, each with the start of its first user message."""
     with _store() as store:
         infos = store.list_sessions()
+        previews = {i.name: _preview(store.messages(i.name)) for i in infos}
     if as_json:
         return _json([dataclasses.asdict(i) for i in infos])
+    if not infos:
+        return typer.echo("no sessions yet")
+    room = max(20, shutil.get_terminal_size().columns - len(_row("", "", "", "", "-")))
+    typer.echo(_row("NAME", "UPDATED", "MSGS", "TOKENS", "FIRST MESSAGE"))
     for i in infos:
-        typer.echo(f"{i.name:<24} {_when(i.updated_at)}  {i.n_messages:>5} msgs  {i.n_tokens:>8} tokens")
+        typer.echo(_row(i.name, _when(i.updated_at), i.n_messages, i.n_tokens, _clip(previews[i.name], room)))
+
+
+def _row(name: str, when: str, msgs: object, tokens: object, preview: str) -> str:
+    return f"{name:<24} {when:<16}  {msgs:>5}  {tokens:>8}  {preview}".rstrip()
+
+
+def _preview(messages: list[dict]) -> str:
+    """The first user message's text on one line ("" when there is none)."""
+    for m in messages:
+        if m.get("role") == "user":
+            content = m.get("content", "")
+            if isinstance(content, list):  # text and image parts: the text is the preview
+                content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+            return " ".join(str(content).split())
+    return ""
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
 
 
 EXPORT_FORMATS = ("markdown", "json", "jsonl")
@@ -80,9 +105,21 @@ def show(name: str = NAME, as_json: bool = typer.Option(False, "--json")) -> Non
     if as_json:
         return _json({"session": dataclasses.asdict(info), "storage": dataclasses.asdict(usage)})
     for key, value in {**dataclasses.asdict(info), **dataclasses.asdict(usage)}.items():
-        if key.endswith("_at"):
-            value = _when(value)
-        typer.echo(f"{key:<20} {value}")
+        if isinstance(value, dict):  # metadata: one `key: value` line each, not a Python dict
+            typer.echo(f"{key + ':':<20} {'' if value else '–'}".rstrip())
+            for k, v in value.items():
+                typer.echo(f"  {k}: {_human(v)}")
+        else:
+            typer.echo(f"{key + ':':<20} {_when(value) if key.endswith('_at') else _human(value)}")
+
+
+def _human(value: object) -> str:
+    """None as a dash, lists and dicts as JSON, anything else as str()."""
+    if value is None:
+        return "–"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value, ensure_ascii=False)
+    return str(value)
 
 
 def _output_path(value: Optional[Path]) -> Optional[Path]:
