@@ -13,7 +13,7 @@ import torch
 
 from model.args import PRESETS, ConfigError, ModelArgs
 from model.engram import compressed_token_map, find_tokenizer_json
-from model.linear import Linear, Table, VocabEmbedding, shard
+from model.linear import ALONE, Linear, Table, VocabEmbedding, World, shard
 from model.model import Transformer
 from model.moe import stack_experts
 
@@ -24,13 +24,17 @@ WEIGHTS = ("plain", "packed")  # how a model holds the checkpoint's FP8 / FP4 fa
 
 
 def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-         progress=None, weights: str = "plain", args: ModelArgs | None = None) -> Transformer:
+         progress=None, weights: str = "plain", args: ModelArgs | None = None, world: World = ALONE) -> Transformer:
     """A preset name gives seeded random weights; a directory gives its checkpoint. ``weights``:
     ``plain`` dequantises the FP8 / FP4 families into ``dtype``; ``packed`` keeps them as the
     checkpoint stores them (``model.linear``). ``args``: the preset's, reshaped (fewer layers,
-    smaller Engram tables: ``ModelArgs.shortened``)."""
+    smaller Engram tables: ``ModelArgs.shortened``). ``world``: this rank's part of a
+    checkpoint's model (``docs/tensor-and-expert-parallel-design.md``; plain weights)."""
     if weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
+    if world.size > 1 and (weights == "packed" or str(path_or_preset) in PRESETS):
+        raise ConfigError("a model over several ranks loads plain weights from a checkpoint directory "
+                          "(packed slices and seeded presets per rank are not built yet)")
     if str(path_or_preset) in PRESETS:
         args = args or ModelArgs.preset(str(path_or_preset))
         model = build(args, device=device, dtype=dtype, seed=seed, weights=weights)
@@ -41,7 +45,7 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
             raise ConfigError(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
         args = ModelArgs.from_file(path)
         sharded = (path / "model.safetensors.index.json").is_file()  # a single file holds floats: packed after
-        model = build(args, device="meta", dtype=dtype, weights=weights if sharded else "plain")
+        model = build(args, device="meta", dtype=dtype, weights=weights if sharded else "plain", world=world)
         load_weights(model, path, device=device, dtype=dtype, progress=progress)
         if weights == "packed" and not sharded:
             pack_weights(model)
@@ -52,7 +56,7 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
 
 
 def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, seed: int | None = 0,
-          weights: str = "plain") -> Transformer:
+          weights: str = "plain", world: World = ALONE) -> Transformer:
     """A model of ``args`` in ``dtype``: seeded random weights, routed experts stacked (see
     ``MoE.stack_experts``); on the meta device, shapes only (``load_weights`` fills it).
     ``weights="packed"``: the FP8 / FP4 families quantised as the checkpoint writer would,
@@ -60,8 +64,9 @@ def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, see
     values as a ``plain`` build packed whole."""
     if str(device) == "meta":
         with torch.device("meta"):
-            model = cast_model(Transformer(args), dtype)
+            model = cast_model(Transformer(args, world), dtype)
         return pack_weights(model) if weights == "packed" else model
+    assert world.size == 1, "seeded weights are made whole: a rank takes its part with local_state"
     if weights == "plain":
         with torch.device(device):
             model = Transformer(args)
@@ -161,15 +166,26 @@ def _init_value(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
 def expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
     """Official name -> logical shape: a packed weight as the float weight it stands for, its
     scale not listed (the checkpoint reader pairs it with its weight)."""
-    packed = _packed_modules(model)
+    packed, owners = _packed_modules(model), _owners(model)
     out = {}
     for k, v in model.state_dict().items():
-        if k in packed:
-            m = packed[k]
-            out[k] = (m.out_features, m.in_features) if isinstance(m, Linear) else tuple(v.shape)
-        elif not (k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in packed):
+        m = owners.get(k)
+        if k.endswith(".scale") and k.removesuffix(".scale") + ".weight" in packed:
+            continue
+        if k.endswith(".weight") and isinstance(m, Linear):
+            out[k] = (m.full_out, m.full_in)
+        elif isinstance(m, VocabEmbedding):
+            out[k] = (model.args.vocab_size, v.shape[1])
+        elif k.endswith(".attn_sink"):
+            out[k] = (model.args.num_attention_heads,)
+        else:
             out[k] = tuple(v.shape)
     return out
+
+
+def _owners(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Parameter name -> the module that holds it."""
+    return {f"{n}.{k}" if n else k: m for n, m in model.named_modules() for k in m._parameters}
 
 
 def _packed_modules(model: torch.nn.Module) -> dict[str, Linear | Table]:
@@ -187,12 +203,15 @@ def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float
         from model.checkpoint import iter_checkpoint
 
         groups = iter_checkpoint(path, expected, dtype=dtype, device="cpu", progress=progress,
-                                 ignore_prefixes=_unbuilt_prefixes(model), compressed=bool(packed))
+                                 ignore_prefixes=_unbuilt_prefixes(model) + _other_ranks(model),
+                                 compressed=bool(packed))
     else:
         groups = [("all", _read_single_file(path, expected))]
     for _, tensors in groups:
         if packed:
             tensors = _unpacked_but(tensors, packed, expected, model.args, dtype)
+        if model.world.size > 1:
+            tensors = local_state(model, tensors)
         tensors = {k: v.to(device) if _is_stored(k, packed) else v.to(device, torch.float32 if _keeps_fp32(k) else dtype)
                    for k, v in tensors.items()}
         model.load_state_dict(tensors, strict=False, assign=True)
@@ -227,15 +246,18 @@ def _unpacked_but(tensors: dict, packed: dict, expected: dict, args: ModelArgs, 
 
 
 def local_state(model: Transformer, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A rank's part of a whole model's float state dict ``full`` for ``model`` (built over its
-    world): each split Linear's slice, the embedding's vocabulary rows, the sinks of its heads;
-    the rest whole (``docs/tensor-and-expert-parallel-design.md``)."""
-    owners = {f"{n}.{k}": m for n, m in model.named_modules() for k in m._parameters}
+    """A rank's part of whole tensors ``full`` (a whole model's float state dict, or one group of
+    it) for ``model`` (built over its world): each split Linear's slice, the embedding's
+    vocabulary rows, the sinks of its heads; the rest whole; names the rank does not hold
+    (other ranks' experts) left out (``docs/tensor-and-expert-parallel-design.md``)."""
+    owners, held = _owners(model), model.state_dict().keys()
     out = {}
-    for name in model.state_dict():
-        owner, t = owners.get(name), full[name]
+    for name, t in full.items():
+        owner = owners.get(name)
+        if name not in held:
+            continue
         if isinstance(owner, Linear) and owner.split is not None:
-            assert owner.fmt == "plain", "a packed weight is sliced by the checkpoint reader"
+            assert owner.fmt == "plain", "packed weights over several ranks are not built yet"
             t = shard(t, owner)
         elif isinstance(owner, VocabEmbedding):
             t = t[owner.rows]
@@ -243,6 +265,17 @@ def local_state(model: Transformer, full: dict[str, torch.Tensor]) -> dict[str, 
             t = t[model.world.part(t.shape[0], "num_attention_heads")]
         out[name] = t
     return out
+
+
+def _other_ranks(model: Transformer) -> tuple:
+    """The routed experts other ranks hold (checkpoint name prefixes), for a rank's reader to skip."""
+    if model.world.size == 1:
+        return ()
+    out = []
+    for i, block in enumerate(model.layers):
+        mine = block.ffn.experts
+        out += [f"layers.{i}.ffn.experts.{e}." for e in range(model.args.n_routed_experts) if e not in mine]
+    return tuple(out)
 
 
 def _unbuilt_prefixes(model: Transformer) -> tuple:

@@ -43,20 +43,13 @@ def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
 
 
 def _rank(rank: int, size: int, init: str, ids: torch.Tensor, results) -> None:
-    from model.loading import bind_tokenizer, local_state
-    from model.model import Transformer
-    from model.moe import stack_experts
+    """One rank: its part of the default checkpoint, read from the shards (``load(..., world=)``)."""
+    from model.loading import load
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
     try:
         torch.set_num_threads(1)
-        world = World(rank=rank, size=size)
-        with torch.device("meta"):
-            model = Transformer(ARGS, world)
-        model.load_state_dict(local_state(model, _whole().state_dict()), assign=True)
-        model.ropes.make_on("cpu")
-        stack_experts(model.eval())
-        bind_tokenizer(model, DEFAULT / "tokenizer" / "tokenizer.json")
+        model = load(DEFAULT, world=World(rank=rank, size=size))
         assert model.layers[0].attn.n_heads == ARGS.num_attention_heads // size
         assert len(model.layers[0].ffn.experts) == ARGS.n_routed_experts // size
         with torch.no_grad():
@@ -80,6 +73,23 @@ def test_two_ranks_give_one_process_logits_and_tokens(tmp_path):
         full, tokens = got[rank]
         torch.testing.assert_close(full, want_full, rtol=1e-4, atol=1e-4)
         assert tokens == want_tokens
+
+
+def test_a_ranks_part_of_a_whole_state_dict():
+    """``local_state``: the slices a rank of two holds, by name, from a whole model's tensors."""
+    from model.loading import local_state
+    from model.model import Transformer
+
+    whole = _whole().state_dict()
+    with torch.device("meta"):
+        rank1 = Transformer(ARGS, World(rank=1, size=2))
+    part = local_state(rank1, whole)
+    H, V, E = ARGS.num_attention_heads, ARGS.vocab_size, ARGS.n_routed_experts
+    assert torch.equal(part["embed.weight"], whole["embed.weight"][V // 2:])
+    assert torch.equal(part["layers.0.attn.attn_sink"], whole["layers.0.attn.attn_sink"][H // 2:])
+    assert torch.equal(part["layers.0.attn.wo_b.weight"], whole["layers.0.attn.wo_b.weight"][:, ARGS.o_groups * ARGS.o_lora_rank // 2:])
+    assert f"layers.0.ffn.experts.{E - 1}.w1.weight" in part and "layers.0.ffn.experts.0.w1.weight" not in part
+    assert part.keys() == rank1.state_dict().keys()
 
 
 def test_a_split_that_does_not_divide_is_refused():
