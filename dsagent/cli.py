@@ -10,29 +10,42 @@ into the library. Does not own the turn loop (`dsagent.agent`), the interactive 
 and errors to stderr.
 
 Start-up: this module imports neither torch nor the model. `dsagent --help`, `sessions
-...` and every refused flag run without them; a command imports them when it runs one.
+...` and every refused flag run without them; a command imports them when it runs one. Ctrl-C while this module is
+still importing ends in exit 130 and one word on stderr, not a traceback.
 """
 from __future__ import annotations
 
-import importlib.util
-import json
 import sys
-from pathlib import Path
-from typing import List, Optional
 
-import typer
 
-from dsagent import preflight
-from dsagent.commands import bench as bench_cmd
-from dsagent.commands import eval as eval_cmd
-from dsagent.commands import model as model_cmd
-from dsagent.commands import sessions as sessions_cmd
-from dsagent.failures import PIPE_CLOSED, guarded
-from dsagent.inputs import text_arg, tolerant_stdin
-from dsagent.render import consoles, load_progress
-from dsagent.runtime import EMBEDDED_MODEL, Runtime, Settings, default_source
-from dsagent.settings import Defaults, FlagError, config_path, resolve
-from sessions import default_home
+def _interrupted_while_starting() -> None:
+    """Ctrl-C before any command has run: nothing to keep or report, so a word and exit 130
+    (the code of an interrupted command) rather than a traceback from inside some import."""
+    sys.stderr.write("interrupted\n")
+    raise SystemExit(130)
+
+
+try:  # the console script imports this module before any handler of ours can run
+    import importlib.util
+    import json
+    from pathlib import Path
+    from typing import List, Optional
+
+    import typer
+
+    from dsagent import preflight
+    from dsagent.commands import bench as bench_cmd
+    from dsagent.commands import eval as eval_cmd
+    from dsagent.commands import model as model_cmd
+    from dsagent.commands import sessions as sessions_cmd
+    from dsagent.failures import PIPE_CLOSED, guarded
+    from dsagent.inputs import text_arg, tolerant_stdin
+    from dsagent.render import consoles, load_progress
+    from dsagent.runtime import EMBEDDED_MODEL, Runtime, Settings, default_source
+    from dsagent.settings import Defaults, FlagError, config_path, resolve
+    from sessions import default_home
+except KeyboardInterrupt:
+    _interrupted_while_starting()
 
 
 def _switches_take_no_value() -> None:

@@ -56,3 +56,27 @@ def test_eval_flag_defaults_are_the_evaluations_own():
 
     assert (eval_cmd.HELD_OUT_SEED, eval_cmd.MODES, eval_cmd.SKILLS, eval_cmd.MAX_NEW_TOKENS,
             eval_cmd.RECALL_TOKENS) == (HELD_OUT_SEED, MODES, SKILLS, MAX_NEW_TOKENS, RECALL_TOKENS)
+
+
+# What the `dsagent` console script runs, with Ctrl-C arriving while dsagent.cli imports typer:
+# a finder placed first on sys.meta_path raises KeyboardInterrupt as a real SIGINT would there.
+INTERRUPTED_IMPORT = """
+import sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "typer":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from dsagent.cli import app
+sys.exit(app())
+"""
+
+
+def test_ctrl_c_while_importing_exits_130_without_a_traceback(tmp_path):
+    env = {**os.environ, "DSAGENT_HOME": str(tmp_path / "home")}
+    r = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT, "--help"], capture_output=True, text=True,
+                       env=env, timeout=120, stdin=subprocess.DEVNULL, cwd=tmp_path)
+    assert (r.returncode, r.stdout, r.stderr) == (130, "", "interrupted\n")
