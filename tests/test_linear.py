@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from model.checkpoint import dequantize_tensor, quantize_tensor
+from model.distributed import run_ranks
 from model.linear import ALONE, Linear, World, grouped_linear, shard
 
 FP8_NAME = "layers.0.attn.wq_a.weight"  # an FP8 family in the checkpoint
@@ -77,27 +77,22 @@ def test_a_rank_holds_its_part_of_each_split():
     assert ALONE.part(8, "rows") == slice(0, 8)
 
 
-def _two_ranks(rank: int, size: int, init: str, results) -> None:
+def _two_ranks(world: World, results) -> None:
     """One rank: an MLP split column -> row, and a vocab-split head gathered, from the same
     seeded whole weights as the single-process reference."""
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
-    try:
-        world = World(rank=rank, size=size)
-        g = torch.Generator().manual_seed(0)
-        w1, w2, head = torch.randn(16, 8, generator=g), torch.randn(8, 16, generator=g), torch.randn(12, 8, generator=g)
-        x = torch.randn(3, 8, generator=g)
-        up, down = Linear(8, 16, split="column", world=world), Linear(16, 8, split="row", world=world)
-        vocab = Linear(8, 12, split="vocab", world=world)
-        with torch.no_grad():
-            for layer, full in ((up, w1), (down, w2), (vocab, head)):
-                layer.weight.copy_(shard(full, layer))
-            y = down(F.silu(up(x)))
-            logits = world.gather(vocab(y))
-        want_y = F.linear(F.silu(F.linear(x, w1)), w2)
-        results[rank] = (torch.allclose(y, want_y, rtol=1e-5, atol=1e-5),
-                         torch.allclose(logits, F.linear(want_y, head), rtol=1e-5, atol=1e-5))
-    finally:
-        dist.destroy_process_group()
+    g = torch.Generator().manual_seed(0)
+    w1, w2, head = torch.randn(16, 8, generator=g), torch.randn(8, 16, generator=g), torch.randn(12, 8, generator=g)
+    x = torch.randn(3, 8, generator=g)
+    up, down = Linear(8, 16, split="column", world=world), Linear(16, 8, split="row", world=world)
+    vocab = Linear(8, 12, split="vocab", world=world)
+    with torch.no_grad():
+        for layer, full in ((up, w1), (down, w2), (vocab, head)):
+            layer.weight.copy_(shard(full, layer))
+        y = down(F.silu(up(x)))
+        logits = world.gather(vocab(y))
+    want_y = F.linear(F.silu(F.linear(x, w1)), w2)
+    results[world.rank] = (torch.allclose(y, want_y, rtol=1e-5, atol=1e-5),
+                           torch.allclose(logits, F.linear(want_y, head), rtol=1e-5, atol=1e-5))
 
 
 def test_column_then_row_over_two_ranks_equals_the_whole_layer(tmp_path):
@@ -107,7 +102,7 @@ def test_column_then_row_over_two_ranks_equals_the_whole_layer(tmp_path):
     init = f"file://{tmp_path / 'rendezvous'}"
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_two_ranks, args=(2, init, results), nprocs=2, join=True)
+        run_ranks(_two_ranks, 2, results, init_method=init, timeout_s=60)
         assert dict(results) == {0: (True, True), 1: (True, True)}
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from model.args import ModelArgs
+from model.distributed import run_ranks
 from model.linear import World
 from model.quant import KVFormat
 
@@ -42,21 +42,17 @@ def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
     return tokens
 
 
-def _rank(rank: int, size: int, init: str, ids: torch.Tensor, results) -> None:
+def _rank(world: World, ids: torch.Tensor, results) -> None:
     """One rank: its part of the default checkpoint, read from the shards (``load(..., world=)``)."""
     from model.loading import load
 
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=size)
-    try:
-        torch.set_num_threads(1)
-        model = load(DEFAULT, world=World(rank=rank, size=size))
-        assert model.layers[0].attn.n_heads == ARGS.num_attention_heads // size
-        assert len(model.layers[0].ffn.experts) == ARGS.n_routed_experts // size
-        with torch.no_grad():
-            full = model(ids, model.new_cache(1, kv=KVFormat.FLOAT))
-        results[rank] = (full, _greedy(model, ids, 32))
-    finally:
-        dist.destroy_process_group()
+    torch.set_num_threads(1)
+    model = load(DEFAULT, world=world)
+    assert model.layers[0].attn.n_heads == ARGS.num_attention_heads // world.size
+    assert len(model.layers[0].ffn.experts) == ARGS.n_routed_experts // world.size
+    with torch.no_grad():
+        full = model(ids, model.new_cache(1, kv=KVFormat.FLOAT))
+    results[world.rank] = (full, _greedy(model, ids, 32))
 
 
 def test_two_ranks_give_one_process_logits_and_tokens(tmp_path):
@@ -67,7 +63,7 @@ def test_two_ranks_give_one_process_logits_and_tokens(tmp_path):
     want_tokens = _greedy(model, ids, 32)
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(_rank, args=(2, f"file://{tmp_path / 'rendezvous'}", ids, results), nprocs=2, join=True)
+        run_ranks(_rank, 2, ids, results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300)
         got = dict(results)
     for rank in (0, 1):
         full, tokens = got[rank]

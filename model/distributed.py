@@ -1,0 +1,63 @@
+"""The processes that share one model: joining them into a ``World``, and running a function on each.
+
+One ``init_world`` serves both ways a run gets its ranks: ``torchrun`` (which sets ``RANK``,
+``WORLD_SIZE`` and the rendezvous variables) and :func:`run_ranks` (which spawns them from this
+process with ``torch.multiprocessing``). NCCL on CUDA, gloo on the CPU; every group gets a
+timeout, so a rank that dies ends the others' waiting collectives with an error instead of a
+hang, and :func:`run_ranks` re-raises the first failure in the caller with the failed rank's
+traceback and stops the rest (no orphan processes).
+
+Does not own: how the model splits over the world (``model.linear``, the model's modules), nor
+which rank talks to the user (the application).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from model.linear import ALONE, World
+
+TIMEOUT_S = 600.0  # a collective waits this long for a missing rank before it fails
+
+
+def init_world(rank: int | None = None, size: int | None = None, *, init_method: str | None = None,
+               backend: str | None = None, timeout_s: float = TIMEOUT_S) -> World:
+    """This process's place among ``size`` ranks (read from torchrun's environment where not
+    given); one process alone needs no group and gets ``ALONE``."""
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    size = int(os.environ.get("WORLD_SIZE", 1)) if size is None else size
+    if size == 1:
+        return ALONE
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout_s))
+    return World(rank=rank, size=size)
+
+
+def close_world(world: World) -> None:
+    if world.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, size: int, *args, init_method: str, backend: str | None = None,
+              timeout_s: float = TIMEOUT_S) -> None:
+    """``fn(world, *args)`` on ``size`` spawned processes joined through ``init_method`` (a
+    ``file://`` or ``tcp://`` rendezvous). Returns when all have; the first that raises is
+    re-raised here (``torch.multiprocessing.ProcessRaisedException``, its traceback in the
+    message) and the others are stopped."""
+    mp.spawn(_rank_main, args=(size, fn, args, init_method, backend, timeout_s), nprocs=size, join=True)
+
+
+def _rank_main(rank: int, size: int, fn, args: tuple, init_method: str, backend: str | None,
+               timeout_s: float) -> None:
+    world = init_world(rank, size, init_method=init_method, backend=backend, timeout_s=timeout_s)
+    try:
+        fn(world, *args)
+    finally:
+        close_world(world)
