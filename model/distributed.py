@@ -13,6 +13,8 @@ which rank talks to the user (the application).
 from __future__ import annotations
 
 import os
+import time
+import traceback
 from datetime import timedelta
 
 import torch
@@ -45,19 +47,37 @@ def close_world(world: World) -> None:
         dist.destroy_process_group()
 
 
+class RankFailed(RuntimeError):
+    """A rank of :func:`run_ranks` raised: the first to fail, with its traceback (the others'
+    errors — a collective whose peer is gone — follow from it)."""
+
+
 def run_ranks(fn, size: int, *args, init_method: str, backend: str | None = None,
               timeout_s: float = TIMEOUT_S) -> None:
     """``fn(world, *args)`` on ``size`` spawned processes joined through ``init_method`` (a
-    ``file://`` or ``tcp://`` rendezvous). Returns when all have; the first that raises is
-    re-raised here (``torch.multiprocessing.ProcessRaisedException``, its traceback in the
-    message) and the others are stopped."""
-    mp.spawn(_rank_main, args=(size, fn, args, init_method, backend, timeout_s), nprocs=size, join=True)
+    ``file://`` or ``tcp://`` rendezvous). Returns when all have; if any raises, the others are
+    stopped and the first failure is raised here as :class:`RankFailed`."""
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.spawn(_rank_main, args=(size, fn, args, init_method, backend, timeout_s, failures), nprocs=size,
+                 join=True)
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        seen = []
+        while not failures.empty():
+            seen.append(failures.get())
+        if not seen:
+            raise
+        _, rank, trace = min(seen)
+        raise RankFailed(f"rank {rank} of {size} failed:\n{trace}") from e
 
 
 def _rank_main(rank: int, size: int, fn, args: tuple, init_method: str, backend: str | None,
-               timeout_s: float) -> None:
+               timeout_s: float, failures) -> None:
     world = init_world(rank, size, init_method=init_method, backend=backend, timeout_s=timeout_s)
     try:
         fn(world, *args)
+    except BaseException:
+        failures.put((time.monotonic(), rank, traceback.format_exc()))  # before the peers see it
+        raise
     finally:
         close_world(world)
