@@ -19,6 +19,14 @@ LINE = "please read this carefully " * 120  # one line stays under the terminal'
 LINES = 6  # continued with a trailing backslash: ~7K message tokens, a prefill of seconds on any CPU
 
 
+def _send_long_prompt(child) -> None:
+    """``LINES`` lines of ``LINE``, continued with a backslash: a prompt whose prefill takes seconds."""
+    for _ in range(LINES - 1):
+        child.sendline(LINE + "\\")
+        child.expect("… ")
+    child.sendline(LINE)
+
+
 def test_chat_in_a_terminal(tmp_path):
     home = tmp_path / "home"
     env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
@@ -32,10 +40,7 @@ def test_chat_in_a_terminal(tmp_path):
     try:
         child.expect("/help for commands")
         child.expect("› ")
-        for _ in range(LINES - 1):
-            child.sendline(LINE + "\\")
-            child.expect("… ")
-        child.sendline(LINE)
+        _send_long_prompt(child)
         child.expect("prefilling")  # the prompt takes more than a second
         child.sendcontrol("c")
         child.expect("interrupted")
@@ -61,10 +66,7 @@ def test_keys_typed_during_a_reply_wait_for_the_next_prompt(tmp_path):
                           env=env, encoding="utf-8", timeout=300, dimensions=(40, 120))
     try:
         child.expect("› ")
-        for _ in range(LINES - 1):
-            child.sendline(LINE + "\\")
-            child.expect("… ")
-        child.sendline(LINE)
+        _send_long_prompt(child)
         child.expect("prefilling")  # the turn has begun: keys from here on are held back
         child.send("abc")
         child.expect("› ")  # the reply ends at the next prompt
