@@ -464,7 +464,7 @@ def test_graphed_fused_steps_equal_eager_fused_ones(monkeypatch):
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_compressor_step_makes_what_its_forward_makes(ratio, dtype):
-    """Compressor.step (position a tensor, the group pooled from the history ring) gives the
+    """decode_step.compressor_step (position a tensor, the group pooled from the history ring) gives the
     latents Compressor.forward gives one token at a time, bit for bit, at every phase of a
     group; the source's counts and pending group after it are the same."""
     from model.cache import SourceKV

@@ -688,7 +688,7 @@ def compress_step(x: torch.Tensor, weights: tuple, norm: tuple, hist: tuple, rec
     index key (``wk``, ``k_norm``, RoPE, FP4) into ``index`` — four launches in all
     (``model.kernels.pack``'s ``compress_step``, the GEMV, ``index_entry``) where torch took ~30.
     True where they ran; False, and nothing written, where they do not (the caller runs
-    ``Compressor.step`` and the packs, its twin). The pool's exp, the norms' sums and the GEMVs'
+    ``decode_step.compressor_step`` and the packs, its twin). The pool's exp, the norms' sums and the GEMVs'
     orders agree with torch's to rounding, so a record's bytes may differ where a value sits
     on an FP4 boundary."""
     if not (_kernel_runs("compressor step", x) and 1 <= ratio <= 16 and records.dtype == index.dtype == torch.uint8

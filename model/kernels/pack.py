@@ -10,7 +10,7 @@ names; every such value is exact in fp32 and bf16, so these are bit-exact too) â
 where torch runs ~18 for the window's FP8 and ~25 for the indexer query's FP4. A decode step's
 rows made and packed in place in one launch each: ``window_entry`` (the window's), and a KV
 source's compressor in ``compress_step`` (its history ring, pooled latent and record) and
-``index_entry`` (its index key), whose twins are ``Compressor.step`` and the packs above.
+``index_entry`` (its index key), whose twins are ``decode_step.compressor_step`` and the packs above.
 
 How the bytes stay exact: every rounding is done on integer bits, never by float
 arithmetic the compiler could contract â€” power-of-two scales are read off and built from

@@ -8,7 +8,7 @@ gated into the streams), ``ngram_hash_ref`` (the Engram rows of the n-grams endi
 token) — the model computes with these seven, so they are its own code, not copies — and
 two functions on *packed* cache
 bytes, one decode step (one query per row):
-``sparse_attention_ref`` (``Attention._attend`` for S=1: one softmax over the valid window
+``sparse_attention_ref`` (``Attention.attend`` for S=1: one softmax over the valid window
 entries, the selected FP4 records and the per-head sink, shared K=V latent) and
 ``indexer_scores_ref`` (``Indexer.scores`` for S=1: weighted-ReLU scores against FP4 index
 keys). Both unpack with ``model.blockfp`` and compute in fp32, in the same order as the
