@@ -100,6 +100,15 @@ THINKING = typer.Option(None, "--thinking", metavar="chat|thinking",
 WORKSPACE = typer.Option(None, "--workspace", metavar="DIR",
                          help="Root directory tools may touch (default: the current one).")
 DEVICE = typer.Option("cpu", "--device", metavar="cpu|cuda[:N]", help="Where the model runs.")
+def _weights_form(value: str) -> str:
+    if value not in ("plain", "packed"):
+        raise typer.BadParameter(f"{value!r} is not plain or packed")
+    return value
+
+
+WEIGHTS = typer.Option("plain", "--weights", metavar="plain|packed", callback=_weights_form,
+                       help="packed: the checkpoint's FP8 / FP4 weights held as stored (a fraction of the memory; "
+                            "computed through dequantisation until their kernels land).")
 THREADS = typer.Option(None, "--threads", min=1, metavar="N",
                        help="torch's compute threads (default: the CPUs this process may use, from its affinity "
                             "and cgroup quota).")
@@ -107,12 +116,13 @@ SPECULATIVE = typer.Option(True, "--speculative/--no-speculative",
                            help="DSpark speculative decoding (off by itself when the checkpoint has no draft stages).")
 
 
-def load_runtime(d: Defaults, device: str) -> Runtime:
+def load_runtime(d: Defaults, device: str, weights: str = "plain") -> Runtime:
     """The model the defaults choose, with a progress bar on stderr while it loads."""
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     _, err = consoles()
     with load_progress(err, "loading model") as progress:
-        settings = Settings(model=d.model, preset=d.preset, device=device, dtype=dtype, threads=d.threads)
+        settings = Settings(model=d.model, preset=d.preset, device=device, dtype=dtype, threads=d.threads,
+                            weights=weights)
         return Runtime.load(settings, progress=progress)
 
 
@@ -157,7 +167,7 @@ def run(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
-    threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
+    weights: str = WEIGHTS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
     as_json: bool = typer.Option(False, "--json", help="Print one result object on stdout."),
     jsonl: bool = typer.Option(False, "--jsonl", help="Print every event as a JSON line on stdout."),
 ) -> None:
@@ -171,7 +181,7 @@ def run(
         _checked(d, session, tool, workspace, seed)
         text = preflight.prompt_text(prompt, notice=_notice(err))
         preflight.check_device(device)
-        code = _run_turn(d, text, images, session, tool, max_steps, seed, workspace, device, speculative,
+        code = _run_turn(d, text, images, session, tool, max_steps, seed, workspace, device, weights, speculative,
                          as_json, jsonl, out, err)
     raise typer.Exit(code)
 
@@ -180,13 +190,13 @@ def _notice(err):
     return (lambda message: err.print(f"[dim]{message}[/]")) if err.is_terminal else None
 
 
-def _run_turn(d: Defaults, text, images, session, tool, max_steps, seed, workspace, device, speculative,
+def _run_turn(d: Defaults, text, images, session, tool, max_steps, seed, workspace, device, weights, speculative,
               as_json, jsonl, out, err) -> int:
     from dsagent.agent import Agent
     from dsagent.chat import terminal_approver
     from sessions import Store
 
-    rt = load_runtime(d, device)
+    rt = load_runtime(d, device, weights)
     for data in images:  # decoded and checked now, so a bad image stops the run before the store opens
         rt.image_span(data)
     sink = _event_sink(as_json, jsonl, out, err)
@@ -254,7 +264,7 @@ def chat(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
-    threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
+    weights: str = WEIGHTS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
 ) -> None:
     """Chat interactively; /help lists the slash commands, Ctrl-C stops a reply, Ctrl-D leaves."""
     out, err = consoles()
@@ -265,14 +275,15 @@ def chat(
         d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature, threads)
         _checked(d, session, tool, workspace, seed)
         preflight.check_device(device)
-        _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, speculative, out, err)
+        _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, weights, speculative, out, err)
 
 
-def _chat(d: Defaults, session, resume_latest, tool, max_steps, seed, workspace, device, speculative, out, err):
+def _chat(d: Defaults, session, resume_latest, tool, max_steps, seed, workspace, device, weights, speculative, out,
+          err):
     from dsagent.chat import ChatShell, latest_session
     from sessions import Store
 
-    rt = load_runtime(d, device)
+    rt = load_runtime(d, device, weights)
     with Store.open() as store:
         name = latest_session(store) if resume_latest else session
         if resume_latest and name is None:

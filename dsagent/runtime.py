@@ -39,6 +39,7 @@ class Settings:
     chunk: int = 512  # prefill chunk (tokens)
     max_context: int | None = None
     threads: int | None = None  # torch's threads; None = the CPUs this process may use
+    weights: str = "plain"  # or "packed": the FP8 / FP4 families held as the checkpoint stores them
 
 
 def default_source() -> str:
@@ -62,7 +63,8 @@ class Runtime:
         apply_threads(settings.threads)
         source = settings.preset or settings.model or default_source()
         dtype = getattr(torch, settings.dtype)
-        model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress)
+        model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress,
+                     weights=settings.weights)
         tokenizer = Tokenizer.of(model)
         engine = Engine(model, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context)
         return cls(model, tokenizer, engine, fingerprint(model, source, settings.seed), source)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import types
 
 import pytest
@@ -33,7 +34,7 @@ def script(monkeypatch):
     """Make `run`/`chat` load a ScriptedRuntime (a test double) replying with the given completions."""
     def use(*replies: str) -> ScriptedRuntime:
         rt = ScriptedRuntime(list(replies))
-        monkeypatch.setattr(cli, "load_runtime", lambda d, device: rt)
+        monkeypatch.setattr(cli, "load_runtime", lambda d, device, weights="plain": rt)
         return rt
     return use
 
@@ -97,7 +98,7 @@ def test_run_usage_errors_exit_2(script, args):
 @pytest.fixture
 def never_loads(monkeypatch, home):
     """For flags refused up front: loading a model fails the test, and the store must stay unmade."""
-    def load(d, device):
+    def load(d, device, weights="plain"):
         raise AssertionError("the model was loaded before the flags were checked")
     monkeypatch.setattr(cli, "load_runtime", load)
     yield
@@ -543,3 +544,18 @@ def test_chat_help_lists_itself_and_tools_wrap_on_words(script, monkeypatch):
     tool_lines = [line for line in r.stdout.replace("› ", "").splitlines() if line.strip()]  # input()'s prompts
     assert tool_lines and max(map(len, tool_lines)) <= 50
     assert {w for line in tool_lines for w in line.split()} <= words  # no word cut in two
+
+
+def test_run_with_packed_weights_answers_as_with_plain_ones():
+    """``--weights packed`` loads the embedded default with its FP8 / FP4 weights as stored;
+    greedy decoding gives the plain load's answer (the same logits, tests/test_packed.py)."""
+    def answer(*flags):
+        env = {**os.environ, "DSAGENT_HOME": tempfile.mkdtemp()}
+        r = subprocess.run([sys.executable, "-m", "dsagent", "run", "--yes", "--json", *flags, "What is 48 * 12?"],
+                           capture_output=True, text=True, env=env, timeout=600)
+        assert r.returncode == 0, r.stderr
+        return json.loads(r.stdout)["text"]
+
+    assert answer("--weights", "packed") == answer()
+    r = invoke("run", "--weights", "fp16", "hi")
+    assert r.exit_code == 2 and "fp16" in r.stderr
