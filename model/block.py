@@ -54,7 +54,7 @@ class Attention(nn.Module):
         ``world`` of N ranks each holds H/N heads and their G/N output groups (``wq_b`` and
         ``wo_a`` split by columns, ``wo_b`` by rows: one all-reduce); the latent is everyone's."""
         heads, self.head_dim = args.num_attention_heads, args.head_dim
-        self.n_heads, self.o_groups = _local(heads, world, "num_attention_heads"), _local(args.o_groups, world, "o_groups")
+        self.n_heads, self.o_groups = world.share(heads, "num_attention_heads"), world.share(args.o_groups, "o_groups")
         self.wq_a = Linear(args.hidden_size, args.q_lora_rank)
         self.q_norm = RMSNorm(args.q_lora_rank, args.rms_norm_eps)
         self.wq_b = Linear(args.q_lora_rank, heads * self.head_dim, split="column", world=world)
@@ -187,11 +187,6 @@ class Attention(nn.Module):
         kl = (target * (target.clamp_min(1e-12).log() - logp)).sum(-1)
         rows = visible.any(-1)
         return (kl * rows).sum() / rows.sum().clamp_min(1)
-
-
-def _local(n: int, world: World, what: str) -> int:
-    part = world.part(n, what)
-    return part.stop - part.start
 
 
 # ----------------------------------------------------------------------------- Engram

@@ -153,7 +153,7 @@ def _quantize_fp8(name: str, w: torch.Tensor, block: int) -> tuple[torch.Tensor,
     return quantize_fp8_weight(w, block)
 
 
-def _quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FP4 with zero padding up to a whole block; packed bytes cut back to ceil(in/2)."""
     in_f = w.shape[1]
     padded = F.pad(w.float(), (0, -(-in_f // FP4_BLOCK) * FP4_BLOCK - in_f))
@@ -191,7 +191,7 @@ def quantize_tensor(name: str, t: torch.Tensor, *, expert_dtype: str = "fp4",
     if fmt == "fp8":
         q, s = _quantize_fp8(name, t, block)
     elif fmt == "fp4":
-        q, s = _quantize_fp4(t)
+        q, s = quantize_fp4(t)
     else:
         return {name: t.to(torch.bfloat16 if fmt == "bf16" else torch.float32).contiguous()}
     return {name: q.contiguous(), scale_name(name): s.contiguous()}

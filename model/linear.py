@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from model import kernels
-from model.blockfp import dequantize_fp4_weight, dequantize_fp8_weight, quantize_fp4_weight, quantize_fp8_weight
-from model.checkpoint import quantize_fp8_rows
+from model.blockfp import dequantize_fp8_weight, quantize_fp8_weight
+from model.checkpoint import dequantize_tensor, quantize_fp4, quantize_fp8_rows
 
 FORMATS = ("plain", "fp8", "fp4")
 SPLITS = (None, "column", "row", "vocab")
@@ -62,6 +62,11 @@ class World:
             raise ValueError(f"{what}: {n} do not split evenly over {self.size} ranks")
         share = n // self.size
         return slice(self.rank * share, (self.rank + 1) * share)
+
+    def share(self, n: int, what: str) -> int:
+        """How many of ``n`` items this rank holds (:meth:`part`'s length)."""
+        part = self.part(n, what)
+        return part.stop - part.start
 
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """The ranks' ``t`` summed, in place (one all-reduce); ``t`` itself alone."""
@@ -112,8 +117,8 @@ class Linear(Stored, nn.Linear):
                  world: World = ALONE, block: int = FP8_BLOCK, gemv: bool = True, device=None, dtype=None):
         if fmt not in FORMATS or split not in SPLITS:
             raise ValueError(f"a Linear is one of {FORMATS} x {SPLITS}, not ({fmt!r}, {split!r})")
-        local_in = _local(in_features, world, "input features") if split == "row" else in_features
-        local_out = _local(out_features, world, "output features") if split in ("column", "vocab") else out_features
+        local_in = world.share(in_features, "input features") if split == "row" else in_features
+        local_out = world.share(out_features, "output features") if split in ("column", "vocab") else out_features
         super().__init__(local_in, local_out, bias=False, device=device, dtype=dtype)
         self.fmt, self.split, self.world, self.block = "plain", split, world, block
         self.full_in, self.full_out = in_features, out_features
@@ -131,7 +136,7 @@ class Linear(Stored, nn.Linear):
         if w.is_meta:
             weight, scale = _stored_shapes(fmt, w.shape, self.block)
         else:
-            weight, scale = quantize_fp8_weight(w, self.block) if fmt == "fp8" else _quantize_fp4(w)
+            weight, scale = quantize_fp8_weight(w, self.block) if fmt == "fp8" else quantize_fp4(w)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scale = nn.Parameter(scale, requires_grad=False)
         self.fmt = fmt
@@ -142,11 +147,8 @@ class Linear(Stored, nn.Linear):
         if self.fmt == "plain":
             w = self.weight  # read once: under training's QAT each read computes it
             return w if w.dtype == dtype else w.to(dtype)
-        if self.fmt == "fp8":
-            return _fit(dequantize_fp8_weight(_padded(self.weight, self.scale, self.block, self.block), self.scale),
-                        self.weight.shape).to(dtype)
-        padded = _padded(self.weight, self.scale, 1, FP4_BLOCK // 2)
-        return dequantize_fp4_weight(padded, self.scale)[:, :self.in_features].to(dtype)
+        return dequantize_tensor(self.fmt, self.weight, self.scale, (self.out_features, self.in_features),
+                                 block=self.block, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "plain" and self.gemv and kernels.gemv_runs(x, self):
@@ -216,32 +218,6 @@ def _stored_shapes(fmt: str, shape: torch.Size, block: int) -> tuple[torch.Tenso
                 torch.empty(-(-out_f // block), -(-in_f // block), dtype=torch.float8_e8m0fnu, device="meta"))
     return (torch.empty(out_f, -(-in_f // 2), dtype=torch.int8, device="meta"),
             torch.empty(out_f, -(-in_f // FP4_BLOCK), dtype=torch.float8_e8m0fnu, device="meta"))
-
-
-def _quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP4 bytes and scales of ``w`` zero-padded to whole blocks, the bytes cut back to ceil(in/2)."""
-    in_f = w.shape[1]
-    packed, scale = quantize_fp4_weight(F.pad(w.float(), (0, -in_f % FP4_BLOCK)), FP4_BLOCK)
-    return packed[:, : -(-in_f // 2)].contiguous(), scale
-
-
-def _local(n: int, world: World, what: str) -> int:
-    part = world.part(n, what)
-    return part.stop - part.start
-
-
-def _padded(q: torch.Tensor, scale: torch.Tensor, rows_per: int, cols_per: int) -> torch.Tensor:
-    """One-byte ``q`` zero-padded to the whole tiles its ``scale`` covers."""
-    rows, cols = scale.shape[0] * rows_per, scale.shape[1] * cols_per
-    if tuple(q.shape) == (rows, cols):
-        return q
-    out = torch.zeros(rows, cols, dtype=torch.uint8, device=q.device)
-    out[: q.shape[0], : q.shape[1]] = q.view(torch.uint8)
-    return out.view(q.dtype)
-
-
-def _fit(w: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    return w[: shape[0], : shape[1]]
 
 
 def grouped_linear(layer: nn.Linear, x: torch.Tensor, groups: int) -> torch.Tensor:
