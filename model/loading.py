@@ -303,7 +303,8 @@ def _read_single_file(path: Path, expected: dict) -> dict[str, torch.Tensor]:
 
 def fingerprint(model: Transformer, source: str | Path, seed: int = 0) -> str:
     """Identity of what a KV cache depends on: architecture, weights, tokenizer, KV format.
-    A checkpoint's weights are identified by its index/config files and shard sizes (cheap);
+    A checkpoint's weights are identified by its index/config files and shard sizes (cheap;
+    not its training record, ``TRAINING.json``, whose notes say nothing a cache depends on);
     a preset by its name and seed."""
     import hashlib
     import json
@@ -318,7 +319,8 @@ def fingerprint(model: Transformer, source: str | Path, seed: int = 0) -> str:
         h.update(f"preset:{source}:seed:{seed}:init:{model.device.type}".encode())
         tok = BUNDLED_TOKENIZER
     else:
-        for f in sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")):
+        files = [f for f in sorted(path.glob("*.json")) if f.name != "TRAINING.json"]
+        for f in files + sorted(path.glob("*.safetensors")):
             h.update(f.name.encode() + str(f.stat().st_size).encode())
             if f.suffix == ".json":
                 h.update(f.read_bytes())

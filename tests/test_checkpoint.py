@@ -472,3 +472,26 @@ def test_loading_a_checkpoint_stays_off_torchs_python_decompositions():
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == "[]", r.stdout
+
+
+def test_fingerprint_ignores_the_training_record_but_not_the_config(tmp_path) -> None:
+    """A checkpoint's KV fingerprint: its notes (``TRAINING.json``) edited, the same; its
+    config edited, another (a session's stored KV then rebuilds from its token log)."""
+    import shutil
+
+    from model.args import ModelArgs
+    from model.loading import fingerprint
+
+    src = Path(__file__).resolve().parents[1] / "model" / "assets" / "default"
+    ckpt = Path(shutil.copytree(src, tmp_path / "ckpt"))
+
+    class Shaped:  # what fingerprint reads of a model: its args
+        args = ModelArgs.from_file(ckpt)
+
+    before = fingerprint(Shaped, ckpt)
+    record = json.loads((ckpt / "TRAINING.json").read_text())
+    (ckpt / "TRAINING.json").write_text(json.dumps(dict(record, note="edited")))
+    assert fingerprint(Shaped, ckpt) == before
+    config = json.loads((ckpt / "config.json").read_text())
+    (ckpt / "config.json").write_text(json.dumps(config, indent=2))  # the same values, other bytes
+    assert fingerprint(Shaped, ckpt) != before
