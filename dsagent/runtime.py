@@ -1,9 +1,10 @@
 """The loaded model as the application sees it: weights, tokenizer, engine, fingerprint.
 
 Owns: choosing the model (``--model DIR``, ``--preset NAME`` or the embedded default),
-the runtime settings (device, dtype, compute threads, prefill mode, context limit), and
-turning image bytes into span embeddings (one path for user images and tool images).
-Does not own the turn loop (``dsagent.agent``) or any printing.
+the runtime settings (device, dtype, compute threads, prefill mode, context limit, the
+number of GPUs the model is split over: ``dsagent.ranks``), and turning image bytes into
+span embeddings (one path for user images and tool images). Does not own the turn loop
+(``dsagent.agent``) or any printing.
 
 Importing this module imports neither torch nor the model (``Runtime.load`` does), so the
 command line can name the embedded default without paying for them.
@@ -20,7 +21,9 @@ from dsagent.threads import apply_threads
 if TYPE_CHECKING:
     import torch
 
+    from dsagent.ranks import Ranks
     from model.engine import Engine
+    from model.linear import World
     from model.model import Transformer
     from model.tokenizer import Tokenizer
 
@@ -40,6 +43,7 @@ class Settings:
     max_context: int | None = None
     threads: int | None = None  # torch's threads; None = the CPUs this process may use
     weights: str = "plain"  # or "packed": the FP8 / FP4 families held as the checkpoint stores them
+    gpus: int = 1  # processes (one a GPU on CUDA) the model is split over, this one driving the rest
 
 
 def default_source() -> str:
@@ -47,27 +51,63 @@ def default_source() -> str:
 
 
 class Runtime:
-    def __init__(self, model: Transformer, tokenizer: Tokenizer, engine: Engine, fingerprint: str, source: str):
+    def __init__(self, model: Transformer, tokenizer: Tokenizer, engine: Engine, fingerprint: str, source: str,
+                 ranks: Ranks | None = None):
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
         self.fingerprint, self.source = fingerprint, source
+        self.ranks = ranks  # the follower processes this one started (``--gpus N``), or None
         self._spans: dict[str, torch.Tensor] = {}
 
     @classmethod
-    def load(cls, settings: Settings, progress=None) -> "Runtime":
+    def load(cls, settings: Settings, progress=None, world: World | None = None) -> "Runtime":
+        """The model of ``settings``; over ``settings.gpus`` ranks this process starts (or
+        ``world``'s, given by its launcher: a follower, or a torchrun rank), rank 0 driving
+        the others through a ``model.lockstep.Leader``."""
         import torch
 
         from model.engine import Engine
         from model.loading import fingerprint, load
+        from model.lockstep import Leader
         from model.tokenizer import Tokenizer
 
         apply_threads(settings.threads)
-        source = settings.preset or settings.model or default_source()
-        dtype = getattr(torch, settings.dtype)
-        model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress,
-                     weights=settings.weights)
-        tokenizer = Tokenizer.of(model)
-        engine = Engine(model, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context)
-        return cls(model, tokenizer, engine, fingerprint(model, source, settings.seed), source)
+        ranks = None
+        if world is None and settings.gpus > 1:
+            from dsagent import ranks as started
+
+            ranks = started.start(settings, settings.gpus)
+            world = ranks.world
+        try:
+            source = settings.preset or settings.model or default_source()
+            dtype = getattr(torch, settings.dtype)
+            options = {} if world is None else {"world": world}
+            model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress,
+                         weights=settings.weights, **options)
+            tokenizer = Tokenizer.of(model)
+            leads = world is not None and world.size > 1 and world.rank == 0
+            engine = (Leader(model, world, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context)
+                      if leads else
+                      Engine(model, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context))
+        except BaseException:
+            if ranks is not None:
+                ranks.stop()
+            raise
+        return cls(model, tokenizer, engine, fingerprint(model, source, settings.seed), source, ranks)
+
+    def close(self) -> None:
+        """The other ranks, if any, leave (each at most once)."""
+        from model.lockstep import Leader
+
+        if self.ranks is not None:
+            self.ranks.close(self.engine)
+        elif isinstance(self.engine, Leader):
+            self.engine.close()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def args(self):

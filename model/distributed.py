@@ -27,16 +27,17 @@ TIMEOUT_S = 600.0  # a collective waits this long for a missing rank before it f
 
 
 def init_world(rank: int | None = None, size: int | None = None, *, init_method: str | None = None,
-               backend: str | None = None, timeout_s: float = TIMEOUT_S) -> World:
+               backend: str | None = None, timeout_s: float = TIMEOUT_S, device: str | None = None) -> World:
     """This process's place among ``size`` ranks (read from torchrun's environment where not
-    given); one process alone needs no group and gets ``ALONE``."""
+    given); one process alone needs no group and gets ``ALONE``. ``device``: the CUDA device
+    this rank's NCCL work goes to (default: ``LOCAL_RANK``, else the rank)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     size = int(os.environ.get("WORLD_SIZE", 1)) if size is None else size
     if size == 1:
         return ALONE
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        torch.cuda.set_device(device or int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
     return World(rank=rank, size=size)

@@ -190,6 +190,20 @@ class Engine:
         """A state holding only the global KV; call :meth:`replay` before continuing."""
         return State(cache=Cache.from_state(self.args, tensors, meta, device=self.model.device))
 
+    def state_from_chunks(self, chunks: list[dict[str, bytes]], length: int) -> State:
+        """A state holding the global KV of ``length`` tokens from a session store's chunk
+        blobs (``Cache.from_chunks``, which refuses blobs that do not fit with
+        ``CacheFormatError``); call :meth:`replay` before continuing."""
+        return State(cache=Cache.from_chunks(self.args, chunks, length, device=self.model.device))
+
+    def replay_spans(self, n: int, tokens: int | None = None) -> tuple[int, int]:
+        """(first, begin) of :meth:`replay` over a log of ``n`` tokens: log[begin:n] runs
+        through every layer, after log[first:begin] seeds the Engram look-back before it."""
+        begin = max(0, n - (tokens or self.args.sliding_window))
+        if not self.args.engram_layer_ids or begin == 0:
+            return begin, begin
+        return max(0, begin - (self.args.engram_max_ngram_size - 1)), begin
+
     @torch.no_grad()
     def replay(self, state: State, log_ids: torch.Tensor, images=None, tokens: int | None = None) -> torch.Tensor:
         """Rebuild the local part (windows, pending compressor tokens, engram look-back) from
@@ -197,23 +211,22 @@ class Engine:
         through every layer. Records already stored are kept, never recomputed. ``images``
         is a callable ``(begin, end) -> (embeds, mask) | None`` for the image spans of a
         range of the log. Returns the last logits."""
-        n, window = log_ids.shape[1], tokens or self.args.sliding_window
+        n = log_ids.shape[1]
         if n != state.length:
             raise ValueError(f"the token log has {n} tokens but the state covers {state.length}")
         if n == 0:
             return None
-        begin = max(0, n - window)
-        self._seed_engram(state, log_ids, begin, images)
+        first, begin = self.replay_spans(n, tokens)
+        self._seed_engram(state, log_ids, first, begin, images)
         tail = log_ids[:, begin:].to(self.model.device)
         emb, mask = (images and images(begin, n)) or (None, None)
         state.last_logits = self._all_layers(state, tail, begin, emb, mask)
         return state.last_logits
 
-    def _seed_engram(self, state: State, log_ids: torch.Tensor, begin: int, images) -> None:
+    def _seed_engram(self, state: State, log_ids: torch.Tensor, first: int, begin: int, images) -> None:
         """Give the replay the n-gram look-back of the tokens just before it."""
-        if not self.args.engram_layer_ids or begin == 0:
+        if first == begin:
             return
-        first = max(0, begin - (self.args.engram_max_ngram_size - 1))
         ids = log_ids[:, first:begin].to(self.model.device)
         dead = (images and images(first, begin) or (None, None))[1]
         state.cache.record_engram(self.model.hasher.compress(ids, dead), first)

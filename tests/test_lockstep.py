@@ -1,0 +1,87 @@
+"""Rank 0 drives, the other ranks follow (``model.lockstep``): over two gloo processes on the
+CPU, a ``Leader`` gives the tokens one process gives — prefill, greedy decode, a state made
+from stored chunks and replayed as a resume does — and a follower that fails ends the run on
+rank 0 with its traceback, every process gone (``dsagent.ranks``)."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from model.distributed import run_ranks
+from model.linear import World
+
+DEFAULT = Path(__file__).resolve().parents[1] / "model" / "assets" / "default"  # trained: margins, not near-ties
+CHUNK = 64
+
+
+def _script(engine, ids: torch.Tensor) -> list[int]:
+    """What a session does with an engine: prefill, 16 greedy tokens, the global KV stored in
+    chunks and a new state made from them and replayed (a resume), 8 more tokens."""
+    from model.engine import Sampling
+
+    state = engine.new_state()
+    engine.prefill(state, ids)
+    tokens = list(engine.generate(state, Sampling(max_new_tokens=16)))
+    log = ids[0].tolist() + tokens[:-1]  # the last token sampled is not yet in the cache
+    k = state.cache.stored_tokens(1) // CHUNK * CHUNK
+    chunks = [state.cache.export_range(c, c + CHUNK) for c in range(0, k, CHUNK)]
+    resumed = engine.state_from_chunks(chunks, k)
+    engine.replay(resumed, torch.tensor([log[:k]]), tokens=32)
+    engine.prefill(resumed, torch.tensor([log[k:]]))
+    del state  # rank 0 drops a state: the followers drop theirs with the next call
+    return tokens + list(engine.generate(resumed, Sampling(max_new_tokens=8)))
+
+
+def _rank(world: World, ids: torch.Tensor, results) -> None:
+    from model.engine import Engine
+    from model.loading import load
+    from model.lockstep import Leader, follow
+
+    torch.set_num_threads(1)
+    model = load(DEFAULT, world=world)
+    if world.rank == 0:
+        leader = Leader(model, world, chunk=CHUNK)
+        results[0] = _script(leader, ids)
+        leader.close()
+    else:
+        follow(Engine(model, chunk=CHUNK), world)
+        results[world.rank] = "followed"
+
+
+def test_a_leader_gives_one_process_tokens(tmp_path):
+    from model.engine import Engine
+    from model.loading import load
+
+    ids = torch.randint(3, 1000, (1, 150), generator=torch.Generator().manual_seed(7))
+    want = _script(Engine(load(DEFAULT), chunk=CHUNK), ids)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_ranks(_rank, 2, ids, results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300)
+        got = dict(results)
+    assert got[1] == "followed"
+    assert got[0] == want and len(want) == 24
+
+
+def test_a_failed_follower_is_reported_and_every_rank_ends(tmp_path):
+    """A follower that cannot load its model: rank 0 hears of it with the follower's traceback
+    (the CLI prints it and exits 1) and no follower process is left."""
+    from dsagent import ranks
+    from dsagent.runtime import Settings
+    from model.distributed import close_world
+
+    reports = []
+    r = ranks.start(Settings(model=str(tmp_path / "no-such-checkpoint"), gpus=2), 2, timeout_s=60,
+                    on_failure=reports.append)
+    try:
+        deadline = time.monotonic() + 60
+        while not reports and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        r.stop()
+        close_world(r.world)
+    assert reports, "rank 0 never heard of the failed follower"
+    assert "rank 1 of 2 failed" in reports[0] and "no-such-checkpoint" in reports[0], reports[0]
+    assert all(not p.is_alive() for p in r.procs)
