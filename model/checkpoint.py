@@ -4,7 +4,8 @@ Owns: which tensor family each official name belongs to (FP8 e4m3 + E8M0 block s
 FP4 e2m1 experts packed two per byte + E8M0 scales per 32 inputs, BF16, F32), packing a
 state dict into that layout, writing ``config.json`` + sharded safetensors +
 ``model.safetensors.index.json`` + ``tokenizer/tokenizer.json``, reading it back
-memory-mapped and layer by layer with validation that lists every problem at once, and
+memory-mapped and layer by layer with validation that lists every problem at once (whole
+tensors, or a rank's rows or columns of some: only those bytes are asked of the shards), and
 the dtype census behind ``dsagent model info``.
 
 Does not own: the number formats themselves (``model.quant``), which names a model has
@@ -48,6 +49,7 @@ SCALE_DTYPE = "F8_E8M0"
 _MAX_LISTED = 40  # problems listed per kind before "... and N more"
 
 Shape = tuple[int, ...]
+Part = tuple[int, int, int]  # (dim, start, stop): the rows (dim 0) or columns (dim 1) of a tensor read
 Progress = Callable[[int, int], None]
 
 
@@ -508,24 +510,63 @@ class _Reader:
     plan: dict[str, str]  # logical name -> stored family
     block: int
 
-    def tensor(self, name: str, device: str | torch.device) -> torch.Tensor:
+    def tensor(self, name: str, device: str | torch.device, part: Part | None = None) -> torch.Tensor:
+        """A stored tensor, or only ``part`` of it (``get_slice``: the shard is asked for those bytes)."""
         shard = self.infos[name].shard
         try:
-            stored = self.handles[shard].get_tensor(name)
+            if part is None:
+                stored = self.handles[shard].get_tensor(name)
+            else:
+                dim, start, stop = part
+                whole = self.handles[shard].get_slice(name)
+                stored = (whole[start:stop] if dim == 0 else whole[:, start:stop]).contiguous()
         except Exception as e:  # the header read, but the bytes did not (an I/O error on the memory map)
             raise CheckpointError(f"shard {shard}: cannot read {name} ({_reason(e)}); the file is damaged or "
                                   "unreadable: copy or download it again") from None
         return stored.to(device)
 
-    def logical(self, name: str, dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
-        fmt = self.plan[name]
-        scale = self.tensor(scale_name(name), device) if fmt in ("fp8", "fp4") else None
-        return dequantize_tensor(fmt, self.tensor(name, device), scale, self.shapes[name],
-                                 block=self.block, dtype=dtype)
+    def scale_block(self, name: str) -> tuple[int, int]:
+        """The (rows, columns) of packed ``name`` that one of its scales covers."""
+        if self.plan[name] == "fp4":
+            return 1, FP4_BLOCK
+        return fp8_scale_block(self.shapes[name], self.infos[scale_name(name)].shape, self.block)
 
-    def stored(self, name: str, device: str | torch.device) -> dict[str, torch.Tensor]:
-        """A packed weight and its scale exactly as stored, for kernels that take them directly."""
-        return {n: self.tensor(n, device) for n in (name, scale_name(name))}
+    def _with_scale(self, name: str, device: str | torch.device, part: Part) -> tuple[torch.Tensor, torch.Tensor]:
+        """``part`` of packed ``name`` as stored, and the scales of the blocks it touches."""
+        dim, start, stop = part
+        assert self.plan[name] == "fp8" or dim == 0, "an FP4 tensor is read by rows (a byte holds two columns)"
+        step = self.scale_block(name)[dim]
+        return (self.tensor(name, device, part),
+                self.tensor(scale_name(name), device, (dim, start // step, -(-stop // step))))
+
+    def logical(self, name: str, dtype: torch.dtype, device: str | torch.device,
+                part: Part | None = None) -> torch.Tensor:
+        fmt, shape = self.plan[name], self.shapes[name]
+        if fmt not in ("fp8", "fp4"):
+            return dequantize_tensor(fmt, self.tensor(name, device, part), None, shape, dtype=dtype)
+        if part is None:
+            return dequantize_tensor(fmt, self.tensor(name, device), self.tensor(scale_name(name), device), shape,
+                                     block=self.block, dtype=dtype)
+        dim, start, stop = part
+        blk = self.scale_block(name)
+        first = start // blk[dim] * blk[dim]  # widened to whole blocks, dequantised, cut back to the part
+        q, scale = self._with_scale(name, device, (dim, first, stop))
+        w = _dequantize_fp8(q, scale, blk) if fmt == "fp8" else _dequantize_fp4(q, scale, shape[1])
+        return w.narrow(dim, start - first, stop - start).to(dtype).contiguous()
+
+    def stored(self, name: str, device: str | torch.device, part: Part | None = None) -> dict[str, torch.Tensor]:
+        """A packed weight and its scale exactly as stored, for kernels that take them directly;
+        with ``part``, those bytes and their scales' rows or columns: whole blocks only."""
+        if part is None:
+            return {n: self.tensor(n, device) for n in (name, scale_name(name))}
+        dim, start, stop = part
+        step = self.scale_block(name)[dim]
+        if start % step or (stop % step and stop != self.shapes[name][dim]):
+            what = ("rows", "columns")[dim]
+            raise CheckpointError(f"{name}: {what} [{start}, {stop}) are not whole {step}-blocks of its scale, "
+                                  f"so that part cannot be held as stored; read it dequantised, or split it so "
+                                  f"each part is whole blocks")
+        return dict(zip((name, scale_name(name)), self._with_scale(name, device, part)))
 
 
 def _open_validated(root: Path, expected: Mapping[str, Sequence[int]], ignore_prefixes: Sequence[str],
@@ -545,7 +586,8 @@ def _open_validated(root: Path, expected: Mapping[str, Sequence[int]], ignore_pr
 def iter_checkpoint(ckpt_dir: str | Path, expected: Mapping[str, Sequence[int]], *,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     progress: Progress | None = None, ignore_prefixes: Sequence[str] = (),
-                    compressed: bool = False) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+                    compressed: bool = False,
+                    parts: Mapping[str, Part] | None = None) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Validate now, then lazily yield ``(layer_group, {name: tensor})`` one load unit at a time.
 
     ``expected`` maps official names to logical shapes. Every problem (missing,
@@ -554,18 +596,25 @@ def iter_checkpoint(ckpt_dir: str | Path, expected: Mapping[str, Sequence[int]],
     Packed families are dequantised to ``dtype`` (the F32 family stays float32); with
     ``compressed=True`` they come back as stored (``X.weight`` e4m3 / packed int8 plus
     ``X.scale`` e8m0) for kernels that consume them directly. Shards are memory-mapped.
+    ``parts``: name -> (dim, start, stop), a tensor of which only those rows (dim 0) or columns
+    (dim 1) are read (``safe_open(...).get_slice``; a rank's share), a packed one with the
+    scales of the blocks it touches; as stored (``compressed``) such a part must be whole blocks.
+    Validation is of the whole tensors all the same.
     """
+    for name, (dim, start, stop) in (parts or {}).items():
+        assert dim in (0, 1) and 0 <= start < stop <= expected[name][dim], (name, dim, start, stop)
     stack = ExitStack()
     try:
         reader = _open_validated(_check_dir(ckpt_dir), expected, ignore_prefixes, stack)
     except BaseException:
         stack.close()
         raise
-    return _iter_groups(stack, reader, dtype, device, progress, compressed)
+    return _iter_groups(stack, reader, dtype, device, progress, compressed, parts or {})
 
 
 def _iter_groups(stack: ExitStack, reader: _Reader, dtype: torch.dtype, device: str | torch.device,
-                 progress: Progress | None, compressed: bool) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+                 progress: Progress | None, compressed: bool,
+                 parts: Mapping[str, Part]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     group, tensors = None, {}
     with stack:
         for done, (name, fmt) in enumerate(reader.plan.items(), 1):
@@ -574,9 +623,9 @@ def _iter_groups(stack: ExitStack, reader: _Reader, dtype: torch.dtype, device: 
                 tensors = {}
             group = layer_group(name)
             if compressed and fmt in ("fp8", "fp4"):
-                tensors.update(reader.stored(name, device))
+                tensors.update(reader.stored(name, device, parts.get(name)))
             else:
-                tensors[name] = reader.logical(name, dtype, device)
+                tensors[name] = reader.logical(name, dtype, device, parts.get(name))
             if progress is not None:
                 progress(done, len(reader.plan))
         if tensors:
