@@ -1,19 +1,22 @@
 """Build a ready-to-run Transformer from a preset name or a checkpoint directory.
 
 Owns: choosing between preset (seeded random weights) and checkpoint, random weight
-initialisation, and binding the tokenizer-derived Engram token map. Does not own the
-file format (``model.checkpoint``) or the architecture (``model.model``).
+initialisation, which part of each whole tensor a rank holds (``rank_slices``: what it reads
+of a checkpoint's shards, what it keeps of a seeded whole model), and binding the
+tokenizer-derived Engram token map. Does not own the file format (``model.checkpoint``) or
+the architecture (``model.model``).
 """
 from __future__ import annotations
 
 import math
+from collections.abc import Container
 from pathlib import Path
 
 import torch
 
 from model.args import PRESETS, ConfigError, ModelArgs
 from model.engram import compressed_token_map, find_tokenizer_json
-from model.linear import ALONE, Linear, Table, VocabEmbedding, World, shard
+from model.linear import ALONE, FP4_BLOCK, Linear, Table, VocabEmbedding, World
 from model.model import Transformer
 from model.moe import stack_experts
 
@@ -28,16 +31,14 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
     """A preset name gives seeded random weights; a directory gives its checkpoint. ``weights``:
     ``plain`` dequantises the FP8 / FP4 families into ``dtype``; ``packed`` keeps them as the
     checkpoint stores them (``model.linear``). ``args``: the preset's, reshaped (fewer layers,
-    smaller Engram tables: ``ModelArgs.shortened``). ``world``: this rank's part of a
-    checkpoint's model (``docs/tensor-and-expert-parallel-design.md``; plain weights)."""
+    smaller Engram tables: ``ModelArgs.shortened``). ``world``: this rank's part of the model
+    (``docs/tensor-and-expert-parallel-design.md``): its slices read from a checkpoint's
+    shards, or taken from the preset's seeded whole model; packed or plain."""
     if weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
-    if world.size > 1 and (weights == "packed" or str(path_or_preset) in PRESETS):
-        raise ConfigError("a model over several ranks loads plain weights from a checkpoint directory "
-                          "(packed slices and seeded presets per rank are not built yet)")
     if str(path_or_preset) in PRESETS:
         args = args or ModelArgs.preset(str(path_or_preset))
-        model = build(args, device=device, dtype=dtype, seed=seed, weights=weights)
+        model = build(args, device=device, dtype=dtype, seed=seed, weights=weights, world=world)
         tokenizer = BUNDLED_TOKENIZER if BUNDLED_TOKENIZER.is_file() else None
     else:
         path = Path(path_or_preset)
@@ -61,31 +62,49 @@ def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, see
     ``MoE.stack_experts``); on the meta device, shapes only (``load_weights`` fills it).
     ``weights="packed"``: the FP8 / FP4 families quantised as the checkpoint writer would,
     made part by part (each layer's float image alone in memory, then packed), the same
-    values as a ``plain`` build packed whole."""
+    values as a ``plain`` build packed whole. ``world``: this rank's part of that same seeded
+    whole model (``local_state`` of it), made part by part too."""
     if str(device) == "meta":
         with torch.device("meta"):
             model = cast_model(Transformer(args, world), dtype)
         return pack_weights(model) if weights == "packed" else model
-    assert world.size == 1, "seeded weights are made whole: a rank takes its part with local_state"
-    if weights == "plain":
+    if weights == "plain" and world.size == 1:
         with torch.device(device):
             model = Transformer(args)
         init_weights(model, seed or 0)
         return stack_experts(cast_model(model, dtype))
+    return _build_by_parts(args, device, dtype, seed or 0, weights, world)
+
+
+def _build_by_parts(args: ModelArgs, device, dtype: torch.dtype, seed: int, weights: str, world: World) -> Transformer:
+    """The seeded whole model made one part at a time (``_parts``), in the order and rounding of
+    ``init_weights`` and a cast, packed where ``weights`` says; over several ranks each part is
+    cut to the rank's share (``local_state``) and let go, so memory holds one whole part at most."""
     with torch.device("meta"):
-        model = cast_model(Transformer(args), dtype)  # each part made in its dtype: one float copy at a time
-    g = torch.Generator(device=device).manual_seed(seed or 0)  # as init_weights: one stream, in name order
-    for name, p in list(model._parameters.items()):  # the model's own (image span vectors): first in that order
-        setattr(model, name, torch.nn.Parameter(torch.empty_like(p, device=device)))
+        model = cast_model(Transformer(args, world), dtype)  # each part made in its dtype: one float copy at a time
+        whole = model if world.size == 1 else cast_model(Transformer(args), dtype)
+    if weights == "packed" and whole is not model:
+        pack_weights(model)  # the rank's stored shapes (its slices must be whole blocks)
+    held = None if whole is model else model.state_dict().keys()  # packed: the rank's only, it lets the rest go
+    g = torch.Generator(device=device).manual_seed(seed)  # as init_weights: one stream, in name order
+    for name, p in list(whole._parameters.items()):  # the model's own (image span vectors): first in that order
+        setattr(whole, name, torch.nn.Parameter(torch.empty_like(p, device=device)))
         with torch.no_grad():
-            getattr(model, name).copy_(_init_value(name, getattr(model, name), g).to(dtype))
-    for prefix, part in _parts(model):
+            getattr(whole, name).copy_(_init_value(name, getattr(whole, name), g).to(dtype))
+        setattr(model, name, getattr(whole, name))
+    for prefix, part in _parts(whole):
         part.to_empty(device=device)
         with torch.no_grad():
             for name, p in part.named_parameters(prefix=prefix):
                 # rounded as a plain build's cast rounds: to dtype, and the fp32 families back from it
                 p.copy_(_init_value(name, p, g).to(dtype))
-        pack_weights(part, prefix, args)
+        if weights == "packed":
+            pack_weights(part, prefix, args, held)
+        if whole is not model:
+            mine = local_state(model, part.state_dict(prefix=f"{prefix}."))
+            model.load_state_dict({k: v.clone(memory_format=torch.contiguous_format) for k, v in mine.items()},
+                                  strict=False, assign=True)
+            part.to_empty(device="meta")  # the whole part's floats let go
     model.ropes.make_on(device)
     return stack_experts(model)
 
@@ -100,19 +119,46 @@ def _parts(model: Transformer):
             yield name, child
 
 
-def pack_weights(module: torch.nn.Module, prefix: str = "", args: ModelArgs | None = None) -> torch.nn.Module:
+def pack_weights(module: torch.nn.Module, prefix: str = "", args: ModelArgs | None = None,
+                 held: Container[str] | None = None) -> torch.nn.Module:
     """Every ``model.linear.Linear`` and ``Table`` under ``module`` whose checkpoint family is
-    FP8 or FP4 (``model.checkpoint.stored_format`` of its name) held packed; returns ``module``."""
+    FP8 or FP4 (``model.checkpoint.stored_format`` of its name) held packed, of those whose
+    weight is in ``held`` when given; returns ``module``."""
     from model.checkpoint import stored_format
 
     args = args or module.args
     for name, m in module.named_modules(prefix=prefix):
-        if isinstance(m, (Linear, Table)) and m.fmt == "plain":
+        if isinstance(m, (Linear, Table)) and m.fmt == "plain" and (held is None or f"{name}.weight" in held):
             fmt = stored_format(f"{name}.weight", tuple(m.weight.shape), args.expert_dtype)
             if fmt in ("fp8", "fp4"):
                 m.block = args.weight_block_size
+                _check_whole_blocks(name, m, fmt)
                 m.pack(fmt)
     return module
+
+
+def _scale_block(fmt: str, block: int) -> tuple[int, int]:
+    """The (rows, columns) one scale of a packed weight covers."""
+    return (block, block) if fmt == "fp8" else (1, FP4_BLOCK)
+
+
+def _split_dim(m: Linear) -> int:
+    """The dim of the whole weight a split Linear's ranks share out: 1 (its inputs) for a row split."""
+    return 1 if m.split == "row" else 0
+
+
+def _check_whole_blocks(name: str, m: Linear | Table, fmt: str) -> None:
+    """A rank's part of a weight held as stored is whole blocks, so its scales slice with it
+    (``docs/tensor-and-expert-parallel-design.md``, constraints)."""
+    if not isinstance(m, Linear) or m.split is None or m.world.size == 1:
+        return
+    dim = _split_dim(m)
+    share, step = (m.out_features, m.in_features)[dim], _scale_block(fmt, m.block)[dim]
+    if share % step:
+        whole, what = (m.full_out, m.full_in)[dim], ("rows", "columns")[dim]
+        raise ConfigError(f"{name}.weight: a rank's {share} of its {whole} {what} (over {m.world.size} ranks) "
+                          f"are not whole {step}-blocks of its {fmt.upper()} scales, so it cannot be held packed; "
+                          f"load plain weights, or over a number of ranks that leaves each rank whole blocks")
 
 
 def cast_model(model: torch.nn.Module, dtype: torch.dtype, prefix: str = "") -> torch.nn.Module:
@@ -197,21 +243,22 @@ def _packed_modules(model: torch.nn.Module) -> dict[str, Linear | Table]:
 def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float32, progress=None) -> None:
     """Fill a meta-device model from an official checkpoint directory (sharded or single file),
     one layer group at a time, so peak memory is the model in ``dtype`` plus one group. A packed
-    Linear takes the stored bytes and scales as they are; every other tensor is dequantised."""
+    Linear takes the stored bytes and scales as they are; every other tensor is dequantised.
+    Over several ranks a rank asks the shards for its slices only (``rank_slices``) and for
+    none of other ranks' experts."""
     expected, packed = expected_shapes(model), _packed_modules(model)
     if (path / "model.safetensors.index.json").is_file():
         from model.checkpoint import iter_checkpoint
 
+        slices = {name: part for name, part in rank_slices(model).items() if name in expected}
         groups = iter_checkpoint(path, expected, dtype=dtype, device="cpu", progress=progress,
                                  ignore_prefixes=_unbuilt_prefixes(model) + _other_ranks(model),
-                                 compressed=bool(packed))
+                                 compressed=bool(packed), parts=slices)
     else:
-        groups = [("all", _read_single_file(path, expected))]
+        groups = [("all", local_state(model, _read_single_file(path, expected)))]
     for _, tensors in groups:
         if packed:
             tensors = _unpacked_but(tensors, packed, expected, model.args, dtype)
-        if model.world.size > 1:
-            tensors = local_state(model, tensors)
         tensors = {k: v.to(device) if _is_stored(k, packed) else v.to(device, torch.float32 if _keeps_fp32(k) else dtype)
                    for k, v in tensors.items()}
         model.load_state_dict(tensors, strict=False, assign=True)
@@ -246,24 +293,51 @@ def _unpacked_but(tensors: dict, packed: dict, expected: dict, args: ModelArgs, 
 
 
 def local_state(model: Transformer, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A rank's part of whole tensors ``full`` (a whole model's float state dict, or one group of
-    it) for ``model`` (built over its world): each split Linear's slice, the embedding's
-    vocabulary rows, the sinks of its heads; the rest whole; names the rank does not hold
-    (other ranks' experts) left out (``docs/tensor-and-expert-parallel-design.md``)."""
-    owners, held = _owners(model), model.state_dict().keys()
+    """A rank's part of whole tensors ``full`` (a whole model's state dict, float or packed, or
+    one part of it) for ``model`` (built over its world): each name's slice of ``rank_slices``,
+    the rest whole; names the rank does not hold (other ranks' experts) left out. The slices
+    are views of ``full``."""
+    slices, held = rank_slices(model), model.state_dict().keys()
     out = {}
     for name, t in full.items():
-        owner = owners.get(name)
         if name not in held:
             continue
-        if isinstance(owner, Linear) and owner.split is not None:
-            assert owner.fmt == "plain", "packed weights over several ranks are not built yet"
-            t = shard(t, owner)
-        elif isinstance(owner, VocabEmbedding):
-            t = t[owner.rows]
-        elif name.endswith(".attn_sink"):
-            t = t[model.world.part(t.shape[0], "num_attention_heads")]
+        if name in slices:
+            dim, start, stop = slices[name]
+            t = t.narrow(dim, start, stop - start)
         out[name] = t
+    return out
+
+
+def rank_slices(model: Transformer) -> dict[str, tuple[int, int, int]]:
+    """Official name -> (dim, start, stop): the rows (dim 0) or columns (dim 1) of a whole tensor
+    that ``model``'s rank holds (``docs/tensor-and-expert-parallel-design.md``): each split
+    Linear's weight (a packed one's scale by the blocks of its part), the embedding's vocabulary
+    rows, the sinks of its heads. A name not listed is held whole, or not at all (other ranks'
+    experts, ``_other_ranks``). Empty for one process alone."""
+    if model.world.size == 1:
+        return {}
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, Linear) and m.split is not None:
+            out.update(_linear_slices(name, m))
+        elif isinstance(m, VocabEmbedding):
+            out[f"{name}.weight"] = (0, m.rows.start, m.rows.stop)
+    heads = model.world.part(model.args.num_attention_heads, "num_attention_heads")
+    out.update({name: (0, heads.start, heads.stop) for name, _ in model.named_parameters()
+                if name.endswith(".attn_sink")})
+    return out
+
+
+def _linear_slices(name: str, m: Linear) -> dict[str, tuple[int, int, int]]:
+    """A split Linear's part of its whole weight, and of a packed one's scales."""
+    dim = _split_dim(m)
+    part = m.world.part((m.full_out, m.full_in)[dim], ("output features", "input features")[dim])
+    out = {f"{name}.weight": (dim, part.start, part.stop)}
+    if m.fmt != "plain":
+        assert m.fmt == "fp8" or dim == 0, "a packed FP4 weight splits by rows (a byte holds two columns)"
+        step = _scale_block(m.fmt, m.block)[dim]
+        out[f"{name}.scale"] = (dim, part.start // step, -(-part.stop // step))
     return out
 
 

@@ -1,7 +1,8 @@
 """The model over a world of two gloo processes on the CPU (attention heads, vocabulary and
 routed experts split, ``model.linear.World``) against one process: the same logits to float rounding on a
 float KV cache (with the FP8 / FP4 cache a sum in another order can flip a rounding, and
-the logits then move by more), the same 32 greedy tokens on the packed cache."""
+the logits then move by more), the same 32 greedy tokens on the packed cache; with plain
+weights and with packed ones (each rank holding its slices of the stored FP8 bytes and scales)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -21,10 +22,10 @@ DEFAULT = Path(__file__).resolve().parents[1] / "model" / "assets" / "default"  
 ARGS = ModelArgs.from_file(DEFAULT)
 
 
-def _whole():
+def _whole(weights: str = "plain"):
     from model.loading import load
 
-    return load(DEFAULT)
+    return load(DEFAULT, weights=weights)
 
 
 def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
@@ -42,28 +43,30 @@ def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
     return tokens
 
 
-def _rank(world: World, ids: torch.Tensor, results) -> None:
+def _rank(world: World, ids: torch.Tensor, weights: str, results) -> None:
     """One rank: its part of the default checkpoint, read from the shards (``load(..., world=)``)."""
     from model.loading import load
 
     torch.set_num_threads(1)
-    model = load(DEFAULT, world=world)
+    model = load(DEFAULT, weights=weights, world=world)
     assert model.layers[0].attn.n_heads == ARGS.num_attention_heads // world.size
+    assert model.layers[0].attn.wo_b.fmt == ("fp8" if weights == "packed" else "plain")
     assert len(model.layers[0].ffn.experts) == ARGS.n_routed_experts // world.size
     with torch.no_grad():
         full = model(ids, model.new_cache(1, kv=KVFormat.FLOAT))
     results[world.rank] = (full, _greedy(model, ids, 32))
 
 
-def test_two_ranks_give_one_process_logits_and_tokens(tmp_path):
+@pytest.mark.parametrize("weights", ["plain", "packed"])
+def test_two_ranks_give_one_process_logits_and_tokens(tmp_path, weights):
     ids = torch.randint(3, ARGS.vocab_size, (1, 150), generator=torch.Generator().manual_seed(5))
-    model = _whole()
+    model = _whole(weights)
     with torch.no_grad():
         want_full = model(ids, model.new_cache(1, kv=KVFormat.FLOAT))
     want_tokens = _greedy(model, ids, 32)
     with mp.Manager() as manager:
         results = manager.dict()
-        run_ranks(_rank, 2, ids, results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300)
+        run_ranks(_rank, 2, ids, weights, results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300)
         got = dict(results)
     for rank in (0, 1):
         full, tokens = got[rank]
