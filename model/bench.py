@@ -290,7 +290,7 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     module's own) all off, each alone on, and all on, after one prefill: between variants the
     step's graphs are dropped and captured again, and the variants alternate for ``rounds``
     rounds (each one's best kept), so a figure is a ratio taken in one process. One constant
-    may come with several values (``fused.ATTN_PROBE=1,fused.ATTN_PROBE=2``): each is a variant
+    may come with several values (``fused.BLOCK_N=16,fused.BLOCK_N=32``): each is a variant
     of its own, and then there is no "all on". A last variant, "control", is all off again,
     timed at the end of each round: its ratio to "all off" is the bench's own noise (on
     2026-12-03, 88b7232, read 0.2% that way, by hand, beside effects of 0.5-1.4%). The knobs

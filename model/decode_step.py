@@ -12,8 +12,7 @@ step of the same network on the same parameters, fast, and computes the same fun
   leaves its RMSNorm to the projection's GEMV (``norm_later``), a layer's FFN output is
   added to the streams by the next layer's site kernel (``expand``), the Engram
   projections, a ratio-2 compressor and the candidate pool run on a side stream beside the
-  layers (``kernels.Beside``), and ``wo_b``'s GEMV may be left for the next site to fold
-  into (``kernels.Pending``);
+  layers (``kernels.Beside``);
 - **segmented graphs** where the fused kernels do not run on CUDA: two graphs a layer (the
   attention site with its projections, the FFN site with the output projection and the
   MoE) around the eager cache work of :meth:`model.block.Attention.core`;
@@ -217,7 +216,7 @@ def _whole_layer(block: Block, streams, pre, pos, shared: dict, *, ropes: Ropes,
     y = _output(attn, out, pos, ropes, turned=turn)
     streams, f_pre, f_post, f_comb, x, norm = _site(block, "ffn", streams, a_pre, expand=(y, a_post, a_comb),
                                                     overlap=True, norm_later=True)
-    return streams, f_pre, (moe_step(block.ffn, x, image_mask, norm=norm, later=True), f_post, f_comb), *written
+    return streams, f_pre, (moe_step(block.ffn, x, image_mask, norm=norm), f_post, f_comb), *written
 
 
 def _site(block: Block, name: str, streams, pre, expand=None, overlap: bool = False, norm_later: bool = False):
@@ -275,8 +274,7 @@ def _index_query(indexer: Indexer, x, q_res, pos: torch.Tensor, inv_freq, kv: KV
 
 def _output(attn: Attention, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes, turned: bool = False):
     """``Attention.output`` on a decode step's rows: one GEMV de-rotates and projects through
-    ``wo_a`` (``turned``: the attention de-rotated already), ``wo_b``'s GEMV left as a
-    ``kernels.Pending`` for the FFN site to fold its first launch into."""
+    ``wo_a`` (``turned``: the attention de-rotated already), then ``wo_b``'s."""
     inv = attn.rope_table(ropes)
     rows = out.flatten(2)
     if kernels.gemv_runs(rows, attn.wo_a):
@@ -286,7 +284,9 @@ def _output(attn: Attention, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes,
     else:
         turned_out = out if turned else apply_rope(out, pos, inv, inverse=True)
         lat = grouped_linear(attn.wo_a, turned_out.flatten(2), attn.o_groups)
-    return kernels.gemv_later(lat, attn.wo_b)
+    if kernels.gemv_runs(lat, attn.wo_b):
+        return kernels.gemv(lat, attn.wo_b.weight)[0]
+    return attn.wo_b(lat)
 
 
 def _step_reads(attn: Attention, shared: dict) -> dict[str, torch.Tensor]:
@@ -494,19 +494,14 @@ def moe_runs_fused(moe: MoE, x: torch.Tensor) -> bool:
     return moe.grouped.w1.weight is not None and not moe.parametrized() and kernels.moe_decode_runs(x)
 
 
-def moe_step(moe: MoE, x, image_mask=None, norm=None, later: bool = False):
+def moe_step(moe: MoE, x, image_mask=None, norm=None):
     """``MoE.forward`` of a decode step. ``norm`` = (weight, eps): x is an mHC site's input
     before its RMSNorm (maybe a ``kernels.Collapsed``, which the gate launch then makes),
-    normalised here, by the fused kernels' gate launch where they run. ``later``: on the
-    fused kernels the output may be a ``kernels.Pending`` of their last launch (for the next
-    mHC site to fold its first launch into)."""
+    normalised here, by the fused kernels' gate launch where they run."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     if image_mask is None and moe_runs_fused(moe, flat):
-        twin = (lambda: _moe_torch(moe, flat, None, norm).view(shape)) if later else None
-        y = _moe_fused(moe, flat, norm, twin)  # four kernels (model.kernels.moe)
-        if isinstance(y, kernels.Pending):
-            return y.view(shape)
+        y = _moe_fused(moe, flat, norm)  # four kernels (model.kernels.moe)
         if y is not None:
             return y.to(x.dtype).view(shape)
     return _moe_torch(moe, flat, image_mask, norm).view(shape)
@@ -519,16 +514,15 @@ def _moe_torch(moe: MoE, flat, image_mask, norm) -> torch.Tensor:
     return moe.routed_and_shared(flat, image_mask)
 
 
-def _moe_fused(moe: MoE, flat: torch.Tensor, norm=None, later=None):
+def _moe_fused(moe: MoE, flat: torch.Tensor, norm=None):
     """``kernels.moe_decode`` (routed sum + shared, in the tokens' dtype, rounded from fp32 by
-    the kernel), or None if its kernels cannot be built here; ``later`` (the MoE in torch):
-    maybe a ``kernels.Pending``."""
+    the kernel), or None if its kernels cannot be built here."""
     g, a, shared = moe.gate, moe.gate.args, moe.shared_experts
     return kernels.moe_decode(flat, g.weight, g.bias, moe.grouped.w1.weight, moe.grouped.w3.weight,
                               moe.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,
                               top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
                               scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype,
-                              x_norm=norm, later=later)
+                              x_norm=norm)
 
 
 # ----------------------------------------------------------------------------- segmented graphs

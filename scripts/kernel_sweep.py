@@ -1,10 +1,9 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
-        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,topk,attention-probe]  (gemv, compare: the
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,topk]  (gemv, compare: the
         fast path against torch only; down: the MoE's down sum slot by slot against every slot at once,
-        then the latter's tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps;
-        attention-probe: the attention with each stage left out, fused.ATTN_PROBE's bits)
+        then the latter's tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
 ``.matvec``) is timed as a decode step runs it: 20 calls captured in one CUDA graph,
@@ -134,12 +133,6 @@ def main() -> None:
             sweep(fused, {"ATTN_BLOCKWISE": [True, False], "BLOCK_N": [16, 32], "ATTN_WARPS": [4, 8],
                           "MIN_BLOCKS_PER_SPLIT": [1, 2]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention")
-        if "attention-probe" in only:  # the attention's stages timed apart: each left out (fused.ATTN_PROBE), then
-            # all but the loop's bookkeeping; the outputs are wrong by design, so no check
-            for probe in (0, 1, 2, 4, 8, 6, 15):
-                us = with_settings(fused, {"ATTN_PROBE": probe},
-                                   lambda: graphed_us(lambda: fused.sparse_attention(*attn)))
-                emit({"kernel": "sparse_attention-probe", "left_out": probe, "us": round(us, 2)})
         if "splits" in only:  # how many programs the splits aim for, by itself (it matters at batch > 1)
             sweep(fused, {"SPLIT_WAVES": [1, 2, 3, 4, 8], "ATTN_WARPS": [4, 8]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention-splits")

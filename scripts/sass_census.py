@@ -64,16 +64,6 @@ def gemv_launches(args: ModelArgs) -> None:
     matvec.gemv(w(1, 1, R), w(H * HD, R), norm=(w(R), 1e-6), rope_out=(cos, sin, HD), keep=True)
     matvec.gemv(w(1, 1, H * HD), w(groups * rank, H * HD // groups), groups=groups, rope_in=(cos, -sin, HD))
     matvec.gemv(w(1, 1, groups * rank), w(D, groups * rank))
-    matvec.gemv(w(1, 1, groups * rank), w(D, groups * rank), site=site_fold(args))  # as a step runs wo_b
-
-
-def site_fold(args: ModelArgs):
-    """An mHC site's dots launch to fold into the launch of its y (``streams.Fold``: one token,
-    the site's norm left to x's consumer, as ``decode_step._whole_layer`` runs the site)."""
-    from model.kernels import streams
-
-    streams_, pre, fn, (post, comb) = site_tensors(args, seed=1)
-    return streams.Fold(streams_, post, comb, fn, (pre, torch.empty(1, args.hidden_size, dtype=torch.bfloat16)))
 
 
 def site_tensors(args: ModelArgs, seed: int) -> tuple:
@@ -116,8 +106,7 @@ def site_launches(args: ModelArgs) -> None:
 
 
 def moe_launches(args: ModelArgs) -> None:
-    """A decode token's MoE (gate logits with the site's norm, gate, up, down: plain, and with
-    the next site's dots folded in). The down sum
+    """A decode token's MoE (gate logits with the site's norm, gate, up, down). The down sum
     is recorded in its early form (``DOWN_EARLY``), the one form of it the interpreter runs,
     then counted as the committed one: the loop over ``SLOTS_BLOCK_I`` channels."""
     from model.kernels import moe
@@ -128,17 +117,14 @@ def moe_launches(args: ModelArgs) -> None:
     def w(*shape):
         return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).bfloat16()
 
-    early, fold = moe.DOWN_EARLY, moe.DOWN_FOLD
-    moe.DOWN_EARLY = moe.DOWN_FOLD = True  # the fold's form counted even while it is off
+    early = moe.DOWN_EARLY
+    moe.DOWN_EARLY = True
     try:
-        down = moe.moe_decode(w(1, D), w(E, D), torch.zeros(E), w(E, I, D), w(E, I, D), w(E, D, I), w(I, D),
-                              w(I, D), w(D, I), top_k=args.num_experts_per_tok, scoring="sqrtsoftplus", temp=1.0,
-                              norm=True, scale=1.0, limit=10.0, out_dtype=torch.bfloat16, x_norm=(w(D), 1e-6),
-                              defer=True)
-        down()  # the down sum as it is made for an expand on its own
-        down(site_fold(args))  # and with the next attention site's dots folded in, as a step makes it
+        moe.moe_decode(w(1, D), w(E, D), torch.zeros(E), w(E, I, D), w(E, I, D), w(E, D, I), w(I, D), w(I, D),
+                       w(D, I), top_k=args.num_experts_per_tok, scoring="sqrtsoftplus", temp=1.0, norm=True,
+                       scale=1.0, limit=10.0, out_dtype=torch.bfloat16, x_norm=(w(D), 1e-6))
     finally:
-        moe.DOWN_EARLY, moe.DOWN_FOLD = early, fold
+        moe.DOWN_EARLY = early
 
 
 def committed_down(launch: dict) -> dict:

@@ -42,9 +42,7 @@ and, for one decode step (one query per batch row):
   be built, and the caller runs the MoE in torch, which is its twin.
 - ``gemv(x, *weights, groups=1)``: a decode step's linear layers on its few rows
   (``model.kernels.matvec``) where ``gemv_runs(x, *layers)`` (on by default, ``DSAGENT_GEMV=0``
-  turns it off); twin ``gemv_ref``. ``gemv_later(x, layer)``: the same launch left as a
-  :class:`Pending` (as is ``moe_decode``'s down sum with ``later``), for the mHC site that reads
-  its output next to fold its first launch into (``hc_site``); ``resolve(y)`` makes one.
+  turns it off); twin ``gemv_ref``. ``x`` may be a :class:`Collapsed`, which ``resolve(x)`` makes.
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
@@ -79,7 +77,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
-           "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "Pending", "resolve", "gemv_later",
+           "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
            "beside_on", "Beside", "engram_step"]
 
 
@@ -176,75 +174,14 @@ def moe_decode_runs(x: torch.Tensor) -> bool:
             and os.environ.get("DSAGENT_FUSED_MOE", "1") != "0")
 
 
-def moe_decode(x: torch.Tensor, *weights: torch.Tensor, later=None, **config) -> torch.Tensor | Pending | None:
+def moe_decode(x: torch.Tensor, *weights: torch.Tensor, **config) -> torch.Tensor | None:
     """The MoE of tokens ``x`` [N, D] by the Triton kernels of ``model.kernels.moe`` (see
     ``moe_decode`` there for the weights and ``config``), for a caller that asked
     :func:`moe_decode_runs`. A kernel that cannot be built warns once and returns None, and
-    the caller runs the MoE in torch (as :func:`moe_decode_runs` says from then on).
-    ``later`` (a callable: the same MoE in torch): where the down sum is the last launch
-    (``moe.DOWN_SLOTS``, a token-by-token step), y as a :class:`Pending` of that launch —
-    ``later`` makes y should it fail."""
+    the caller runs the MoE in torch (as :func:`moe_decode_runs` says from then on)."""
     from model.kernels import moe
 
-    config = dict(config, defer=later is not None)
-    out = _guarded("MoE kernel", lambda *a: moe.moe_decode(*a, **config), lambda *a: None, x, *weights)
-    if callable(out):  # the down sum, not yet launched
-        return Pending("MoE kernel", x, lambda: out(None), out, later)
-    return out
-
-
-class Pending:
-    """A decode step's output y whose last launch is not yet made (:func:`gemv_later`,
-    :func:`moe_decode`'s ``later``): the mHC site that adds y to the streams next can fold its
-    own per-channel work into that launch's programs (``hc_site``: the expand, the collapse and
-    the mixes' partial dots of each program's output channels, ``streams.Fold``; where
-    ``streams.SITE_FOLD``), one launch a site fewer; whatever else reads y takes :meth:`value`.
-    Made and resolved within one decode step, on one stream: the launch's inputs live in its
-    closure until then.
-
-    ``plain()`` launches and returns y; ``folded(fold)`` launches with the site's work in it
-    (y itself unwritten); ``twin()`` y in PyTorch, where the plain launch fails to build
-    (``path`` names the kernel in the warning)."""
-
-    def __init__(self, path: str, x: torch.Tensor, plain, folded, twin=None):
-        self.path, self._x, self._plain, self._folded, self._twin = path, x, plain, folded, twin
-        self._y: torch.Tensor | None = None
-        self._shape: tuple | None = None
-
-    def view(self, *shape) -> "Pending":
-        """y seen as ``shape`` once made (as ``Tensor.view``)."""
-        self._shape = shape
-        return self
-
-    def value(self) -> torch.Tensor:
-        """y, launched plainly on the first call (after a fold too: a site kernel that failed
-        after it falls back to its parts, which read y)."""
-        if self._y is None:
-            twin = self._twin or (lambda: None)
-            y = _guarded(self.path, lambda _: self._plain(), lambda _: twin(), self._x)
-            if y is None:
-                raise RuntimeError(f"the {self.path} path failed and has no twin here")
-            self._y = y if self._shape is None else y.view(*self._shape)
-        return self._y
-
-    def fold(self, fold) -> bool:
-        """The launch with ``fold`` (a ``streams.Fold``) in it: True, or False where that
-        launch cannot be built here (warned once; the caller then takes :meth:`value`)."""
-        if self._y is not None or SITE_FOLD_PATH in _FAILED:
-            return False
-        try:
-            self._folded(fold)
-            return True
-        except Exception as e:  # a Triton build or launch error
-            if self._x.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise
-            _FAILED[SITE_FOLD_PATH] = f"{type(e).__name__}: {e}"
-            warnings.warn(f"the {SITE_FOLD_PATH} path failed ({_FAILED[SITE_FOLD_PATH][:200]}); the site's own "
-                          "launch from here on", RuntimeWarning, stacklevel=2)
-            return False
-
-
-SITE_FOLD_PATH = "mHC site fold"
+    return _guarded("MoE kernel", lambda *a: moe.moe_decode(*a, **config), lambda *a: None, x, *weights)
 
 
 def beside_on(x: torch.Tensor, knob: str) -> bool:
@@ -299,23 +236,8 @@ class Beside:
 
 
 def resolve(y):
-    """``y`` made: a :class:`Pending`'s or a :class:`Collapsed`'s value, a tensor as it is."""
-    return y.value() if isinstance(y, (Pending, Collapsed)) else y
-
-
-def gemv_later(x: torch.Tensor, layer: torch.nn.Module) -> torch.Tensor | Pending:
-    """``layer(x)`` as a :class:`Pending` of its GEMV launch where :func:`gemv_runs` (a decode
-    step's last projection before an mHC site: the attention's ``wo_b``) and the site may fold
-    into it (``streams.SITE_FOLD``), else now."""
-    if not gemv_runs(x, layer):
-        return layer(x)
-    from model.kernels import matvec as kernel, streams
-
-    if not streams.SITE_FOLD:
-        return gemv(x, layer.weight)[0]
-
-    return Pending("GEMV kernel", x, lambda: gemv(x, layer.weight)[0],
-                   lambda fold: kernel.gemv(x, layer.weight, site=fold))
+    """``y`` made: a :class:`Collapsed`'s value, a tensor as it is."""
+    return y.value() if isinstance(y, Collapsed) else y
 
 
 GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLAS's GEMMs from there)
@@ -452,9 +374,8 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
 def hc_expand(y: torch.Tensor, residual: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """A site's output expanded into the streams (see :func:`hc_expand_ref`): the kernel
     where :func:`enabled`, else the twin (with a gradient wanted, through
-    :class:`backward.HcExpand`); bit-exact either way. ``y`` may be a :class:`Pending`."""
+    :class:`backward.HcExpand`); bit-exact either way."""
     mhc_join()
-    y = resolve(y)
     return _kernel_or_twin("mHC expand kernel", "streams.hc_expand", hc_expand_ref, y, residual, post, comb,
                            grads=(y, residual, post, comb), function=backward.HcExpand)
 
@@ -501,11 +422,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     beside too (and ``streams.DOTS_BESIDE``), the dots launch runs on the side stream before
     the split and x is a :class:`Collapsed`, made by its consumer's launch (the site then
     puts nothing on the current stream); a consumer that cannot takes its ``value()``.
-    ``name`` ("attn", "ffn"): which site, for a ``DOTS_BESIDE`` that names one.
-
-    ``expand``'s y may be a :class:`Pending` (its last launch not yet made): on the kernel path
-    the site's first launch is then folded into it where ``streams.SITE_FOLD`` (off by default:
-    timed, no faster), else y is made first."""
+    ``name`` ("attn", "ffn"): which site, for a ``DOTS_BESIDE`` that names one."""
     mhc_join()  # the site before's split, where it ran beside: its post / comb are read here
     args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
     rows = streams.numel() // (streams.shape[-2] * streams.shape[-1])
@@ -549,7 +466,7 @@ def hc_site_parts(streams, pre, fn, scale, base, norm_weight, eps, norm_eps, ite
     """:func:`hc_site` as its parts: ``hc_expand``, ``rms_norm`` and a linear layer, ``hc_split``,
     ``hc_collapse``, ``rms_norm`` — each its own kernel or twin (the model's maths)."""
     if expand is not None:
-        streams = hc_expand(resolve(expand[0]), streams, expand[1], expand[2])
+        streams = hc_expand(expand[0], streams, expand[1], expand[2])
     mixes = torch.nn.functional.linear(rms_norm(streams.flatten(-2), None, eps, upcast=True), fn.float())
     site_pre, post, comb = hc_split(mixes, scale, base, streams.shape[-2], iters, hc_eps)
     return streams, site_pre, post, comb, rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps)

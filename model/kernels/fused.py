@@ -53,25 +53,20 @@ INDEX_WARPS = 4  # 5.9 us a call against 7.7 with 8 (scripts/kernel_sweep.py --o
 MERGE_BLOCK_D = 128  # output channels per merge program (a head's 512 in one program took ~5.6 us)
 MIN_BLOCKS_PER_SPLIT = 1  # a split per block of keys where the GPU has room: latency, not work, bounds a step
 # (2026-12-03, 59331ce: 2 blocks a split made a step at 128K 9.6% slower, 3.397 -> 3.722 ms, bench_knobs)
-# a timing probe, never on in a run (the attention's output is then wrong): a bit mask of the
-# attention's stages to leave out (``_sparse_attention_kernel``'s PROBE), for ``gpu_bench --knobs
-# fused.ATTN_PROBE=1`` (a step) or ``kernel_sweep.py --only attention-probe`` (the kernel alone)
-ATTN_PROBE = 0
 # the attention's output de-rotated by the merge launch (``sparse_attention``'s ``turn_back``) rather
 # than by the ``wo_a`` GEMV reading it (``ROPE_IN``: 218 registers, where 128 let all its programs hold
 # their tiles at once). The probe that left the GEMV's rotation out (the output then wrong): 0.979 of
 # a step (H200, `small`, 128K, bench_knobs, best of three rounds, control 0.997)
 MERGE_TURNS_BACK = True
-# a timing probe, never on in a run: the splits' merge launch left out (the output unwritten), for
-# ``gpu_bench --knobs fused.PROBE_NO_MERGE`` (what a step would gain were the merge in another launch)
-PROBE_NO_MERGE = False
+# (2026-12-04, dc98548: a timing probe that left the merge launch out read 0.961 of a step; the probes
+# that left the attention's own stages out, 2026-12-03, 59331ce: docs/gpu-fast-path.md; their code is gone)
 # the keys decoded a block of channels at a time (``_key_rows``; head dims from 64): each row's scale
 # bytes read and decoded once a block (32 a record, 16 a window row) and broadcast over its channels,
 # a record's codes read as int32 words of eight nibbles, the window's e4m3 bytes converted by the
 # hardware, where the whole-row form reads and decodes one scale byte and one code byte per channel.
 # sm_90 SASS (4 warps, static count): 3,672 -> 2,160 instructions; 2026-12-03 (88b7232) on the H200 (`small`, 128K,
 # bench_knobs, two alternated rounds): a step 3.369 -> 3.307 ms; the kernel alone 9.82 -> 7.78 us.
-# Stages then (kernel_sweep --only attention-probe): leaving the keys' bytes and decode out no
+# Stages then (a timing probe since removed): leaving the keys' bytes and decode out no
 # longer shortens the kernel (7.67 -> 7.62 us); the query's dot does (-1.5 us), the partials' store -0.8
 ATTN_BLOCKWISE = True
 # (2026-12-03, 88b7232: the query and the sink read before the dependent launch's wait — the query is made two
@@ -257,12 +252,12 @@ def _parts_dot(a_hi, a_mid, a_lo, b, acc, PARTS: tl.constexpr):
 
 @triton.jit
 def _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb, s_wn, s_vb, s_rb, s_rn,
-               s_ib, D: tl.constexpr, BLOCK_N: tl.constexpr, FROM_POS: tl.constexpr, READ: tl.constexpr = True,
+               s_ib, D: tl.constexpr, BLOCK_N: tl.constexpr, FROM_POS: tl.constexpr,
                BLOCKWISE: tl.constexpr = False):
     """Block ``blk`` of a row's keys (= values) as fp32 [BLOCK_N, D] and which are valid:
     window blocks first (``nW`` of them: FP8 slots of the ring), then the selected FP4
     records. Every value is exact in bf16 (e4m3 x 2^k: 4 significant bits; e2m1 x e4m3: at
-    most 6). Not READ (a timing probe): zeros, the keys' bytes left unread."""
+    most 6)."""
     cols = tl.arange(0, D)
     if blk < nW:
         n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -272,25 +267,21 @@ def _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K
         else:
             valid = tl.load(valid_ptr + b64 * s_vb + n, mask=n < W, other=0) != 0
         row = win_ptr + b64 * s_wb + n.to(tl.int64)[:, None] * s_wn
-        if READ and BLOCKWISE:
+        if BLOCKWISE:
             kv = _key_rows(row, valid[:, None], True, D, BLOCK_N)
-        elif READ:
+        else:
             data = tl.load(row + cols[None, :], mask=valid[:, None], other=0).to(tl.int32)
             sb = tl.load(row + D + cols[None, :] // 32, mask=valid[:, None], other=0).to(tl.int32)
             kv = _e4m3(data) * _ue8m0(sb)
-        else:
-            kv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     else:
         k = (blk - nW) * BLOCK_N + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + b64 * s_ib + k, mask=k < K, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < N)  # the bound only keeps a bad index from reading out of range
         row = rec_ptr + b64 * s_rb + tl.where(valid, idx, 0)[:, None] * s_rn
-        if READ and BLOCKWISE:
+        if BLOCKWISE:
             kv = _key_rows(row, valid[:, None], False, D, BLOCK_N)
-        elif READ:
-            kv = _fp4_rows(row, cols[None, :], valid[:, None], D, 16)
         else:
-            kv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+            kv = _fp4_rows(row, cols[None, :], valid[:, None], D, 16)
     return kv, valid
 
 
@@ -325,7 +316,7 @@ def _sparse_attention_kernel(
     H, W, N, K, SPLITS, scale, span, nW, NB,
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
-    FROM_POS: tl.constexpr, PROBE: tl.constexpr = 0, BLOCKWISE: tl.constexpr = False, PDL: tl.constexpr = False,
+    FROM_POS: tl.constexpr, BLOCKWISE: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Partial softmax sums of one (row, head group, split) over blocks split, split +
     SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
@@ -333,10 +324,7 @@ def _sparse_attention_kernel(
     positions (``valid_ptr``: int64 [W], shared by the rows) against the query's (``cur_ptr``,
     one element) and the window ``span``: -1 < slot position <= query, within the last span.
     Both dots run on bf16 tensor cores, summed in fp32: the query in ``Q_PARTS`` bf16 parts
-    (1: a bf16 query; 3: every bit of an fp32 one), the probabilities in three, the keys exact.
-    PROBE (``ATTN_PROBE``, for timing only: the output is then wrong): stages left out, each
-    replaced by a cheap stand-in the rest still depends on — 1 the keys' bytes and their
-    decode, 2 the query's dot, 4 the value dots, 8 the store of the partial sums."""
+    (1: a bf16 query; 3: every bit of an fp32 one), the probabilities in three, the keys exact."""
     _chain(PDL)
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
@@ -357,34 +345,23 @@ def _sparse_attention_kernel(
     blk = split
     while blk < NB:
         kv, valid = _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb, s_wn,
-                               s_vb, s_rb, s_rn, s_ib, D, BLOCK_N, FROM_POS, (PROBE & 1) == 0, BLOCKWISE)
-        if PROBE & 1:  # the keys' bytes left unread: a stand-in that depends on which are valid
-            kv += valid[:, None].to(tl.float32)
+                               s_vb, s_rb, s_rn, s_ib, D, BLOCK_N, FROM_POS, BLOCKWISE)
         blk += SPLITS
         kb = kv.to(tl.bfloat16)
-        if PROBE & 2:  # no query dot: logits from the keys alone
-            s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32) + tl.sum(kv, 1)[None, :]
-        else:
-            s = _parts_dot(q_hi, q_mid, q_lo, tl.trans(kb), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_PARTS)
+        s = _parts_dot(q_hi, q_mid, q_lo, tl.trans(kb), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_PARTS)
         s = tl.where(valid[None, :], s * scale, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(s - m_new[:, None])
         l = l * alpha + tl.sum(p, 1)
         m = m_new
-        if PROBE & 4:  # no value dots: the sums rescaled only
-            acc = acc * alpha[:, None] + tl.sum(p, 1)[:, None]
-        else:
-            p_hi, p_mid, p_lo = _bf16_parts(p, 3)
-            acc = _parts_dot(p_hi, p_mid, p_lo, kb, acc * alpha[:, None], 3)
+        p_hi, p_mid, p_lo = _bf16_parts(p, 3)
+        acc = _parts_dot(p_hi, p_mid, p_lo, kb, acc * alpha[:, None], 3)
 
     part = (b64 * SPLITS + split) * H + heads  # partials are [B, SPLITS, H(, D)]
     tl.store(m_ptr + part, m, mask=head_ok)
     tl.store(l_ptr + part, l, mask=head_ok)
-    if PROBE & 8:  # the partial sums' store left to one row of them
-        tl.store(acc_ptr + part * D, tl.sum(acc, 1), mask=head_ok)
-    else:
-        tl.store(acc_ptr + part[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
+    tl.store(acc_ptr + part[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
@@ -465,13 +442,11 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
         q.stride(0), q.stride(1), window.stride(0), window.stride(1), valid.stride(0),
         records.stride(0), records.stride(1), record_idx.stride(0),
         D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
-        FROM_POS=window_at is not None, PROBE=ATTN_PROBE, num_warps=ATTN_WARPS, **chained(q),
+        FROM_POS=window_at is not None, num_warps=ATTN_WARPS, **chained(q),
         BLOCKWISE=ATTN_BLOCKWISE and D >= 64)  # from 64 a record's 9 D / 16 bytes hold whole int32 words
     assert out_dtype in (torch.float32, torch.bfloat16)
     bf16 = out_dtype == torch.bfloat16
     out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
-    if PROBE_NO_MERGE:
-        return out
     block_d = min(D, MERGE_BLOCK_D)
     cos, sin = turn_back or (m, m)  # unread without TURN
     if turn_back is not None:

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, chained, unfused
 from model.kernels.collapsed import Collapsed
-from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles, _stream_rows
+from model.kernels.streams import _collapsed
 
 # bytes of weight a program holds, its warps, the fewest programs a weight is cut into
 # (while its rows allow), the widest input read whole. Swept by kernel_sweep.py --only gemv-sweep
@@ -54,21 +54,16 @@ TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 # (2026-12-04, 505a62b: the same asks made by riders, extra programs of the attention's or its merge's launch,
 # 0.999-1.42x of a step: not kept; the figures: docs/gpu-fast-path.md, "Tried and not kept")
 
-
-# a timing probe, never on in a run: x's de-rotation (``rope_in``) left out (the output is then wrong), for
-# ``gpu_bench --knobs matvec.PROBE_NO_ROPE_IN`` (what a step would gain were x rotated back by its maker)
-PROBE_NO_ROPE_IN = False
+# (2026-12-04, dc98548: a timing probe that left x's de-rotation out read 0.979 of a step; the merge now
+# de-rotates instead, ``fused.MERGE_TURNS_BACK``; the probe's code is gone, its figures in docs/gpu-fast-path.md)
 
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P1,
                  nw_ptr, eps, cos_ptr, sin_ptr, S, HD, OFF, HALF, xn_ptr,
-                 s_ptr, post_ptr, comb_ptr, sout_ptr, pre_ptr, sx_ptr, fn_ptr, dots_ptr, sq_ptr, SPLITS,
                  BLOCK_O: tl.constexpr, BLOCK_D: tl.constexpr, TWO: tl.constexpr, BF16: tl.constexpr,
                  NORM: tl.constexpr = False, ROPE_IN: tl.constexpr = False, ROPE_OUT: tl.constexpr = False,
-                 KEEP: tl.constexpr = False, SITE: tl.constexpr = False, HC: tl.constexpr = 1,
-                 M: tl.constexpr = 1, M_PAD: tl.constexpr = 1, COLLAPSE: tl.constexpr = False,
-                 cs_ptr=None, cpre_ptr=None, cy_ptr=None, cpost_ptr=None, ccomb_ptr=None,
+                 KEEP: tl.constexpr = False, cs_ptr=None, cpre_ptr=None, cy_ptr=None, cpost_ptr=None, ccomb_ptr=None,
                  COLLAPSE_IN: tl.constexpr = False, C_EXPAND: tl.constexpr = False, C_HC: tl.constexpr = 1,
                  PDL: tl.constexpr = False):
     """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
@@ -79,10 +74,6 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     ROPE_IN / ROPE_OUT: x's / the output's heads of HD channels rotated (as
     ``rotary._rope_kernel``: channels from OFF on, in adjacent pairs, by row n's cos / sin at
     n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG).
-    SITE (one weight, no groups; ``streams.Fold``): the output is an mHC site's y and is not
-    written; each program does that site's dots launch's work at its rows instead
-    (``streams._site_block``: row n's streams expanded, collapsed and dotted with the mixes'
-    projection, whose tiles it asks for with its weight's), block p of SPLITS.
     COLLAPSE_IN (with NORM; ``model.kernels.Collapsed``): x is not in memory but an mHC site's
     input, made by each program from the site's streams ``cs`` (expanded by ``cy`` / ``cpost``
     / ``ccomb`` with C_EXPAND) collapsed by ``cpre`` (``streams._collapsed``)."""
@@ -102,13 +93,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     w_rows = w_at + o[:, None].to(tl.int64) * DG
     w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0,
                 eviction_policy="evict_first").to(tl.float32)  # before the wait: weights are never written
-    if SITE:
-        f0, f1, f2, f3 = _site_fn_tiles(fn_ptr, o, o_ok, O, HC, M, M_PAD)
     _chain(PDL)
     n = 0
     while n < N:
-        if SITE:  # asked for before x: the site's streams wait on nothing this launch makes
-            r0, r1, r2, r3 = _stream_rows(s_ptr, n, o, o_ok, O, HC)
         if COLLAPSE_IN:
             xs = _collapsed(cs_ptr, cy_ptr, cpost_ptr, ccomb_ptr, cpre_ptr, n, d, d_ok, D, C_HC, C_EXPAND, BF16)
         else:
@@ -141,11 +128,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
             sn = tl.load(sin_ptr + (n % S) * HALF + (pc - OFF) // 2, mask=rot, other=0.0)
             acc = tl.reshape(tl.join(tl.where(rot, _turned(e, od, True, cs, sn), e),
                                      tl.where(rot, _turned(od, e, False, cs, sn), od)), [BLOCK_O])
-        if SITE:
-            _site_block(_round(acc, BF16), o, o_ok, n, p, SPLITS, O, f0, f1, f2, f3, r0, r1, r2, r3, post_ptr,
-                        comb_ptr, pre_ptr, sout_ptr, sx_ptr, dots_ptr, sq_ptr, HC, M_PAD, True, COLLAPSE, BF16)
-        else:
-            _store(out_at + n * rows + o, acc, o_ok, BF16)
+        _store(out_at + n * rows + o, acc, o_ok, BF16)
         n += 1
 
 
@@ -163,7 +146,7 @@ def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whol
 
 
 def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
-         rope_out=None, keep: bool = False, site: Fold | None = None) -> tuple[torch.Tensor, ...]:
+         rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """``x`` [..., D] (fp32 or bf16) against one or two weights [O, D] of its dtype -> one
     output [..., O] each (then, with ``keep`` and ``norm``, x normalised). With ``groups`` g
     (one weight [g * r, D / g]): output group j is weight rows [j * r, (j + 1) * r) against
@@ -171,11 +154,8 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     ``norm`` = (weight [D], eps): x RMS-normalised first (``rms_norm``; without groups);
     ``rope_in`` / ``rope_out`` = (cos, sin [S, r], head_dim): x's / the output's heads rotated
     (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these).
-    ``site`` (a ``streams.Fold`` whose streams take the output as their y; one weight, no
-    groups, no output RoPE): the output unwritten, the site's dots launch done at each
-    program's rows instead -> (). ``x`` may be a ``model.kernels.Collapsed`` (with ``norm``):
-    each program makes the rows it reads."""
-    rope_in = None if PROBE_NO_ROPE_IN else rope_in
+    ``x`` may be a ``model.kernels.Collapsed`` (with ``norm``): each program makes the rows it
+    reads."""
     assert 1 <= len(weights) <= 2 and (groups == 1 or len(weights) == 1)
     assert x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == x.dtype and w.dim() == 2 for w in weights)
     assert len(weights) == 1 or not (rope_in or rope_out)
@@ -184,7 +164,7 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     assert not (norm and rope_in), "x normalised and rotated: not one pass"
     lead, D = x.shape[:-1], x.shape[-1]
     collapsed = isinstance(x, Collapsed)
-    assert not collapsed or (norm and site is None), "a site's input is made by a GEMV that normalises it"
+    assert not collapsed or norm, "a site's input is made by a GEMV that normalises it"
     if collapsed:
         rows, incoming = x.launch_args()
     else:
@@ -194,11 +174,7 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     O, DG = ws[0].shape
     assert D == DG * groups and O % groups == 0 and all(w.shape[1] == D for w in ws[1:]), (x.shape, O, DG, groups)
     OG = O // groups
-    if site is not None:
-        assert len(ws) == 1 and groups == 1 and not (rope_out or keep), "a site takes one plain output"
-        assert (N, O) == (site.tokens, site.width), (N, O, site.streams.shape)
-    outs = ([rows] if site is not None  # a site's y: unwritten
-            else [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws])
+    outs = [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
     # one tile shape for both weights; a power of two dividing the group's rows; the output's
     # RoPE pairs in one program
     most = min(OG & -OG, *(w.shape[0] for w in ws))
@@ -220,12 +196,9 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     assert norm is None or (nw.shape == (D,) and nw.dtype == x.dtype)
     if keep:
         outs.append(torch.empty_like(rows))
-    folded, consts = site.launch(p1, x.dtype) if site is not None else (Fold.unused(rows), {})
     _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
-                             nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]), *folded,
+                             nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]),
                              BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
                              ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, KEEP=keep,
-                             num_warps=GEMV_WARPS, **consts, **incoming, **unfused(), **chained(rows))
-    if site is not None:
-        return ()
+                             num_warps=GEMV_WARPS, **incoming, **unfused(), **chained(rows))
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)

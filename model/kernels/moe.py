@@ -39,7 +39,7 @@ import triton.language as tl
 
 from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
 from model.kernels.collapsed import Collapsed
-from model.kernels.streams import Fold, _collapsed, _site_block, _site_fn_tiles, _stream_rows
+from model.kernels.streams import _collapsed
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
@@ -76,10 +76,9 @@ SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # while the up kernel still streams, hold their tiles and take the SMs the up kernel's programs
 # wait for. Kept as a knob: without the channel loop it is the form Triton's interpreter runs
 DOWN_EARLY = False
-# the down sum left for the next attention site to fold its dots launch into (``moe_decode``'s
-# ``defer``, ``streams.Fold``). Its programs are launched without FMA contraction (``unfused``),
-# folded or not, so that the sum a site folds in is the sum it would read
-DOWN_FOLD = False  # 2026-12-04 (55ed118): a step 4-5% slower with it (``streams.SITE_FOLD`` says why)
+# (2026-12-04, 55ed118: the down sum left for the next attention site to fold its dots launch into: a step
+# 4-5% slower with it, and its code is gone (``streams``'s note says why). Its programs are still launched
+# without FMA contraction (``unfused``), the bits the step had on the H200 when last checked there)
 # Tried on 2026-12-03 (59331ce; a step at 128K, bench_knobs, two alternated rounds each): one output channel a
 # down program with every slot's whole row of I in one load (80 registers where this tile took 178 —
 # builds without the GPU's 16-byte specialisation; 40 as the GPU builds it, 88b7232)
@@ -300,11 +299,9 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 
 @triton.jit
 def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
-                       s_ptr, post_ptr, comb_ptr, sout_ptr, pre_ptr, sx_ptr, fn_ptr, dots_ptr, sq_ptr, SPLITS,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
-                       SITE: tl.constexpr = False, HC: tl.constexpr = 1, M: tl.constexpr = 1,
-                       M_PAD: tl.constexpr = 1, COLLAPSE: tl.constexpr = False, PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
@@ -314,19 +311,12 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
     the dependent launch's wait, as the GEMV asks for its weights. The ids come from the gate
     kernel, two launches back: this kernel is scheduled only once every program of the up
     kernel between has passed its own wait, which returns when the gate has finished and its
-    writes are visible; the ids are read past the SM's L1 (``.cg``) all the same.
-    SITE (``streams.Fold``): the sum is an mHC site's y and is not written; each program does
-    that site's dots launch's work at its channels instead (``streams._site_block``; the
-    mixes' projection tiles asked for first), block program_id(1) of SPLITS."""
+    writes are visible; the ids are read past the SM's L1 (``.cg``) all the same."""
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
-    if SITE:
-        f0, f1, f2, f3 = _site_fn_tiles(fn_ptr, o, o_ok, D, HC, M, M_PAD)
     if not EARLY:
         _chain(PDL)
-        if SITE:  # asked for before the sum's loads: they wait on nothing this launch makes
-            r0, r1, r2, r3 = _stream_rows(s_ptr, t, o, o_ok, D, HC)
     j = tl.arange(0, S_P2)
     routed, live = j < K, j < K + 1
     pair = tl.where(routed, t * K + j, NK + t)  # the slot's row of h: the shared expert's last
@@ -343,8 +333,6 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
         w = tl.load(tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols),
                     mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
         _chain(PDL)
-        if SITE:
-            r0, r1, r2, r3 = _stream_rows(s_ptr, t, o, o_ok, D, HC)
         acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
     else:
         for i0 in range(0, I, BLOCK_I):
@@ -358,12 +346,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
     total = tl.zeros([BLOCK_O], dtype=tl.float32)
     for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
         total += tl.sum(tl.where((j == s)[:, None], acc, 0.0), 0)
-    if SITE:
-        _site_block(_round(total, OUT_BF16), o, o_ok, t, tl.program_id(1), SPLITS, D, f0, f1, f2, f3, r0, r1, r2, r3,
-                    post_ptr, comb_ptr, pre_ptr, sout_ptr, sx_ptr, dots_ptr, sq_ptr, HC, M_PAD, True, COLLAPSE,
-                    OUT_BF16)
-    else:
-        _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
+    _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
 
 
 @triton.jit
@@ -495,32 +478,26 @@ def up_tile(D: int, elem_bytes: int) -> tuple[bool, int, int]:
 
 
 def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torch.Tensor,
-               out: torch.Tensor, site: Fold | None = None) -> torch.Tensor | None:
+               out: torch.Tensor) -> torch.Tensor:
     """``_down_slots_kernel`` of N tokens into ``out`` [N, D] (fp32 or bf16): the rows of h
     [N * K + N, I] (the pairs' SwiGLU outputs, then each token's shared expert's), the routed
-    experts' w2 [E, D, I] picked by ``chosen`` [N, K], the shared expert's s2 [D, I].
-    ``site`` (a ``streams.Fold`` whose streams take the sum as their y): ``out`` unwritten,
-    the site's dots launch done at each program's channels instead -> None."""
+    experts' w2 [E, D, I] picked by ``chosen`` [N, K], the shared expert's s2 [D, I]."""
     (N, K), (D, I) = chosen.shape, s2.shape
     bf16, out_bf16 = h.dtype == torch.bfloat16, out.dtype == torch.bfloat16
     assert h.shape == (N * K + N, I) and w2.shape[1:] == (D, I) and out.shape == (N, D)
     splits = triton.cdiv(D, SLOTS_BLOCK_O)
-    if site is not None:
-        assert (N, D) == (site.tokens, site.width), (N, D, site.streams.shape)
-    folded, consts = site.launch(splits, out.dtype) if site is not None else (Fold.unused(h), {})
     _down_slots_kernel[(N, splits)](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
-        *folded, K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
+        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
         BLOCK_I=triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **consts, **unfused(), **chained(h))
-    return None if site is not None else out
+        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **unfused(), **chained(h))
+    return out
 
 
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
                scoring: str, temp: float, norm: bool, scale: float, limit: float,
-               out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None,
-               defer: bool = False):
+               out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None):
     """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (any float dtype),
     stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
     [I, D] and s2 [D, I], all in x's dtype. -> [N, D] (routed sum + shared) in fp32, or in
@@ -530,8 +507,6 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     tokens on. Both forms round and sum alike; their dot products reduce in other orders.
     ``x_norm`` = (weight [D], eps): x is an mHC site's input before its RMSNorm, which the
     gate-logits launch applies (``rms_norm``'s roundings) and writes for the expert kernels.
-    ``defer``: where the down sum is the last launch (``DOWN_SLOTS``, token by token; ``DOWN_FOLD``), it is
-    not made: a callable ``(site=None)`` that makes it (:func:`down_slots`) is returned.
     ``x`` may be a ``model.kernels.Collapsed`` (with ``x_norm``): the gate-logits launch makes
     the rows it reads, and writes them normalised for the expert kernels as above."""
     N, D = x.shape
@@ -586,8 +561,6 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
             num_warps=UP_WARPS, **chained(x))
         if DOWN_SLOTS:
-            if defer and DOWN_FOLD:
-                return lambda site=None: down_slots(h, w2, s2, chosen, out, site)
             return down_slots(h, w2, s2, chosen, out)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I,

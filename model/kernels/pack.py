@@ -273,11 +273,8 @@ def _window_entry_kernel(x_ptr, nw_ptr, eps, cos_ptr, sin_ptr, data_ptr, rpos_pt
         tl.store(rpos_ptr + slot, p)
 
 
-# a timing probe, never on in a run: the window entry's launch left out, for ``gpu_bench --knobs
-# pack.PROBE_NO_ENTRY`` (what a step would gain were the entry made inside another launch).
-# (2026-12-04, 505a62b: the entry made by the attention's own launch, not kept; the figures:
-# docs/gpu-fast-path.md, "Tried and not kept")
-PROBE_NO_ENTRY = False
+# (2026-12-04, dc98548: a timing probe that left this launch out read 0.978 of a step; 505a62b: the entry
+# made by the attention's own launch, not kept; the figures: docs/gpu-fast-path.md, "Tried and not kept")
 
 
 def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,
@@ -291,8 +288,6 @@ def window_entry(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, cos: to
     assert data.stride(2) == 1 and ring_pos.is_contiguous() and norm_weight.shape == (D,)
     assert x.dtype in (torch.float32, torch.bfloat16) and norm_weight.dtype == x.dtype
     assert cos.shape == sin.shape and cos.shape[0] == 1 and 2 * cos.shape[1] <= D and cos.dtype == torch.float32
-    if PROBE_NO_ENTRY:  # a timing probe: the entry never written (the step's output is then wrong)
-        return
     flat = _rows(x, WINDOW_BLOCK)
     _window_entry_kernel[(B,)](flat, norm_weight.contiguous(), float(eps), cos.contiguous(), sin.contiguous(), data,
                                ring_pos, pos, ring_pos.shape[0], flat.stride(0), data.stride(0), data.stride(1), D=D,

@@ -13,8 +13,6 @@ Also owns ``hc_site``: one whole mHC site of a decode step's few tokens in two l
 blocks with the expand folded in, then the mixes' split (``model.kernels.fused``'s Sinkhorn
 tiles) beside the collapse and the site's norm; in a CUDA graph's capture, on request, the
 split on a side stream of its own, which :func:`join` (``model.kernels.mhc_join``) waits for.
-Where the site's y is a ``model.kernels.Pending`` (its launch not yet made), the dots launch is
-folded into that launch (:class:`Fold`, ``SITE_FOLD``): its programs do it at their channels.
 
 Does not own: the mixes ``pre`` / ``post`` / ``comb`` of a prefill chunk (``model.kernels.hc_split``),
 or choosing kernel or twin (``model.kernels``). Imported only when Triton is importable.
@@ -103,17 +101,11 @@ SITE_WARPS = 4
 # its whole 24 KB tile of the mixes' projection before its wait, 3.716 -> 4.336 ms (a dependent
 # launch's programs that hold big tiles early take the SMs the kernel before still needs)
 NORM_LATER = True
-# a site whose streams take the output of a launch not yet made (``model.kernels.Pending``: the
-# attention's ``wo_b`` GEMV, the MoE's down sum with ``moe.DOWN_FOLD``) has that launch do its dots
-# launch's work at each program's output channels (``Fold``): one launch a site fewer, the expand,
-# collapse and partial dots at the end of the producer's programs. Off: no faster on the H200
-# (2026-12-04, 55ed118, `small`, batch 1, a step at 128K, bench_knobs, best of three alternated rounds, two
-# calls): both folds 3.001 / 3.096 ms, the GEMV's alone 2.861 / 2.959, neither 2.883 + 2.865 /
-# 2.991 + 2.930 (controls 1.002 / 1.017 of the first). Folded into the down sum, the FFN site's
-# split (now over 512 channel blocks' partial sums, not 32) must end before the down sum starts,
-# and it lay on the step's path: the chained profile's split 0.16 -> 0.36 ms, the down sum 0.43 ->
-# 0.54, the GEMVs 0.63 -> 0.69, against the 0.29 ms of the dots launches gone (769 -> 692 kernels)
-SITE_FOLD = False
+# (2026-12-04, 55ed118: the dots launch folded into the launch that makes the site's y — the attention's
+# ``wo_b`` GEMV, the MoE's down sum — one launch a site fewer, was built and timed no faster on the
+# H200: a step at 128K 3.001 / 3.096 ms with both folds, 2.883 + 2.865 / 2.991 + 2.930 with neither.
+# The FFN site's split, then over 512 channel blocks' partial sums, lay on the step's path. Its code
+# is gone; the figures: docs/gpu-fast-path.md)
 # warps of the second launch (the split's Sinkhorn, a chain of ~40 reductions of a 4 x 4 tile,
 # beside the collapse and norm of the token's D channels): None takes 4 up to 1,024 channels, else
 # 8 (the norm's width); fewer may serve the Sinkhorn's reductions better (kernel_sweep --only site)
@@ -137,7 +129,7 @@ def _site_dots_kernel(s_ptr, fn_ptr, dots_ptr, sq_ptr, y_ptr, post_ptr, comb_ptr
     mixes' projection ``fn`` [M, HC * D], a partial sum of S per token. COLLAPSE: the site's
     input before its norm, ``x`` = the streams collapsed by ``pre_in`` over the program's
     channels (``_site_input``'s products and sums, in its order), left for the site's
-    consumer to normalise. (:func:`_site_block`: what a folded launch's programs do too.)"""
+    consumer to normalise (:func:`_site_block`)."""
     row = tl.program_id(0).to(tl.int64)
     split = tl.program_id(1)
     c = split * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -194,9 +186,7 @@ def _site_block(y, c, live, row, split, S, D, f0, f1, f2, f3, r0, r1, r2, r3, po
     ``out``, else taken as they are; their sum of
     squares and dots with the mixes' projection (``f0``..``f3``: :func:`_site_fn_tiles`) into
     the partial sums ``sq`` / ``dots`` [R, S(, M_PAD)]; with COLLAPSE the streams collapsed by
-    pre into ``x`` (``_site_input``'s products and sums, in its order). Everything is per
-    channel: a launch whose programs each make y at their own channels does it in place of the
-    site's dots launch (``Fold``)."""
+    pre into ``x`` (``_site_input``'s products and sums, in its order)."""
     sq = tl.zeros_like(y)
     col = tl.zeros_like(y)
     acc = tl.zeros_like(f0)
@@ -353,8 +343,7 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     if dots_beside:
         assert overlap and norm_later
         if expand is not None:  # y made on this stream: the side stream waits for it
-            expand = tuple(t.contiguous() for t in (expand[0] if isinstance(expand[0], torch.Tensor)
-                                                    else expand[0].value(), *expand[1:]))
+            expand = tuple(t.contiguous() for t in expand)
         main, side = torch.cuda.current_stream(streams.device), _side_stream(streams.device)
         side.wait_stream(main)
         with torch.cuda.stream(side):  # a plain launch: its stream's last work is that wait
@@ -422,66 +411,10 @@ def join() -> None:
     _PENDING.clear()
 
 
-class Fold:
-    """An mHC site's first launch folded into the launch that makes its ``expand``'s y (a
-    ``model.kernels.Pending``: the attention's ``wo_b`` GEMV, the MoE's down sum): each of that
-    launch's programs, once it has y at its output channels, does the dots launch's work
-    there (:func:`_site_block`: the expand, the collapse, the partial dots and sums of squares),
-    so y is never written and the site's second launch reads the partial sums of that launch's
-    channel blocks. :meth:`launch` gives the producer its arguments; the producer's programs
-    must own whole blocks of channels of one token, one block each (``split``)."""
-
-    def __init__(self, streams: torch.Tensor, post: torch.Tensor, comb: torch.Tensor, fn: torch.Tensor, collapse=None):
-        self.streams, self.post, self.comb, self.fn = streams, post.contiguous(), comb.contiguous(), fn
-        self.out = torch.empty_like(streams)
-        self.pre, self.x = collapse if collapse is not None else (streams, self.out)  # unread without COLLAPSE
-        self.collapse = collapse is not None
-        self.dots: torch.Tensor | None = None
-        self.sq: torch.Tensor | None = None
-
-    @property
-    def hc(self) -> int:
-        return self.streams.shape[-2]
-
-    @property
-    def width(self) -> int:
-        return self.streams.shape[-1]
-
-    @property
-    def tokens(self) -> int:
-        return self.streams.numel() // (self.hc * self.width)
-
-    def launch(self, splits: int, dtype: torch.dtype) -> tuple[tuple, dict]:
-        """(the producer kernel's site arguments, its constants) for ``splits`` channel blocks a
-        token of y in ``dtype`` (the streams'): the partial sums' buffers made here."""
-        assert dtype == self.streams.dtype, (dtype, self.streams.dtype)
-        M = self.fn.shape[0]
-        self.dots = torch.empty(self.tokens, splits, triton.next_power_of_2(M), dtype=torch.float32,
-                                device=self.streams.device)
-        self.sq = torch.empty(self.tokens, splits, dtype=torch.float32, device=self.streams.device)
-        view = (lambda t: t.view(torch.int16)) if dtype == torch.bfloat16 else (lambda t: t)
-        args = (self.streams, self.post, self.comb, view(self.out), self.pre, view(self.x), self.fn, self.dots,
-                self.sq, splits)
-        return args, dict(SITE=True, HC=self.hc, M=M, M_PAD=self.dots.shape[-1], COLLAPSE=self.collapse)
-
-    @staticmethod
-    def unused(t: torch.Tensor) -> tuple:
-        """The site arguments of a launch without one: unread."""
-        return (t,) * 9 + (1,)
-
-
 def _site_dots(streams: torch.Tensor, fn: torch.Tensor, expand, options: dict, collapse=None):
     """The first launch: (the site's streams — new ones when ``expand`` —, the partial dots
     [R, S, M_PAD] and sums of squares [R, S] of S channel blocks a token). ``collapse`` =
-    (pre, x): the streams collapsed by pre written to x too. Where ``expand``'s y is a
-    ``Pending`` (its launch not yet made), that launch with this one folded into it
-    (``SITE_FOLD``, :class:`Fold`), else y made and this launch."""
-    if expand is not None and not isinstance(expand[0], torch.Tensor):
-        if SITE_FOLD:
-            fold = Fold(streams, expand[1], expand[2], fn, collapse)
-            if expand[0].fold(fold):
-                return fold.out, fold.dots, fold.sq
-        expand = (expand[0].value(), *expand[1:])
+    (pre, x): the streams collapsed by pre written to x too."""
     hc, D = streams.shape[-2:]
     R, S, M = streams.numel() // (hc * D), triton.cdiv(D, SITE_BLOCK_C), fn.shape[0]
     dots = torch.empty(R, S, triton.next_power_of_2(M), dtype=torch.float32, device=streams.device)
