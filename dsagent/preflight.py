@@ -129,6 +129,20 @@ def check_device(device: str) -> None:
         raise FlagError(f"--device {device}: this torch build has CUDA but {seen}; use --device cpu")
 
 
+def check_gpus(n: int, device: str) -> None:
+    """``--gpus N``: at least 1, and on CUDA N devices from the one named (after
+    :func:`check_device`); on the CPU, N processes over gloo."""
+    if n < 1:
+        raise FlagError(f"--gpus must be at least 1, not {n}")
+    if n == 1 or not device.startswith("cuda"):
+        return
+    import torch
+
+    first, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    if first + n > count:
+        raise FlagError(f"--gpus {n} from {device} needs {first + n} CUDA devices; this machine has {count}")
+
+
 # ---------------------------------------------------------------------------- the prompt
 def prompt_text(argument: str | None, stdin: BinaryIO | None = None, stdin_is_terminal: bool | None = None,
                 notice: Callable[[str], None] | None = None) -> str:

@@ -43,22 +43,6 @@ def rank_device(device: str, rank: int) -> str:
     return f"cuda:{first + rank}"
 
 
-def check_gpus(n: int, device: str) -> None:
-    """Refuse what cannot run before anything loads (a ``FlagError``, exit 2)."""
-    from dsagent.settings import FlagError
-
-    if n < 1:
-        raise FlagError(f"--gpus must be at least 1, not {n}")
-    if n == 1 or not device.startswith("cuda"):
-        return
-    import torch
-
-    first = int(device.partition(":")[2] or 0)
-    if first + n > torch.cuda.device_count():
-        raise FlagError(f"--gpus {n} from {device} needs {first + n} GPUs; this machine has "
-                        f"{torch.cuda.device_count()}")
-
-
 class Ranks:
     """The followers of this process (rank 0) and the world they share."""
 
