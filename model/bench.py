@@ -29,6 +29,16 @@ from model.model import Transformer
 from model.moe import GroupedLinear
 
 
+def engine_for(model: Transformer, **options) -> Engine:
+    """The engine a benchmark drives: over several ranks rank 0's ``model.lockstep.Leader``
+    (the others follow it: ``dsagent bench ... --gpus N``), else a plain ``Engine``."""
+    if model.world.size > 1:
+        from model.lockstep import Leader
+
+        return Leader(model, model.world, **options)
+    return Engine(model, **options)
+
+
 def _sync(device) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
@@ -90,7 +100,7 @@ def bench_prefill(model: Transformer, ctx: int, *, chunk: int = 512, gen: int = 
     ids = prompt_ids(model, ctx)
     runs = {}
     for mode in ("exact", "ced"):
-        engine = Engine(model, mode=mode, chunk=chunk)
+        engine = engine_for(model, mode=mode, chunk=chunk)
         state = engine.new_state()
         logits, secs = _timed(lambda: engine.prefill(state, ids), model.device)
         runs[mode] = {"seconds": secs, "tokens_per_s": ctx / secs, "logits": logits.float(),
@@ -112,10 +122,21 @@ def bench_decode(model: Transformer, ctx: int, *, short: int | None = None, step
     read = decode_read_bytes(model.args, ctx, weight_bytes=model.embed.weight.element_size())
     copy = copy_tb_per_s(model.device)
     achieved = read["total"] / times[ctx] / 1e12
-    return {"bench": "decode", "ctx_short": short, "ctx_long": ctx, "step_ms_short": 1e3 * times[short],
-            "step_ms_long": 1e3 * times[ctx], "long_over_short": times[ctx] / times[short],
-            "decode_tokens_per_s_long": 1 / times[ctx], "read_bytes_long": read,
-            "read_tb_per_s_long": achieved, "copy_tb_per_s": copy, "bandwidth_over_copy": achieved / copy}
+    out = {"bench": "decode", "ctx_short": short, "ctx_long": ctx, "step_ms_short": 1e3 * times[short],
+           "step_ms_long": 1e3 * times[ctx], "long_over_short": times[ctx] / times[short],
+           "decode_tokens_per_s_long": 1 / times[ctx], "read_bytes_long": read,
+           "read_tb_per_s_long": achieved, "copy_tb_per_s": copy, "bandwidth_over_copy": achieved / copy}
+    return out | (_collectives(model, times[ctx]) if model.world.size > 1 else {})
+
+
+def _collectives(model: Transformer, step_s: float) -> dict:
+    """Over several ranks: the all-reduces a decode step of one row makes (the embedding's,
+    and per layer the attention's ``wo_b`` and the MoE's), each timed alone on a [1, 1, D]
+    tensor of the model's dtype, beside the step; the logits' gather is not counted."""
+    count = 1 + 2 * model.args.num_hidden_layers
+    one = engine_for(model).all_reduce_seconds((1, 1, model.args.hidden_size), model.embed.weight.dtype)
+    return {"ranks": model.world.size, "all_reduces_per_step": count, "all_reduce_us": 1e6 * one,
+            "all_reduce_ms_per_step": 1e3 * count * one, "all_reduce_over_step": count * one / step_s}
 
 
 def copy_tb_per_s(device, nbytes: int = 2 ** 28, repeats: int = 5) -> float:
@@ -137,7 +158,7 @@ WARMUP_STEPS = 4
 def _warm_decoder(model: Transformer, ctx: int, batch: int, chunk: int):
     """A decode step of ``batch`` rows after a CED prefill of ``ctx`` tokens and WARMUP_STEPS
     steps, as a function of no arguments."""
-    engine = Engine(model, mode="ced", chunk=chunk)
+    engine = engine_for(model, mode="ced", chunk=chunk)
     state = engine.new_state(batch=batch)
     engine.prefill(state, prompt_ids(model, ctx).expand(batch, -1))
     token = state.last_logits.argmax(-1)
@@ -162,7 +183,7 @@ def bench_resume(model: Transformer, ctx: int, *, chunk: int = 512, gen: int = 6
                  replay_tokens: tuple = ()) -> dict:
     """Uninterrupted CED run vs export -> bytes -> import -> replay, and vs re-prefill."""
     ids = prompt_ids(model, ctx)
-    engine = Engine(model, mode="ced", chunk=chunk)
+    engine = engine_for(model, mode="ced", chunk=chunk)
     state, prefill_s = _timed(lambda: _prefilled(engine, ids), model.device)
     blob, meta = export_bytes(engine, state)
     base_logits, base_greedy = state.last_logits.float(), greedy(engine, state, gen)
@@ -200,7 +221,7 @@ def bench_speculative(model: Transformer, ctx: int, *, gen: int = 64, chunk: int
     from model.dspark import Speculator
 
     ids, block = prompt_ids(model, ctx), model.args.dspark_block_size
-    engine = Engine(model, mode="ced", chunk=chunk)
+    engine = engine_for(model, mode="ced", chunk=chunk)
     state = _prefilled(engine, ids)
     anchor = int(state.last_logits.argmax())
     step_s = _forward_seconds(model, state, [anchor], repeats)
@@ -301,7 +322,7 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
     repeated = len({(module.__name__, name) for module, name, _ in where}) < len(where)
     variants = {"all_off": (), **{k: (k,) for k in knobs}, **({} if repeated else {"all_on": tuple(knobs)}),
                 "control": ()}
-    engine = Engine(model, mode="ced", chunk=chunk)
+    engine = engine_for(model, mode="ced", chunk=chunk)
     state = engine.new_state(batch=1)
     engine.prefill(state, prompt_ids(model, ctx))
     token = state.last_logits.argmax(-1)
@@ -441,7 +462,7 @@ def bench_linears(model: Transformer, tokens: int = 8192, *, matmul_size: int | 
     dtype = torch.bfloat16 if cuda else model.embed.weight.dtype
     size = matmul_size or (8192 if cuda else 2048)
     peak = matmul_tflops(size, dtype, device, repeats)
-    engine, ids = Engine(model, mode="exact", chunk=tokens), prompt_ids(model, tokens)
+    engine, ids = engine_for(model, mode="exact", chunk=tokens), prompt_ids(model, tokens)
     if cuda:  # warm-up: the allocator's blocks and the GEMM handles, or the timed run would pay for them
         engine.prefill(engine.new_state(), ids)
     timer = _LinearTimer(model, _Clock(device))

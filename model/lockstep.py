@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import signal
 import threading
+import time
 import weakref
 
 import torch
@@ -33,6 +34,7 @@ from model.linear import World
 from model.quant import KVFormat
 
 STOP = "stop"
+_HANDLES = itertools.count()  # one numbering for every leader of this process: the followers' states share a dict
 
 
 class Leader(Engine):
@@ -42,7 +44,6 @@ class Leader(Engine):
         super().__init__(model, **engine_options)
         assert world.size > 1 and world.rank == 0, "the leader is rank 0 of several"
         self.world = world
-        self._handles = itertools.count()
         self._dropped: list[int] = []  # states rank 0 no longer holds: the followers drop theirs with the next call
 
     # ------------------------------------------------------------------ states
@@ -56,12 +57,17 @@ class Leader(Engine):
         self._send("chunks", self._handle(state), chunks, length)
         return state
 
+    def import_global(self, tensors: dict[str, torch.Tensor], meta: dict) -> State:
+        state = super().import_global(tensors, meta)
+        self._send("global", self._handle(state), _cpu(tensors), meta)
+        return state
+
     # ------------------------------------------------------------------ model calls
     def prefill(self, state: State, ids: torch.Tensor, *, mode: str | None = None, images=None,
                 progress=None) -> torch.Tensor:
         self._check_room(state, ids.shape[1])
         with _interrupts_held():
-            self._send("prefill", state.rank_handle, _cpu(ids), mode, _cpu(images))
+            self._send("prefill", state.rank_handle, _cpu(ids), mode or self.mode, _cpu(images), self.chunk)
             return super().prefill(state, ids, mode=mode, images=images, progress=progress)
 
     def decode(self, state: State, token: torch.Tensor) -> torch.Tensor:
@@ -84,6 +90,13 @@ class Leader(Engine):
             self._send("replay", state.rank_handle, _cpu(log_ids), _cpu(table), tokens)
             return super().replay(state, log_ids, images=table.get if images is not None else None, tokens=tokens)
 
+    def all_reduce_seconds(self, shape: tuple, dtype: torch.dtype, repeats: int = 20) -> float:
+        """Seconds of one all-reduce (sum) of a ``shape`` tensor of ``dtype`` on the model's
+        device over the world, every rank taking part: the mean of ``repeats`` after one."""
+        with _interrupts_held():
+            self._send("all_reduce", None, shape, dtype, repeats)
+            return _all_reduces(self.world, shape, dtype, repeats, self.model.device)
+
     def close(self) -> None:
         """The followers leave :func:`follow` (once; later calls do nothing)."""
         if self.world is not None:
@@ -92,7 +105,7 @@ class Leader(Engine):
 
     # ------------------------------------------------------------------ the wire
     def _handle(self, state: State) -> int:
-        handle = next(self._handles)
+        handle = next(_HANDLES)
         state.rank_handle = handle
         weakref.finalize(state, self._dropped.append, handle)
         return handle
@@ -120,8 +133,10 @@ def follow(engine: Engine, world: World) -> None:
             states[handle] = engine.new_state(*args)
         elif op == "chunks":
             states[handle] = engine.state_from_chunks(*args)
+        elif op == "global":
+            states[handle] = engine.import_global(*args)
         elif op == "prefill":
-            ids, mode, images = args
+            ids, mode, images, engine.chunk = args  # chunks as rank 0's: the same forwards, the same collectives
             engine.prefill(states[handle], ids, mode=mode, images=_on(images, device))
         elif op == "decode":
             engine.decode(states[handle], args[0])
@@ -129,8 +144,23 @@ def follow(engine: Engine, world: World) -> None:
             log_ids, table, tokens = args
             table = _on(table, device)
             engine.replay(states[handle], log_ids, images=table.get if table else None, tokens=tokens)
+        elif op == "all_reduce":
+            _all_reduces(world, *args, device)
         else:
             raise ValueError(f"rank 0 sent an unknown call {op!r}")
+
+
+def _all_reduces(world: World, shape: tuple, dtype: torch.dtype, repeats: int, device) -> float:
+    x = torch.ones(shape, dtype=dtype, device=device)
+    dist.all_reduce(x, group=world.group)  # the first: connections made
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_reduce(x, group=world.group)
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
+    return (time.perf_counter() - start) / repeats
 
 
 def _cpu(x):

@@ -5,6 +5,8 @@ rank 0 with its traceback, every process gone (``dsagent.ranks``)."""
 from __future__ import annotations
 
 import time
+
+import pytest
 from pathlib import Path
 
 import torch
@@ -85,3 +87,35 @@ def test_a_failed_follower_is_reported_and_every_rank_ends(tmp_path):
     assert reports, "rank 0 never heard of the failed follower"
     assert "rank 1 of 2 failed" in reports[0] and "no-such-checkpoint" in reports[0], reports[0]
     assert all(not p.is_alive() for p in r.procs)
+
+
+def _bench_rank(world: World, results) -> None:
+    from model.bench import bench_decode
+    from model.engine import Engine
+    from model.loading import load
+    from model.lockstep import follow
+
+    torch.set_num_threads(1)
+    model = load("tiny", world=world)
+    if world.rank == 0:
+        results[0] = bench_decode(model, 160, short=130, steps=2)
+        from model.lockstep import Leader
+
+        Leader(model, world).close()  # any leader of rank 0 tells the followers to leave
+    else:
+        follow(Engine(model), world)
+
+
+def test_decode_bench_over_two_ranks_reports_its_all_reduces(tmp_path):
+    """``bench_decode`` on rank 0 of two drives the other rank through its benchmark's own
+    engines and prints, beside the step, the all-reduces a step makes and their time."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_ranks(_bench_rank, 2, results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300)
+        out = dict(results)[0]
+    from model.args import ModelArgs
+
+    layers = ModelArgs.preset("tiny").num_hidden_layers
+    assert out["ranks"] == 2 and out["all_reduces_per_step"] == 1 + 2 * layers  # the embedding's, then two a layer
+    assert out["all_reduce_us"] > 0 and out["step_ms_long"] > 0
+    assert out["all_reduce_ms_per_step"] == pytest.approx(out["all_reduces_per_step"] * out["all_reduce_us"] / 1e3)
