@@ -5,7 +5,8 @@ or bounded replay), appending user input to the token log with the V4.1 encoding
 re-rendering history), prefill, streamed generation parsed for DSML tool calls, running
 tools under the approval policy, feeding results and images back, and one save point
 per turn; also logging a given history without generating (``add_history``) and
-answering the log as it stands (``reply``), as imports and evaluations need. Emits
+answering the log as it stands (``reply``), as imports and evaluations need. Each reply
+is saved with why it stopped (``stop``: eos, max_tokens, max_steps, interrupted). Emits
 events to a callback instead of printing; the CLI renders them.
 
 Invariant: ``self.log`` holds every token the session has, and the model state covers
@@ -196,6 +197,8 @@ class Agent:
             if len(self.messages) > self.saved_messages and self.messages[-1].get("role") != "assistant":
                 self.messages.append(_unparsed("", self.rt.tokenizer))
                 self.log.append(self.rt.tokenizer.eos_id)
+            if len(self.messages) > self.saved_messages:  # a reply whose tool calls never ran, or the empty one
+                self.messages[-1]["stop"] = "interrupted"
             self.save(kv=False)
         except BaseException:  # not even that could be saved: drop the turn as a failure would
             self._roll_back()
@@ -247,7 +250,7 @@ class Agent:
                 if stop == "interrupted" or not calls:
                     break
                 if result.steps == self.opts.max_steps:  # results could not be fed back: don't run
-                    result.stop = "max_steps"
+                    result.stop = message["stop"] = "max_steps"
                     break
                 pending = self._run_tools(calls, result)
         self.emit({"event": "usage", **asdict(self.usage)})
@@ -335,7 +338,7 @@ class Agent:
         except DSMLError as e:
             message, error = _unparsed(text, self.rt.tokenizer), str(e)
         calls = [{**c, "id": f"call_{len(self.log)}_{i}"} for i, c in enumerate(message.get("tool_calls", []))]
-        message["tool_calls"] = calls
+        message["tool_calls"], message["stop"] = calls, stop  # the stop is saved with it (the export marks it)
         self.messages.append(message)
         if error and stop not in ("interrupted", "max_tokens"):  # a reply cut short is reported once, as cut short
             self.emit({"event": "tool_error", "message": error})

@@ -2,6 +2,9 @@
 
 Owns: rendering a session's messages as text. Does not own: the message schema
 (whatever dict `dsagent` saved is exported as is) or writing files (the CLI does).
+A reply saved with a `stop` other than `eos` (interrupted, cut short at the token limit,
+its tool calls not run at the step limit) gets a line saying so in Markdown; messages
+saved before replies recorded their stop have none and export as they always did.
 """
 
 from __future__ import annotations
@@ -16,6 +19,11 @@ if TYPE_CHECKING:
     from .store import Store
 
 FORMATS = ("markdown", "json", "jsonl")
+STOP_MARKS = {
+    "interrupted": "*(interrupted)*",
+    "max_tokens": "*(cut short: the token limit of a reply)*",
+    "max_steps": "*(stopped at the step limit: these tool calls were not run)*",
+}
 
 
 def export(store: Store, name: str, fmt: str = "markdown") -> str:
@@ -36,6 +44,9 @@ def _markdown(store: Store, name: str, messages: list[dict]) -> str:
     parts = [f"# Session {name}\n"]
     for m in messages:
         body = _content(m.get("content", ""), sizes) + "".join(_call(c) for c in m.get("tool_calls") or [])
+        stop = m.get("stop")
+        if isinstance(stop, str) and stop in STOP_MARKS:
+            body += STOP_MARKS[stop] + "\n"
         if body.strip():
             parts.append(f"## {m.get('role', 'message')}\n")
             parts.append(body)

@@ -285,6 +285,7 @@ def test_ctrl_c_during_a_prefill_keeps_the_prompt_with_an_empty_reply(store, tmp
         assert agent.state.length <= len(agent.log) and store.verify("s")[0].ok
         assert agent.turn("three").text == "second"
     assert [m["content"] for m in store.messages("s")][-4:] == ["two", "", "three", "second"]
+    assert "## user\n\ntwo\n\n## assistant\n\n*(interrupted)*\n" in store.export("s")  # the empty reply is shown
 
 
 def test_a_history_whose_prefill_fails_is_not_logged(store, tmp_path, monkeypatch):
@@ -305,3 +306,52 @@ def test_a_history_whose_prefill_fails_is_not_logged(store, tmp_path, monkeypatc
         agent.add_history(history)
         assert rt.engine.prompts == [agent.log] and store.messages("s") == history
     assert not store.verify("s")[0].ok  # it ends at a prompt not yet answered, as add_history said
+
+
+# ---------------------------------------------------------------------------- why a reply stopped
+class InterruptedRuntime(ScriptedRuntime):
+    """The scripted double, whose engine is interrupted (Ctrl-C) after a few tokens of its next reply."""
+
+    def __init__(self, script: list[str]):
+        super().__init__(script)
+
+        def generate(state, params):
+            yield from rt_tokens(self, "Half an ans")
+            raise KeyboardInterrupt
+
+        self.engine.generate = generate
+
+
+def test_an_interrupted_reply_is_saved_with_its_stop_and_exported_marked(store, tmp_path):
+    rt = InterruptedRuntime([])
+    with Agent(rt, store, _options(tmp_path, tools=[])) as agent:
+        result = agent.turn("Tell me a story.")
+    assert result.stop == "interrupted" and result.text == "Half an ans"
+    assert store.messages("s")[-1]["stop"] == "interrupted"
+    assert store.export("s").endswith("## assistant\n\nHalf an ans\n*(interrupted)*\n")
+
+
+def test_a_reply_cut_short_and_a_tool_loop_at_the_step_limit_are_marked(store, tmp_path):
+    rt = ScriptedRuntime(["A long answer that does not fit", tool_call("calculator", expression="1+1")])
+    options = AgentOptions(session="s", workspace=tmp_path, tools=["calculator"], sampling=Sampling(max_new_tokens=3),
+                           max_steps=1)
+    with Agent(rt, store, options) as agent:
+        assert agent.turn("Say a lot.").stop == "max_tokens"
+        agent.opts.sampling = Sampling(max_new_tokens=200)
+        assert agent.turn("Add 1 and 1.").stop == "max_steps"
+    assert [m.get("stop") for m in store.messages("s") if m["role"] == "assistant"] == ["max_tokens", "max_steps"]
+    md = store.export("s")
+    assert "*(cut short: the token limit of a reply)*" in md
+    assert md.endswith('→ calculator({"expression": "1+1"})\n*(stopped at the step limit: these tool calls were not run)*\n')
+
+
+def test_ctrl_c_outside_generation_marks_the_kept_turn_interrupted(store, tmp_path, monkeypatch):
+    rt = ScriptedRuntime([tool_call("calculator", expression="6*7")])
+    with Agent(rt, store, _options(tmp_path, tools=["calculator"])) as agent:
+        monkeypatch.setattr(agent.runner, "run", lambda name, raw: (_ for _ in ()).throw(KeyboardInterrupt))
+        with pytest.raises(KeyboardInterrupt):
+            agent.turn("What is 6*7?")
+    replies = [m for m in store.messages("s") if m["role"] == "assistant"]
+    assert len(replies) == 1 and replies[0]["stop"] == "interrupted" and replies[0]["tool_calls"]
+    assert store.export("s").endswith('→ calculator({"expression": "6*7"})\n*(interrupted)*\n')
+    assert store.verify("s")[0].ok

@@ -161,6 +161,18 @@ def test_storage_and_export(store):
         store.export("a", "html")
 
 
+def test_replies_saved_without_a_stop_export_as_before(store):
+    """Stores written before replies recorded why they stopped: no mark, the Markdown of old;
+    a reply that ended normally (stop eos) has none either."""
+    save(store, "a", 0, 4, msgs=[{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"},
+                                 {"role": "user", "content": "and?"},
+                                 {"role": "assistant", "content": "", "tool_calls": []}])
+    before = "# Session a\n\n## user\n\nhello\n\n## assistant\n\nhi\n\n## user\n\nand?\n"
+    assert store.export("a") == before
+    save(store, "a", 4, 2, msgs=[{"role": "user", "content": "ok"}, {"role": "assistant", "content": "bye", "stop": "eos"}])
+    assert store.export("a") == before + "\n## user\n\nok\n\n## assistant\n\nbye\n"
+
+
 def test_stored_bytes_per_token_within_5_percent_of_formula():
     chunks = [v41_chunk(i * 256, (i + 1) * 256, seed=i) for i in range(4)]
     assert chunks[0].nbytes == 890 * 256
