@@ -1,7 +1,9 @@
 """The agent turn loop (RUNTIME.md §4-§5): one session, its token log, its live state.
 
 Owns: opening or resuming a session (fingerprint check, stored KV chunks, RAM-pool hit
-or bounded replay), appending user input to the token log with the V4.1 encoding (never
+or bounded replay), starting a new session's first prefill from the KV other sessions
+stored for the same leading tokens (the system prompt and tools; a resume's bounded replay
+before it), appending user input to the token log with the V4.1 encoding (never
 re-rendering history), prefill, streamed generation parsed for DSML tool calls, running
 tools under the approval policy, feeding results and images back, and one save point
 per turn; also logging a given history without generating (``add_history``) and
@@ -38,7 +40,7 @@ from model.dspark import speculator_for
 from model.dsml import DSMLError, StreamParser, TextDelta, ReasoningDelta, parse_completion
 from model.engine import ContextLimitError, Sampling, State
 from model.vision import expand_spans
-from sessions import ImageSpan, KVChunk, LocalStatePool, Store
+from sessions import ImageSpan, KVChunk, LocalStatePool, SaveResult, Store
 from tools import ToolRunner, Workspace, builtin_toolbox
 
 
@@ -73,6 +75,7 @@ class AgentOptions:
     tool_timeout_s: float = 30.0
     tool_output_cap: int = 16_000
     speculative: bool = True  # DSpark when the checkpoint has draft stages
+    prefix_cache: bool = True  # a new session starts from KV stored for the same prefix (system prompt, tools)
 
 
 @dataclass
@@ -105,6 +108,7 @@ class Agent:
         self.kv_refused: list[str] = []  # why stored KV was dropped on resume (rebuilt from the log)
         self._stack = ExitStack()
         self.name = ""
+        self.last_save: SaveResult | None = None  # what the newest save point wrote
         self._touched = False  # the engine ran on the state during the turn in progress
 
     # ------------------------------------------------------------------ open / resume
@@ -128,6 +132,7 @@ class Agent:
     def _fresh(self) -> None:
         self.messages, self.log, self.spans = [], [], []
         self.saved_messages = self.saved_tokens = self.saved_spans = self.next_chunk = 0
+        self.shared_tokens = 0  # leading tokens whose KV came from chunks stored by other sessions
         self.new_images: dict[str, bytes] = {}
         self.state = self.rt.engine.new_state()
 
@@ -147,15 +152,18 @@ class Agent:
             return
         self._restore_kv(loaded)
 
-    def _restore_kv(self, loaded) -> None:
-        """Import the stored global KV, then replay the window before it."""
+    def _restore_kv(self, loaded, *, own: bool = True) -> None:
+        """Import the stored global KV, then replay the window before it. ``own``: the KV is
+        the session's (a refusal is a cache refused); else it is another session's prefix."""
         k = loaded.kv_tokens
         try:
             cache = Cache.from_chunks(self.rt.args, [c.blobs for c in loaded.kv], k, device=self.rt.model.device)
         except CacheFormatError as e:
-            message = f"stored KV refused ({e}); rebuilding from the token log"
+            message = f"stored KV refused ({e}); " + ("rebuilding from the token log" if own else
+                                                     "prefilling the whole prompt")
             self.emit({"event": "warning", "message": message})
-            self.kv_refused.append(message)
+            if own:
+                self.kv_refused.append(message)
             cache, k = self.rt.model.new_cache(1), 0
         self.state = State(cache=cache)
         self.next_chunk = loaded.next_chunk_start if k else 0
@@ -220,7 +228,7 @@ class Agent:
         RAM pool's copy, if any, is this same object, so it cannot serve.)"""
         if self.pool is not None:
             self.pool.pop(self.name)
-        self.state = self.rt.engine.new_state()
+        self.state, self.shared_tokens = self.rt.engine.new_state(), 0
         try:
             loaded = self.store.load(self.name, fingerprint=self.rt.fingerprint, chunk_tokens=self.opts.chunk_tokens)
             if loaded.tokens != self.log:  # the store is the truth: what it holds is what comes next
@@ -311,6 +319,8 @@ class Agent:
 
     # ------------------------------------------------------------------ model I/O
     def _prefill_pending(self) -> None:
+        if self.opts.prefix_cache and self.saved_tokens == 0 and self.state.length == 0:
+            self._reuse_prefix()
         start, end = self.state.length, len(self.log)
         if start == end:
             return
@@ -326,6 +336,20 @@ class Agent:
                                    f"model's context of {self.rt.engine.max_context} tokens; start a new session "
                                    "(run without --session or with a new name; /clear in chat)") from None
         self.usage.prompt_tokens += end - start
+
+    def _reuse_prefix(self) -> None:
+        """A new session's first prompt: take the global KV that other sessions stored for the
+        same leading tokens (the system prompt and tool schemas, in whole chunks), replay the
+        window before it as a resume does, and leave the rest to the prefill. The first save
+        links those chunks instead of writing them again."""
+        prefix = self.store.prefix_chunks(self.log, self.spans, fingerprint=self.rt.fingerprint,
+                                          chunk_tokens=self.opts.chunk_tokens)
+        for w in prefix.warnings:
+            self.emit({"event": "warning", "message": w})
+        if prefix.kv_tokens:
+            self._touched = True
+            self._restore_kv(prefix, own=False)
+            self.shared_tokens = self.next_chunk
 
     def _respond(self) -> tuple[dict, list[dict], str]:
         """Prefill what is pending, stream the reply, parse it into a message and calls."""
@@ -432,10 +456,11 @@ class Agent:
         res = self.store.save_point(
             self.name, messages=self.messages[self.saved_messages:], new_tokens=self.log[self.saved_tokens:],
             image_spans=self.spans[self.saved_spans:], images=self.new_images, kv_chunks=chunks,
-            fingerprint=self.rt.fingerprint, chunk_tokens=ct,
+            fingerprint=self.rt.fingerprint, chunk_tokens=ct, shared_tokens=self.shared_tokens if kv else 0,
             closed=not self.messages or self.messages[-1].get("role") == "assistant")
         self.saved_messages, self.saved_tokens, self.saved_spans = len(self.messages), len(self.log), len(self.spans)
-        self.next_chunk, self.new_images = res.next_chunk_start, {}
+        self.next_chunk, self.new_images, self.shared_tokens = res.next_chunk_start, {}, 0
+        self.last_save = res
 
     def stats(self) -> dict:
         c = self.state.cache

@@ -114,6 +114,9 @@ THREADS = typer.Option(None, "--threads", min=1, metavar="N",
                             "and cgroup quota).")
 SPECULATIVE = typer.Option(True, "--speculative/--no-speculative",
                            help="DSpark speculative decoding (off by itself when the checkpoint has no draft stages).")
+PREFIX_CACHE = typer.Option(None, "--prefix-cache/--no-prefix-cache",
+                            help="A new session starts from the KV other sessions stored for the same system prompt "
+                                 "and tools, replaying the window before it. \\[default: on]")
 
 
 def load_runtime(d: Defaults, device: str, weights: str = "plain") -> Runtime:
@@ -132,6 +135,7 @@ def agent_options(d: Defaults, session, tools, max_steps, seed, workspace, specu
 
     sampling = Sampling(temperature=d.temperature, seed=seed, max_new_tokens=d.max_new_tokens)
     return AgentOptions(session=session, thinking_mode=d.thinking, tools=tools or None, policy=d.policy,
+                        prefix_cache=d.prefix_cache,
                         workspace=workspace or Path.cwd(), max_steps=max_steps, sampling=sampling,
                         speculative=speculative)
 
@@ -143,6 +147,13 @@ def _defaults(model, preset, policy, yes, thinking, max_new, temperature, thread
         raise FlagError(f"pass --yes or --policy {policy}, not both (--yes means --policy yes)")
     return resolve(model=model, preset=preset, policy="yes" if yes else policy, thinking=thinking,
                    max_new_tokens=max_new, temperature=temperature, threads=threads)
+
+
+def _with_prefix_cache(d: Defaults, flag: bool | None) -> Defaults:
+    """--prefix-cache / --no-prefix-cache over config.toml's prefix_cache and DSAGENT_PREFIX_CACHE."""
+    from dataclasses import replace
+
+    return d if flag is None else replace(d, prefix_cache=flag)
 
 
 def _checked(d: Defaults, session: str | None, tools: list[str] | None, workspace: Path | None,
@@ -168,6 +179,7 @@ def run(
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
     weights: str = WEIGHTS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
+    prefix_cache: Optional[bool] = PREFIX_CACHE,
     as_json: bool = typer.Option(False, "--json", help="Print one result object on stdout."),
     jsonl: bool = typer.Option(False, "--jsonl", help="Print every event as a JSON line on stdout."),
 ) -> None:
@@ -177,6 +189,7 @@ def run(
         if as_json and jsonl:
             raise FlagError("pass --json or --jsonl, not both")
         d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature, threads)
+        d = _with_prefix_cache(d, prefix_cache)
         images = preflight.read_images(image)
         _checked(d, session, tool, workspace, seed)
         text = preflight.prompt_text(prompt, notice=_notice(err))
@@ -265,6 +278,7 @@ def chat(
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
     weights: str = WEIGHTS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
+    prefix_cache: Optional[bool] = PREFIX_CACHE,
 ) -> None:
     """Chat interactively; /help lists the slash commands, Ctrl-C stops a reply, Ctrl-D leaves."""
     out, err = consoles()
@@ -273,6 +287,7 @@ def chat(
             raise FlagError("pass --session or --continue, not both")
         tolerant_stdin()
         d = _defaults(model, preset, policy, yes, thinking, max_new_tokens, temperature, threads)
+        d = _with_prefix_cache(d, prefix_cache)
         _checked(d, session, tool, workspace, seed)
         preflight.check_device(device)
         _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, weights, speculative, out, err)

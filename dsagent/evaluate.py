@@ -1,4 +1,4 @@
-"""Skill evaluation of a model on held-out corpus records, in four cache modes.
+"""Skill evaluation of a model on held-out corpus records, in five cache modes.
 
 Owns: cutting held-out records of the synthetic corpus (``dsagent.corpus``) into cases,
 generating each case's reply in every mode, scoring replies, and the result (accuracy
@@ -54,10 +54,18 @@ Modes, one column each:
             is closed without a RAM pool (the local state is gone), a new Agent resumes
             the session from disk (stored global KV chunks + replay of the last window
             tokens) and generates the target (``reply``)
+  prefix    another session (its prompt the case's system message and tools, then "Hello.")
+            is stored first, once per system message, in a store the generator keeps; the
+            case is then logged by a new Agent in that store, whose first prefill starts
+            from that session's stored chunks of the shared prefix (whole chunks, 2,048
+            tokens of the corpus's 2.2K-token system prompt) with the window before them
+            replayed, and prefills only the rest; it generates the target in the same Agent,
+            and its session is removed (no case reuses another case's chunks)
 
 Beside the accuracy, the result reports per mode the fraction of cases whose reply is
 identical to the ``ced`` reply (for ``float-kv``: FP4 vs float KV) and the seconds spent
-(for resume: prefill, save, load, replay and generation).
+(for resume: prefill, save, load, replay and generation; for prefix: the lookup, import,
+replay, prefill, save and generation, without the one stored session each system message needs).
 """
 from __future__ import annotations
 
@@ -68,7 +76,7 @@ import secrets
 import tempfile
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
@@ -87,7 +95,7 @@ from sessions import Store
 
 HELD_OUT_SEED = 7919
 TRAIN_SEEDS = (31, 34, 60, 74, 80, 82, 84, 90, 92, 94)  # the corpus seeds the embedded default learnt from (model/assets/default/TRAINING.json)
-MODES = ("exact", "ced", "float-kv", "resume")
+MODES = ("exact", "ced", "float-kv", "resume", "prefix")
 SKILLS = (*KINDS, "r")  # the corpus kinds a-e, and r: kind b's records cut after the tool results
 SKILL_NAMES = {**KINDS, "r": "read_back"}
 SLACK = 16  # new tokens allowed beyond the target's length
@@ -278,14 +286,22 @@ def prompt_inputs(rt: Runtime, case: Case) -> tuple[torch.Tensor, tuple | None]:
 
 
 class ModelGenerator:
-    """The real model in the four modes; greedy, budget per case (module docstring).
-    ``store_home``: where resume sessions are stored (kept); default a temporary home."""
+    """The real model in the five modes; greedy, budget per case (module docstring).
+    ``store_home``: where resume and prefix sessions are stored (kept); default temporary
+    homes (the prefix mode's lives until :meth:`close`)."""
 
     def __init__(self, runtime: Runtime, *, max_new_tokens: int = MAX_NEW_TOKENS, store_home: Path | None = None):
         model, chunk, limit = runtime.model, runtime.engine.chunk, runtime.engine.max_context
         self.engines = {mode: Engine(model, mode=mode, chunk=chunk, max_context=limit) for mode in ("exact", "ced")}
         self.rt = Runtime(model, runtime.tokenizer, self.engines["ced"], runtime.fingerprint, runtime.source)
         self.max_new_tokens, self.store_home = max_new_tokens, store_home
+        self._kept = ExitStack()  # the prefix mode's store, open across cases
+        self._prefix_store: Store | None = None
+        self._stored_prefixes: set[str] = set()
+
+    def close(self) -> None:
+        self._kept.close()
+        self._prefix_store = None
 
     def budget(self, case: Case) -> int:
         return min(self.max_new_tokens, case.expected_tokens + SLACK)
@@ -293,6 +309,8 @@ class ModelGenerator:
     def complete(self, case: Case, mode: str) -> Completion:
         if mode == "resume":
             return self._resumed(case)
+        if mode == "prefix":
+            return self._prefixed(case)
         kv = KVFormat.FLOAT if mode == "float-kv" else KVFormat.PACKED
         engine = self.engines["exact" if mode == "exact" else "ced"]
         state = engine.new_state(kv=kv)
@@ -310,8 +328,7 @@ class ModelGenerator:
         with ExitStack() as stack:
             home = self.store_home or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dsagent-eval-")))
             store = stack.enter_context(Store.open(home))
-            opts = AgentOptions(session=f"eval-{case.id}-{secrets.token_hex(3)}", thinking_mode=case.thinking_mode,
-                                workspace=home, sampling=Sampling(max_new_tokens=self.budget(case)), speculative=False)
+            opts = self._options(case, home, prefix_cache=False)  # its own KV only: the yardstick
             with Agent(self.rt, store, opts) as agent:
                 agent.add_history(case.prompt, case.images)
             with Agent(self.rt, store, opts) as agent:  # no RAM pool: resumed from disk
@@ -319,6 +336,37 @@ class ModelGenerator:
                 agent.reply()
                 out, usage = agent.log[start:], asdict(agent.usage)
         return Completion(self.rt.tokenizer.decode(out), {**usage, "session": opts.session, "log_tokens": start})
+
+    def _options(self, case: Case, home: Path, **kw) -> AgentOptions:
+        return AgentOptions(session=f"eval-{case.id}-{secrets.token_hex(3)}", thinking_mode=case.thinking_mode,
+                            workspace=home, sampling=Sampling(max_new_tokens=self.budget(case)), speculative=False,
+                            **kw)
+
+    def _prefixed(self, case: Case) -> Completion:
+        """A new session over a store where another session already holds the case's system prompt.
+        The case's session is removed after it, so that no case reuses another case's chunks."""
+        store = self._store_for_prefix(case)
+        with Agent(self.rt, store, self._options(case, store.home)) as agent:
+            agent.add_history(case.prompt, case.images)
+            start = len(agent.log)
+            agent.reply()
+            out, usage = agent.log[start:], asdict(agent.usage)
+        store.rm(agent.name)
+        return Completion(self.rt.tokenizer.decode(out), {**usage, "log_tokens": start})
+
+    def _store_for_prefix(self, case: Case) -> Store:
+        """The kept store, holding a session that began with the case's system message (stored once)."""
+        if self._prefix_store is None:
+            home = self.store_home or self._kept.enter_context(tempfile.TemporaryDirectory(prefix="dsagent-eval-"))
+            self._prefix_store = self._kept.enter_context(Store.open(Path(home)))
+        system = case.prompt[0]
+        key = json.dumps([system, case.thinking_mode], sort_keys=True)
+        if key not in self._stored_prefixes:
+            opts = replace(self._options(case, self._prefix_store.home), session=f"eval-system-{secrets.token_hex(3)}")
+            with Agent(self.rt, self._prefix_store, opts) as agent:
+                agent.add_history([system, {"role": "user", "content": "Hello."}])
+            self._stored_prefixes.add(key)
+        return self._prefix_store
 
 
 # -- the evaluation ---------------------------------------------------------------------
@@ -395,6 +443,10 @@ def run_eval(runtime: Runtime, *, n: int = 10, seed: int = HELD_OUT_SEED, skills
              progress: Callable[[int, int], None] | None = None) -> EvalResult:
     """The held-out evaluation of ``runtime``'s model: ``n`` cases per skill, every mode."""
     cases = make_cases(runtime.tokenizer, n=n, seed=seed, skills=skills, recall_tokens=recall_tokens)
-    result = evaluate(ModelGenerator(runtime, max_new_tokens=max_new_tokens), cases, modes, progress=progress)
+    generator = ModelGenerator(runtime, max_new_tokens=max_new_tokens)
+    try:
+        result = evaluate(generator, cases, modes, progress=progress)
+    finally:
+        generator.close()
     result.seed, result.recall_tokens = seed, tuple(recall_tokens)
     return result

@@ -1,8 +1,8 @@
 """User defaults of the CLI: `$DSAGENT_HOME/config.toml` < environment < flags.
 
 Owns: the few defaults a person may want to set once (model, preset, approval policy,
-thinking mode, max new tokens, sampling temperature, compute threads) and where they come
-from. Flags
+thinking mode, max new tokens, sampling temperature, compute threads, the shared prefix
+cache) and where they come from. Flags
 win; a command passes its flag values (None when not given) to `resolve`. Does not own
 the runtime settings of a loaded model (`dsagent.runtime.Settings`) nor the store's
 location (`sessions.default_home`, which reads `DSAGENT_HOME`). Every value is checked
@@ -16,6 +16,7 @@ anything.
     max_new_tokens = 512
     temperature = 0.0
     threads = 4                     # torch's threads (default: the CPUs this process may use)
+    prefix_cache = false            # a new session prefills its system prompt itself (default: true)
 
 Imports neither torch nor the model: `dsagent --help` and every refusal of a bad setting
 run without them.
@@ -59,6 +60,7 @@ class Defaults:
     max_new_tokens: int = 256
     temperature: float = 0.0
     threads: int | None = None  # None: the CPUs this process may use (dsagent.threads)
+    prefix_cache: bool = True  # a new session reuses KV stored for the same prefix by other sessions
 
 
 _ENV = {f.name: "DSAGENT_" + f.name.upper() for f in fields(Defaults)}
@@ -78,8 +80,16 @@ def config_path() -> Path:
     return default_home() / CONFIG_NAME
 
 
+_BOOLS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
 def _typed(name: str, value, source: str):
     kind = {f.name: f.type for f in fields(Defaults)}[name]
+    if kind == "bool":
+        typed = value if isinstance(value, bool) else _BOOLS.get(str(value).strip().lower())
+        if typed is None:
+            raise SettingError(f"{source}: {name} = {value!r} is not a boolean (true or false, 1 or 0)")
+        return typed
     try:
         typed = int(value) if "int" in kind else float(value) if "float" in kind else str(value)
     except (TypeError, ValueError):

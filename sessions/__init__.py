@@ -14,11 +14,11 @@ from .errors import (
 from .integrity import RepairPlan
 from .manage import GcResult, PruneResult, SessionStorage, StorageReport, VerifyResult
 from .pool import LocalStatePool, ResumePlan, plan_resume
-from .store import DB_NAME, Loaded, SaveResult, SessionInfo, Store, default_home
+from .store import DB_NAME, Loaded, Prefix, SaveResult, SessionInfo, Store, default_home
 
 __all__ = [
     "DB_NAME", "DEFAULT_ZSTD_LEVEL", "FORMAT_VERSION", "BlobError", "GcResult", "ImageSpan",
-    "KVChunk", "LocalStatePool", "Loaded", "NotADatabase", "PruneResult", "RepairPlan", "ResumePlan",
+    "KVChunk", "LocalStatePool", "Loaded", "NotADatabase", "Prefix", "PruneResult", "RepairPlan", "ResumePlan",
     "SaveResult", "SchemaTooNew", "SessionDamaged", "SessionExists", "SessionInUse", "SessionInfo",
     "SessionNotFound", "SessionStorage", "StorageReport", "Store", "StoreError", "StoreFull",
     "StoreReadOnly", "VerifyResult", "default_home", "plan_resume",

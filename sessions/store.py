@@ -4,10 +4,12 @@ and the global-KV chunks derived from them.
 Owns: opening the file (and refusing one that is not SQLite or is too new; opening one
 this process may not write read-only), the session rows, the save point (one transaction
 per turn), loading a session with the longest prefix of KV chunks that passes every
-check, and turning SQLite's and the file system's errors into typed `StoreError`s that
-name the file (disk full, read-only, busy, damaged). Does not own: what the
-messages, tokens or KV bytes mean (`dsagent` and `model` decide), recomputing KV
-(the engine prefills what we could not return), or printing anything.
+check, finding the chunks any session stored for a new session's leading tokens (and
+linking them into its chain rather than writing them again), and turning SQLite's and
+the file system's errors into typed `StoreError`s that name the file (disk full,
+read-only, busy, damaged). Does not own: what the messages, tokens or KV bytes mean
+(`dsagent` and `model` decide), recomputing KV (the engine prefills what we could not
+return), or printing anything.
 
 Management (fork, rm, prune, verify, gc, storage, export) lives in `manage.py`;
 the methods here only delegate to it, so that callers see one object.
@@ -85,6 +87,21 @@ class Loaded:
     def next_chunk_start(self) -> int:
         """Where the first chunk of the next save point must start."""
         return self.kv_tokens - self.kv_tokens % self.chunk_tokens
+
+
+@dataclass
+class Prefix:
+    """Stored KV chunks that match the start of a new session's tokens (`Store.prefix_chunks`),
+    made by whichever sessions stored them; resumed from as a `Loaded` is."""
+
+    kv: list[KVChunk]  # whole chunks from token 0, payloads decoded
+    kv_tokens: int
+    warnings: list[str]  # a matching chunk that failed a check, where the prefix stops
+    chunk_tokens: int
+
+    @property
+    def next_chunk_start(self) -> int:
+        return self.kv_tokens
 
 
 @dataclass(frozen=True)
@@ -376,6 +393,7 @@ class Store:
         self, name: str, *, messages: Sequence[dict] = (), new_tokens: Sequence[int] = (),
         image_spans: Sequence[ImageSpan] = (), images: dict[str, bytes] | None = None,
         kv_chunks: Sequence[KVChunk] = (), fingerprint: str, chunk_tokens: int, closed: bool = True,
+        shared_tokens: int = 0,
     ) -> SaveResult:
         """Append one turn (messages, tokens, images, KV chunks) in ONE transaction.
 
@@ -385,7 +403,14 @@ class Store:
         later than the previous save's `next_chunk_start` (earlier rewrites the chain from
         there), be contiguous, all of `chunk_tokens` tokens but the last, and end within
         the token log.
+
+        `shared_tokens`: tokens [0, shared_tokens) of a session with no KV yet have whole
+        chunks already in the store under the keys its own tokens give (`prefix_chunks`
+        found them): they are linked into its chain, not written again, and `kv_chunks`
+        go on from there.
         """
+        if shared_tokens % chunk_tokens:
+            raise ValueError(f"shared_tokens ({shared_tokens}) must be whole chunks of {chunk_tokens}")
         images = dict(images or {})
         _check_images(images)
         encoded = [self._encode(ch) for ch in kv_chunks]  # compress outside the write lock
@@ -396,7 +421,7 @@ class Store:
             self._append_messages(sid, row["n_messages"], messages)
             self._append_tokens(sid, n0, new_tokens)
             self._add_images(sid, images, image_spans, n1)
-            kv_tokens, written = self._write_kv(row, n1, encoded, fingerprint, chunk_tokens)
+            kv_tokens, written = self._write_kv(row, n1, encoded, fingerprint, chunk_tokens, shared_tokens)
             n_messages = row["n_messages"] + len(messages)
             self.conn.execute(
                 "update sessions set n_tokens = ?, n_messages = ?, updated_at = ?,"
@@ -480,11 +505,16 @@ class Store:
             self.conn.execute("delete from kv_chunks where key = ? and not exists"
                               " (select 1 from session_chunks where key = ?)", [key, key])
 
-    def _write_kv(self, row: dict, n_tokens: int, encoded: list, fingerprint: str, C: int) -> tuple[int, int]:
+    def _write_kv(self, row: dict, n_tokens: int, encoded: list, fingerprint: str, C: int,
+                  shared: int = 0) -> tuple[int, int]:
         sid, chain = row["id"], self._chain(row["id"])
         if row["fingerprint"] != fingerprint or row["chunk_tokens"] not in (None, C):
             self._truncate_chain(sid, chain, 0)
             chain = []
+        if shared and not chain:
+            chain = self._link_shared(sid, min(shared, n_tokens), fingerprint, C)
+            if encoded and encoded[0][0].start > (chain[-1]["end"] if chain else 0):
+                encoded = []  # a shared chunk was collected since it was found: keep the chain there is
         if not encoded:
             return (chain[-1]["end"] if chain else 0), 0
         first = encoded[0][0].start
@@ -500,6 +530,31 @@ class Store:
             written += self._put_chunk(sid, ch.start // C, key, ch, blobs, fingerprint)
             parent = key
         return encoded[-1][0].end, written
+
+    def _link_shared(self, sid: int, n: int, fingerprint: str, C: int) -> list[dict]:
+        """Link the stored chunks of tokens [0, n) into the session's empty chain, up to the
+        first one no longer stored; return the chain."""
+        tokens, spans, parent = self._tokens_from(sid, 0)[:n], self._spans(sid), ROOT_KEY
+        for start in range(0, n - n % C, C):
+            key = chunk_key(parent, start, tokens[start:start + C], spans_in(spans, start, start + C), fingerprint)
+            layers = self._linked_layers(key)
+            stored = {r[0] for r in self.conn.execute("select layer from kv_chunks where key = ?", [key])}
+            if layers is None or not set(layers) <= stored:
+                break
+            self.conn.execute("insert into session_chunks values (?, ?, ?, ?, ?, ?)",
+                              [sid, start // C, key, start, start + C, json.dumps(layers)])
+            parent = key
+        return self._chain(sid)
+
+    def _linked_layers(self, key: str) -> list[str] | None:
+        """The layers of chunk ``key`` as a session that links it lists them; None when no
+        session does (rows no session links wait for gc and are not reused)."""
+        row = self.conn.execute("select layers from session_chunks where key = ? limit 1", [key]).fetchone()
+        try:
+            layers = json.loads(row[0]) if row else None
+        except ValueError:
+            return None
+        return layers if isinstance(layers, list) and layers else None
 
     def _put_chunk(self, sid: int, idx: int, key: str, ch: KVChunk, blobs: dict[str, bytes], fingerprint: str) -> int:
         for layer, blob in blobs.items():
@@ -557,16 +612,43 @@ class Store:
         key = chunk_key(parent, start, tokens[start:end], spans_in(spans, start, end), fingerprint)
         if key != link["key"]:
             raise BlobError("does not match the token log or model (chain hash differs)")
+        return self._read_chunk(key, json.loads(link["layers"]), start, end, fingerprint)
+
+    def _read_chunk(self, key: str, layers: list[str], start: int, end: int, fingerprint: str) -> KVChunk:
+        """The decoded blobs of chunk ``key``; a BlobError when any layer is missing or fails a check."""
         rows = {r["layer"]: r for r in self.db.query("select * from kv_chunks where key = ?", [key])}
-        missing = sorted(set(json.loads(link["layers"])) - rows.keys())
+        missing = sorted(set(layers) - rows.keys())
         if missing:
             raise BlobError(f"is missing layer(s) {', '.join(missing)}")
         blobs = {}
-        for layer in json.loads(link["layers"]):
+        for layer in layers:
             if rows[layer]["fingerprint"] != fingerprint:
                 raise BlobError(f"layer {layer} was made by another model")
             blobs[layer] = decode_blob(rows[layer]["blob"], layer=layer, start=start, end=end)
         return KVChunk(start, end, blobs)
+
+    def prefix_chunks(self, tokens: Sequence[int], spans: Sequence[ImageSpan], *, fingerprint: str,
+                      chunk_tokens: int) -> Prefix:
+        """The longest chain of stored chunks, whichever sessions stored them, whose keys are
+        the ones ``tokens`` (with the image ``spans`` among them) give from the root, as a
+        save would compute them: whole chunks only, none reaching the last token (a prefill
+        must be left to give the next logits); it stops at the first key not stored, and at
+        the first chunk that fails a check (with a warning)."""
+        C, good, warnings, parent = chunk_tokens, [], [], ROOT_KEY
+        with self._read():
+            for start in range(0, len(tokens) - C, C):
+                key = chunk_key(parent, start, tokens[start:start + C], spans_in(spans, start, start + C), fingerprint)
+                layers = self._linked_layers(key)
+                if layers is None:
+                    break
+                try:
+                    good.append(self._read_chunk(key, layers, start, start + C, fingerprint))
+                except BlobError as exc:
+                    warnings.append(f"stored KV chunk {key[:12]}… (tokens {start}-{start + C}) {exc}; "
+                                    f"not reused, prefilling from token {start}")
+                    break
+                parent = key
+        return Prefix(good, good[-1].end if good else 0, warnings, C)
 
     # -- management (see manage.py) --------------------------------------------
 

@@ -3,7 +3,8 @@
 Scoring rules are checked on hand-made completions; two scripted test doubles (one
 answering with the ground truth, one always wrong) go through the same `evaluate` code;
 the real embedded model runs the resume mode through a real Store on a short hand-made
-case, and the CLI on one held-out case of skill a.
+case, and the CLI on one held-out case of skill a (the prefix mode there starts from the
+system prompt another session stored).
 """
 import io
 import json
@@ -225,9 +226,12 @@ def test_cli_eval_json_on_the_embedded_default(monkeypatch, tmp_path):
     out = json.loads(r.stdout)
     assert out["seed"] == 7919 and out["skills"] == ["a"] and out["modes"] == list(MODES)
     assert set(out["accuracy"]["a"]) == set(MODES) and all(v["n"] == 1 for v in out["accuracy"]["a"].values())
-    assert set(out["identical_to_ced"]) == {"exact", "float-kv", "resume"}
+    assert set(out["identical_to_ced"]) == {"exact", "float-kv", "resume", "prefix"}
     resumed = next(c for c in out["cases"] if c["mode"] == "resume")
     assert resumed["stats"]["cached_tokens"] > 0 and resumed["stats"]["completion_tokens"] <= 2
+    prefixed = next(c for c in out["cases"] if c["mode"] == "prefix")["stats"]  # the system prompt's 8 chunks
+    assert (prefixed["cached_tokens"], prefixed["replayed_tokens"]) == (2048, 128)
+    assert prefixed["prompt_tokens"] == prefixed["log_tokens"] - 2048
 
 
 def test_cli_eval_refuses_bad_flags_before_loading():

@@ -1,10 +1,11 @@
-"""`dsagent bench prefill|decode|resume|linears|store`: the measurements of RUNTIME.md §9, printed.
+"""`dsagent bench prefill|decode|resume|linears|store|prefix`: the measurements of RUNTIME.md §9, printed.
 
 Owns: loading the model for a benchmark, building real FP4 KV payloads from a prefilled
 engine state for the store benchmark, and printing the returned dicts (JSON with
 `--json`, `key: value` lines otherwise). Does not own any measurement: those are
-`model.bench` (engine) and `sessions.bench` (store). Benchmarks are never tests.
-Those two are imported when a benchmark runs, not when the command line is built
+`model.bench` (engine), `sessions.bench` (store) and `dsagent.prefix_bench` (sessions
+sharing a prefix). Benchmarks are never tests.
+They are imported when a benchmark runs, not when the command line is built
 (`model.bench` imports torch, which `dsagent --help` must not wait for).
 """
 from __future__ import annotations
@@ -129,6 +130,17 @@ def store(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int
                   "store": store_throughput(chunks, tokens, chunk_tokens=chunk_tokens, zstd_level=DEFAULT_ZSTD_LEVEL,
                                             formula_bytes_per_token=rt.args.kv_bytes_per_token())}
         _emit(result, as_json)
+
+
+@app.command()
+def prefix(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, device: str = DEVICE, as_json: bool = JSON,
+           rounds: int = typer.Option(3, "--rounds", min=1, help="New sessions timed each way, alternated."),
+           prompt: str = typer.Option("What is 48 * 12?", "--prompt", help="The new sessions' first message.")) -> None:
+    """A new session's first turn with and without the KV stored for its system prompt and tools."""
+    with guarded():
+        from dsagent.prefix_bench import bench_prefix
+
+        _emit(bench_prefix(_runtime(model, preset, device), prompt=prompt, rounds=rounds), as_json)
 
 
 def real_chunks(rt: Runtime, ctx: int, chunk_tokens: int) -> tuple[list[KVChunk], list[int]]:

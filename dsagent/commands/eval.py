@@ -24,7 +24,7 @@ from dsagent.settings import FlagError, resolve
 
 # = dsagent.evaluate's HELD_OUT_SEED, MODES, SKILLS, MAX_NEW_TOKENS and dsagent.corpus's RECALL_TOKENS
 HELD_OUT_SEED = 7919
-MODES = ("exact", "ced", "float-kv", "resume")
+MODES = ("exact", "ced", "float-kv", "resume", "prefix")
 SKILLS = ("a", "b", "c", "d", "e", "r")
 MAX_NEW_TOKENS = 128
 RECALL_TOKENS = (2000, 6000)
@@ -47,7 +47,7 @@ def eval_command(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
-    """Score the model on held-out cases per skill, in exact, CED, float-KV and resumed modes."""
+    """Score the model on held-out cases per skill, in exact, CED, float-KV, resumed and shared-prefix modes."""
     out, err = consoles()
     with guarded():
         if model and preset:
