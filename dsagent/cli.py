@@ -109,6 +109,9 @@ def _weights_form(value: str) -> str:
 WEIGHTS = typer.Option("plain", "--weights", metavar="plain|packed", callback=_weights_form,
                        help="packed: the checkpoint's FP8 / FP4 weights held as stored (a fraction of the memory; "
                             "computed through dequantisation until their kernels land).")
+GPUS = typer.Option(1, "--gpus", min=1, metavar="N",
+                    help="Split the model over N processes, one a GPU from --device (on --device cpu, N CPU processes "
+                         "over gloo); this one drives the others.")
 THREADS = typer.Option(None, "--threads", min=1, metavar="N",
                        help="torch's compute threads (default: the CPUs this process may use, from its affinity "
                             "and cgroup quota).")
@@ -119,14 +122,22 @@ PREFIX_CACHE = typer.Option(None, "--prefix-cache/--no-prefix-cache",
                                  "and tools, replaying the window before it. \\[default: on]")
 
 
-def load_runtime(d: Defaults, device: str, weights: str = "plain") -> Runtime:
-    """The model the defaults choose, with a progress bar on stderr while it loads."""
+def load_runtime(d: Defaults, device: str, weights: str = "plain", gpus: int = 1) -> Runtime:
+    """The model the defaults choose, with a progress bar on stderr while it loads; over
+    ``gpus`` ranks this process starts, or torchrun's (whose ranks other than 0 follow rank 0
+    here and exit when it is done, printing nothing)."""
+    from dsagent import ranks
+
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    settings = Settings(model=d.model, preset=d.preset, device=device, dtype=dtype, threads=d.threads,
+                        weights=weights, gpus=gpus)
+    world = ranks.torchrun_world()
+    if world is not None and world.rank > 0:
+        ranks.follow_as(world, settings)
+        raise typer.Exit(0)
     _, err = consoles()
     with load_progress(err, "loading model") as progress:
-        settings = Settings(model=d.model, preset=d.preset, device=device, dtype=dtype, threads=d.threads,
-                            weights=weights)
-        return Runtime.load(settings, progress=progress)
+        return Runtime.load(settings, progress=progress, world=world)
 
 
 def agent_options(d: Defaults, session, tools, max_steps, seed, workspace, speculative=True):
@@ -178,7 +189,7 @@ def run(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
-    weights: str = WEIGHTS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
+    weights: str = WEIGHTS, gpus: int = GPUS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
     prefix_cache: Optional[bool] = PREFIX_CACHE,
     as_json: bool = typer.Option(False, "--json", help="Print one result object on stdout."),
     jsonl: bool = typer.Option(False, "--jsonl", help="Print every event as a JSON line on stdout."),
@@ -194,8 +205,9 @@ def run(
         _checked(d, session, tool, workspace, seed)
         text = preflight.prompt_text(prompt, notice=_notice(err))
         preflight.check_device(device)
-        code = _run_turn(d, text, images, session, tool, max_steps, seed, workspace, device, weights, speculative,
-                         as_json, jsonl, out, err)
+        preflight.check_gpus(gpus, device)
+        code = _run_turn(d, text, images, session, tool, max_steps, seed, workspace, device, weights, gpus,
+                         speculative, as_json, jsonl, out, err)
     raise typer.Exit(code)
 
 
@@ -203,13 +215,19 @@ def _notice(err):
     return (lambda message: err.print(f"[dim]{message}[/]")) if err.is_terminal else None
 
 
-def _run_turn(d: Defaults, text, images, session, tool, max_steps, seed, workspace, device, weights, speculative,
-              as_json, jsonl, out, err) -> int:
+def _run_turn(d: Defaults, text, images, session, tool, max_steps, seed, workspace, device, weights, gpus,
+              speculative, as_json, jsonl, out, err) -> int:
+    with load_runtime(d, device, weights, gpus) as rt:  # over several ranks, they leave with it
+        return _turn_on(rt, d, text, images, session, tool, max_steps, seed, workspace, speculative, as_json, jsonl,
+                        out, err)
+
+
+def _turn_on(rt: Runtime, d: Defaults, text, images, session, tool, max_steps, seed, workspace, speculative,
+             as_json, jsonl, out, err) -> int:
     from dsagent.agent import Agent
     from dsagent.chat import terminal_approver
     from sessions import Store
 
-    rt = load_runtime(d, device, weights)
     for data in images:  # decoded and checked now, so a bad image stops the run before the store opens
         rt.image_span(data)
     sink = _event_sink(as_json, jsonl, out, err)
@@ -277,7 +295,7 @@ def chat(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
-    weights: str = WEIGHTS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
+    weights: str = WEIGHTS, gpus: int = GPUS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
     prefix_cache: Optional[bool] = PREFIX_CACHE,
 ) -> None:
     """Chat interactively; /help lists the slash commands, Ctrl-C stops a reply, Ctrl-D leaves."""
@@ -290,16 +308,17 @@ def chat(
         d = _with_prefix_cache(d, prefix_cache)
         _checked(d, session, tool, workspace, seed)
         preflight.check_device(device)
-        _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, weights, speculative, out, err)
+        preflight.check_gpus(gpus, device)
+        _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, weights, gpus, speculative, out,
+              err)
 
 
-def _chat(d: Defaults, session, resume_latest, tool, max_steps, seed, workspace, device, weights, speculative, out,
-          err):
+def _chat(d: Defaults, session, resume_latest, tool, max_steps, seed, workspace, device, weights, gpus, speculative,
+          out, err):
     from dsagent.chat import ChatShell, latest_session
     from sessions import Store
 
-    rt = load_runtime(d, device, weights)
-    with Store.open() as store:
+    with load_runtime(d, device, weights, gpus) as rt, Store.open() as store:
         name = latest_session(store) if resume_latest else session
         if resume_latest and name is None:
             err.print("[dim]no session to continue; starting a new one[/]")

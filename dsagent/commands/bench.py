@@ -40,16 +40,22 @@ def _measure():
     return model.bench
 
 
-def _runtime(model: str | None, preset: str | None, device: str) -> Runtime:
-    from dsagent.preflight import check_device
+def _runtime(model: str | None, preset: str | None, device: str, gpus: int = 1) -> Runtime:
+    from dsagent import ranks
+    from dsagent.preflight import check_device, check_gpus
 
     check_device(device)
+    check_gpus(gpus, device)
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     threads = resolve().threads  # DSAGENT_THREADS or config.toml; else the CPUs this process may use
+    settings = Settings(model=model, preset=preset, device=device, dtype=dtype, threads=threads, gpus=gpus)
+    world = ranks.torchrun_world()  # torchrun's ranks other than 0 follow rank 0's benchmark, then exit
+    if world is not None and world.rank > 0:
+        ranks.follow_as(world, settings)
+        raise typer.Exit(0)
     _, err = consoles()
     with load_progress(err, "loading model") as progress:
-        return Runtime.load(Settings(model=model, preset=preset, device=device, dtype=dtype, threads=threads),
-                            progress=progress)
+        return Runtime.load(settings, progress=progress, world=world)
 
 
 def _emit(result: dict, as_json: bool) -> None:
@@ -82,19 +88,29 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
            host: bool = typer.Option(False, "--host", help="The host's time to issue a step beside the step's "
                                                            "time: near 1, the device waits on Python."),
            batch: int = typer.Option(1, "--batch", min=1, help="Rows of each --paths or --profile step (the MoE "
-                                                                "paths differ most at batch 16).")) -> None:
+                                                                "paths differ most at batch 16)."),
+           gpus: int = typer.Option(1, "--gpus", min=1, metavar="N",
+                                    help="The model split over N ranks (as run --gpus N); the step beside its "
+                                         "all-reduces. Not with --speculative, --paths, --profile or --host.")) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with guarded():
-        m = _runtime(model, preset, device).model
-        if profiled:
-            _emit(_measure().bench_profile(m, ctx, batch=batch, chained=chained), as_json)
-        elif host:
-            _emit(_measure().bench_host(m, ctx), as_json)
-        elif paths:
-            _emit(_measure().bench_paths(m, ctx, batch=batch), as_json)
-        else:
-            measure = _measure()
-            _emit(measure.bench_speculative(m, ctx) if speculative else measure.bench_decode(m, ctx, steps=8), as_json)
+        if gpus > 1 and (speculative or paths or profiled or host):
+            raise FlagError("--gpus N > 1 times the plain step only: leave out --speculative, --paths, --profile "
+                            "and --host")
+        with _runtime(model, preset, device, gpus) as rt:
+            _decode(rt.model, ctx, as_json, speculative, paths, profiled, chained, host, batch)
+
+
+def _decode(m, ctx, as_json, speculative, paths, profiled, chained, host, batch) -> None:
+    measure = _measure()
+    if profiled:
+        _emit(measure.bench_profile(m, ctx, batch=batch, chained=chained), as_json)
+    elif host:
+        _emit(measure.bench_host(m, ctx), as_json)
+    elif paths:
+        _emit(measure.bench_paths(m, ctx, batch=batch), as_json)
+    else:
+        _emit(measure.bench_speculative(m, ctx) if speculative else measure.bench_decode(m, ctx, steps=8), as_json)
 
 
 @app.command()
