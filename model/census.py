@@ -187,3 +187,54 @@ def decode_read_bytes(args: ModelArgs, ctx: int, weight_bytes: int = 2) -> dict[
     weights = census(args)["params_active_decode"] * weight_bytes
     return {"weights": weights, "window": window, "records": records, "index_keys": index,
             "total": weights + window + records + index}
+
+
+# ----------------------------------------------------------------------------- bytes a rank holds
+
+def rank_bytes(args: ModelArgs, ranks: int = 1, *, packed: bool = True, float_bytes: int = 2) -> dict[str, int]:
+    """Bytes of weights one rank of ``ranks`` holds (tensor parallel = expert parallel =
+    ``ranks``, ``model.linear.World``): each parameter as stored — ``packed``: the FP8 / FP4
+    families as the checkpoint stores them (e4m3 bytes + a ue8m0 scale a block; e2m1 pairs +
+    a scale a 32), else dequantised to ``float_bytes`` — times the share of it a rank holds
+    (read off a build over the world on the meta device: the split projections, vocabulary
+    and attention sinks; the routed experts 1 / ``ranks`` of them; the rest whole). The
+    Engram tables are given apart (``engram_tables``: whole, wherever they are kept)."""
+    from model.checkpoint import fp8_block_shape, stored_format
+    from model.linear import World
+
+    # few routed experts (a multiple of ranks, at least the top-k): the build is quick, and they
+    # are counted apart, 1 / ranks of the real ones
+    small = args.replace(n_routed_experts=ranks * -(-args.num_experts_per_tok // ranks))
+    with torch.device("meta"):
+        whole = dict(Transformer(small).named_parameters())
+        mine = {k: p.numel() for k, p in Transformer(small, World(0, ranks)).named_parameters()}
+        ffn = {name: p.shape for name, p in MoE(args).named_parameters()}  # the router's shapes follow the experts'
+    expert = {name.removeprefix("experts.0."): shape for name, shape in ffn.items() if name.startswith("experts.0.")}
+    out = {"ranks": ranks, "backbone": 0, "routed_experts": 0, "engram_tables": 0, "vision": 0, "dspark": 0}
+    for name, p in whole.items():
+        if ".ffn.experts." in name:
+            continue
+        shape = ffn[name.split(".ffn.", 1)[1]] if ".ffn." in name and name.startswith("layers.") else p.shape
+        size = _stored_bytes(name, shape, args, packed, float_bytes, stored_format, fp8_block_shape)
+        part = part_of(name)
+        key = {"engram_tables": "engram_tables", "vision": "vision", "dspark": "dspark"}.get(part, "backbone")
+        out[key] += size if key == "engram_tables" else size * mine.get(name, 0) // p.numel()
+    per_expert = sum(_stored_bytes(f"layers.0.ffn.experts.0.{n}", s, args, packed, float_bytes, stored_format,
+                                   fp8_block_shape) for n, s in expert.items())
+    out["routed_experts"] = args.num_hidden_layers * per_expert * args.n_routed_experts // ranks
+    out["gpu_total"] = out["backbone"] + out["routed_experts"] + out["vision"] + out["dspark"]
+    return out
+
+
+def _stored_bytes(name: str, shape, args: ModelArgs, packed: bool, float_bytes: int, stored_format,
+                  fp8_block_shape) -> int:
+    numel = int(torch.Size(shape).numel())
+    fmt = stored_format(name, tuple(shape), args.expert_dtype)
+    leaf = name.rsplit(".", 1)[-1]
+    if not packed or fmt not in ("fp8", "fp4"):
+        keeps_fp32 = leaf.startswith("hc_") or leaf in ("attn_sink", "bias", "bias_vl") or fmt == "f32"
+        return numel * (4 if keeps_fp32 else float_bytes)
+    if fmt == "fp4":
+        return numel // 2 + -(-numel // 32)
+    rows, cols = fp8_block_shape(name, args.weight_block_size)
+    return numel + -(-shape[0] // rows) * -(-shape[1] // cols)

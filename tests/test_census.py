@@ -156,3 +156,33 @@ def test_decode_read_bytes_counted_by_hand():
     assert got["weights"] == 4 * census(args)["params_active_decode"]
     assert got["total"] == got["weights"] + got["window"] + got["records"] + got["index_keys"]
     assert decode_read_bytes(args, 10)["window"] == 10 * 10 * 528  # a short context fills part of each window
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_bytes_a_rank_holds_are_those_of_its_loaded_part(packed) -> None:
+    """``rank_bytes``, counted from shapes, against the parameters of the tiny preset's part
+    that each rank of one and of two actually loads (bf16; packed: FP8 / FP4 as stored), with
+    the Engram tables apart."""
+    from model.census import rank_bytes
+    from model.linear import World
+    from model.loading import load
+
+    for ranks, rank in ((1, 0), (2, 0), (2, 1)):
+        m = load("tiny", dtype=torch.bfloat16, weights="packed" if packed else "plain", world=World(rank, ranks))
+        held = {"tables": 0, "rest": 0}
+        for name, p in m.named_parameters():
+            held["tables" if ".engram.embed." in name else "rest"] += p.numel() * p.element_size()
+        counted = rank_bytes(m.args, ranks, packed=packed)
+        assert (counted["gpu_total"], counted["engram_tables"]) == (held["rest"], held["tables"]), (ranks, rank)
+
+
+def test_cli_info_gpus() -> None:
+    """``model info --gpus N``: the weights a GPU holds per N; an N the model cannot split by is
+    a usage error naming what does not split."""
+    out = json.loads(CliRunner().invoke(app, ["info", "--preset", "v41-flash", "--gpus", "1", "--gpus", "4",
+                                              "--json"]).stdout)
+    one, four = (r["packed"] for r in out["per_gpu"])
+    assert four["routed_experts"] * 4 == one["routed_experts"] and four["engram_tables"] == one["engram_tables"]
+    assert 70e9 < four["gpu_total"] < 80e9  # what makes four H200s (141 GB each) the machine to run it on
+    r = CliRunner().invoke(app, ["info", "--preset", "v41-flash", "--gpus", "3"])
+    assert r.exit_code == 2 and "split" in r.output

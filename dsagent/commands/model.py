@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional
 
 import typer
 from rich import box
@@ -102,8 +102,23 @@ def _layers(c: dict) -> Table:
     return t
 
 
+def _memory(rows: list[dict]) -> Table:
+    t = Table(title="Weights a GPU holds (GB), the model split over N", box=box.SIMPLE_HEAD,
+              caption="packed: FP8 / FP4 as stored, the rest bf16; plain: all bf16. Engram tables apart: whole, "
+                      "on each GPU or in host memory")
+    for col in ("N", "packed", "plain", "engram packed", "engram plain"):
+        t.add_column(col, no_wrap=True, justify="right")
+    for r in rows:
+        packed, plain = r["packed"], r["plain"]
+        t.add_row(str(r["ranks"]), f"{packed['gpu_total'] / 1e9:,.2f}", f"{plain['gpu_total'] / 1e9:,.2f}",
+                  f"{packed['engram_tables'] / 1e9:,.2f}", f"{plain['engram_tables'] / 1e9:,.2f}")
+    return t
+
+
 def _tables(c: dict) -> list[Table]:
     out = [_summary(c), _layers(c)]
+    if c.get("per_gpu"):
+        out.append(_memory(c["per_gpu"]))
     if c["engram_tables"]:
         t = Table(title="Engram tables", box=box.SIMPLE_HEAD)
         for col in ("layer", "prime sum", "rows", "match"):
@@ -126,13 +141,24 @@ def info(preset: Optional[str] = typer.Option(None, "--preset", metavar="P",
                                               help="v41-flash, small or tiny (random weights)."),
          model_dir: Optional[Path] = typer.Option(None, "--model", metavar="DIR",
                                                   help="A checkpoint directory (overrides --preset)."),
-         as_json: bool = typer.Option(False, "--json", help="One JSON object.")) -> None:
+         as_json: bool = typer.Option(False, "--json", help="One JSON object."),
+         gpus: Optional[List[int]] = typer.Option(None, "--gpus", metavar="N", min=1,
+                                                  help="Also the weights a GPU holds with the model split over N "
+                                                       "(repeatable).")) -> None:
     """Parameter census (total, backbone, active), global KV bytes per token and layer roles
     of a preset, a checkpoint, or (by default) the embedded model `dsagent run` loads."""
-    from model.census import census
+    from model.census import census, rank_bytes
 
     preset, model_dir, name = _chosen(preset, model_dir)
-    c = {"model": name, **census(_args(preset, model_dir))}
+    args = _args(preset, model_dir)
+    c = {"model": name, **census(args)}
+    if gpus:
+        try:
+            c["per_gpu"] = [{"ranks": n, "packed": rank_bytes(args, n), "plain": rank_bytes(args, n, packed=False)}
+                            for n in gpus]
+        except (ValueError, ConfigError) as exc:  # heads, groups, experts or FP8 blocks that do not split by N
+            typer.echo(f"error: --gpus: {exc}", err=True)
+            raise typer.Exit(2) from None
     if model_dir is not None:
         ckpt = _checkpoint_census(model_dir)
         if ckpt is not None:
