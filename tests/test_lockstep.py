@@ -119,3 +119,45 @@ def test_decode_bench_over_two_ranks_reports_its_all_reduces(tmp_path):
     assert out["ranks"] == 2 and out["all_reduces_per_step"] == 1 + 2 * layers  # the embedding's, then two a layer
     assert out["all_reduce_us"] > 0 and out["step_ms_long"] > 0
     assert out["all_reduce_ms_per_step"] == pytest.approx(out["all_reduces_per_step"] * out["all_reduce_us"] / 1e3)
+
+
+LEADER = """
+import sys, time
+from dsagent import ranks
+from dsagent.runtime import Settings
+r = ranks.start(Settings(preset="tiny", threads=1, gpus=2), 2, timeout_s=60)
+print(" ".join(str(p.pid) for p in r.procs), flush=True)
+time.sleep(600)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.split()[1] == "Z" for line in f if line.startswith("State:"))  # exited, not reaped
+    except FileNotFoundError:
+        return True
+
+
+def test_followers_exit_when_rank_0_is_killed():
+    """No orphans: rank 0 killed (SIGKILL: nothing of it runs), its followers find their
+    parent gone and exit within a second or so."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    if not os.path.isdir("/proc"):
+        pytest.skip("reads process states from /proc")
+    leader = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True)
+    try:
+        followers = [int(pid) for pid in leader.stdout.readline().split()]
+        assert followers and not any(_gone(pid) for pid in followers)
+        leader.send_signal(signal.SIGKILL)
+        leader.wait(10)
+        deadline = time.monotonic() + 15
+        while not all(_gone(pid) for pid in followers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(_gone(pid) for pid in followers), "a follower outlived rank 0"
+    finally:
+        leader.kill()
