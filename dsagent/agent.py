@@ -34,11 +34,11 @@ import torch
 
 from dsagent.prompt import DEFAULT_SYSTEM
 from dsagent.runtime import Runtime
-from model.cache import Cache, CacheFormatError
+from model.cache import CacheFormatError
 from model.chat import encode_messages
 from model.dspark import speculator_for
 from model.dsml import DSMLError, StreamParser, TextDelta, ReasoningDelta, parse_completion
-from model.engine import ContextLimitError, Sampling, State
+from model.engine import ContextLimitError, Sampling
 from model.vision import expand_spans
 from sessions import ImageSpan, KVChunk, LocalStatePool, SaveResult, Store
 from tools import ToolRunner, Workspace, builtin_toolbox
@@ -156,16 +156,16 @@ class Agent:
         """Import the stored global KV, then replay the window before it. ``own``: the KV is
         the session's (a refusal is a cache refused); else it is another session's prefix."""
         k = loaded.kv_tokens
-        try:
-            cache = Cache.from_chunks(self.rt.args, [c.blobs for c in loaded.kv], k, device=self.rt.model.device)
+        try:  # through the engine: over several ranks every rank makes the same state
+            self.state = self.rt.engine.state_from_chunks([c.blobs for c in loaded.kv], k) if k \
+                else self.rt.engine.new_state()
         except CacheFormatError as e:
             message = f"stored KV refused ({e}); " + ("rebuilding from the token log" if own else
                                                      "prefilling the whole prompt")
             self.emit({"event": "warning", "message": message})
             if own:
                 self.kv_refused.append(message)
-            cache, k = self.rt.model.new_cache(1), 0
-        self.state = State(cache=cache)
+            self.state, k = self.rt.engine.new_state(), 0
         self.next_chunk = loaded.next_chunk_start if k else 0
         self.usage.cached_tokens += k
         if k:

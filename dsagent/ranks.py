@@ -63,6 +63,16 @@ class Ranks:
                 self.on_failure(_failure_text(self.failures, dead, self.world.size))
                 return
 
+    def failed(self, wait_s: float = 2.0) -> str | None:
+        """The report of a follower that has failed, waiting up to ``wait_s`` for one to be seen
+        (rank 0's own collective may fail first, when a peer's connection closes); None if none."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [(r, p) for r, p in enumerate(self.procs, 1) if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() >= deadline:
+                return _failure_text(self.failures, dead, self.world.size) if dead else None
+            time.sleep(POLL_S / 4)
+
     def close(self, engine=None) -> None:
         """Rank 0 is done: the followers leave their loop (``engine``: the leader that tells
         them), rank 0 waits for them, then leaves the world."""

@@ -106,7 +106,14 @@ class Runtime:
     def __enter__(self) -> "Runtime":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, exc, trace) -> None:
+        """Over several ranks, an error here that a failed follower caused (a collective whose
+        peer is gone) is reported as that follower's failure, with its traceback."""
+        if exc is not None and not isinstance(exc, KeyboardInterrupt) and self.ranks is not None:
+            report = self.ranks.failed()
+            if report is not None:
+                self.ranks.stop()
+                self.ranks.on_failure(report)
         self.close()
 
     @property

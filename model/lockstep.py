@@ -88,7 +88,8 @@ class Leader(Engine):
             table = {(first, begin): images(first, begin), (begin, n): images(begin, n)}
         with _interrupts_held():
             self._send("replay", state.rank_handle, _cpu(log_ids), _cpu(table), tokens)
-            return super().replay(state, log_ids, images=table.get if images is not None else None, tokens=tokens)
+            return super().replay(state, log_ids, images=_ranges(table) if images is not None else None,
+                                  tokens=tokens)
 
     def all_reduce_seconds(self, shape: tuple, dtype: torch.dtype, repeats: int = 20) -> float:
         """Seconds of one all-reduce (sum) of a ``shape`` tensor of ``dtype`` on the model's
@@ -143,11 +144,17 @@ def follow(engine: Engine, world: World) -> None:
         elif op == "replay":
             log_ids, table, tokens = args
             table = _on(table, device)
-            engine.replay(states[handle], log_ids, images=table.get if table else None, tokens=tokens)
+            engine.replay(states[handle], log_ids, images=_ranges(table) if table else None, tokens=tokens)
         elif op == "all_reduce":
             _all_reduces(world, *args, device)
         else:
             raise ValueError(f"rank 0 sent an unknown call {op!r}")
+
+
+def _ranges(table: dict):
+    """The ``images`` callable of a replay, ``(begin, end) -> embeds or None``, answered from
+    ``table`` (the ranges rank 0 asked its own callable for)."""
+    return lambda begin, end: table.get((begin, end))
 
 
 def _all_reduces(world: World, shape: tuple, dtype: torch.dtype, repeats: int, device) -> float:

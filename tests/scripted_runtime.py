@@ -85,5 +85,14 @@ class ScriptedRuntime:
     def image_span(self, data: bytes):
         raise ValueError("the scripted test double has no vision tower")
 
+    def close(self) -> None:  # as Runtime's: no other ranks to stop
+        pass
+
+    def __enter__(self) -> "ScriptedRuntime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def prompt_text(self, i: int) -> str:
         return self.tokenizer.decode(self.engine.prompts[i])

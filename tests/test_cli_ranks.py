@@ -1,6 +1,7 @@
 """``dsagent run --gpus N`` on the CPU (N processes over gloo, this one driving): the embedded
-default answers as one process does, its session resumes in one process with the same tokens,
-and ``--gpus 0`` is a usage error before anything loads."""
+default answers as one process does, sessions move between one process and two with the same
+tokens (resumed from stored KV; a new one reusing the stored system prompt), and ``--gpus 0``
+is a usage error before anything loads."""
 from __future__ import annotations
 
 import json
@@ -33,6 +34,22 @@ def test_two_ranks_answer_and_their_session_resumes_in_one(tmp_path):
     continued = _run(home, "--session", "alone", second)
     assert _turn(resumed) == _turn(continued)
     assert resumed["usage"]["cached_tokens"] == continued["usage"]["cached_tokens"] > 0  # its KV came from disk
+
+
+def test_a_session_resumes_over_two_ranks_and_a_new_one_reuses_the_prefix(tmp_path):
+    """Made in one process, resumed over two ranks (its stored KV imported on every rank);
+    a new session over two ranks starts from the stored system prompt's chunks: each as in
+    one process."""
+    home, first, second = tmp_path / "home", "What is 48 * 12?", "And what is 7 * 8?"
+    _run(home, "--session", "a", first)
+    _run(home, "--session", "b", first)
+    split = _run(home, "--gpus", "2", "--session", "a", second)
+    alone = _run(home, "--session", "b", second)
+    assert _turn(split) == _turn(alone) and split["usage"]["cached_tokens"] > 0
+    fresh_split = _run(home, "--gpus", "2", "--session", "c", first)
+    fresh_alone = _run(home, "--session", "d", first)
+    assert _turn(fresh_split) == _turn(fresh_alone)
+    assert fresh_split["usage"]["cached_tokens"] == fresh_alone["usage"]["cached_tokens"] > 0  # the shared prefix
 
 
 def test_gpus_below_one_is_a_usage_error(tmp_path):

@@ -31,7 +31,7 @@ def _script(engine, ids: torch.Tensor) -> list[int]:
     k = state.cache.stored_tokens(1) // CHUNK * CHUNK
     chunks = [state.cache.export_range(c, c + CHUNK) for c in range(0, k, CHUNK)]
     resumed = engine.state_from_chunks(chunks, k)
-    engine.replay(resumed, torch.tensor([log[:k]]), tokens=32)
+    engine.replay(resumed, torch.tensor([log[:k]]), images=lambda begin, end: None, tokens=32)  # as the agent asks
     engine.prefill(resumed, torch.tensor([log[k:]]))
     del state  # rank 0 drops a state: the followers drop theirs with the next call
     return tokens + list(engine.generate(resumed, Sampling(max_new_tokens=8)))
