@@ -115,7 +115,8 @@ class Leader(Engine):
         if self.world is None:
             raise RuntimeError("the other ranks have left: this engine was closed")
         dropped, self._dropped = self._dropped, []
-        dist.broadcast_object_list([(op, handle, args, dropped)], src=0, group=self.world.group)
+        with _interrupts_held():  # one message is two collectives (its size, its bytes): never half sent
+            dist.broadcast_object_list([(op, handle, args, dropped)], src=0, group=self.world.group)
 
 
 def follow(engine: Engine, world: World) -> None:

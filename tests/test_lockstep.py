@@ -161,3 +161,23 @@ def test_followers_exit_when_rank_0_is_killed():
         assert all(_gone(pid) for pid in followers), "a follower outlived rank 0"
     finally:
         leader.kill()
+
+
+def test_a_ctrl_c_waits_for_the_call_on_every_rank():
+    """SIGINT during a lockstep call (here: the block) is held until the call ends, then
+    raised as the KeyboardInterrupt it would have been; nested holds raise it once."""
+    import os
+    import signal
+
+    from model.lockstep import _interrupts_held
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with _interrupts_held():
+            with _interrupts_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                done.append("inner")
+            done.append("outer")
+    assert done == ["inner", "outer"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
