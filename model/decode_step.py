@@ -251,13 +251,14 @@ def _project(attn: Attention, x, pos: torch.Tensor, ropes: Ropes, norm=None, ear
     # both projections of x in one launch (with the site's norm, where it was left to them);
     # the query's norm and RoPE inside its GEMV (which keeps q_res where the indexer reads it)
     if norm is None:
-        q_lat, kv_lat = kernels.gemv(x, attn.wq_a.weight, attn.wkv.weight)
+        q_lat, kv_lat = kernels.gemv(x, attn.wq_a.gemv_weight(), attn.wkv.gemv_weight())
     else:
-        q_lat, kv_lat, x = kernels.gemv(x, attn.wq_a.weight, attn.wkv.weight, norm=norm, keep=True)
+        q_lat, kv_lat, x = kernels.gemv(x, attn.wq_a.gemv_weight(), attn.wkv.gemv_weight(), norm=norm,
+                                        keep=True)
     if early is not None:
         early(x)  # may leave a kernels.Beside for _attention_step to join
     angles = rope_angles(pos, inv)
-    q, *q_res = kernels.gemv(q_lat, attn.wq_b.weight, norm=(attn.q_norm.weight, attn.q_norm.eps),
+    q, *q_res = kernels.gemv(q_lat, attn.wq_b.gemv_weight(), norm=(attn.q_norm.weight, attn.q_norm.eps),
                              rope_out=(angles.cos, angles.sin, attn.head_dim), keep=attn.indexer is not None)
     return x, q_res[0] if q_res else None, q.view(B, S, attn.n_heads, attn.head_dim), kv_lat
 
@@ -268,7 +269,7 @@ def _index_query(indexer: Indexer, x, q_res, pos: torch.Tensor, inv_freq, kv: KV
         return indexer.query(x, q_res, pos, inv_freq, kv)
     B, S, _ = x.shape
     angles = rope_angles(pos, inv_freq)
-    (q,) = kernels.gemv(q_res, indexer.wq_b.weight, rope_out=(angles.cos, angles.sin, indexer.head_dim))
+    (q,) = kernels.gemv(q_res, indexer.wq_b.gemv_weight(), rope_out=(angles.cos, angles.sin, indexer.head_dim))
     return kv.index_query(q.view(B, S, indexer.n_heads, indexer.head_dim)), indexer.weights_proj(x)
 
 
@@ -279,13 +280,13 @@ def _output(attn: Attention, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes,
     rows = out.flatten(2)
     if kernels.gemv_runs(rows, attn.wo_a):
         angles = rope_angles(pos, inv)
-        (lat,) = kernels.gemv(rows, attn.wo_a.weight, groups=attn.o_groups,
+        (lat,) = kernels.gemv(rows, attn.wo_a.gemv_weight(), groups=attn.o_groups,
                               rope_in=None if turned else (angles.cos, angles.neg_sin, attn.head_dim))
     else:
         turned_out = out if turned else apply_rope(out, pos, inv, inverse=True)
         lat = grouped_linear(attn.wo_a, turned_out.flatten(2), attn.o_groups)
     if kernels.gemv_runs(lat, attn.wo_b):
-        return kernels.gemv(lat, attn.wo_b.weight)[0]
+        return kernels.gemv(lat, attn.wo_b.gemv_weight())[0]
     return attn.wo_b(lat)
 
 

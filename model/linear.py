@@ -14,7 +14,8 @@ also knows two things:
   ``vocab`` (an embedding's or head's rows split, like ``column``).
 
 ``forward`` picks the computation by device, format and row count: on a decode step's few
-rows of a plain weight the GEMV kernel (``model.kernels.gemv``, where it runs), else the
+rows the GEMV kernel (``model.kernels.gemv``, where it runs; a packed weight as stored,
+:meth:`Linear.gemv_weight`, dequantised in the kernel's registers), else the
 PyTorch twin — the weight dequantised (:meth:`Linear.dense_weight`), then ``F.linear``. A
 new format or kernel plugs in here and nowhere else. :func:`grouped_linear` is the grouped
 output projection of the attention (``wo_a``), the same choice.
@@ -150,9 +151,16 @@ class Linear(Stored, nn.Linear):
         return dequantize_tensor(self.fmt, self.weight, self.scale, (self.out_features, self.in_features),
                                  block=self.block, dtype=dtype)
 
+    def gemv_weight(self) -> torch.Tensor | kernels.Packed:
+        """The weight as ``kernels.gemv`` takes it: a plain one itself, a packed one its stored
+        bytes and scales (``kernels.Packed``), which the kernel dequantises in registers."""
+        if self.fmt == "plain":
+            return self.weight
+        return kernels.Packed(self.weight, self.scale, self.fmt, self.block, self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "plain" and self.gemv and kernels.gemv_runs(x, self):
-            y = kernels.gemv(x, self.weight)[0]  # a decode step's few rows
+        if self.gemv and kernels.gemv_runs(x, self):
+            y = kernels.gemv(x, self.gemv_weight())[0]  # a decode step's few rows
         else:
             y = F.linear(x, self.dense_weight(x.dtype))
         return self.world.sum(y) if self.split == "row" else y
@@ -224,7 +232,7 @@ def grouped_linear(layer: nn.Linear, x: torch.Tensor, groups: int) -> torch.Tens
     """The grouped projection of ``x`` [..., groups * i] by ``layer`` [groups * o, i]: group g
     of the output reads only group g of the input (the attention's ``wo_a``). -> [..., groups * o]."""
     if kernels.gemv_runs(x, layer):
-        return kernels.gemv(x, layer.weight, groups=groups)[0]
+        return kernels.gemv(x, layer.gemv_weight() if isinstance(layer, Linear) else layer.weight, groups=groups)[0]
     weight = layer.dense_weight(x.dtype) if isinstance(layer, Linear) else layer.weight
     return kernels.gemv_ref(x, weight, groups=groups)[0]
 

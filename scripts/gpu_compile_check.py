@@ -5,6 +5,8 @@
     DSAGENT_PTXAS=1 ... also prints each launch's registers and spills (ptxas -v on its PTX)
     DSAGENT_SASS=1 ... and a census of each build's SASS: instructions (a static count, every
     branch), spill stores, the commonest opcodes (cuobjdump on its cubin)
+    DSAGENT_REDUCE=1 ... and, a JSON line each, the layout of every tensor a build's reductions
+    sum (its TTGIR's ``tt.reduce`` operands): the layout fixes the order of the sums
 
 Triton's interpreter runs a kernel as Python, so a kernel it accepts can still be refused by
 the GPU compiler, which types the whole body (both branches of an ``if`` alike, for one) —
@@ -23,7 +25,10 @@ multiples of 16 (tensors at 16-byte addresses, integers divisible by 16 outside 
 ``do_not_specialize``), so the build vectorises its loads as the GPU's does. With
 ``DSAGENT_SASS=1`` the SASS census counts what the compiler gave the kernel's threads to do:
 the sparse attention's key decode was found so (2026-12-03, 88b7232: 3,936 instructions with 65 spill
-stores at 4 warps before, 1,280 with none after, on 8 warps).
+stores at 4 warps before, 1,280 with none after, on 8 warps). With ``DSAGENT_REDUCE=1`` two
+builds whose reductions sum tensors of the same layouts sum in the same order, so give the
+same bits from the same values: the GEMV on packed weights against the GEMV on their
+dequantised floats (``tests/test_packed_gemv.py``).
 """
 from __future__ import annotations
 
@@ -40,7 +45,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ["tests/test_kernels.py", "tests/test_moe_kernel.py", "tests/test_streams_kernel.py",
          "tests/test_engram_kernel.py", "tests/test_gemv_kernel.py", "tests/test_norm_kernel.py",
-         "tests/test_rope_kernel.py", "tests/test_kernel_backward.py"]
+         "tests/test_rope_kernel.py", "tests/test_kernel_backward.py", "tests/test_packed_gemv.py"]
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas")
 
 
@@ -141,6 +146,10 @@ def compile_all(path: str) -> int:
         if os.environ.get("DSAGENT_PTXAS") == "1":
             print(f"{launch['name']} {launch['options']} {launch['constants']}: {ptxas_usage(built.asm['ptx'])}",
                   flush=True)
+        if os.environ.get("DSAGENT_REDUCE") == "1":
+            print("reduce " + json.dumps({"name": launch["name"], "constants": launch["constants"],
+                                          "options": launch["options"], "layouts": reduce_layouts(built.asm["ttgir"])},
+                                         default=str), flush=True)
         if os.environ.get("DSAGENT_SASS") == "1":
             census = sass_census(built.asm["cubin"])
             top = ", ".join(f"{op} {n}" for op, n in census["top"])
@@ -148,6 +157,17 @@ def compile_all(path: str) -> int:
                   f"instructions, {census['spill_stores']} spill stores ({top})", flush=True)
     print(f"{len(seen)} distinct launches compiled for sm_90, {failed} failed", flush=True)
     return failed
+
+
+def reduce_layouts(ttgir: str) -> list[str]:
+    """The tensor type, its layout written out, of each ``tt.reduce`` operand in ``ttgir``
+    (with the reduced axis), in program order."""
+    import re
+
+    aliases = dict(re.findall(r"^(#[\w.]+) = (.*)$", ttgir, re.M))
+    found = re.findall(r'"tt\.reduce"\(%[\w#]+\) <\{axis = (\d+) : i32\}>.*?\) : \((tensor<[^>]*>)\)', ttgir, re.S)
+    return [f"axis {axis}: " + re.sub(r"#[\w.]+", lambda m: aliases.get(m.group(0), m.group(0)), t)
+            for axis, t in found]
 
 
 def sass_census(cubin: bytes) -> dict:

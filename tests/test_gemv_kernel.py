@@ -298,13 +298,24 @@ def test_gemv_kernel_compiles_for_hopper(block_o, block_d, two, bf16, pdl, extra
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
-def gemv_launch(constants: dict, options: dict) -> dict:
+def gemv_launch(constants: dict, options: dict, pointers: dict | None = None) -> dict:
     """``_gemv_kernel``'s launch for ``compile_for_hopper``: its signature (bf16 or fp32 by
-    ``BF16``), the constexprs named in ``constants``."""
+    ``BF16``) in the kernel's order, the constexprs named in ``constants``, the rest at their
+    defaults (the pointers that default to None left None, as a launch leaves them);
+    ``pointers``: the types of pointers a launch passes otherwise (a packed weight's bytes and
+    scales)."""
+    import inspect
+
+    from model.kernels import matvec
+
     f, o = ("*bf16", "*i16") if constants["BF16"] else ("*fp32", "*fp32")
-    signature = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o,
-                 **dict.fromkeys(("N", "O", "O2", "D", "DG", "OG", "P1"), "i32"), "nw_ptr": f, "eps": "fp32",
-                 "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(("S", "HD", "OFF", "HALF"), "i32"),
-                 "xn_ptr": o, **dict.fromkeys(constants, "constexpr")}
-    return {"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature, "constants": constants,
-            "options": options}
+    typed = {"x_ptr": f, "w_ptr": f, "out_ptr": o, "w2_ptr": f, "out2_ptr": o,
+             **dict.fromkeys(("N", "O", "O2", "D", "DG", "OG", "P1"), "i32"), "nw_ptr": f, "eps": "fp32",
+             "cos_ptr": "*fp32", "sin_ptr": "*fp32", **dict.fromkeys(("S", "HD", "OFF", "HALF"), "i32"),
+             "xn_ptr": o, **(pointers or {})}
+    params = inspect.signature(matvec._gemv_kernel.fn).parameters
+    defaults = {name: p.default for name, p in params.items() if name not in typed and p.default is not p.empty}
+    constants = {**defaults, **constants}
+    signature = {name: typed.get(name, "constexpr") for name in params}
+    return {"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
+            "constants": constants, "options": options}

@@ -42,7 +42,9 @@ and, for one decode step (one query per batch row):
   be built, and the caller runs the MoE in torch, which is its twin.
 - ``gemv(x, *weights, groups=1)``: a decode step's linear layers on its few rows
   (``model.kernels.matvec``) where ``gemv_runs(x, *layers)`` (on by default, ``DSAGENT_GEMV=0``
-  turns it off); twin ``gemv_ref``. ``x`` may be a :class:`Collapsed`, which ``resolve(x)`` makes.
+  turns it off); twin ``gemv_ref``. ``x`` may be a :class:`Collapsed`, which ``resolve(x)`` makes;
+  a weight a float tensor or a :class:`Packed` one (FP8 / FP4 as the checkpoint stores it,
+  dequantised in the kernel's registers).
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
@@ -63,6 +65,7 @@ import importlib.util
 import os
 import sys
 import warnings
+from typing import NamedTuple
 
 import torch
 
@@ -76,8 +79,8 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
-           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "mhc_join", "mhc_forget",
-           "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
+           "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "Packed", "mhc_join",
+           "mhc_forget", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
            "beside_on", "Beside", "engram_step"]
 
 
@@ -243,23 +246,78 @@ def resolve(y):
 GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLAS's GEMMs from there)
 
 
+class Packed(NamedTuple):
+    """A weight held as the checkpoint stores it, as :func:`gemv` takes it (made by
+    ``model.linear.Linear.gemv_weight``): ``fmt`` "fp8", ``data`` e4m3 [O, D] with one ue8m0
+    ``scale`` per ``block`` x ``block`` (or the block the scale's shape implies: a V4.1 ``wo_a``
+    may carry 128-blocks), or "fp4", ``data`` int8 [O, D / 2] of e2m1 pairs (the even input in
+    the low nibble) with one ue8m0 scale per 1 x 32; ``in_features`` D."""
+    data: torch.Tensor
+    scale: torch.Tensor
+    fmt: str
+    block: int
+    in_features: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.data.shape[0], self.in_features
+
+    def scale_block(self) -> tuple[int, int] | None:
+        """(rows, inputs) one scale covers; None where the shapes name no block."""
+        from model.checkpoint import FP4_BLOCK, fp8_scale_block  # it imports this package: not at the top
+
+        if self.fmt == "fp4":
+            return (1, FP4_BLOCK) if -(-self.in_features // FP4_BLOCK) == self.scale.shape[1] else None
+        return fp8_scale_block(self.data.shape, self.scale.shape, self.block)
+
+    def decodable(self) -> bool:
+        """Whether the GEMV kernel decodes it: power-of-two scale blocks, whole bytes of FP4 pairs."""
+        block = self.scale_block()
+        return (block is not None and all(b & (b - 1) == 0 for b in block)
+                and (self.fmt == "fp8" or self.in_features % 2 == 0))
+
+    def dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight dequantised to ``dtype`` as ``model.checkpoint`` dequantises it (the twin's)."""
+        from model.checkpoint import dequantize_tensor
+
+        return dequantize_tensor(self.fmt, self.data, self.scale, self.shape, block=self.block, dtype=dtype)
+
+
+def _gemv_kind(layer: torch.nn.Module, dtype: torch.dtype):
+    """What the GEMV kernel reads of ``layer``'s weight: "plain" (a float weight of x's
+    ``dtype``, read once: a QAT layer's is computed on each read), a packed weight's (format,
+    scale block), or None where the kernel cannot read it."""
+    if getattr(layer, "fmt", "plain") == "plain":
+        return "plain" if layer.weight.dtype == dtype else None
+    w = layer.gemv_weight()
+    return (w.fmt, w.scale_block()) if w.decodable() else None
+
+
 def gemv_runs(x: torch.Tensor, *layers: torch.nn.Module) -> bool:
     """Whether :func:`gemv` runs on rows ``x`` [..., D] against the ``layers``' weights: where
     :func:`enabled` and ``DSAGENT_GEMV`` is not ``0``, outside autograd, at most ``GEMV_TOKENS``
-    rows, weights and rows of one float dtype. On by default since 2026-12-03 (0b5cbd1), when each
+    rows of a float dtype, and weights of one kind: plain of x's dtype, or packed alike
+    (:class:`Packed`, one format and scale block: one launch decodes them the same way).
+    On by default since 2026-12-03 (0b5cbd1), when each
     program began asking for its whole weight tile before its dependent launch's wait: a
     `small` decode step on the H200 took 3.84 ms at 128K where cuBLAS's GEMMs took 4.55
     (4K: 3.57 against 4.24; one call, ``DSAGENT_GEMV`` 1 beside 0). The weights are read
     last: a QAT layer's is computed on each read."""
-    return (os.environ.get("DSAGENT_GEMV", "1") != "0" and x.numel() <= GEMV_TOKENS * x.shape[-1]
+    if not (os.environ.get("DSAGENT_GEMV", "1") != "0" and x.numel() <= GEMV_TOKENS * x.shape[-1]
             and x.dtype in (torch.float32, torch.bfloat16) and not torch.is_grad_enabled()
-            and _kernel_runs("GEMV kernel", x) and all(layer.weight.dtype == x.dtype for layer in layers))
+            and _kernel_runs("GEMV kernel", x)):
+        return False
+    kinds = {_gemv_kind(layer, x.dtype) for layer in layers}
+    return None not in kinds and len(kinds) <= 1
 
 
-def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
+def gemv(x: torch.Tensor, *weights, groups: int = 1, norm=None, rope_in=None,
          rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """``F.linear(x, w)`` for each of one or two weights, in one launch (``model.kernels.matvec``),
-    for a caller that asked :func:`gemv_runs`; ``groups`` > 1: ``Attention``'s grouped output
+    for a caller that asked :func:`gemv_runs`; a weight is a float tensor, or a :class:`Packed`
+    one, dequantised in the kernel's registers (the same bits as the kernel on
+    ``w.dense(x.dtype)`` where those values are exact in x's dtype: always in fp32, and in bf16
+    but for exponents out of its range). ``groups`` > 1: ``Attention``'s grouped output
     projection. ``norm`` = (weight, eps): of ``rms_norm(x, weight, eps)`` instead of x;
     ``rope_in`` / ``rope_out`` = (cos, sin, head_dim): of ``rope`` of x seen as heads of
     head_dim channels / the output so rotated (one weight with these); ``keep`` (with ``norm``):
@@ -274,10 +332,12 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
                     lambda x, *w: gemv_ref(resolve(x), *w, **options), x, *weights)
 
 
-def gemv_ref(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
+def gemv_ref(x: torch.Tensor, *weights, groups: int = 1, norm=None, rope_in=None,
              rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
     """:func:`gemv`'s twin: ``F.linear``, or the grouped einsum of ``model.linear.grouped_linear``,
-    after ``rms_norm_ref`` / ``rope_ref`` of x and before ``rope_ref`` of the output."""
+    after ``rms_norm_ref`` / ``rope_ref`` of x and before ``rope_ref`` of the output; a
+    :class:`Packed` weight dequantised to x's dtype first."""
+    weights = tuple(w.dense(x.dtype) if isinstance(w, Packed) else w for w in weights)
 
     def heads(t: torch.Tensor, rope) -> torch.Tensor:
         cos, sin, hd = rope

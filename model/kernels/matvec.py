@@ -26,6 +26,16 @@ tile it holds (the weight is read once whatever the batch). Inputs wider than
 (9275c3a) looped over 256-channel chunks, one chunk in flight per program, and lost to cuBLAS in
 a step.
 
+Packed weights (2026-12-04; ``model.kernels.Packed``, a checkpoint's FP8 e4m3 bytes with a
+ue8m0 scale per block, or FP4 e2m1 pairs with a ue8m0 scale per 1 x 32): ``FMT`` picks the
+tile's decode, in registers after the load (``_packed_tile``), to the fp32 values
+``Linear.dense_weight`` holds — exact, so the rest is the plain kernel's. The tile's shape is
+the plain one's for x's dtype and its loads are as wide a thread (``VEC``, :func:`vector`), so
+Triton lays the decoded tile out in the plain tile's registers and the row's sums run in the
+same order: the same bits as the plain kernel on the dequantised weight, where that weight
+is exact in x's dtype (fp32 always; bf16 at a weight's scales). The compile test reads this
+off the sm_90 builds (``tests/test_packed_gemv.py``). Not yet timed on a GPU.
+
 Does not own: when it runs (``model.kernels.gemv_runs``), or which layers use it
 (``model.model``). Imported only when Triton is importable.
 """
@@ -35,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _chain, _rms_normed, _round, _store, _turned, chained, unfused
+from model.kernels.fused import _chain, _e2m1, _rms_normed, _round, _store, _turned, _ue8m0, chained, unfused
+from model.kernels import Packed
 from model.kernels.collapsed import Collapsed
 from model.kernels.streams import _collapsed
 
@@ -65,7 +76,8 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
                  NORM: tl.constexpr = False, ROPE_IN: tl.constexpr = False, ROPE_OUT: tl.constexpr = False,
                  KEEP: tl.constexpr = False, cs_ptr=None, cpre_ptr=None, cy_ptr=None, cpost_ptr=None, ccomb_ptr=None,
                  COLLAPSE_IN: tl.constexpr = False, C_EXPAND: tl.constexpr = False, C_HC: tl.constexpr = 1,
-                 PDL: tl.constexpr = False):
+                 PDL: tl.constexpr = False, s_ptr=None, s2_ptr=None, FMT: tl.constexpr = "plain",
+                 SR: tl.constexpr = 1, SC: tl.constexpr = 1, VEC: tl.constexpr = 1):
     """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
     second, for every row of x. Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG);
     two weights come only without groups (DG == D), so both weights' tiles have one shape.
@@ -91,8 +103,15 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     d = tl.arange(0, BLOCK_D)
     d_ok = d < DG
     w_rows = w_at + o[:, None].to(tl.int64) * DG
-    w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0,
-                eviction_policy="evict_first").to(tl.float32)  # before the wait: weights are never written
+    if FMT == "plain":
+        w = tl.load(w_rows + d[None, :], mask=o_ok[:, None] & d_ok[None, :], other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)  # before the wait: weights are never written
+    else:
+        if TWO and p >= P1:
+            s_at = s2_ptr
+        else:
+            s_at = s_ptr
+        w = _packed_tile(w_at, s_at, o, o_ok, 0, DG, BLOCK_D, FMT, SR, SC, VEC)
     _chain(PDL)
     n = 0
     while n < N:
@@ -117,7 +136,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
         while d0 < DG:  # inputs wider than BLOCK_D_MAX: the rest in chunks
             dd = d0 + d
             xs = tl.load(x_at + n * D + dd, mask=dd < DG, other=0.0).to(tl.float32)
-            wd = tl.load(w_rows + dd[None, :], mask=o_ok[:, None] & (dd < DG)[None, :], other=0.0)
+            if FMT == "plain":
+                wd = tl.load(w_rows + dd[None, :], mask=o_ok[:, None] & (dd < DG)[None, :], other=0.0)
+            else:
+                wd = _packed_tile(w_at, s_at, o, o_ok, d0, DG, BLOCK_D, FMT, SR, SC, VEC)
             acc += tl.sum(wd.to(tl.float32) * xs[None, :], 1)
             d0 += BLOCK_D
         if ROPE_OUT:  # the output's pairs lie in one program: BLOCK_O is even
@@ -130,6 +152,42 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
                                      tl.where(rot, _turned(od, e, False, cs, sn), od)), [BLOCK_O])
         _store(out_at + n * rows + o, acc, o_ok, BF16)
         n += 1
+
+
+@triton.jit
+def _packed_tile(w_at, s_at, o, o_ok, d0, DG, BLOCK_D: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr,
+                 SC: tl.constexpr, VEC: tl.constexpr):
+    """Rows ``o`` x input channels [d0, d0 + BLOCK_D) of a packed weight as fp32 (0 outside):
+    FMT "fp8", e4m3 bytes [O, DG] times one ue8m0 byte per SR x SC block (scales [ceil(O / SR),
+    ceil(DG / SC)]); "fp4", e2m1 pairs [O, DG / 2] (the even channel in the low nibble) times one
+    ue8m0 byte per 1 x 32 (scales [O, ceil(DG / 32)]). The values are exact in fp32. Each load
+    is vectorised VEC channels a thread (the plain weight's own width), so that the tile lies
+    in the plain tile's registers and the row's sum runs in the plain kernel's order."""
+    rows = o[:, None].to(tl.int64)
+    if FMT == "fp8":
+        dd = d0 + tl.max_contiguous(tl.arange(0, BLOCK_D), VEC)
+        ok = o_ok[:, None] & (dd < DG)[None, :]
+        q = tl.load(w_at + rows * DG + dd[None, :], mask=ok, other=0, eviction_policy="evict_first")
+        sb = tl.load(s_at + (rows // SR) * tl.cdiv(DG, SC) + (dd // SC)[None, :], mask=ok, other=0,
+                     eviction_policy="evict_first")
+        return q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _ue8m0(sb.to(tl.int32))
+    else:
+        if VEC == 1:  # one channel a thread: each reads its own byte
+            dd = d0 + tl.arange(0, BLOCK_D)
+            ok = o_ok[:, None] & (dd < DG)[None, :]
+            code = tl.load(w_at + rows * (DG // 2) + (dd // 2)[None, :], mask=ok, other=0,
+                           eviction_policy="evict_first").to(tl.int32)
+            sb = tl.load(s_at + rows * tl.cdiv(DG, 32) + (dd // 32)[None, :], mask=ok, other=0,
+                         eviction_policy="evict_first")
+            return _e2m1((code >> ((dd & 1) * 4)[None, :]) & 0xF) * _ue8m0(sb.to(tl.int32))
+        else:
+            jj = d0 // 2 + tl.max_contiguous(tl.arange(0, BLOCK_D // 2), VEC // 2)
+            ok = o_ok[:, None] & (jj < DG // 2)[None, :]
+            code = tl.load(w_at + rows * (DG // 2) + jj[None, :], mask=ok, other=0,
+                           eviction_policy="evict_first").to(tl.int32)
+            sb = _ue8m0(tl.load(s_at + rows * tl.cdiv(DG, 32) + (jj // 16)[None, :], mask=ok, other=0,
+                                eviction_policy="evict_first").to(tl.int32))
+            return tl.reshape(tl.join(_e2m1(code & 0xF) * sb, _e2m1(code >> 4) * sb), [rows.shape[0], BLOCK_D])
 
 
 def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whole: bool = False) -> tuple[int, int]:
@@ -145,9 +203,10 @@ def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whol
     return b, block_d
 
 
-def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, rope_in=None,
+def gemv(x: torch.Tensor, *weights, groups: int = 1, norm=None, rope_in=None,
          rope_out=None, keep: bool = False) -> tuple[torch.Tensor, ...]:
-    """``x`` [..., D] (fp32 or bf16) against one or two weights [O, D] of its dtype -> one
+    """``x`` [..., D] (fp32 or bf16) against one or two weights [O, D] of its dtype, or two
+    ``model.kernels.Packed`` of one format and scale block -> one
     output [..., O] each (then, with ``keep`` and ``norm``, x normalised). With ``groups`` g
     (one weight [g * r, D / g]): output group j is weight rows [j * r, (j + 1) * r) against
     x's channels [j * D / g, (j + 1) * D / g).
@@ -155,9 +214,10 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     ``rope_in`` / ``rope_out`` = (cos, sin [S, r], head_dim): x's / the output's heads rotated
     (``rope`` on x [B, S, heads, head_dim], S the second dim of x; one weight with these).
     ``x`` may be a ``model.kernels.Collapsed`` (with ``norm``): each program makes the rows it
-    reads."""
+    reads. A packed weight's tile is the plain weight's (x's dtype sets both), its loads as wide
+    a thread: the same registers, the same order of sums."""
     assert 1 <= len(weights) <= 2 and (groups == 1 or len(weights) == 1)
-    assert x.dtype in (torch.float32, torch.bfloat16) and all(w.dtype == x.dtype and w.dim() == 2 for w in weights)
+    assert x.dtype in (torch.float32, torch.bfloat16)
     assert len(weights) == 1 or not (rope_in or rope_out)
     assert not norm or groups == 1, "a norm over a group's channels is not the row's"
     assert not keep or norm, "keep: the normalised x"
@@ -170,18 +230,18 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     else:
         rows, incoming = x.reshape(-1, D).contiguous(), {}
     N = rows.shape[0]
-    ws = [w.contiguous() for w in weights]
-    O, DG = ws[0].shape
-    assert D == DG * groups and O % groups == 0 and all(w.shape[1] == D for w in ws[1:]), (x.shape, O, DG, groups)
+    shapes, ws, packed = _operands(weights, x.dtype)
+    O, DG = shapes[0]
+    assert D == DG * groups and O % groups == 0 and all(s[1] == D for s in shapes[1:]), (x.shape, O, DG, groups)
     OG = O // groups
-    outs = [torch.empty(N, w.shape[0], dtype=x.dtype, device=x.device) for w in ws]
+    outs = [torch.empty(N, s[0], dtype=x.dtype, device=x.device) for s in shapes]
     # one tile shape for both weights; a power of two dividing the group's rows; the output's
     # RoPE pairs in one program
-    most = min(OG & -OG, *(w.shape[0] for w in ws))
-    block_o, block_d = tile(sum(w.shape[0] for w in ws) // len(ws), DG, rows.element_size(), most,
+    most = min(OG & -OG, *(s[0] for s in shapes))
+    block_o, block_d = tile(sum(s[0] for s in shapes) // len(shapes), DG, rows.element_size(), most,
                             least=2 if rope_out else 1, whole=bool(norm or rope_in))
     p1 = triton.cdiv(O, block_o)
-    p2 = triton.cdiv(ws[1].shape[0], block_o) if len(ws) == 2 else 0
+    p2 = triton.cdiv(shapes[1][0], block_o) if len(ws) == 2 else 0
     bf16 = x.dtype == torch.bfloat16
     view = (lambda t: t.view(torch.int16)) if bf16 else (lambda t: t)
     w2, out2 = (ws[1], outs[1]) if len(ws) == 2 else (ws[0], outs[0])
@@ -196,9 +256,37 @@ def gemv(x: torch.Tensor, *weights: torch.Tensor, groups: int = 1, norm=None, ro
     assert norm is None or (nw.shape == (D,) and nw.dtype == x.dtype)
     if keep:
         outs.append(torch.empty_like(rows))
-    _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, w2.shape[0], D, DG, OG, p1,
-                             nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]),
+    if packed:
+        packed["VEC"] = vector(block_o, block_d, DG, rows.element_size())
+    _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, shapes[-1][0], D, DG, OG,
+                             p1, nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]),
                              BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
                              ROPE_IN=rope_in is not None, ROPE_OUT=rope_out is not None, KEEP=keep,
-                             num_warps=GEMV_WARPS, **incoming, **unfused(), **chained(rows))
+                             num_warps=GEMV_WARPS, **incoming, **unfused(), **chained(rows), **packed)
     return tuple(o.view(*lead, o.shape[-1]) for o in outs)
+
+
+def _operands(weights, dtype: torch.dtype) -> tuple[list, list, dict]:
+    """(the weights' shapes [O, D], the tensors the kernel reads as its weights, the packed
+    launch's further arguments: none for float weights; for ``Packed`` ones their scale
+    bytes, format and scale block)."""
+    if not isinstance(weights[0], Packed):
+        assert all(w.dtype == dtype and w.dim() == 2 for w in weights)
+        ws = [w.contiguous() for w in weights]
+        return [tuple(w.shape) for w in ws], ws, {}
+    assert all(isinstance(w, Packed) and w.decodable() for w in weights)
+    fmt, (sr, sc) = weights[0].fmt, weights[0].scale_block()
+    assert all(w.fmt == fmt and w.scale_block() == (sr, sc) for w in weights), "one launch decodes its weights alike"
+    data = [w.data.contiguous().view(torch.uint8) for w in weights]
+    scales = [w.scale.contiguous().view(torch.uint8) for w in weights]
+    return [w.shape for w in weights], data, dict(s_ptr=scales[0], s2_ptr=scales[-1], FMT=fmt, SR=sr, SC=sc)
+
+
+def vector(block_o: int, block_d: int, width: int, elem_bytes: int) -> int:
+    """Channels a thread loads at once from a plain weight's tile (what Triton's coalescing
+    gives a [block_o, block_d] load of ``elem_bytes`` elements on rows of ``width``): 16 bytes
+    where the rows are 16-element aligned, fewer where the tile has fewer elements than that a
+    thread, else 1. A packed tile is loaded as wide, so its registers are the plain tile's."""
+    if width % 16:
+        return 1
+    return min(16 // elem_bytes, max(block_o * block_d // (32 * GEMV_WARPS), 1))
