@@ -36,7 +36,7 @@ from torch import nn
 
 from model import kernels
 from model.blockfp import dequantize_fp8_weight, quantize_fp8_weight
-from model.checkpoint import dequantize_tensor, quantize_fp4, quantize_fp8_rows
+from model.checkpoint import dequantize_tensor, fp8_scale_block, quantize_fp4, quantize_fp8_rows
 
 FORMATS = ("plain", "fp8", "fp4")
 SPLITS = (None, "column", "row", "vocab")
@@ -156,7 +156,15 @@ class Linear(Stored, nn.Linear):
         bytes and scales (``kernels.Packed``), which the kernel dequantises in registers."""
         if self.fmt == "plain":
             return self.weight
-        return kernels.Packed(self.weight, self.scale, self.fmt, self.block, self.in_features)
+        return kernels.Packed(self.weight, self.scale, self.fmt, self._scale_block(), self.in_features,
+                              self.dense_weight)
+
+    def _scale_block(self) -> tuple[int, int] | None:
+        """(rows, inputs) one scale of the packed weight covers (FP4: 1 x 32; FP8: the block the
+        checkpoint's shapes imply), None where they name none."""
+        if self.fmt == "fp4":
+            return (1, FP4_BLOCK) if -(-self.in_features // FP4_BLOCK) == self.scale.shape[1] else None
+        return fp8_scale_block(self.weight.shape, self.scale.shape, self.block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and kernels.gemv_runs(x, self):

@@ -65,13 +65,13 @@ import importlib.util
 import os
 import sys
 import warnings
-from typing import NamedTuple
 
 import torch
 
 from model import blockfp
 from model.kernels import backward
 from model.kernels.collapsed import Collapsed
+from model.kernels.packed import Packed
 from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
                                     ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref, topk_rows_ref)
 
@@ -244,43 +244,6 @@ def resolve(y):
 
 
 GEMV_TOKENS = 4  # the most rows gemv takes: a decode step at small batch (cuBLAS's GEMMs from there)
-
-
-class Packed(NamedTuple):
-    """A weight held as the checkpoint stores it, as :func:`gemv` takes it (made by
-    ``model.linear.Linear.gemv_weight``): ``fmt`` "fp8", ``data`` e4m3 [O, D] with one ue8m0
-    ``scale`` per ``block`` x ``block`` (or the block the scale's shape implies: a V4.1 ``wo_a``
-    may carry 128-blocks), or "fp4", ``data`` int8 [O, D / 2] of e2m1 pairs (the even input in
-    the low nibble) with one ue8m0 scale per 1 x 32; ``in_features`` D."""
-    data: torch.Tensor
-    scale: torch.Tensor
-    fmt: str
-    block: int
-    in_features: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.data.shape[0], self.in_features
-
-    def scale_block(self) -> tuple[int, int] | None:
-        """(rows, inputs) one scale covers; None where the shapes name no block."""
-        from model.checkpoint import FP4_BLOCK, fp8_scale_block  # it imports this package: not at the top
-
-        if self.fmt == "fp4":
-            return (1, FP4_BLOCK) if -(-self.in_features // FP4_BLOCK) == self.scale.shape[1] else None
-        return fp8_scale_block(self.data.shape, self.scale.shape, self.block)
-
-    def decodable(self) -> bool:
-        """Whether the GEMV kernel decodes it: power-of-two scale blocks, whole bytes of FP4 pairs."""
-        block = self.scale_block()
-        return (block is not None and all(b & (b - 1) == 0 for b in block)
-                and (self.fmt == "fp8" or self.in_features % 2 == 0))
-
-    def dense(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight dequantised to ``dtype`` as ``model.checkpoint`` dequantises it (the twin's)."""
-        from model.checkpoint import dequantize_tensor
-
-        return dequantize_tensor(self.fmt, self.data, self.scale, self.shape, block=self.block, dtype=dtype)
 
 
 def _gemv_kind(layer: torch.nn.Module, dtype: torch.dtype):

@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _chain, _e2m1, _rms_normed, _round, _store, _turned, _ue8m0, chained, unfused
-from model.kernels import Packed
+from model.kernels.packed import Packed
 from model.kernels.collapsed import Collapsed
 from model.kernels.streams import _collapsed
 
