@@ -57,7 +57,7 @@ class Ranks:
         """A follower that exits before rank 0 closes has failed: report it and end the run
         (rank 0 may be waiting in a collective it would never leave)."""
         while not self._closing.wait(POLL_S):
-            dead = [(r, p) for r, p in enumerate(self.procs, 1) if p.exitcode not in (None, 0)]
+            dead = self._dead()
             if dead and not self._closing.is_set():
                 self.stop()
                 self.on_failure(_failure_text(self.failures, dead, self.world.size))
@@ -68,10 +68,14 @@ class Ranks:
         (rank 0's own collective may fail first, when a peer's connection closes); None if none."""
         deadline = time.monotonic() + wait_s
         while True:
-            dead = [(r, p) for r, p in enumerate(self.procs, 1) if p.exitcode not in (None, 0)]
+            dead = self._dead()
             if dead or time.monotonic() >= deadline:
                 return _failure_text(self.failures, dead, self.world.size) if dead else None
             time.sleep(POLL_S / 4)
+
+    def _dead(self) -> list:
+        """(rank, process) of each follower that has exited with an error."""
+        return [(r, p) for r, p in enumerate(self.procs, 1) if p.exitcode not in (None, 0)]
 
     def close(self, engine=None) -> None:
         """Rank 0 is done: the followers leave their loop (``engine``: the leader that tells
