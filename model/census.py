@@ -39,6 +39,9 @@ import re
 import torch
 
 from model.args import ModelArgs, engram_primes
+from model.checkpoint import FP4_BLOCK, fp8_block_shape, stored_format
+from model.linear import World
+from model.loading import keeps_fp32
 from model.model import Transformer
 from model.moe import MoE
 from model.quant import index_record_bytes, main_record_bytes, window_record_bytes
@@ -199,9 +202,6 @@ def rank_bytes(args: ModelArgs, ranks: int = 1, *, packed: bool = True, float_by
     (read off a build over the world on the meta device: the split projections, vocabulary
     and attention sinks; the routed experts 1 / ``ranks`` of them; the rest whole). The
     Engram tables are given apart (``engram_tables``: whole, wherever they are kept)."""
-    from model.checkpoint import fp8_block_shape, stored_format
-    from model.linear import World
-
     # few routed experts (a multiple of ranks, at least the top-k): the build is quick, and they
     # are counted apart, 1 / ranks of the real ones
     small = args.replace(n_routed_experts=ranks * -(-args.num_experts_per_tok // ranks))
@@ -215,26 +215,25 @@ def rank_bytes(args: ModelArgs, ranks: int = 1, *, packed: bool = True, float_by
         if ".ffn.experts." in name:
             continue
         shape = ffn[name.split(".ffn.", 1)[1]] if ".ffn." in name and name.startswith("layers.") else p.shape
-        size = _stored_bytes(name, shape, args, packed, float_bytes, stored_format, fp8_block_shape)
+        size = _stored_bytes(name, shape, args, packed, float_bytes)
         part = part_of(name)
         key = {"engram_tables": "engram_tables", "vision": "vision", "dspark": "dspark"}.get(part, "backbone")
         out[key] += size if key == "engram_tables" else size * mine.get(name, 0) // p.numel()
-    per_expert = sum(_stored_bytes(f"layers.0.ffn.experts.0.{n}", s, args, packed, float_bytes, stored_format,
-                                   fp8_block_shape) for n, s in expert.items())
+    per_expert = sum(_stored_bytes(f"layers.0.ffn.experts.0.{n}", s, args, packed, float_bytes)
+                     for n, s in expert.items())
     out["routed_experts"] = args.num_hidden_layers * per_expert * args.n_routed_experts // ranks
     out["gpu_total"] = out["backbone"] + out["routed_experts"] + out["vision"] + out["dspark"]
     return out
 
 
-def _stored_bytes(name: str, shape, args: ModelArgs, packed: bool, float_bytes: int, stored_format,
-                  fp8_block_shape) -> int:
+def _stored_bytes(name: str, shape, args: ModelArgs, packed: bool, float_bytes: int) -> int:
+    """One parameter's bytes as a model holds it (``model.loading``: packed families as stored,
+    the fp32 ones in fp32, the rest in ``float_bytes``)."""
     numel = int(torch.Size(shape).numel())
     fmt = stored_format(name, tuple(shape), args.expert_dtype)
-    leaf = name.rsplit(".", 1)[-1]
     if not packed or fmt not in ("fp8", "fp4"):
-        keeps_fp32 = leaf.startswith("hc_") or leaf in ("attn_sink", "bias", "bias_vl") or fmt == "f32"
-        return numel * (4 if keeps_fp32 else float_bytes)
+        return numel * (4 if keeps_fp32(name) or fmt == "f32" else float_bytes)
     if fmt == "fp4":
-        return numel // 2 + -(-numel // 32)
+        return numel // 2 + -(-numel // FP4_BLOCK)
     rows, cols = fp8_block_shape(name, args.weight_block_size)
     return numel + -(-shape[0] // rows) * -(-shape[1] // cols)

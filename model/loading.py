@@ -165,12 +165,12 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, prefix: str = "") -> 
     """Cast to ``dtype`` but keep the tensors the checkpoint stores in F32 (hc, sinks, gate biases)."""
     model.to(dtype)
     for name, p in model.named_parameters(prefix=prefix):
-        if _keeps_fp32(name):
+        if keeps_fp32(name):
             p.data = p.data.float()
     return model
 
 
-def _keeps_fp32(name: str) -> bool:
+def keeps_fp32(name: str) -> bool:
     leaf = name.rsplit(".", 1)[-1]
     return leaf.startswith("hc_") or leaf in ("attn_sink", "bias", "bias_vl")
 
@@ -259,7 +259,7 @@ def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float
     for _, tensors in groups:
         if packed:
             tensors = _unpacked_but(tensors, packed, expected, model.args, dtype)
-        tensors = {k: v.to(device) if _is_stored(k, packed) else v.to(device, torch.float32 if _keeps_fp32(k) else dtype)
+        tensors = {k: v.to(device) if _is_stored(k, packed) else v.to(device, torch.float32 if keeps_fp32(k) else dtype)
                    for k, v in tensors.items()}
         model.load_state_dict(tensors, strict=False, assign=True)
     left = [n for n, p in model.named_parameters() if p.is_meta]

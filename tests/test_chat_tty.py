@@ -27,16 +27,28 @@ def _send_long_prompt(child) -> None:
     child.sendline(LINE)
 
 
+def _chat(home, *args: str, **options):
+    """``dsagent chat *args`` in a 40 x 120 pseudo-terminal, its store in ``home``."""
+    env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
+    return pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", *args], env=env, encoding="utf-8", timeout=300,
+                         dimensions=(40, 120), **options)
+
+
+def _leave(child) -> None:
+    """At the next prompt, /exit; the chat ends."""
+    child.expect("› ")
+    child.sendline("/exit")
+    child.expect(pexpect.EOF)
+
+
 def test_chat_in_a_terminal(tmp_path):
     home = tmp_path / "home"
-    env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
     # every built-in tool (a long system prompt) and a long message: the prefill takes seconds,
     # so Ctrl-C lands inside it (with one line it took ~1 s, close to when the indicator shows)
     # started with SIGINT ignored, as a background job of a script would be: the chat takes
     # Ctrl-C back (without that, this test hung in a CI run launched in the background)
-    child = pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", "--session", "tty",
-                                           "--max-new-tokens", "400"], env=env, encoding="utf-8", timeout=300,
-                          dimensions=(40, 120), preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    child = _chat(home, "--session", "tty", "--max-new-tokens", "400",
+                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
         child.expect("/help for commands")
         child.expect("› ")
@@ -47,9 +59,7 @@ def test_chat_in_a_terminal(tmp_path):
         child.expect("› ")
         child.sendline("/stats")
         child.expect("tokens in the log")
-        child.expect("› ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        _leave(child)
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
@@ -61,9 +71,7 @@ def test_keys_typed_during_a_reply_wait_for_the_next_prompt(tmp_path):
     """Typed mid-turn, "abc" is not echoed into the reply; the next prompt holds it, editable,
     and Enter sends it."""
     home = tmp_path / "home"
-    env = {**os.environ, "DSAGENT_HOME": str(home), "NO_COLOR": "1", "TERM": "xterm", "COLUMNS": "120"}
-    child = pexpect.spawn(sys.executable, ["-m", "dsagent", "chat", "--session", "keys", "--max-new-tokens", "24"],
-                          env=env, encoding="utf-8", timeout=300, dimensions=(40, 120))
+    child = _chat(home, "--session", "keys", "--max-new-tokens", "24")
     try:
         child.expect("› ")
         _send_long_prompt(child)
@@ -73,9 +81,7 @@ def test_keys_typed_during_a_reply_wait_for_the_next_prompt(tmp_path):
         assert "abc" not in child.before  # not echoed into the reply
         child.expect("abc")  # but put back on the prompt line
         child.sendline("")
-        child.expect("› ")
-        child.sendline("/exit")
-        child.expect(pexpect.EOF)
+        _leave(child)
     finally:
         child.close(force=True)
     with Store.open(home) as st:
