@@ -109,6 +109,16 @@ def _weights_form(value: str) -> str:
 WEIGHTS = typer.Option("plain", "--weights", metavar="plain|packed", callback=_weights_form,
                        help="packed: the checkpoint's FP8 / FP4 weights held as stored (a fraction of the memory; "
                             "computed through dequantisation until their kernels land).")
+def _engram_place(value: str) -> str:
+    if value not in ("device", "host"):
+        raise typer.BadParameter(f"{value!r} is not device or host")
+    return value
+
+
+ENGRAM = typer.Option("device", "--engram", metavar="device|host", callback=_engram_place,
+                      help="Where the Engram tables are kept: on the device (over --gpus N, a GPU its share of "
+                           "the rows), or whole in host memory, shared by the ranks (a packed checkpoint's tables "
+                           "are its shards' memory maps).")
 GPUS = typer.Option(1, "--gpus", min=1, metavar="N",
                     help="Split the model over N processes, one a GPU from --device (on --device cpu, N CPU processes "
                          "over gloo); this one drives the others.")
@@ -122,7 +132,7 @@ PREFIX_CACHE = typer.Option(None, "--prefix-cache/--no-prefix-cache",
                                  "and tools, replaying the window before it. \\[default: on]")
 
 
-def load_runtime(d: Defaults, device: str, weights: str = "plain", gpus: int = 1) -> Runtime:
+def load_runtime(d: Defaults, device: str, weights: str = "plain", gpus: int = 1, engram: str = "device") -> Runtime:
     """The model the defaults choose, with a progress bar on stderr while it loads; over
     ``gpus`` ranks this process starts, or torchrun's (whose ranks other than 0 follow rank 0
     here and exit when it is done, printing nothing)."""
@@ -130,7 +140,7 @@ def load_runtime(d: Defaults, device: str, weights: str = "plain", gpus: int = 1
 
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     settings = Settings(model=d.model, preset=d.preset, device=device, dtype=dtype, threads=d.threads,
-                        weights=weights, gpus=gpus)
+                        weights=weights, gpus=gpus, engram=engram)
     world = ranks.torchrun_world()
     if world is not None and world.rank > 0:
         ranks.follow_as(world, settings)
@@ -189,8 +199,8 @@ def run(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
-    weights: str = WEIGHTS, gpus: int = GPUS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
-    prefix_cache: Optional[bool] = PREFIX_CACHE,
+    weights: str = WEIGHTS, engram: str = ENGRAM, gpus: int = GPUS, threads: Optional[int] = THREADS,
+    speculative: bool = SPECULATIVE, prefix_cache: Optional[bool] = PREFIX_CACHE,
     as_json: bool = typer.Option(False, "--json", help="Print one result object on stdout."),
     jsonl: bool = typer.Option(False, "--jsonl", help="Print every event as a JSON line on stdout."),
 ) -> None:
@@ -206,7 +216,7 @@ def run(
         text = preflight.prompt_text(prompt, notice=_notice(err))
         preflight.check_device(device)
         preflight.check_gpus(gpus, device)
-        code = _run_turn(d, text, images, session, tool, max_steps, seed, workspace, device, weights, gpus,
+        code = _run_turn(d, text, images, session, tool, max_steps, seed, workspace, device, (weights, engram), gpus,
                          speculative, as_json, jsonl, out, err)
     raise typer.Exit(code)
 
@@ -215,9 +225,10 @@ def _notice(err):
     return (lambda message: err.print(f"[dim]{message}[/]")) if err.is_terminal else None
 
 
-def _run_turn(d: Defaults, text, images, session, tool, max_steps, seed, workspace, device, weights, gpus,
+def _run_turn(d: Defaults, text, images, session, tool, max_steps, seed, workspace, device, held, gpus,
               speculative, as_json, jsonl, out, err) -> int:
-    with load_runtime(d, device, weights, gpus) as rt:  # over several ranks, they leave with it
+    """``held``: (``--weights``, ``--engram``)."""
+    with load_runtime(d, device, held[0], gpus, held[1]) as rt:  # over several ranks, they leave with it
         return _turn_on(rt, d, text, images, session, tool, max_steps, seed, workspace, speculative, as_json, jsonl,
                         out, err)
 
@@ -295,8 +306,8 @@ def chat(
     max_steps: int = MAX_STEPS, max_new_tokens: Optional[int] = MAX_NEW, seed: Optional[int] = SEED,
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
-    weights: str = WEIGHTS, gpus: int = GPUS, threads: Optional[int] = THREADS, speculative: bool = SPECULATIVE,
-    prefix_cache: Optional[bool] = PREFIX_CACHE,
+    weights: str = WEIGHTS, engram: str = ENGRAM, gpus: int = GPUS, threads: Optional[int] = THREADS,
+    speculative: bool = SPECULATIVE, prefix_cache: Optional[bool] = PREFIX_CACHE,
 ) -> None:
     """Chat interactively; /help lists the slash commands, Ctrl-C stops a reply, Ctrl-D leaves."""
     out, err = consoles()
@@ -309,16 +320,17 @@ def chat(
         _checked(d, session, tool, workspace, seed)
         preflight.check_device(device)
         preflight.check_gpus(gpus, device)
-        _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, weights, gpus, speculative, out,
-              err)
+        _chat(d, session, resume_latest, tool, max_steps, seed, workspace, device, (weights, engram), gpus,
+              speculative, out, err)
 
 
-def _chat(d: Defaults, session, resume_latest, tool, max_steps, seed, workspace, device, weights, gpus, speculative,
+def _chat(d: Defaults, session, resume_latest, tool, max_steps, seed, workspace, device, held, gpus, speculative,
           out, err):
+    """``held``: (``--weights``, ``--engram``)."""
     from dsagent.chat import ChatShell, latest_session
     from sessions import Store
 
-    with load_runtime(d, device, weights, gpus) as rt, Store.open() as store:
+    with load_runtime(d, device, held[0], gpus, held[1]) as rt, Store.open() as store:
         name = latest_session(store) if resume_latest else session
         if resume_latest and name is None:
             err.print("[dim]no session to continue; starting a new one[/]")

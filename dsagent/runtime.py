@@ -44,6 +44,7 @@ class Settings:
     threads: int | None = None  # torch's threads; None = the CPUs this process may use
     weights: str = "plain"  # or "packed": the FP8 / FP4 families held as the checkpoint stores them
     gpus: int = 1  # processes (one a GPU on CUDA) the model is split over, this one driving the rest
+    engram: str = "device"  # or "host": the Engram tables whole in host memory (``model.loading.load``)
 
 
 def default_source() -> str:
@@ -82,7 +83,7 @@ class Runtime:
             dtype = getattr(torch, settings.dtype)
             options = {} if world is None else {"world": world}
             model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress,
-                         weights=settings.weights, **options)
+                         weights=settings.weights, engram=settings.engram, **options)
             tokenizer = Tokenizer.of(model)
             leads = world is not None and world.size > 1 and world.rank == 0
             engine = (Leader(model, world, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context)

@@ -41,7 +41,7 @@ from model.rope import Ropes, apply_rope, shared_rope_angles
 class Attention(nn.Module):
     """Shared K=V latent attention over window entries plus selected compressed records."""
 
-    def __init__(self, args: ModelArgs, layer: int, world: World = ALONE):
+    def __init__(self, args: ModelArgs, layer: int, world: World = ALONE, engram: str = "device"):
         super().__init__()
         self.args, self.layer = args, layer
         self.ratio = args.ratios[layer]
@@ -194,24 +194,28 @@ class Attention(nn.Module):
 class Engram(nn.Module):
     """Hashed n-gram rows -> one key per hc stream and a shared value, gated into the streams."""
 
-    def __init__(self, args: ModelArgs, layer: int):
+    def __init__(self, args: ModelArgs, layer: int, world: World = ALONE, host: bool = False):
         super().__init__()
         self.args = args
         self.slot = args.engram_layer_ids.index(layer)
-        self.embed = Table(args.engram_num_embeddings[self.slot], args.engram_head_dim)
+        self.embed = Table(args.engram_num_embeddings[self.slot], args.engram_head_dim, world=world, host=host)
         self.wkv = Linear(args.engram_n_cols * args.engram_head_dim, args.hidden_size * (args.hc_mult + 1), gemv=False)
         self.q_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
         self.k_weight = nn.Parameter(torch.ones(args.hc_mult, args.hidden_size))
 
-    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
-        return self.gate(streams, self.kv(hash_ids), live)
+    def forward(self, streams: torch.Tensor, hash_ids: torch.Tensor, live: torch.Tensor | None,
+                rows=None) -> torch.Tensor:
+        return self.gate(streams, self.kv(hash_ids, rows), live)
 
-    def kv(self, hash_ids: torch.Tensor) -> torch.Tensor:
+    def kv(self, hash_ids: torch.Tensor, rows=None) -> torch.Tensor:
         """The hashed rows' key and value [..., (hc + 1) * D], in the model's float dtype (that of
-        ``q_weight``: the table and the projection may be packed). Never by the GEMV kernel
-        (``gemv=False``): a decode step may make them beside its layers (``model.decode_step``),
-        where cuBLAS's few programs suit, and either way they are the same bits."""
-        return self.wkv(self.embed(hash_ids).flatten(-2).to(self.q_weight.dtype))
+        ``q_weight``: the table and the projection may be packed). ``rows``: the table's rows of
+        ``hash_ids`` fetched before the layer ran (a table in host memory: ``Table.fetch``).
+        Never by the GEMV kernel (``gemv=False``): a decode step may make them beside its layers
+        (``model.decode_step``), where cuBLAS's few programs suit, and either way they are the
+        same bits."""
+        rows = self.embed(hash_ids) if rows is None else self.embed.ready(rows)
+        return self.wkv(rows.flatten(-2).to(self.q_weight.dtype))
 
     def gate(self, streams: torch.Tensor, kv: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
         """:meth:`kv`'s value gated into the streams by each stream's key."""
@@ -242,14 +246,14 @@ class Block(nn.Module):
     """One layer: [Engram] -> attention site -> FFN site, each collapsing with the *previous*
     site's ``pre`` (V4.1's lagged mHC) and expanding with its own ``post`` / ``comb``."""
 
-    def __init__(self, args: ModelArgs, layer: int, world: World = ALONE):
+    def __init__(self, args: ModelArgs, layer: int, world: World = ALONE, engram: str = "device"):
         super().__init__()
         self.args, self.layer = args, layer
         self.attn = Attention(args, layer, world)
         self.ffn = MoE(args, world=world)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.engram = Engram(args, layer) if layer in args.engram_layer_ids else None
+        self.engram = Engram(args, layer, world, engram == "host") if layer in args.engram_layer_ids else None
         self._mixes(args)
 
     def _mixes(self, args: ModelArgs) -> None:
@@ -262,7 +266,7 @@ class Block(nn.Module):
 
     def forward(self, streams, pre, step: Step, cache: Cache, ropes: Ropes):
         """(streams, pre) [B, S, hc, D], [B, S, hc] -> the same after this layer."""
-        streams = self.engram_site(streams, step.hash_ids, step.image_mask)
+        streams = self.engram_site(streams, step.hash_ids, step.image_mask, step.engram_rows)
         taps = step.shared.get("taps")
         if isinstance(taps, dict) and self.layer in self.args.dspark_target_layer_ids:
             taps[self.layer] = streams.mean(dim=2)  # DSpark context: this layer's input, averaged over hc
@@ -271,12 +275,13 @@ class Block(nn.Module):
             y = self.attn(x, step, cache, ropes)
         return self.ffn_site(y, streams, a_pre, a_post, a_comb, step.image_mask)
 
-    def engram_site(self, streams, hash_ids, image_mask=None):
+    def engram_site(self, streams, hash_ids, image_mask=None, rows: dict | None = None):
         """The Engram memory added to the streams, in a layer that has one (``hash_ids``:
-        the step's, every Engram layer's columns)."""
+        the step's, every Engram layer's columns; ``rows``: ``Step.engram_rows``)."""
         if self.engram is None or hash_ids is None:
             return streams
-        return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask)
+        return self.engram(streams, hash_ids[:, :, self.engram.slot], None if image_mask is None else ~image_mask,
+                           (rows or {}).get(self.engram.slot))
 
     def attn_site(self, streams, pre):
         """The attention site's mixes and its normalised input (reads no cache)."""

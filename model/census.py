@@ -201,7 +201,8 @@ def rank_bytes(args: ModelArgs, ranks: int = 1, *, packed: bool = True, float_by
     a scale a 32), else dequantised to ``float_bytes`` — times the share of it a rank holds
     (read off a build over the world on the meta device: the split projections, vocabulary
     and attention sinks; the routed experts 1 / ``ranks`` of them; the rest whole). The
-    Engram tables are given apart (``engram_tables``: whole, wherever they are kept)."""
+    Engram tables are given apart: ``engram_tables`` whole (one copy in host memory),
+    ``engram_share`` the rows rank 0 holds where the ranks split them (the largest share)."""
     # few routed experts (a multiple of ranks, at least the top-k): the build is quick, and they
     # are counted apart, 1 / ranks of the real ones
     small = args.replace(n_routed_experts=ranks * -(-args.num_experts_per_tok // ranks))
@@ -210,7 +211,8 @@ def rank_bytes(args: ModelArgs, ranks: int = 1, *, packed: bool = True, float_by
         mine = {k: p.numel() for k, p in Transformer(small, World(0, ranks)).named_parameters()}
         ffn = {name: p.shape for name, p in MoE(args).named_parameters()}  # the router's shapes follow the experts'
     expert = {name.removeprefix("experts.0."): shape for name, shape in ffn.items() if name.startswith("experts.0.")}
-    out = {"ranks": ranks, "backbone": 0, "routed_experts": 0, "engram_tables": 0, "vision": 0, "dspark": 0}
+    out = {"ranks": ranks, "backbone": 0, "routed_experts": 0, "engram_tables": 0, "engram_share": 0, "vision": 0,
+           "dspark": 0}
     for name, p in whole.items():
         if ".ffn.experts." in name:
             continue
@@ -218,7 +220,9 @@ def rank_bytes(args: ModelArgs, ranks: int = 1, *, packed: bool = True, float_by
         size = _stored_bytes(name, shape, args, packed, float_bytes)
         part = part_of(name)
         key = {"engram_tables": "engram_tables", "vision": "vision", "dspark": "dspark"}.get(part, "backbone")
-        out[key] += size if key == "engram_tables" else size * mine.get(name, 0) // p.numel()
+        share = size * mine.get(name, 0) // p.numel()
+        out[key] += size if key == "engram_tables" else share
+        out["engram_share"] += share if key == "engram_tables" else 0
     per_expert = sum(_stored_bytes(f"layers.0.ffn.experts.0.{n}", s, args, packed, float_bytes)
                      for n, s in expert.items())
     out["routed_experts"] = args.num_hidden_layers * per_expert * args.n_routed_experts // ranks

@@ -81,7 +81,7 @@ def run_layers(model, streams, pre, step: Step, cache: Cache, layers: range):
     alone: the fused kernels sum no partial outputs over ranks yet)."""
     if model.world.size > 1:
         return model.run_layers(streams, pre, step, cache, layers)
-    if takes_fused(streams, step, cache.kv):
+    if takes_fused(streams, step, cache.kv) and step.engram_rows is None:  # host-held tables: fetched eagerly
         return _fused_layers(model, streams, pre, step, cache, layers)
     if step.graphs is not None:
         for i in layers:
@@ -531,7 +531,7 @@ def _moe_fused(moe: MoE, flat: torch.Tensor, norm=None):
 def _segmented_layer(block: Block, streams, pre, step: Step, cache: Cache, ropes: Ropes):
     """``Block.forward`` of a CUDA decode step without the fused kernels: two graphs replay
     around the eager cache work."""
-    streams = block.engram_site(streams, step.hash_ids, step.image_mask)
+    streams = block.engram_site(streams, step.hash_ids, step.image_mask, step.engram_rows)
     taps = step.shared.get("taps")
     if isinstance(taps, dict) and block.layer in block.args.dspark_target_layer_ids:
         taps[block.layer] = streams.mean(dim=2)

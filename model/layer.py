@@ -45,6 +45,7 @@ class Step:
     start: int  # absolute position of the first token
     length: int  # tokens in this call
     hash_ids: torch.Tensor | None = None  # [B, S, n_engram_layers, n_cols]
+    engram_rows: dict | None = None  # Engram slot -> its rows of hash_ids, fetched ahead from a table in host memory
     image_mask: torch.Tensor | None = None  # [B, S] True on image-span tokens
     shared: dict = field(default_factory=dict)  # per-forward: kv source, top-k, candidates
     # training only (model.training): bounded replay simulated per row — the window of

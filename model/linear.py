@@ -64,6 +64,12 @@ class World:
         share = n // self.size
         return slice(self.rank * share, (self.rank + 1) * share)
 
+    def span(self, n: int) -> slice:
+        """This rank's contiguous share of ``n`` rows where they need not split evenly: ranks
+        hold ceil(n / size) rows each, the last what is left (a table's rows)."""
+        step = -(-n // self.size)
+        return slice(min(n, self.rank * step), min(n, (self.rank + 1) * step))
+
     def share(self, n: int, what: str) -> int:
         """How many of ``n`` items this rank holds (:meth:`part`'s length)."""
         part = self.part(n, what)
@@ -181,19 +187,87 @@ class Linear(Stored, nn.Linear):
 class Table(Stored):
     """A lookup table of ``rows`` x ``dim`` (the Engram tables): float rows, or rows held as the
     checkpoint stores them (``fp8``: e4m3 bytes with one ue8m0 scale per 1 x ``block``), each
-    gathered row dequantised as it is read."""
+    gathered row dequantised as it is read.
 
-    def __init__(self, rows: int, dim: int, block: int = FP8_BLOCK):
+    Where it is kept:
+
+    - on the model's device, over a ``world`` a contiguous range of the rows a rank
+      (:meth:`World.span`: the tables' prime-sum row counts rarely split evenly); ids outside
+      it give zeros and the ranks' rows are summed (one all-reduce), which adds only zeros to
+      each row, so the rows are the same bits at any world size;
+    - ``host``: whole, in host memory, at any world size — a move of the model to a device or
+      a cast of a plain table leaves it there (a table read from a checkpoint's shard is the
+      shard's memory map: one copy in the page cache, whichever ranks map it). Its rows are
+      gathered on the host and copied to the device the ids are on (:meth:`fetch`)."""
+
+    def __init__(self, rows: int, dim: int, block: int = FP8_BLOCK, world: World = ALONE, host: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(rows, dim))
+        world = ALONE if host else world
+        self.world, self.rows, self.full_rows, self.host = world, world.span(rows), rows, host
+        if self.rows.start == self.rows.stop:
+            raise ValueError(f"a table of {rows} rows leaves rank {world.rank} of {world.size} none")
+        where = "meta" if host and torch.empty(0).is_meta else "cpu" if host else None
+        self.weight = nn.Parameter(torch.empty(self.rows.stop - self.rows.start, dim, device=where))
         self.fmt, self.block = "plain", block
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.host and ids.device != self.weight.device:
+            return self.ready(self.fetch(ids))
+        if self.world.size == 1:
+            return self._gather(ids)
+        mine = (ids >= self.rows.start) & (ids < self.rows.stop)
+        out = self._gather(torch.where(mine, ids - self.rows.start, 0))
+        return self.world.sum(torch.where(mine.unsqueeze(-1), out, 0))
+
+    def fetch(self, ids: torch.Tensor) -> torch.Tensor | kernels.Beside:
+        """The rows of ``ids`` (on any device) from a table held in host memory: gathered on
+        the host as stored (a packed row is its bytes and scales, 264 B a V4.1 row), copied to
+        ``ids``' device and dequantised there. On CUDA the copy runs on a side stream from
+        pinned memory and this returns the ``kernels.Beside`` to join where the rows are read,
+        so a step that fetches before its first layer overlaps the copy with the layers before."""
+        host_ids = ids.cpu()  # a device's ids are waited for here: the one sync of a fetch
+        stored = (F.embedding(host_ids, self.weight),) if self.fmt == "plain" else \
+            (self.weight[host_ids], self.scale[host_ids])
+        if not ids.is_cuda:
+            return self._rows(*(t.to(ids.device) for t in stored))
+        pinned = tuple(t.pin_memory() for t in stored)
+        return kernels.Beside(lambda *ts: self._rows(*(t.to(ids.device, non_blocking=True) for t in ts)), *pinned,
+                              device=ids.device)
+
+    @staticmethod
+    def ready(rows: torch.Tensor | kernels.Beside) -> torch.Tensor:
+        """:meth:`fetch`'s rows, the current stream made to wait for their copy where it ran beside."""
+        return rows.value() if isinstance(rows, kernels.Beside) else rows
+
+    def _gather(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows ``ids`` (of this rank's range, on the table's device) as floats."""
         if self.fmt == "plain":
             return F.embedding(ids, self.weight)
-        q, scale = self.weight[ids], self.scale[ids]  # [..., dim] bytes, [..., dim / block] scales
-        flat = dequantize_fp8_weight(q.reshape(-1, q.shape[-1]), scale.reshape(-1, scale.shape[-1]), (1, self.block))
-        return flat.view(*ids.shape, -1)
+        return self._rows(self.weight[ids], self.scale[ids])
+
+    def _rows(self, rows: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Gathered rows as floats: plain ones as they are, packed ones (``[..., dim]`` bytes,
+        ``[..., dim / block]`` scales) dequantised."""
+        if scale is None:
+            return rows
+        flat = dequantize_fp8_weight(rows.reshape(-1, rows.shape[-1]), scale.reshape(-1, scale.shape[-1]),
+                                     (1, self.block))
+        return flat.view(*rows.shape[:-1], -1)
+
+    def _apply(self, fn, recurse=True):
+        """A table held in host memory stays there: of a move or cast only its dtype is taken
+        (a plain table's; packed bytes keep theirs), and ``to_empty`` / a move to meta."""
+        if not self.host:
+            return super()._apply(fn, recurse)
+        for name, p in self._parameters.items():
+            probe = fn(torch.empty(0, dtype=p.dtype))  # what the move or cast makes of a tensor
+            dtype = probe.dtype if self.fmt == "plain" else p.dtype
+            if probe.is_meta or p.is_meta:
+                data = torch.empty(p.shape, dtype=dtype, device="meta" if probe.is_meta else "cpu")
+            else:
+                data = p.data.to(dtype)
+            self._parameters[name] = nn.Parameter(data, requires_grad=p.requires_grad)
+        return self
 
     def pack(self, fmt: str) -> None:
         """Rows held in ``fmt`` (only ``fp8``): quantised from the float rows (the checkpoint

@@ -27,18 +27,21 @@ WEIGHTS = ("plain", "packed")  # how a model holds the checkpoint's FP8 / FP4 fa
 
 
 def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.float32, seed: int = 0,
-         progress=None, weights: str = "plain", args: ModelArgs | None = None, world: World = ALONE) -> Transformer:
+         progress=None, weights: str = "plain", args: ModelArgs | None = None, world: World = ALONE,
+         engram: str = "device") -> Transformer:
     """A preset name gives seeded random weights; a directory gives its checkpoint. ``weights``:
     ``plain`` dequantises the FP8 / FP4 families into ``dtype``; ``packed`` keeps them as the
     checkpoint stores them (``model.linear``). ``args``: the preset's, reshaped (fewer layers,
     smaller Engram tables: ``ModelArgs.shortened``). ``world``: this rank's part of the model
     (``docs/tensor-and-expert-parallel-design.md``): its slices read from a checkpoint's
-    shards, or taken from the preset's seeded whole model; packed or plain."""
+    shards, or taken from the preset's seeded whole model; packed or plain. ``engram``: where
+    the Engram tables are kept (``model.model.ENGRAM_PLACES``): on ``device`` (a rank its share
+    of the rows) or whole in ``host`` memory (packed, from a checkpoint: the shards' memory maps)."""
     if weights not in WEIGHTS:
         raise ConfigError(f"weights must be one of {', '.join(WEIGHTS)}, not {weights!r}")
     if str(path_or_preset) in PRESETS:
         args = args or ModelArgs.preset(str(path_or_preset))
-        model = build(args, device=device, dtype=dtype, seed=seed, weights=weights, world=world)
+        model = build(args, device=device, dtype=dtype, seed=seed, weights=weights, world=world, engram=engram)
         tokenizer = BUNDLED_TOKENIZER if BUNDLED_TOKENIZER.is_file() else None
     else:
         path = Path(path_or_preset)
@@ -46,7 +49,8 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
             raise ConfigError(f"{path} is neither a preset ({', '.join(PRESETS)}) nor a checkpoint directory")
         args = ModelArgs.from_file(path)
         sharded = (path / "model.safetensors.index.json").is_file()  # a single file holds floats: packed after
-        model = build(args, device="meta", dtype=dtype, weights=weights if sharded else "plain", world=world)
+        model = build(args, device="meta", dtype=dtype, weights=weights if sharded else "plain", world=world,
+                      engram=engram)
         load_weights(model, path, device=device, dtype=dtype, progress=progress)
         if weights == "packed" and not sharded:
             pack_weights(model)
@@ -57,32 +61,34 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
 
 
 def build(args: ModelArgs, device="cpu", dtype: torch.dtype = torch.float32, seed: int | None = 0,
-          weights: str = "plain", world: World = ALONE) -> Transformer:
+          weights: str = "plain", world: World = ALONE, engram: str = "device") -> Transformer:
     """A model of ``args`` in ``dtype``: seeded random weights, routed experts stacked (see
     ``MoE.stack_experts``); on the meta device, shapes only (``load_weights`` fills it).
     ``weights="packed"``: the FP8 / FP4 families quantised as the checkpoint writer would,
     made part by part (each layer's float image alone in memory, then packed), the same
     values as a ``plain`` build packed whole. ``world``: this rank's part of that same seeded
-    whole model (``local_state`` of it), made part by part too."""
+    whole model (``local_state`` of it), made part by part too. ``engram="host"``: the Engram
+    tables made in host memory (the same values: drawn on ``device``, then copied there)."""
     if str(device) == "meta":
         with torch.device("meta"):
-            model = cast_model(Transformer(args, world), dtype)
+            model = cast_model(Transformer(args, world, engram), dtype)
         return pack_weights(model) if weights == "packed" else model
     if weights == "plain" and world.size == 1:
         with torch.device(device):
-            model = Transformer(args)
+            model = Transformer(args, engram=engram)
         init_weights(model, seed or 0)
         return stack_experts(cast_model(model, dtype))
-    return _build_by_parts(args, device, dtype, seed or 0, weights, world)
+    return _build_by_parts(args, device, dtype, seed or 0, weights, world, engram)
 
 
-def _build_by_parts(args: ModelArgs, device, dtype: torch.dtype, seed: int, weights: str, world: World) -> Transformer:
+def _build_by_parts(args: ModelArgs, device, dtype: torch.dtype, seed: int, weights: str, world: World,
+                    engram: str) -> Transformer:
     """The seeded whole model made one part at a time (``_parts``), in the order and rounding of
     ``init_weights`` and a cast, packed where ``weights`` says; over several ranks each part is
     cut to the rank's share (``local_state``) and let go, so memory holds one whole part at most."""
     with torch.device("meta"):
-        model = cast_model(Transformer(args, world), dtype)  # each part made in its dtype: one float copy at a time
-        whole = model if world.size == 1 else cast_model(Transformer(args), dtype)
+        model = cast_model(Transformer(args, world, engram), dtype)  # each part made in its dtype: one float copy at a time
+        whole = model if world.size == 1 else cast_model(Transformer(args, engram=engram), dtype)
     if weights == "packed" and whole is not model:
         pack_weights(model)  # the rank's stored shapes (its slices must be whole blocks)
     held = None if whole is model else model.state_dict().keys()  # packed: the rank's only, it lets the rest go
@@ -195,8 +201,9 @@ def init_weights(model: Transformer, seed: int) -> None:
 
 
 def _init_value(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """``p``'s seeded value, drawn on ``g``'s device (a table in host memory: copied there after)."""
     leaf = name.rsplit(".", 1)[-1]
-    shape, dev = p.shape, p.device
+    shape, dev = p.shape, g.device
     if leaf in ("bias", "bias_vl", "attn_sink") or leaf.endswith("_base"):
         return torch.zeros(shape, device=dev)
     if leaf.endswith("_scale") or leaf in ("q_weight", "k_weight") or "norm" in name:
@@ -222,6 +229,8 @@ def expected_shapes(model: Transformer) -> dict[str, tuple[int, ...]]:
             out[k] = (m.full_out, m.full_in)
         elif isinstance(m, VocabEmbedding):
             out[k] = (model.args.vocab_size, v.shape[1])
+        elif isinstance(m, Table):
+            out[k] = (m.full_rows, v.shape[1])
         elif k.endswith(".attn_sink"):
             out[k] = (model.args.num_attention_heads,)
         else:
@@ -247,6 +256,7 @@ def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float
     Over several ranks a rank asks the shards for its slices only (``rank_slices``) and for
     none of other ranks' experts."""
     expected, packed = expected_shapes(model), _packed_modules(model)
+    host = {f"{n}.{k}": "cpu" for n, m in model.named_modules() if isinstance(m, Table) and m.host for k in m._parameters}
     if (path / "model.safetensors.index.json").is_file():
         from model.checkpoint import iter_checkpoint
 
@@ -259,8 +269,8 @@ def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float
     for _, tensors in groups:
         if packed:
             tensors = _unpacked_but(tensors, packed, expected, model.args, dtype)
-        tensors = {k: v.to(device) if _is_stored(k, packed) else v.to(device, torch.float32 if keeps_fp32(k) else dtype)
-                   for k, v in tensors.items()}
+        tensors = {k: v.to(host.get(k, device)) if _is_stored(k, packed) else
+                   v.to(host.get(k, device), torch.float32 if keeps_fp32(k) else dtype) for k, v in tensors.items()}
         model.load_state_dict(tensors, strict=False, assign=True)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     assert not left, f"checkpoint reader left parameters unloaded: {left[:5]}"
@@ -313,7 +323,7 @@ def rank_slices(model: Transformer) -> dict[str, tuple[int, int, int]]:
     """Official name -> (dim, start, stop): the rows (dim 0) or columns (dim 1) of a whole tensor
     that ``model``'s rank holds (``docs/tensor-and-expert-parallel-design.md``): each split
     Linear's weight (a packed one's scale by the blocks of its part), the embedding's vocabulary
-    rows, the sinks of its heads. A name not listed is held whole, or not at all (other ranks'
+    rows, an Engram table's rows, the sinks of its heads. A name not listed is held whole, or not at all (other ranks'
     experts, ``_other_ranks``). Empty for one process alone."""
     if model.world.size == 1:
         return {}
@@ -323,6 +333,8 @@ def rank_slices(model: Transformer) -> dict[str, tuple[int, int, int]]:
             out.update(_linear_slices(name, m))
         elif isinstance(m, VocabEmbedding):
             out[f"{name}.weight"] = (0, m.rows.start, m.rows.stop)
+        elif isinstance(m, Table) and m.world.size > 1:  # its rows, and a packed one's scales: one a row
+            out.update({f"{name}.{k}": (0, m.rows.start, m.rows.stop) for k in m._parameters})
     heads = model.world.part(model.args.num_attention_heads, "num_attention_heads")
     out.update({name: (0, heads.start, heads.stop) for name, _ in model.named_parameters()
                 if name.endswith(".attn_sink")})

@@ -33,19 +33,25 @@ from model.quant import KVFormat
 from model.rope import Ropes
 from model.vision import Aligner, VisionTransformer, encode_image_span, preprocess
 
+ENGRAM_PLACES = ("device", "host")  # where the Engram tables are kept (``model.linear.Table``)
+
 
 class Transformer(nn.Module):
     """The V4.1 backbone. ``model(ids)`` is the exact full forward: logits [B, T, vocab]."""
 
-    def __init__(self, args: ModelArgs, world: World = ALONE):
+    def __init__(self, args: ModelArgs, world: World = ALONE, engram: str = "device"):
         """``world``: the ranks that share the model (tensor and expert parallel: attention
-        heads, vocabulary; ``docs/tensor-and-expert-parallel-design.md``); one process alone by default."""
+        heads, vocabulary, Engram table rows; ``docs/tensor-and-expert-parallel-design.md``); one
+        process alone by default. ``engram``: where the Engram tables are kept (one of
+        :data:`ENGRAM_PLACES`)."""
+        if engram not in ENGRAM_PLACES:
+            raise ValueError(f"the Engram tables are kept on the {' or '.join(ENGRAM_PLACES)}, not {engram!r}")
         super().__init__()
         self.args, self.world = args, world
         alone = world.size == 1
         self.embed = embedding(args.vocab_size, args.hidden_size) if alone else \
             VocabEmbedding(args.vocab_size, args.hidden_size, world)
-        self.layers = nn.ModuleList([Block(args, i, world) for i in range(args.num_hidden_layers)])
+        self.layers = nn.ModuleList([Block(args, i, world, engram) for i in range(args.num_hidden_layers)])
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.head = Linear(args.hidden_size, args.vocab_size, split=None if alone else "vocab", world=world)
         self.ropes = Ropes(args)
@@ -107,6 +113,7 @@ class Transformer(nn.Module):
         step = Step(start=start, length=ids.shape[1], image_mask=image_mask,
                     new=all(src.done == start for src in cache.sources.values()))
         step.hash_ids = hash_ids if hash_ids is not None else self.engram_hash(ids, cache, start, image_mask)
+        step.engram_rows = self.fetch_engram_rows(step.hash_ids)
         streams = x.unsqueeze(2).expand(-1, -1, self.args.hc_mult, -1).contiguous()
         pre = torch.zeros(*streams.shape[:-1], dtype=torch.float32, device=x.device)
         pre[..., 0] = 1.0
@@ -122,6 +129,15 @@ class Transformer(nn.Module):
         hash_ids = self.hasher(compressed, history)
         cache.record_engram(compressed, start)
         return hash_ids
+
+    def fetch_engram_rows(self, hash_ids: torch.Tensor | None) -> dict | None:
+        """The rows of ``hash_ids`` of every Engram table kept in host memory, by slot, fetched
+        before any layer runs (``Table.fetch``: on CUDA the copies run beside the layers), or
+        None where no table is kept there."""
+        if hash_ids is None:
+            return None
+        held = [b.engram for b in self.layers if b.engram is not None and b.engram.embed.host]
+        return {e.slot: e.embed.fetch(hash_ids[:, :, e.slot]) for e in held} or None
 
     def run_layers(self, streams, pre, step: Step, cache: Cache, layers: range):
         """(streams, pre) through ``layers``, each reading and writing ``cache``."""
@@ -139,8 +155,7 @@ class Transformer(nn.Module):
         """CED: the decoder's KV source turns the encoder output into global KV and index
         keys for every token, without running the decoder layers (ARCHITECTURE.md §2.7)."""
         layer = self.layers[self.args.decoder_start]
-        if layer.engram is not None and step.hash_ids is not None:
-            streams = layer.engram(streams, step.hash_ids[:, :, layer.engram.slot], None)
+        streams = layer.engram_site(streams, step.hash_ids, None, step.engram_rows)
         x = layer.attn_norm(hc_collapse(streams, pre))
         layer.attn.update_source(x, step, cache, self.ropes)
 

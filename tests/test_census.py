@@ -162,7 +162,7 @@ def test_decode_read_bytes_counted_by_hand():
 def test_the_bytes_a_rank_holds_are_those_of_its_loaded_part(packed) -> None:
     """``rank_bytes``, counted from shapes, against the parameters of the tiny preset's part
     that each rank of one and of two actually loads (bf16; packed: FP8 / FP4 as stored), with
-    the Engram tables apart."""
+    the Engram tables apart: a rank's share of their rows, and whole."""
     from model.census import rank_bytes
     from model.linear import World
     from model.loading import load
@@ -173,7 +173,8 @@ def test_the_bytes_a_rank_holds_are_those_of_its_loaded_part(packed) -> None:
         for name, p in m.named_parameters():
             held["tables" if ".engram.embed." in name else "rest"] += p.numel() * p.element_size()
         counted = rank_bytes(m.args, ranks, packed=packed)
-        assert (counted["gpu_total"], counted["engram_tables"]) == (held["rest"], held["tables"]), (ranks, rank)
+        assert (counted["gpu_total"], counted["engram_share"]) == (held["rest"], held["tables"]), (ranks, rank)
+        assert counted["engram_tables"] == rank_bytes(m.args, 1, packed=packed)["engram_share"]
 
 
 def test_cli_info_gpus() -> None:
@@ -184,5 +185,6 @@ def test_cli_info_gpus() -> None:
     one, four = (r["packed"] for r in out["per_gpu"])
     assert four["routed_experts"] * 4 == one["routed_experts"] and four["engram_tables"] == one["engram_tables"]
     assert 70e9 < four["gpu_total"] < 80e9  # what makes four H200s (141 GB each) the machine to run it on
+    assert four["engram_share"] == -(-384016682 // 4) * 264 + -(-384006168 // 4) * 264  # e4m3 rows + 8 scales
     r = CliRunner().invoke(app, ["info", "--preset", "v41-flash", "--gpus", "3"])
     assert r.exit_code == 2 and "split" in r.output

@@ -548,7 +548,8 @@ def test_chat_help_lists_itself_and_tools_wrap_on_words(script, monkeypatch):
 
 def test_run_with_packed_weights_answers_as_with_plain_ones():
     """``--weights packed`` loads the embedded default with its FP8 / FP4 weights as stored;
-    greedy decoding gives the plain load's answer (the same logits, tests/test_packed.py)."""
+    greedy decoding gives the plain load's answer (the same logits, tests/test_packed.py), and
+    so does ``--engram host`` (the same rows, tests/test_engram_host.py)."""
     def answer(*flags):
         env = {**os.environ, "DSAGENT_HOME": tempfile.mkdtemp()}
         r = subprocess.run([sys.executable, "-m", "dsagent", "run", "--yes", "--json", *flags, "What is 48 * 12?"],
@@ -557,5 +558,8 @@ def test_run_with_packed_weights_answers_as_with_plain_ones():
         return json.loads(r.stdout)["text"]
 
     assert answer("--weights", "packed") == answer()
+    assert answer("--weights", "packed", "--engram", "host") == answer()  # the tables: the shard's memory map
     r = invoke("run", "--weights", "fp16", "hi")
     assert r.exit_code == 2 and "fp16" in r.stderr
+    r = invoke("run", "--engram", "disk", "hi")
+    assert r.exit_code == 2 and "disk" in r.stderr

@@ -1,5 +1,5 @@
-"""The model over a world of two gloo processes on the CPU (attention heads, vocabulary and
-routed experts split, ``model.linear.World``) against one process: the same logits to float rounding on a
+"""The model over a world of two gloo processes on the CPU (attention heads, vocabulary,
+routed experts and Engram table rows split, ``model.linear.World``) against one process: the same logits to float rounding on a
 float KV cache (with the FP8 / FP4 cache a sum in another order can flip a rounding, and
 the logits then move by more), the same 32 greedy tokens on the packed cache; with plain
 weights and with packed ones (each rank holding its slices of the stored FP8 bytes and scales)."""
@@ -52,6 +52,8 @@ def _rank(world: World, ids: torch.Tensor, weights: str, results) -> None:
     assert model.layers[0].attn.n_heads == ARGS.num_attention_heads // world.size
     assert model.layers[0].attn.wo_b.fmt == ("fp8" if weights == "packed" else "plain")
     assert len(model.layers[0].ffn.experts) == ARGS.n_routed_experts // world.size
+    table = next(b.engram.embed for b in model.layers if b.engram is not None)  # its share of the rows
+    assert table.weight.shape[0] == -(-table.full_rows // world.size) < table.full_rows
     with torch.no_grad():
         full = model(ids, model.new_cache(1, kv=KVFormat.FLOAT))
     results[world.rank] = (full, _greedy(model, ids, 32))
@@ -97,3 +99,34 @@ def test_a_split_that_does_not_divide_is_refused():
             from model.model import Transformer
 
             Transformer(ModelArgs.preset("tiny"), World(rank=0, size=3))
+
+
+def _table_rank(world: World, ids: torch.Tensor, results) -> None:
+    """One rank's rows of a packed 10-row table (3 ranks: 4, 4 and 2 of them) looked up."""
+    from model.linear import Table
+
+    torch.manual_seed(0)
+    whole = Table(10, 64)
+    whole.weight.data.normal_()
+    whole.pack("fp8")
+    part = Table(10, 64, world=world)
+    part.pack("fp8")  # the stored shapes of its rows, then its rows of the whole table's bytes
+    part.load_state_dict({k: v[part.rows] for k, v in whole.state_dict().items()}, assign=True)
+    results[world.rank] = (part.rows, part(ids), whole(ids))
+
+
+def test_a_table_splits_by_rows_unevenly_and_gives_the_same_bits(tmp_path):
+    """An Engram table over three ranks: its rows in ceil-sized ranges (the tables' prime-sum
+    row counts rarely divide), the rows each lookup gives the same bits as the whole table's."""
+    ids = torch.tensor([[0, 3, 4, 7, 8, 9, 9, 1]])
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_ranks(_table_rank, 3, ids, results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=120)
+        got = dict(results)
+    assert [got[r][0] for r in range(3)] == [slice(0, 4), slice(4, 8), slice(8, 10)]
+    for rank in range(3):
+        assert torch.equal(got[rank][1], got[rank][2])
+    with pytest.raises(ValueError, match="leaves rank 3 of 4 none"):
+        from model.linear import Table
+
+        Table(5, 32, world=World(3, 4))

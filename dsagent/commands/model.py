@@ -104,14 +104,14 @@ def _layers(c: dict) -> Table:
 
 def _memory(rows: list[dict]) -> Table:
     t = Table(title="Weights a GPU holds (GB), the model split over N", box=box.SIMPLE_HEAD,
-              caption="packed: FP8 / FP4 as stored, the rest bf16; plain: all bf16. Engram tables apart: whole, "
-                      "on each GPU or in host memory")
-    for col in ("N", "packed", "plain", "engram packed", "engram plain"):
+              caption="packed: FP8 / FP4 as stored, the rest bf16; plain: all bf16. Engram tables apart: "
+                      "a GPU's share of their rows where the GPUs hold them, or whole in host memory")
+    for col in ("N", "packed", "plain", "engram a GPU", "engram in host"):
         t.add_column(col, no_wrap=True, justify="right")
     for r in rows:
         packed, plain = r["packed"], r["plain"]
         t.add_row(str(r["ranks"]), f"{packed['gpu_total'] / 1e9:,.2f}", f"{plain['gpu_total'] / 1e9:,.2f}",
-                  f"{packed['engram_tables'] / 1e9:,.2f}", f"{plain['engram_tables'] / 1e9:,.2f}")
+                  f"{packed['engram_share'] / 1e9:,.2f}", f"{packed['engram_tables'] / 1e9:,.2f}")
     return t
 
 
