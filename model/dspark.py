@@ -176,12 +176,20 @@ class DSpark(nn.ModuleList):
             streams, pre = stage(streams, pre, step, ctx, target.ropes)
         return self[-1].norm(hc_collapse(streams, pre))[0]
 
+    def block_logits(self, target: Transformer, anchor: int, start: int,
+                     ctx: "DraftContext") -> tuple[torch.Tensor, torch.Tensor]:
+        """(normed hidden [S, D], the target head's logits [S, vocab]) of the block at ``start``:
+        the model calls of a proposal. Over several ranks the embedding and the head are split
+        (their collectives are here) and the stages are whole; what :meth:`propose` does with
+        them is one rank's alone."""
+        h = self.hidden(target, anchor, start, ctx)
+        return h, target.world.gather(target.head(h)).float()
+
     def propose(self, target: Transformer, anchor: int, start: int, ctx: "DraftContext", n: int,
                 params: Sampling, generator: torch.Generator | None) -> DraftBlock:
         """Up to ``n`` proposals, left to right through the Markov head (prev = anchor, then
         each proposal); greedy takes the argmax, sampling draws from the shaped distribution."""
-        h = self.hidden(target, anchor, start, ctx)
-        base = target.head(h).float()
+        h, base = self.block_logits(target, anchor, start, ctx)
         last, out, prev = self[-1], DraftBlock(), anchor
         for i in range(min(n, h.shape[0])):
             prev_t = torch.tensor(prev, device=h.device)
@@ -281,9 +289,9 @@ def has_draft_stages(model: Transformer) -> bool:
 class _Round:
     """One verification: the cache holds anchor + proposals at [n, n + γ + 1)."""
     n: int
-    tokens: list[int]  # to emit: accepted proposals, then the bonus token
     logits: torch.Tensor  # [γ + 1, vocab]; row j predicts tokens[j]
     taps: dict[int, torch.Tensor]
+    tokens: list[int] = field(default_factory=list)  # to emit: accepted proposals, then the bonus token
 
 
 class Speculator:
@@ -313,18 +321,26 @@ class Speculator:
         """Bring the draft context up to ``state.length`` from the tail of ``history`` (the ids
         the state covers; image spans are read as their placeholder ids). Trusts a context of
         the same length: a stale or approximate context only costs acceptance."""
-        n, ctx, window = state.length, self.context, self.args.sliding_window
+        ids, n, ctx = self.sync_tail(state, history), state.length, self.context
         if ctx.length > n:
             ctx.truncate(n)
-        start = max(ctx.length, n - window, 0)
-        if start == n or not hasattr(self.drafter, "add_context"):
+        start = n - ids.shape[1]
+        if start == n:
             ctx.length = n
             return
+        self.drafter_extend(self._tail_taps(state.cache, ids.to(self.model.device), start), start)
+
+    def sync_tail(self, state: State, history: Sequence[int] | torch.Tensor) -> torch.Tensor:
+        """The ids [1, n - start] of ``history`` that :meth:`sync` runs: positions [start, n),
+        from where the draft context (or the window) ends to ``state.length`` (none for a
+        drafter without a context). Raises ValueError when ``history`` is shorter."""
+        n = state.length
+        start = max(min(self.context.length, n), n - self.args.sliding_window, 0) \
+            if hasattr(self.drafter, "add_context") else n
         ids = torch.as_tensor(history, dtype=torch.long).reshape(1, -1)
         if ids.shape[1] < n - start:
             raise ValueError(f"history has {ids.shape[1]} ids; the draft context needs the last {n - start}")
-        ids = ids[:, ids.shape[1] - (n - start):].to(self.model.device)
-        self.drafter_extend(self._tail_taps(state.cache, ids, start), start)
+        return ids[:, ids.shape[1] - (n - start):]
 
     def drafter_extend(self, taps: dict[int, torch.Tensor], start: int) -> None:
         """Give the drafter the taps of positions [start, start + S) (drafters without a
@@ -348,34 +364,39 @@ class Speculator:
         decode_step.run_layers(self.model, streams, pre, step, view, range(max(self.args.dspark_target_layer_ids) + 1))
         return taps
 
-    # ------------------------------------------------------------------ verification
-    def _verify(self, state: State, ids: list[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """ONE target forward over [anchor, proposals...]: logits [S, vocab] and the taps."""
+    # ------------------------------------------------------------------ one round
+    def propose(self, state: State, anchor: int, n: int, params: Sampling,
+                generator: torch.Generator | None) -> DraftBlock:
+        """The drafter's block after ``anchor`` at the end of ``state``: up to ``n`` proposals."""
+        return self.drafter.propose(self.model, anchor, state.length, self.context, n, params, generator)
+
+    def verify(self, state: State, ids: list[int]) -> _Round:
+        """ONE target forward over [anchor, proposals...] at the end of ``state``: its logits
+        [S, vocab] and taps; which tokens it emits is the caller's to choose."""
         m, cache = self.model, state.cache
-        x = torch.tensor([ids], device=m.device)
-        streams, pre, step = decode_step.begin(m, x, cache, cache.length)
+        n, x = cache.length, torch.tensor([ids], device=m.device)
+        streams, pre, step = decode_step.begin(m, x, cache, n)
         step.shared["taps"] = taps = {}
         streams, pre = decode_step.run_layers(m, streams, pre, step, cache, range(self.args.num_hidden_layers))
         cache.length = step.end
-        return m.logits(streams, pre)[0], taps
+        return _Round(n, m.logits(streams, pre)[0], taps)
 
     def _round(self, state: State, anchor: int, params: Sampling, cap: int) -> _Round:
-        n, gen = state.length, self._generator(state, params)
-        block = DraftBlock()
-        if cap > 0:
-            block = self.drafter.propose(self.model, anchor, n, self.context, cap, params, gen)
+        gen = self._generator(state, params)
+        block = self.propose(state, anchor, cap, params, gen) if cap > 0 else DraftBlock()
         gamma = choose_gamma(block.confidence, self.extra_token_cost, cap)
         proposals = block.tokens[:gamma]
-        logits, taps = self._verify(state, [anchor] + proposals)
+        r = self.verify(state, [anchor] + proposals)
         if params.temperature <= 0:
-            k, bonus = accept_greedy(proposals, logits)
+            k, bonus = accept_greedy(proposals, r.logits)
         else:
-            k, bonus = accept_sampled(block, gamma, logits, params, gen)
+            k, bonus = accept_sampled(block, gamma, r.logits, params, gen)
         s = self.stats
         s.forwards, s.drafted, s.accepted, s.emitted = s.forwards + 1, s.drafted + gamma, s.accepted + k, s.emitted + k + 1
-        return _Round(n, proposals[:k] + [bonus], logits, taps)
+        r.tokens = proposals[:k] + [bonus]
+        return r
 
-    def _settle(self, state: State, r: _Round, fed: int) -> None:
+    def settle(self, state: State, r: _Round, fed: int) -> None:
         """Keep anchor + the first ``fed`` - 1 emitted tokens in the target and the draft context."""
         state.cache.truncate(r.n + fed)
         state.last_logits = r.logits[fed - 1: fed]
@@ -408,12 +429,12 @@ class Speculator:
             depth = state.cache.spare - 1  # rejected proposals must fit the cache's rollback room
             r = self._round(state, token, params, min(room, left, depth, self.args.dspark_block_size))
             emit, fed, done = self._cut(r, params, emitted)
-            self._settle(state, r, fed)
+            self.settle(state, r, fed)
             for j, token in enumerate(emit):
                 try:
                     yield token
                 except GeneratorExit:
-                    self._settle(state, r, j + 1)
+                    self.settle(state, r, j + 1)
                     raise
             emitted += len(emit)
 
@@ -435,6 +456,11 @@ def _ring_copy(ring: WindowRing) -> WindowRing:
 
 
 def speculator_for(model: Transformer, engine: Engine, requested: bool = True, **kwargs) -> Speculator | None:
-    """The CLI's switch: a Speculator when asked for and the checkpoint has draft stages, else None."""
-    return Speculator(model, engine, **kwargs) if requested and has_draft_stages(model) else None
+    """The CLI's switch: a Speculator when asked for and the checkpoint has draft stages, else
+    None. An engine over several ranks makes its own (``model.lockstep.Leader.speculator``:
+    every rank makes its model calls)."""
+    if not requested or not has_draft_stages(model):
+        return None
+    over_ranks = getattr(engine, "speculator", None)
+    return Speculator(model, engine, **kwargs) if over_ranks is None else over_ranks(**kwargs)
 

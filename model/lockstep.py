@@ -10,9 +10,19 @@ state. The caches come out the same on every rank (the K=V latent, index keys an
 replicated, ``docs/tensor-and-expert-parallel-design.md``), so rank 0 alone reads its cache to
 save a session, and a session's KV does not depend on N.
 
-What rank 0 can refuse (a context limit, stored chunks that do not parse) it refuses before it
-sends anything. A Ctrl-C on rank 0 waits for the call in progress to end on every rank (the
-ranks would otherwise stop in the middle of a collective), then is raised as usual.
+DSpark speculation (``model.dspark``) runs the same way: :meth:`Leader.speculator` gives rank 0
+a speculator that sends each of its model calls first (the context sync's tail forward, a
+draft block's forward and head, the verification forward, the settle that rolls back to the
+accepted tokens and extends the draft context), and every other rank makes it on its own copy
+of that speculator. Rank 0 alone samples and accepts; the others make the calls with its
+choices (the ids, how many tokens are kept), so their caches and draft contexts stay its.
+The draft stages are whole on every rank; the embedding and the head they share with the
+target are split, so a draft block's forward has collectives too.
+
+What rank 0 can refuse (a context limit, stored chunks that do not parse, a history too short
+for the draft context) it refuses before it sends anything. A Ctrl-C on rank 0 waits for the
+call in progress to end on every rank (the ranks would otherwise stop in the middle of a
+collective), then is raised as usual.
 
 Does not own: starting the ranks or joining them into a world (``model.distributed``, the
 application), nor the split itself (``model.linear``).
@@ -29,12 +39,13 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from model.engine import Engine, State
+from model.dspark import DraftBlock, Speculator
+from model.engine import Engine, Sampling, State
 from model.linear import World
 from model.quant import KVFormat
 
 STOP = "stop"
-_HANDLES = itertools.count()  # one numbering for every leader of this process: the followers' states share a dict
+_HANDLES = itertools.count()  # one numbering for every leader of this process: the followers' copies share it
 
 
 class Leader(Engine):
@@ -44,7 +55,7 @@ class Leader(Engine):
         super().__init__(model, **engine_options)
         assert world.size > 1 and world.rank == 0, "the leader is rank 0 of several"
         self.world = world
-        self._dropped: list[int] = []  # states rank 0 no longer holds: the followers drop theirs with the next call
+        self._dropped: list[int] = []  # handles rank 0 no longer holds: the followers drop theirs with the next call
 
     # ------------------------------------------------------------------ states
     def new_state(self, batch: int = 1, kv: KVFormat = KVFormat.PACKED) -> State:
@@ -91,6 +102,12 @@ class Leader(Engine):
             return super().replay(state, log_ids, images=_ranges(table) if images is not None else None,
                                   tokens=tokens)
 
+    def speculator(self, **options) -> Speculator:
+        """A DSpark speculator whose model calls every rank makes: ``Speculator``'s ``options``,
+        its drafter the model's own draft stages (those a follower runs). Raises
+        SpeculationUnavailable here alone when the model has none."""
+        return _LeadSpeculator(self, **options)
+
     def all_reduce_seconds(self, shape: tuple, dtype: torch.dtype, repeats: int = 20) -> float:
         """Seconds of one all-reduce (sum) of a ``shape`` tensor of ``dtype`` on the model's
         device over the world, every rank taking part: the mean of ``repeats`` after one."""
@@ -105,23 +122,82 @@ class Leader(Engine):
             self.world = None
 
     # ------------------------------------------------------------------ the wire
-    def _handle(self, state: State) -> int:
+    def _handle(self, held) -> int:
+        """A new handle for ``held`` (a state, a speculator): the followers keep their copy of it
+        under that handle until rank 0 lets go of ``held``."""
         handle = next(_HANDLES)
-        state.rank_handle = handle
-        weakref.finalize(state, self._dropped.append, handle)
+        held.rank_handle = handle
+        weakref.finalize(held, self._dropped.append, handle)  # this list object for good: emptied in place
         return handle
 
     def _send(self, op: str, handle: int | None, *args) -> None:
         if self.world is None:
             raise RuntimeError("the other ranks have left: this engine was closed")
-        dropped, self._dropped = self._dropped, []
+        dropped = []
+        while self._dropped:  # popped one by one: a finalizer that runs meanwhile is not lost
+            dropped.append(self._dropped.pop())
         with _interrupts_held():  # one message is two collectives (its size, its bytes): never half sent
             dist.broadcast_object_list([(op, handle, args, dropped)], src=0, group=self.world.group)
+
+
+class _LeadSpeculator(Speculator):
+    """Rank 0's speculator over the world: each call that runs the model or changes the draft
+    context is sent before it is made, with the state it is made on and rank 0's choices."""
+
+    def __init__(self, leader: Leader, **options):
+        super().__init__(leader.model, leader, drafter=None, **options)
+        leader._send("speculator", leader._handle(self))
+
+    def sync(self, state: State, history) -> None:
+        tail = self.sync_tail(state, history)  # a history too short is refused here, before any rank sees it
+        with _interrupts_held():
+            self.engine._send("sync", self.rank_handle, state.rank_handle, _cpu(tail))
+            super().sync(state, tail)
+
+    def propose(self, state: State, anchor: int, n: int, params: Sampling, generator) -> DraftBlock:
+        with _interrupts_held():
+            self.engine._send("draft", self.rank_handle, state.rank_handle, anchor)
+            return super().propose(state, anchor, n, params, generator)
+
+    def verify(self, state: State, ids: list[int]):
+        with _interrupts_held():
+            self.engine._send("verify", self.rank_handle, state.rank_handle, ids)
+            return super().verify(state, ids)
+
+    def settle(self, state: State, r, fed: int) -> None:
+        with _interrupts_held():
+            self.engine._send("settle", self.rank_handle, state.rank_handle, fed)
+            super().settle(state, r, fed)
+
+
+class _Mirror:
+    """A follower's copy of one of rank 0's speculators: its own draft context, kept equal to
+    rank 0's by the same calls, and the round it verified last (the settles after it read its taps)."""
+
+    def __init__(self, engine: Engine):
+        self.speculator, self.round = Speculator(engine.model, engine), None
+
+    @torch.no_grad()
+    def make(self, op: str, state: State, arg) -> None:
+        """Rank 0's call ``op`` (one of ``_SPECULATION``) on ``state`` with its choice ``arg``."""
+        s = self.speculator
+        if op == "sync":
+            s.sync(state, arg)
+        elif op == "draft":  # the block's model calls; its tokens are rank 0's to draw
+            s.drafter.block_logits(s.model, arg, state.length, s.context)
+        elif op == "verify":
+            self.round = s.verify(state, arg)
+        else:
+            s.settle(state, self.round, arg)
+
+
+_SPECULATION = ("sync", "draft", "verify", "settle")
 
 
 def follow(engine: Engine, world: World) -> None:
     """Rank ``world.rank`` > 0: make rank 0's calls on ``engine`` until it closes."""
     states: dict[int, State] = {}
+    mirrors: dict[int, _Mirror] = {}
     device = engine.model.device
     while True:
         box = [None]
@@ -129,6 +205,7 @@ def follow(engine: Engine, world: World) -> None:
         op, handle, args, dropped = box[0]
         for h in dropped:
             states.pop(h, None)
+            mirrors.pop(h, None)
         if op == STOP:
             return
         if op == "new":
@@ -146,6 +223,10 @@ def follow(engine: Engine, world: World) -> None:
             log_ids, table, tokens = args
             table = _on(table, device)
             engine.replay(states[handle], log_ids, images=_ranges(table) if table else None, tokens=tokens)
+        elif op == "speculator":
+            mirrors[handle] = _Mirror(engine)
+        elif op in _SPECULATION:
+            mirrors[handle].make(op, states[args[0]], args[1])
         elif op == "all_reduce":
             _all_reduces(world, *args, device)
         else:
