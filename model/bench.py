@@ -1,11 +1,12 @@
 """Engine benchmarks: every figure a ratio measured side by side in one run (RUNTIME.md §9).
 
-Owns the measurements behind ``dsagent bench prefill|decode|resume|linears``: CED vs exact
-prefill (tokens/s and output agreement), decode step time at two context lengths, resume from
-exported bytes vs a full re-prefill, DSpark speculative decoding (verify-block cost vs one
-decode step, accepted length, tokens per target forward), and the prefill linear layers
-against the device's dense matmul rate. Returns plain dicts; printing is the CLI's job.
-Not a test: nothing here asserts a speed.
+Owns the measurements behind ``dsagent bench load|prefill|decode|resume|linears``: a load's
+time and memory (the bytes held, the host's resident memory before, at the peak and after, the
+device's on CUDA), CED vs exact prefill (tokens/s and output agreement), decode step time at
+two context lengths, resume from exported bytes vs a full re-prefill, DSpark speculative
+decoding (verify-block cost vs one decode step, accepted length, tokens per target forward),
+and the prefill linear layers against the device's dense matmul rate. Returns plain dicts;
+printing is the CLI's job. Not a test: nothing here asserts a speed.
 """
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ import copy
 import os
 import re
 import statistics
+import threading
 import time
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -55,30 +58,188 @@ def _timed(fn, device):
 def bench_model(preset: str, *, device="cuda", dtype: torch.dtype = torch.bfloat16, weights: str = "plain",
                 layers: int | None = None, engram_rows: int | None = None) -> tuple[Transformer, dict]:
     """A preset for benchmarks (seeded weights), cut to ``layers`` / ``engram_rows``
-    (``ModelArgs.shortened``), ``weights`` plain or packed, and what loading it took: seconds,
-    the bytes its tensors hold, and on CUDA the memory allocated after and at the peak. A
-    preset whose vocabulary the bundled tokenizer cannot hash (``v41-flash``: 129K ids
-    against 1,024) gets a synthetic Engram token map of the real one's shape."""
+    (``ModelArgs.shortened``), ``weights`` plain or packed, and what loading it took
+    (:func:`measured_load`'s figures). A preset whose vocabulary the bundled tokenizer
+    cannot hash (``v41-flash``: 129K ids against 1,024) gets a synthetic Engram token map of
+    the real one's shape."""
     from model.args import ModelArgs
-    from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
 
     args = ModelArgs.preset(preset, layers=layers, engram_rows=engram_rows)
-    if str(device).startswith("cuda"):
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    model, out = measured_load(lambda progress: _preset_model(args, device, dtype, weights), device)
+    return model, {"bench": "load", "preset": preset, "layers": args.num_hidden_layers, "weights": weights,
+                   "engram_rows": list(args.engram_num_embeddings), **out, **load_ratios(out, device)}
+
+
+def _preset_model(args, device, dtype: torch.dtype, weights: str) -> Transformer:
+    from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
+
     model = build(args, device=device, dtype=dtype, weights=weights).eval()
     if args.engram_layer_ids and args.vocab_size != 1024:
         model.bind_token_map([i % args.engram_compressed_vocab_size for i in range(args.vocab_size)])
     else:
         bind_tokenizer(model, BUNDLED_TOKENIZER)
-    _sync(device)
-    out = {"bench": "load", "preset": preset, "layers": args.num_hidden_layers, "weights": weights,
-           "engram_rows": list(args.engram_num_embeddings), "load_s": time.perf_counter() - start,
-           "held_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values())}
-    if str(device).startswith("cuda"):
+    return model
+
+
+def bench_checkpoint(path: str | Path, *, device="cpu", dtype: torch.dtype = torch.float32, weights: str = "plain",
+                     progress=None) -> tuple[Transformer, dict]:
+    """A checkpoint directory loaded as ``dsagent run`` loads it (``model.loading.load``: the
+    shards memory-mapped, read tensor by tensor), ``progress(done, total)`` called after each
+    tensor, and what it took (:func:`measured_load`) beside the checkpoint's shard files:
+    their bytes on disk and the largest one's."""
+    from model.loading import load
+
+    files = shard_files(path)
+    model, out = measured_load(lambda tick: load(path, device=device, dtype=dtype, weights=weights,
+                                                 progress=_both(tick, progress)), device)
+    out = {"bench": "load", "checkpoint": str(path), "weights": weights, "layers": model.args.num_hidden_layers,
+           **out, "shards": len(files), "checkpoint_bytes": sum(f.stat().st_size for f in files),
+           "largest_shard_bytes": max(f.stat().st_size for f in files)}
+    return model, {**out, **load_ratios(out, device)}
+
+
+def _both(first, second):
+    """A progress callback calling ``first``, then ``second`` when there is one."""
+    if second is None:
+        return first
+    return lambda done, total: (first(done, total), second(done, total))
+
+
+def shard_files(path: str | Path) -> list[Path]:
+    """A checkpoint's safetensors files: those its index names, else its one ``model.safetensors``."""
+    from model.checkpoint import INDEX_FILE, read_weight_map
+
+    root = Path(path)
+    if (root / INDEX_FILE).is_file():
+        return [root / f for f in sorted(set(read_weight_map(root).values()))]
+    return [root / "model.safetensors"]
+
+
+def measured_load(load, device) -> tuple[Transformer, dict]:
+    """``load(progress)``'s model and what making it took: seconds, the bytes its tensors hold
+    (its state dict's), the host's memory over it (:class:`HostMemory`, sampled at each
+    ``progress`` call too) and on CUDA the memory allocated after it and at its peak."""
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    with HostMemory() as host:
+        start = time.perf_counter()
+        model = load(lambda done, total: host.sample())
+        _sync(device)
+        seconds = time.perf_counter() - start
+    out = {"device": str(device), "load_s": seconds,
+           "held_bytes": sum(t.numel() * t.element_size() for t in model.state_dict().values()), **host.figures}
+    if cuda:
         out.update(gpu_allocated_bytes=torch.cuda.memory_allocated(), gpu_peak_bytes=torch.cuda.max_memory_allocated())
         out["allocated_over_held"] = out["gpu_allocated_bytes"] / out["held_bytes"]
     return model, out
+
+
+def load_ratios(out: dict, device) -> dict:
+    """The ratios of a load's figures, those its figures allow:
+
+    - ``held_over_checkpoint``: the bytes the model's tensors hold over the checkpoint's shard
+      files (packed weights: about 1, the files being those bytes and their headers; plain: the
+      FP8 / FP4 families widened to the model's dtype).
+    - ``gpu_allocated_over_checkpoint`` (CUDA): the device's allocated bytes after the load over
+      the shard files; with packed weights the target is 1.05 at most.
+    - ``host_growth_bytes``: what the load added to the host's resident set at its peak,
+      ``rss_peak_bytes - rss_before_bytes`` (file-backed pages of mapped shards included, so an
+      upper bound on what it needed). None where the peak is not the load's own.
+    - ``growth_over_shard`` (CUDA, a checkpoint): that growth over the largest shard: the
+      weights go to the device, so a load that copies tensor by tensor needs the host for
+      about one shard (its mapped pages) at most: about 1 or less.
+    - ``growth_over_held_and_shard`` (CPU): that growth over the held bytes plus the
+      largest shard (0 for a preset): on the CPU the weights themselves are host memory, so a
+      load adds them and about one shard more at most: about 1 or less.
+    """
+    shard, growth = out.get("largest_shard_bytes", 0), None
+    if out.get("rss_peak_bytes") is not None and out.get("rss_before_bytes") is not None:
+        growth = out["rss_peak_bytes"] - out["rss_before_bytes"]
+    ratios = {"host_growth_bytes": growth}
+    if "checkpoint_bytes" in out:
+        ratios["held_over_checkpoint"] = out["held_bytes"] / out["checkpoint_bytes"]
+    if "gpu_allocated_bytes" in out and "checkpoint_bytes" in out:
+        ratios["gpu_allocated_over_checkpoint"] = out["gpu_allocated_bytes"] / out["checkpoint_bytes"]
+    if str(device).startswith("cuda") and shard:
+        ratios["growth_over_shard"] = None if growth is None else growth / shard
+    elif str(device) == "cpu":
+        ratios["growth_over_held_and_shard"] = None if growth is None else growth / (out["held_bytes"] + shard)
+    return ratios
+
+
+_STATUS = ("VmRSS", "VmHWM", "RssAnon")
+
+
+def proc_memory() -> dict[str, int]:
+    """This process's VmRSS, VmHWM and RssAnon from ``/proc/self/status``, in bytes; empty
+    where there is none (not Linux)."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return {}
+    fields = (line.partition(":") for line in text.splitlines())
+    return {key: int(value.split()[0]) * 1024 for key, _, value in fields if key in _STATUS}
+
+
+def _reset_peak_rss() -> bool:
+    """Set the kernel's high-water mark (VmHWM) back to the present resident set (Linux 4.0+:
+    ``5`` written to ``/proc/self/clear_refs``); whether it was."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
+class HostMemory:
+    """The process's host memory over a block (``with HostMemory() as m: ...``; ``m.figures``).
+
+    The resident set counts anonymous pages (RssAnon: allocations, no file behind them) and
+    file-backed ones (RssFile: among them a memory-mapped shard's pages as they are read, which
+    the OS may drop and read again); neither measure below alone is the block's exact need:
+
+    - ``rss_before_bytes`` / ``rss_after_bytes``: the resident set (VmRSS) at the block's ends.
+    - ``rss_peak_bytes``: its highest during the block: the kernel's high-water mark (VmHWM),
+      set back to the present resident set as the block starts, so every page counts, but
+      dropped file pages count too: an upper bound. None where the mark cannot be set back
+      (it would be the process's peak since it started, not the block's).
+    - ``anon_before_bytes`` / ``anon_peak_bytes`` / ``anon_after_bytes``: the anonymous part
+      (RssAnon), its peak sampled every ``interval`` seconds on a thread and at each
+      :meth:`sample` call (a load's progress callback: after each tensor): a peak between two
+      samples is missed, so a lower bound on the anonymous peak.
+
+    Every figure is None where there is no ``/proc`` (not Linux)."""
+
+    def __init__(self, interval: float = 0.002):
+        self.interval, self.figures = interval, {}
+        self._peak, self._lock, self._stop = 0, threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+
+    def sample(self) -> None:
+        anon = proc_memory().get("RssAnon", 0)
+        with self._lock:
+            self._peak = max(self._peak, anon)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.sample()
+
+    def __enter__(self) -> "HostMemory":
+        self._reset = _reset_peak_rss()
+        self._before = proc_memory()
+        self.sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+        before, after = self._before, proc_memory()
+        self.figures = {"rss_before_bytes": before.get("VmRSS"), "rss_peak_bytes": after.get("VmHWM") if self._reset
+                        else None, "rss_after_bytes": after.get("VmRSS"), "anon_before_bytes": before.get("RssAnon"),
+                        "anon_peak_bytes": self._peak or None, "anon_after_bytes": after.get("RssAnon")}
 
 
 def prompt_ids(model: Transformer, n: int, seed: int = 0) -> torch.Tensor:

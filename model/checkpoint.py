@@ -509,9 +509,12 @@ class _Reader:
     shapes: dict[str, Shape]
     plan: dict[str, str]  # logical name -> stored family
     block: int
+    unread: dict[str, int]  # shard -> its stored tensors the plan has still to read
 
     def tensor(self, name: str, device: str | torch.device, part: Part | None = None) -> torch.Tensor:
-        """A stored tensor, or only ``part`` of it (``get_slice``: the shard is asked for those bytes)."""
+        """A stored tensor, or only ``part`` of it (``get_slice``: the shard is asked for those bytes),
+        on ``device``: on the CPU a view of the shard's memory map where safetensors gives one
+        (0.8 does), which keeps that map after its shard is closed (``_read``)."""
         shard = self.infos[name].shard
         try:
             if part is None:
@@ -523,7 +526,17 @@ class _Reader:
         except Exception as e:  # the header read, but the bytes did not (an I/O error on the memory map)
             raise CheckpointError(f"shard {shard}: cannot read {name} ({_reason(e)}); the file is damaged or "
                                   "unreadable: copy or download it again") from None
-        return stored.to(device)
+        stored = stored.to(device)
+        self._read(shard)
+        return stored
+
+    def _read(self, shard: str) -> None:
+        """One more of ``shard``'s tensors read; after its last one the shard is closed, and its
+        memory map goes with it unless a tensor still views it: the pages read from it leave
+        the resident set, where otherwise every shard's would stay there to the load's end."""
+        self.unread[shard] -= 1
+        if not self.unread[shard]:
+            self.handles.pop(shard).__exit__(None, None, None)  # the ExitStack's later exit does nothing
 
     def scale_block(self, name: str) -> tuple[int, int]:
         """The (rows, columns) of packed ``name`` that one of its scales covers."""
@@ -580,14 +593,19 @@ def _open_validated(root: Path, expected: Mapping[str, Sequence[int]], ignore_pr
     for name, fmt in plan.items():
         _check_tensor(problems, infos, name, shapes[name], fmt, block)
     _raise_problems(root, problems + _unexpected(weight_map, plan, ignore_prefixes))
-    return _Reader(handles, infos, shapes, plan, block)
+    unread: dict[str, int] = {}
+    for name, fmt in plan.items():
+        for stored in (name, scale_name(name)) if fmt in ("fp8", "fp4") else (name,):
+            unread[infos[stored].shard] = unread.get(infos[stored].shard, 0) + 1
+    return _Reader(handles, infos, shapes, plan, block, unread)
 
 
 def iter_checkpoint(ckpt_dir: str | Path, expected: Mapping[str, Sequence[int]], *,
                     dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                     progress: Progress | None = None, ignore_prefixes: Sequence[str] = (),
-                    compressed: bool = False,
-                    parts: Mapping[str, Part] | None = None) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+                    compressed: bool = False, parts: Mapping[str, Part] | None = None,
+                    devices: Mapping[str, str | torch.device] | None = None,
+                    ) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     """Validate now, then lazily yield ``(layer_group, {name: tensor})`` one load unit at a time.
 
     ``expected`` maps official names to logical shapes. Every problem (missing,
@@ -595,7 +613,12 @@ def iter_checkpoint(ckpt_dir: str | Path, expected: Mapping[str, Sequence[int]],
     and raised as one :class:`CheckpointError` by this call, before anything is loaded.
     Packed families are dequantised to ``dtype`` (the F32 family stays float32); with
     ``compressed=True`` they come back as stored (``X.weight`` e4m3 / packed int8 plus
-    ``X.scale`` e8m0) for kernels that consume them directly. Shards are memory-mapped.
+    ``X.scale`` e8m0) for kernels that consume them directly. Shards are memory-mapped, each
+    tensor copied to ``device`` as it is read (on a GPU, dequantised there) and each shard
+    closed after its last tensor (the shards in name order, as the writer makes them: one open
+    at a time). On the CPU a tensor yielded as stored may be a view of its shard's map.
+    ``devices``: name -> where that tensor (and its scale) goes instead of ``device`` (a table
+    kept in host memory while the rest goes to a GPU).
     ``parts``: name -> (dim, start, stop), a tensor of which only those rows (dim 0) or columns
     (dim 1) are read (``safe_open(...).get_slice``; a rank's share), a packed one with the
     scales of the blocks it touches; as stored (``compressed``) such a part must be whole blocks.
@@ -609,10 +632,11 @@ def iter_checkpoint(ckpt_dir: str | Path, expected: Mapping[str, Sequence[int]],
     except BaseException:
         stack.close()
         raise
-    return _iter_groups(stack, reader, dtype, device, progress, compressed, parts or {})
+    where = {name: (devices or {}).get(name, device) for name in reader.plan}
+    return _iter_groups(stack, reader, dtype, where, progress, compressed, parts or {})
 
 
-def _iter_groups(stack: ExitStack, reader: _Reader, dtype: torch.dtype, device: str | torch.device,
+def _iter_groups(stack: ExitStack, reader: _Reader, dtype: torch.dtype, where: Mapping[str, str | torch.device],
                  progress: Progress | None, compressed: bool,
                  parts: Mapping[str, Part]) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
     group, tensors = None, {}
@@ -623,9 +647,9 @@ def _iter_groups(stack: ExitStack, reader: _Reader, dtype: torch.dtype, device: 
                 tensors = {}
             group = layer_group(name)
             if compressed and fmt in ("fp8", "fp4"):
-                tensors.update(reader.stored(name, device, parts.get(name)))
+                tensors.update(reader.stored(name, where[name], parts.get(name)))
             else:
-                tensors[name] = reader.logical(name, dtype, device, parts.get(name))
+                tensors[name] = reader.logical(name, dtype, where[name], parts.get(name))
             if progress is not None:
                 progress(done, len(reader.plan))
         if tensors:

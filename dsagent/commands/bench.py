@@ -1,4 +1,4 @@
-"""`dsagent bench prefill|decode|resume|linears|store|prefix`: the measurements of RUNTIME.md §9, printed.
+"""`dsagent bench load|prefill|decode|resume|linears|store|prefix`: the measurements of RUNTIME.md §9, printed.
 
 Owns: loading the model for a benchmark, building real FP4 KV payloads from a prefilled
 engine state for the store benchmark, and printing the returned dicts (JSON with
@@ -23,7 +23,8 @@ from dsagent.runtime import Runtime, Settings
 from dsagent.settings import FlagError, resolve
 from sessions import DEFAULT_ZSTD_LEVEL, KVChunk
 
-app = typer.Typer(help="Measure prefill, decode, resume, linear layers and the store (prints figures; never a test).",
+app = typer.Typer(help="Measure loading, prefill, decode, resume, linear layers and the store (prints figures; "
+                       "never a test).",
                   no_args_is_help=True)
 
 PRESET = typer.Option(None, "--preset", help="Random weights of a preset (tiny on CPU, small on a GPU).")
@@ -63,6 +64,54 @@ def _emit(result: dict, as_json: bool) -> None:
         return typer.echo(json.dumps(result, indent=2, default=str))
     for key, value in result.items():
         typer.echo(f"{key:<28} {round(value, 4) if isinstance(value, float) else value}")
+
+
+@app.command()
+def load(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, device: str = DEVICE, as_json: bool = JSON,
+         weights: str = typer.Option("plain", "--weights", metavar="plain|packed",
+                                     help="packed: the FP8 / FP4 families held as the checkpoint stores them."),
+         layers: Optional[int] = typer.Option(None, "--layers", min=1, metavar="N",
+                                              help="With --preset: cut to N layers, every kind of layer kept."),
+         engram_rows: Optional[int] = typer.Option(None, "--engram-rows", min=1, metavar="R",
+                                                   help="With --preset: Engram tables of about R rows each.")) -> None:
+    """Load a checkpoint (or build a preset): seconds, bytes held, host memory before, at the peak and
+    after, on CUDA the device's, and their ratios to the checkpoint's shards."""
+    with guarded():
+        from dsagent.preflight import check_device
+        from dsagent.runtime import default_source
+        from dsagent.threads import apply_threads
+        from model.loading import WEIGHTS
+
+        check_device(device)
+        source = preset or model or default_source()
+        if weights not in WEIGHTS:
+            raise FlagError(f"--weights {weights!r} is not plain or packed")
+        if (layers or engram_rows) and _is_checkpoint(source):
+            raise FlagError("--layers and --engram-rows cut a preset; a checkpoint loads as it is")
+        apply_threads(resolve().threads)
+        dtype = _dtype(device)
+        if _is_checkpoint(source):
+            _, err = consoles()
+            with load_progress(err, "loading model") as progress:
+                _, result = _measure().bench_checkpoint(source, device=device, dtype=dtype, weights=weights,
+                                                        progress=progress)
+        else:
+            _, result = _measure().bench_model(source, device=device, dtype=dtype, weights=weights, layers=layers,
+                                               engram_rows=engram_rows)
+        _emit(result, as_json)
+
+
+def _is_checkpoint(source: str) -> bool:
+    from model.args import PRESETS
+
+    return source not in PRESETS
+
+
+def _dtype(device: str):
+    """The dtype the other benchmarks load in: bf16 on CUDA, float32 on the CPU."""
+    import torch
+
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
 @app.command()
