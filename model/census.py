@@ -200,9 +200,9 @@ def rank_bytes(args: ModelArgs, ranks: int = 1, *, packed: bool = True, float_by
     families as the checkpoint stores them (e4m3 bytes + a ue8m0 scale a block; e2m1 pairs +
     a scale a 32), else dequantised to ``float_bytes`` — times the share of it a rank holds
     (read off a build over the world on the meta device: the split projections, vocabulary
-    and attention sinks; the routed experts 1 / ``ranks`` of them; the rest whole). The
-    Engram tables are given apart: ``engram_tables`` whole (one copy in host memory),
-    ``engram_share`` the rows rank 0 holds where the ranks split them (the largest share)."""
+    and attention sinks; the routed experts, the draft stages' too, 1 / ``ranks`` of them; the
+    rest whole). The Engram tables are given apart: ``engram_tables`` whole (one copy in host
+    memory), ``engram_share`` the rows rank 0 holds where the ranks split them (the largest)."""
     # few routed experts (a multiple of ranks, at least the top-k): the build is quick, and they
     # are counted apart, 1 / ranks of the real ones
     small = args.replace(n_routed_experts=ranks * -(-args.num_experts_per_tok // ranks))
@@ -226,6 +226,8 @@ def rank_bytes(args: ModelArgs, ranks: int = 1, *, packed: bool = True, float_by
     per_expert = sum(_stored_bytes(f"layers.0.ffn.experts.0.{n}", s, args, packed, float_bytes)
                      for n, s in expert.items())
     out["routed_experts"] = args.num_hidden_layers * per_expert * args.n_routed_experts // ranks
+    per_draft = sum(_stored_bytes(f"mtp.0.ffn.experts.0.{n}", s, args, packed, float_bytes) for n, s in expert.items())
+    out["dspark"] += args.num_nextn_predict_layers * per_draft * args.dspark_n_routed_experts // ranks
     out["gpu_total"] = out["backbone"] + out["routed_experts"] + out["vision"] + out["dspark"]
     return out
 

@@ -37,7 +37,7 @@ from model.args import ModelArgs
 from model.cache import Cache, WindowRing
 from model.engine import Engine, Sampling, State, shaped_probs  # the same shaping as plain sampling
 from model.layer import RMSNorm, Step, embedding
-from model.linear import Linear, grouped_linear
+from model.linear import ALONE, Linear, World, grouped_linear
 from model.block import Attention, Block, hc_collapse
 from model.moe import MoE
 from model.quant import fake_quant_fp8
@@ -58,10 +58,10 @@ class DraftAttention(Attention):
     newest ``sliding_window`` positions before the anchor and every block position (both
     directions). Same tensors as a window-only backbone layer; main RoPE."""
 
-    def __init__(self, args: ModelArgs, stage: int):
+    def __init__(self, args: ModelArgs, stage: int, world: World = ALONE):
         nn.Module.__init__(self)
         self.args, self.stage, self.layer, self.ratio = args, stage, args.num_hidden_layers + stage, 0
-        self._projections(args)
+        self._projections(args, world)  # over a world, split as a backbone layer's
         self.compressor = self.indexer = None
 
     def context_kv(self, c: torch.Tensor, positions: torch.Tensor, ropes) -> torch.Tensor:
@@ -110,11 +110,11 @@ class DraftStage(Block):
     a :class:`DraftAttention`, a DSpark-sized MoE and no Engram; stage 0 also owns the context
     projection, the last stage the final norm and the two heads."""
 
-    def __init__(self, args: ModelArgs, stage: int):
+    def __init__(self, args: ModelArgs, stage: int, world: World = ALONE):
         nn.Module.__init__(self)
         self.args, self.layer = args, args.num_hidden_layers + stage
-        self.attn = DraftAttention(args, stage)
-        self.ffn = MoE(args, args.dspark_n_routed_experts, args.dspark_num_experts_per_tok)
+        self.attn = DraftAttention(args, stage, world)
+        self.ffn = MoE(args, args.dspark_n_routed_experts, args.dspark_num_experts_per_tok, world=world)
         self.attn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.ffn_norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.engram = None
@@ -146,8 +146,10 @@ class DSpark(nn.ModuleList):
     """The draft stages; item K is ``mtp.K``. Shares ``embed``, ``head`` and the RoPE tables
     with the target, which it is given at call time (it is a submodule of the target)."""
 
-    def __init__(self, args: ModelArgs):
-        super().__init__([DraftStage(args, k) for k in range(args.num_nextn_predict_layers)])
+    def __init__(self, args: ModelArgs, world: World = ALONE):
+        """``world``: each stage split over its ranks as a backbone layer is (attention heads,
+        routed experts); the context projection, norms and heads whole on every rank."""
+        super().__init__([DraftStage(args, k, world) for k in range(args.num_nextn_predict_layers)])
         self.args = args
 
     def context(self, taps: dict[int, torch.Tensor]) -> torch.Tensor:

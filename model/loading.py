@@ -251,19 +251,21 @@ def _packed_modules(model: torch.nn.Module) -> dict[str, Linear | Table]:
 
 def load_weights(model: Transformer, path: Path, device="cpu", dtype=torch.float32, progress=None) -> None:
     """Fill a meta-device model from an official checkpoint directory (sharded or single file),
-    one layer group at a time, so peak memory is the model in ``dtype`` plus one group. A packed
-    Linear takes the stored bytes and scales as they are; every other tensor is dequantised.
-    Over several ranks a rank asks the shards for its slices only (``rank_slices``) and for
-    none of other ranks' experts."""
+    one layer group at a time, each tensor copied to ``device`` as it is read and dequantised
+    there (a table kept in host memory read to the host), so peak memory is the model in
+    ``dtype`` plus one group, and on a GPU the host holds about one shard
+    (``model.checkpoint.iter_checkpoint``). A packed Linear takes the stored bytes and scales as
+    they are; every other tensor is dequantised. Over several ranks a rank asks the shards for
+    its slices only (``rank_slices``) and for none of other ranks' experts."""
     expected, packed = expected_shapes(model), _packed_modules(model)
     host = {f"{n}.{k}": "cpu" for n, m in model.named_modules() if isinstance(m, Table) and m.host for k in m._parameters}
     if (path / "model.safetensors.index.json").is_file():
         from model.checkpoint import iter_checkpoint
 
         slices = {name: part for name, part in rank_slices(model).items() if name in expected}
-        groups = iter_checkpoint(path, expected, dtype=dtype, device="cpu", progress=progress,
+        groups = iter_checkpoint(path, expected, dtype=dtype, device=device, progress=progress,
                                  ignore_prefixes=_unbuilt_prefixes(model) + _other_ranks(model),
-                                 compressed=bool(packed), parts=slices)
+                                 compressed=bool(packed), parts=slices, devices=host)
     else:
         groups = [("all", local_state(model, _read_single_file(path, expected)))]
     for _, tensors in groups:
@@ -361,6 +363,9 @@ def _other_ranks(model: Transformer) -> tuple:
     for i, block in enumerate(model.layers):
         mine = block.ffn.experts
         out += [f"layers.{i}.ffn.experts.{e}." for e in range(model.args.n_routed_experts) if e not in mine]
+    for k, stage in enumerate(getattr(model, "mtp", ())):
+        mine = stage.ffn.experts
+        out += [f"mtp.{k}.ffn.experts.{e}." for e in range(model.args.dspark_n_routed_experts) if e not in mine]
     return tuple(out)
 
 

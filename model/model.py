@@ -62,8 +62,8 @@ class Transformer(nn.Module):
             self.image_start = nn.Parameter(torch.zeros(args.hidden_size))
             self.image_end = nn.Parameter(torch.zeros(args.hidden_size))
             self.image_newline = nn.Parameter(torch.zeros(args.hidden_size))
-        if args.num_nextn_predict_layers and alone:  # the draft stages read the whole vocabulary's logits
-            self.mtp = DSpark(args)  # the draft stages, checkpoint names mtp.K.*
+        if args.num_nextn_predict_layers:
+            self.mtp = DSpark(args, world)  # the draft stages, checkpoint names mtp.K.*
         self.derived: dict = {}  # what a fast path made from the weights' addresses (captured graphs)
         self.register_load_state_dict_post_hook(lambda module, keys: module.derived.clear())
 

@@ -110,19 +110,25 @@ class GroupedLinear(nn.Module):
 class GroupedExperts(nn.Module):
     """Every routed expert at once, with no host sync: the (token, slot) pairs sorted by
     expert, their rows gathered once, w1/w3/w2 as grouped GEMMs, the gate weight applied
-    before w2 as in :class:`Expert`, each token's k rows summed in slot order."""
+    before w2 as in :class:`Expert`, each token's k rows summed in slot order. ``first``: the
+    global index of the first expert stacked here; ``split``: a rank of several holding a range
+    of them, whose pairs routed to other ranks' experts sort after the last group, which no
+    GEMM reads, and give zeros."""
 
-    def __init__(self, limit: float):
+    def __init__(self, limit: float, first: int = 0, split: bool = False):
         super().__init__()
-        self.limit = limit
+        self.limit, self.first, self.split = limit, first, split
         self.w1, self.w2, self.w3 = GroupedLinear(), GroupedLinear(), GroupedLinear()
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Routed output [N, D] fp32 of flat tokens x [N, D] from the gate's weights, indices [N, k]."""
         k, n_experts = indices.shape[1], self.w1.weight.shape[0]
-        order = indices.flatten().argsort(stable=True)  # (N*k,) by expert, token order within one
+        local = (indices - self.first).flatten()
+        mine = (local >= 0) & (local < n_experts)
+        local = torch.where(mine, local, n_experts)  # another rank's: after every group here
+        order = local.argsort(stable=True)  # (N*k,) by expert, token order within one
         experts = torch.arange(n_experts, device=x.device)
-        ends = torch.searchsorted(indices.flatten()[order], experts, right=True, out_int32=True)
+        ends = torch.searchsorted(local[order], experts, right=True, out_int32=True)
         rows = order // k
         h = x[rows]  # (N*k, D)
         y = weights.flatten()[order, None] * swiglu(self.w1(h, ends), self.w3(h, ends), self.limit)
@@ -130,6 +136,8 @@ class GroupedExperts(nn.Module):
         # back to (token, slot) order, then each token's k rows summed: no atomics, so a step's
         # result never depends on the order threads finish in (index_add_ on CUDA would)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        if self.split:  # rows past the last group: never written
+            unsorted = torch.where(mine[:, None], unsorted, 0)
         return unsorted.view(-1, k, out.shape[-1]).float().sum(1)
 
 
@@ -165,10 +173,11 @@ class MoE(nn.Module):
         self.gate = Gate(args, n_experts, top_k or args.num_experts_per_tok)
         inter = args.moe_intermediate_size
         self.world = world
+        mine = world.part(n_experts, "n_routed_experts")
         self.experts = Experts({str(e): Expert(args.hidden_size, inter, args.swiglu_limit)
-                                for e in range(n_experts)[world.part(n_experts, "n_routed_experts")]})
+                                for e in range(n_experts)[mine]})
         self.shared_experts = Expert(args.hidden_size, inter, args.swiglu_limit)
-        self.grouped = GroupedExperts(args.swiglu_limit)
+        self.grouped = GroupedExperts(args.swiglu_limit, mine.start, world.size > 1)
         self.register_load_state_dict_post_hook(_restack_after_load)
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -224,7 +233,7 @@ class MoE(nn.Module):
         """The grouped path computes what the loop does only from stacked, unparametrized weights
         (training's QAT rewrites them) and without autograd; ``DSAGENT_GROUPED_MOE=0`` forces the loop."""
         w = self.grouped.w1.weight
-        return (w is not None and self.world.size == 1 and not torch.is_grad_enabled()
+        return (w is not None and not torch.is_grad_enabled()
                 and grouped_mm_supported(x, w.shape[1])
                 and os.environ.get("DSAGENT_GROUPED_MOE", "1") != "0" and not self.parametrized())
 

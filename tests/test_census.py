@@ -167,8 +167,13 @@ def test_the_bytes_a_rank_holds_are_those_of_its_loaded_part(packed) -> None:
     from model.linear import World
     from model.loading import load
 
+    from model.args import ModelArgs
+
+    drafts = ModelArgs.preset("tiny").replace(num_nextn_predict_layers=2)  # split over the ranks as the layers are
     for ranks, rank in ((1, 0), (2, 0), (2, 1)):
-        m = load("tiny", dtype=torch.bfloat16, weights="packed" if packed else "plain", world=World(rank, ranks))
+        m = load("tiny", dtype=torch.bfloat16, weights="packed" if packed else "plain", world=World(rank, ranks),
+                 args=drafts)
+        assert len(m.mtp) == 2 and len(m.mtp[0].ffn.experts) == drafts.dspark_n_routed_experts // ranks
         held = {"tables": 0, "rest": 0}
         for name, p in m.named_parameters():
             held["tables" if ".engram.embed." in name else "rest"] += p.numel() * p.element_size()

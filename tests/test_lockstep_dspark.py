@@ -7,9 +7,9 @@ rank 0's, and a state or a speculator rank 0 lets go of is sent to be let go of 
 The target is the trained default model (as in ``tests/test_lockstep.py``: two ranks sum in
 another order than one process, and its margins, unlike a random model's, keep the greedy ids
 the same: over this prompt's 40 greedy ids the smallest top-2 gap is 0.10, and plain decoding
-over two ranks moves the logits by 8e-3 at most). Its config has no draft stages, and a build
-over ranks would not make them (``Transformer`` builds ``mtp`` for one process only), so every
-rank is given the same seeded stages, whole, with the Markov head planted
+over two ranks moves the logits by 8e-3 at most). Its config has no draft stages, so every
+rank is given its part of the same seeded stages (split as the layers are: attention heads,
+routed experts), with the Markov head planted
 (:func:`_plant_bigrams`) to propose what the target said next after the same token: a drafter
 whose blocks are accepted in part.
 """
@@ -72,13 +72,14 @@ def _stop_mid_block(spec, state, prompt: torch.Tensor) -> tuple[list[int], bool]
 
 
 def _rank_model(world: World, said: list[int]):
-    """This rank's part of the default model, with seeded draft stages (whole) planted with
-    the bigrams of ``said``."""
+    """This rank's part of the default model, with its part of seeded draft stages planted
+    with the bigrams of ``said``."""
     from model.loading import build, load
 
     model = load(DEFAULT, world=world)
     args = model.args.replace(num_nextn_predict_layers=3)  # the backbone's config, with drafts
-    model.mtp, model.args = build(args, seed=1).mtp.eval(), args
+    model.mtp, model.args = build(args, seed=1, world=world).mtp.eval(), args
+    assert len(model.mtp[0].ffn.experts) == args.dspark_n_routed_experts // world.size
     _plant_bigrams(model.mtp[-1], said)
     return model
 

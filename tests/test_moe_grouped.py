@@ -359,3 +359,27 @@ def test_cuda_training_takes_the_dense_path_and_matches_the_loop(monkeypatch):
         results.append((y.detach(), x.grad))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_a_ranks_grouped_experts_are_its_loop_over_its_range(rank):
+    """One rank of four holds experts [2 rank, 2 rank + 2): its grouped path gives what its loop
+    gives (other ranks' experts left out, their pairs zero), the pairs routed elsewhere sorted
+    past its last group, whose rows no GEMM writes. The sum over the ranks is the whole MoE's
+    (tests/test_parallel.py runs it over processes)."""
+    from model.linear import World
+
+    whole = make_moe()
+    part = MoE(TINY, world=World(rank, 4))
+    part.load_state_dict({k: v for k, v in whole.state_dict().items() if k in part.state_dict()}, strict=False)
+    part.stack_experts()
+    assert part.grouped.first == 2 * rank and part.grouped.w1.weight.shape[0] == 2
+    x, _ = inputs((24,), torch.float32)
+    with torch.no_grad():
+        weights, indices = part.gate(x, None)
+        grouped, loop = part.grouped(x, weights, indices), part._loop(x, weights, indices)
+        assert part.runs_grouped(x)
+    tol = TOL[torch.float32] * loop.abs().max()
+    torch.testing.assert_close(grouped, loop, rtol=0, atol=tol)
+    mine = ((indices >= 2 * rank) & (indices < 2 * rank + 2)).any(1)
+    assert bool((grouped[~mine] == 0).all()) and bool(grouped[mine].abs().amax(1).gt(0).all())
