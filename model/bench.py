@@ -281,13 +281,86 @@ def bench_decode(model: Transformer, ctx: int, *, short: int | None = None, step
     short = short or max(model.args.sliding_window, ctx // 32)
     times = {n: _step_seconds(model, n, 1, steps, chunk) for n in (short, ctx)}
     read = decode_read_bytes(model.args, ctx, weight_bytes=model.embed.weight.element_size())
+    read["total"] += weights_read_bytes(model) - read["weights"]  # the bytes the weights are held in
+    read["weights"] = weights_read_bytes(model)
     copy = copy_tb_per_s(model.device)
     achieved = read["total"] / times[ctx] / 1e12
     out = {"bench": "decode", "ctx_short": short, "ctx_long": ctx, "step_ms_short": 1e3 * times[short],
            "step_ms_long": 1e3 * times[ctx], "long_over_short": times[ctx] / times[short],
+           "layer_ms_long": 1e3 * times[ctx] / model.args.num_hidden_layers,
            "decode_tokens_per_s_long": 1 / times[ctx], "read_bytes_long": read,
            "read_tb_per_s_long": achieved, "copy_tb_per_s": copy, "bandwidth_over_copy": achieved / copy}
     return out | (_collectives(model, times[ctx]) if model.world.size > 1 else {})
+
+
+def weights_read_bytes(model: Transformer) -> int:
+    """Bytes of weights a batch-1 decode step reads, as the model holds them (packed: the
+    stored bytes and scales): every parameter of the layers and the head, a routed expert's
+    top-k share of its layer's experts, one row of the embedding and ``n_cols`` rows of each
+    Engram table; nothing of the vision tower or the draft stages."""
+    a, total = model.args, 0
+    tables = {id(b.engram.embed) for b in model.layers if b.engram is not None}
+    for name, module in model.named_modules():
+        held = sum(p.numel() * p.element_size() for p in module.parameters(recurse=False))
+        if not held or name.startswith(("vision", "aligner", "mtp")):
+            continue
+        if ".ffn.experts." in name:
+            total += held * a.num_experts_per_tok // a.n_routed_experts  # the top-k of the layer's experts
+        elif id(module) in tables:
+            total += held * a.engram_n_cols // module.full_rows
+        elif name == "embed":
+            total += held // a.vocab_size
+        else:
+            total += held
+    return total
+
+
+def bench_engram(model: Transformer, ctx: int, *, steps: int = 16, chunk: int = 512, repeats: int = 50) -> dict:
+    """The Engram tables on the device against in host memory (``Table.host``), side by side
+    in one run on the same weights: a decode step's time after a CED prefill of ``ctx`` tokens
+    with each placement, and each placement's gather of one step's rows of every table (the
+    host's: the ids read back, the rows gathered, copied from pinned memory and dequantised
+    on the device), timed alone."""
+    held = [b.engram.embed for b in model.layers if b.engram is not None]
+    if not held or model.world.size > 1:
+        return {}
+    a = model.args
+    g = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, t.full_rows, (1, 1, a.engram_n_cols), generator=g).to(model.device) for t in held]
+    out = {"bench": "engram", "ctx": ctx, "tables": len(held),
+           "table_bytes": sum(p.numel() * p.element_size() for t in held for p in t.parameters())}
+    for place in ("device", "host"):
+        with _tables_in(model, held, place):
+            out[f"step_ms_{place}"] = 1e3 * _step_seconds(model, ctx, 1, steps, chunk)
+            gather = (lambda: [t.ready(t.fetch(i)) for t, i in zip(held, ids)]) if place == "host" else \
+                (lambda: [t(i) for t, i in zip(held, ids)])
+            gather()
+            _, secs = _timed(lambda: [gather() for _ in range(repeats)], model.device)
+            out[f"gather_us_{place}"] = 1e6 * secs / repeats
+    out["gather_over_step_host"] = out["gather_us_host"] / 1e3 / out["step_ms_host"]
+    out["step_host_over_device"] = out["step_ms_host"] / out["step_ms_device"]
+    return out
+
+
+@contextmanager
+def _tables_in(model: Transformer, tables: list, place: str):
+    """``tables`` kept in ``place`` (``device`` or ``host``) for the block, then where they were;
+    the captured graphs, which hold their addresses, dropped at each move."""
+    def move(t, host: bool):
+        target = "cpu" if host else model.device
+        for name, p in list(t._parameters.items()):
+            t._parameters[name] = nn.Parameter(p.data.to(target), requires_grad=False)
+        t.host = host
+        model.derived.clear()
+
+    was = [t.host for t in tables]
+    for t in tables:
+        move(t, place == "host")
+    try:
+        yield
+    finally:
+        for t, host in zip(tables, was):
+            move(t, host)
 
 
 def _collectives(model: Transformer, step_s: float) -> dict:

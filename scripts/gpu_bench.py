@@ -2,7 +2,7 @@
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--layers N] [--engram-rows R] [--weights packed]
        [--prefill 8192,32768] [--decode 4096,32768]
-       [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--profile 16384]
+       [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--engram 4096] [--profile 16384]
        [--knobs moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2 --knobs-ctx 131072 --knobs-rounds 2] [--set moe.DOWN_EARLY,...]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
@@ -15,7 +15,8 @@ import sys
 
 import torch
 
-from model.bench import (bench_batch, bench_model, bench_decode, bench_host, bench_knobs, bench_linears, bench_paths,
+from model.bench import (bench_batch, bench_model, bench_decode, bench_engram, bench_host, bench_knobs, bench_linears,
+                         bench_paths,
                          bench_prefill, bench_profile, bench_resume, copy_tb_per_s, kernel_knob, matmul_tflops,
                          switched)
 
@@ -40,6 +41,8 @@ def main() -> None:
     p.add_argument("--linears", default="8192")
     p.add_argument("--paths", default="4096", help="contexts at which each fast path is turned off in turn")
     p.add_argument("--paths-batch", default="1", help="batch sizes of --paths (e.g. 1,16: the MoE paths at batch 16)")
+    p.add_argument("--engram", default="", help="contexts at which the Engram tables on the GPU and in host memory "
+                                                 "are timed side by side")
     p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     p.add_argument("--profile-batch", default="1", help="batch sizes of --profile")
@@ -82,6 +85,8 @@ def main() -> None:
                 emit(bench_paths(model, n, batch=b))
         for n in map(int, filter(None, a.knobs_ctx.split(","))) if a.knobs else ():
             emit(bench_knobs(model, n, a.knobs.split(","), rounds=a.knobs_rounds))
+        for n in map(int, filter(None, a.engram.split(","))):
+            emit(bench_engram(model, n))
         for n in map(int, filter(None, a.host.split(","))):
             emit(bench_host(model, n))
         for n in map(int, filter(None, a.profile.split(","))):

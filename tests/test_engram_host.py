@@ -135,3 +135,21 @@ def test_on_cuda_host_tables_give_the_device_tables_bits(weights):
     assert all(t.weight.device.type == "cpu" for t in _tables(in_host))
     assert torch.equal(_logits(in_host), _logits(on_device))
     assert _greedy(in_host) == _greedy(on_device)
+
+
+def test_the_engram_bench_times_both_places_and_puts_the_tables_back():
+    """``bench_engram`` runs a model's decode steps with its tables on the device and in host
+    memory in turn, then leaves them where they were (their bytes unchanged); the decode
+    bench's weights read are counted as held: packed bytes for a packed model."""
+    from model.bench import bench_engram, bench_model, weights_read_bytes
+    from model.census import census
+
+    model, _ = bench_model("tiny", device="cpu", dtype=torch.float32)
+    before = [(t.host, t.weight.clone()) for t in _tables(model)]
+    out = bench_engram(model, 256, steps=2, repeats=2)
+    assert out["tables"] == 2 and all(out[k] > 0 for k in ("step_ms_device", "step_ms_host", "gather_us_host"))
+    assert all(t.host == h and torch.equal(t.weight, w) for t, (h, w) in zip(_tables(model), before))
+    plain = weights_read_bytes(model)
+    assert abs(plain - 4 * census(model.args)["params_active_decode"]) < 1e-3 * plain
+    packed, _ = bench_model("tiny", device="cpu", dtype=torch.float32, weights="packed")
+    assert weights_read_bytes(packed) < plain / 2
