@@ -3,7 +3,7 @@
 Owns: building one conversation per record in the shape the agent really produces
 (DEFAULT_SYSTEM with every built-in tool schema, OpenAI-style messages, DSML tool calls
 as `tool_calls`, tool results as `tool` messages, images as `sha256:` image blocks),
-for five kinds:
+for six kinds:
 
   a  chat        short questions about this runtime and simple facts
   b  tools       calculator arithmetic, read_file / list_dir questions, a shell command,
@@ -11,6 +11,13 @@ for five kinds:
   c  images      Pillow-drawn shapes (colour, kind, count) to describe or count
   d  recall      a `key: value` planted early in 2,000-6,000 tokens of filler, asked at the end
   e  multi_turn  sessions whose later turns depend on earlier answers or results
+  f  mixed       2-8 turns of a-c's questions in random order, with facts the user tells and
+                 later asks back and calculations that refer back ("and that times 3?"); every
+                 other turn is answered from its own question and tool results
+
+The default mixture (DEFAULT_KINDS, what make_corpus writes unless told otherwise) is a-e;
+kind f is asked for by name (`make_corpus.py --kinds`, `train_default.py --schedule`), so
+the records of a-e for a seed stay what they were.
 
 Every record carries its ground truth (`truth`) so tests and evaluations can check it,
 and `encode_record` turns one into token ids plus the mask of trained (assistant) ids
@@ -49,7 +56,8 @@ from tools import ToolResult, ToolRunner, Workspace, builtin_toolbox
 
 CORPUS_VERSION = 3  # 2: echo requests in (a), more calculator in (b); 3: recall values all digits
 THINKING_MODE = "chat"  # the agent's default; every completion follows `</think>`
-KINDS = {"a": "chat", "b": "tools", "c": "images", "d": "recall", "e": "multi_turn"}
+KINDS = {"a": "chat", "b": "tools", "c": "images", "d": "recall", "e": "multi_turn", "f": "mixed"}
+DEFAULT_KINDS = "abcde"  # the mixture the default learnt from; f came later and is asked for by name
 TRAIN_ROLES = ["assistant"]
 
 COLOURS = {"red": (220, 30, 30), "green": (30, 160, 60), "blue": (40, 70, 220),
@@ -172,7 +180,7 @@ class Builder:
 
 def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
                 recall_tokens: tuple[int, int] = RECALL_TOKENS, recall: RecallStyle = RecallStyle()) -> dict[str, Any]:
-    """Record `index` of the corpus for `seed`, of kind a-e; a recall record's log is drawn
+    """Record `index` of the corpus for `seed`, of kind a-f; a recall record's log is drawn
     from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default) and
     written in the ``recall`` style."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
@@ -183,7 +191,7 @@ def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
             recall_conversation(b, tokenizer, recall_tokens, recall)
         else:
             {"a": chat_conversation, "b": tool_conversation, "c": image_conversation,
-             "e": multi_turn_conversation}[kind](b)
+             "e": multi_turn_conversation, "f": mixed_conversation}[kind](b)
         return b.record(rid, kind)
 
 
@@ -634,3 +642,152 @@ def image_session(b: Builder) -> None:
 
 def multi_turn_conversation(b: Builder) -> None:
     b.rng.choice([remember_session, calc_session, file_session, image_session])(b)
+
+
+# -- (f) mixed conversations ----------------------------------------------------------------
+
+MIXED_TURNS = (2, 8)
+
+
+@dataclass(frozen=True)
+class Fact:
+    """A fact the user tells in a mixed conversation and may ask back turns later."""
+
+    tell: str  # the user saying it; "{}" is the value
+    ack: str
+    asks: tuple[str, ...]  # ways of asking it back
+    answer: str
+    draw: Any  # rng -> the value
+
+
+TOLD = {
+    "name": Fact("My name is {}.", "Nice to meet you, {}. I'll remember that.",
+                 ("What did I tell you my name was?", "What is my name?"), "Your name is {}.",
+                 lambda rng: rng.choice(NAMES)),
+    "cat": Fact("My cat is called {}.", "Got it: your cat is called {}.",
+                ("What did I say my cat is called?", "What is my cat called?"), "Your cat is called {}.",
+                lambda rng: rng.choice(WORDS).capitalize()),
+    "colour": Fact("My favourite colour is {}.", "Noted: your favourite colour is {}.",
+                   ("What did I tell you my favourite colour was?", "Which colour did I say I like best?"),
+                   "Your favourite colour is {}.", lambda rng: rng.choice(sorted(COLOURS))),
+    "number": Fact("My lucky number is {}.", "Noted: your lucky number is {}.",
+                   ("What did I say my lucky number was?", "What is my lucky number?"),
+                   "Your lucky number is {}.", lambda rng: str(rng.randint(2, 999))),
+}
+# a calculation on an earlier result: of the turn just before it says "that"; of an earlier
+# one it names that turn's expression
+BACK_THAT = {"*": ("And that times {n}?", "Multiply that by {n}."), "+": ("Add {n} to that.", "And that plus {n}?"),
+             "-": ("Subtract {n} from that.", "And that minus {n}?")}
+BACK_NAMED = {"*": "Multiply the result of {expr} by {n}.", "+": "Add {n} to the result of {expr}.",
+              "-": "Subtract {n} from the result of {expr}."}
+
+
+def _own_truth(b: Builder, build, *args) -> dict[str, Any]:
+    """Run one skill's builder as a turn of a longer conversation: what it records as truth
+    is that turn's, not the record's."""
+    kept, b.truth = b.truth, {}
+    build(b, *args)
+    turn, b.truth = b.truth, kept
+    return turn
+
+
+def _told(turns: list[dict[str, Any]]) -> dict[str, int]:
+    """Fact -> the index of the turn that told it."""
+    return {t["fact"]: i for i, t in enumerate(turns) if t["skill"] == "tell"}
+
+
+def _valued(turns: list[dict[str, Any]]) -> list[int]:
+    """The turns whose one calculator value a later turn may calculate on."""
+    return [i for i, t in enumerate(turns) if t["skill"] in ("calc", "back") and "answer" in t]
+
+
+def _chat_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    return _own_truth(b, chat_conversation)
+
+
+def _calc_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    truth = _own_truth(b, calc_question)
+    if len(truth["arithmetic"]) == 1:  # two sums leave no single "that"
+        truth["answer"] = truth["arithmetic"][0]["value"]
+    return truth
+
+
+def _file_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    if "files" not in b.truth:  # one workspace a conversation, made when first asked about
+        make_files(b)
+    return _own_truth(b, b.rng.choice([read_question, list_question]), b.truth["files"])
+
+
+def _image_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """An attached picture, or one opened with view_image (once a conversation: two pictures
+    could draw the same file name)."""
+    viewed = any(c["function"]["name"] == "view_image" for m in b.messages for c in m.get("tool_calls", ()))
+    if viewed or b.rng.random() < 0.5:
+        return _own_truth(b, image_conversation)
+    return _own_truth(b, view_question)
+
+
+def _tell_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    name = b.rng.choice([f for f in TOLD if f not in _told(turns)])
+    fact = TOLD[name]
+    value = fact.draw(b.rng)
+    b.user(fact.tell.format(value))
+    b.say(fact.ack.format(value))
+    return {"fact": name, "answer": value}
+
+
+def _recall_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    told = _told(turns)
+    name = b.rng.choice(sorted(told))
+    value = turns[told[name]]["answer"]
+    b.user(b.rng.choice(TOLD[name].asks))
+    b.say(TOLD[name].answer.format(value))
+    return {"fact": name, "answer": value, "refers_to": told[name] + 1}
+
+
+def _back_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
+    """A calculation on an earlier turn's result: "that" when it is the turn just before,
+    else that turn's expression named."""
+    valued, last = _valued(turns), len(turns) - 1
+    i = last if last in valued and b.rng.random() < 0.6 else b.rng.choice(valued)
+    op, n = b.rng.choice(sorted(BACK_THAT)), b.rng.randint(2, 12)
+    earlier = turns[i]
+    if i == last:
+        question = b.rng.choice(BACK_THAT[op]).format(n=n)
+    else:
+        question = BACK_NAMED[op].format(n=n, expr=earlier["arithmetic"][-1]["expression"])
+    expr = f"{earlier['answer']} {op} {n}"
+    truth = _own_truth(b, ask_calculator, expr, question)
+    value = truth["arithmetic"][0]["value"]
+    b.say(f"{expr} = {value}.")
+    return {**truth, "answer": value, "refers_to": i + 1}
+
+
+# each skill of a mixed turn: its builder, whether the turns before allow it, its weight (a
+# turn that refers back can only follow others, so it weighs double where it can be asked)
+MIXED_SKILLS = {
+    "chat": (_chat_turn, lambda turns: True, 1),
+    "calc": (_calc_turn, lambda turns: True, 1),
+    "file": (_file_turn, lambda turns: True, 1),
+    "image": (_image_turn, lambda turns: True, 1),
+    "tell": (_tell_turn, lambda turns: len(_told(turns)) < len(TOLD), 1),
+    "recall": (_recall_turn, lambda turns: bool(_told(turns)), 2),
+    "back": (_back_turn, lambda turns: bool(_valued(turns)), 2),
+}
+
+
+def mixed_conversation(b: Builder) -> None:
+    """2-8 turns, each of a skill drawn from those the turns before allow, two skills at
+    least. ``truth["turns"]`` holds each turn's truth: its skill, ``refers_to`` (the 1-based
+    turn a recall or a calculation on an earlier result draws on; None for the others),
+    and its builder's own keys (``answer``, ``image``, ``arithmetic``); ``truth["files"]``
+    the workspace when a turn asked about files."""
+    turns: list[dict[str, Any]] = []
+    b.truth = {"turns": turns}
+    count = b.rng.randint(*MIXED_TURNS)
+    for t in range(count):
+        skills = [s for s, (_, allowed, _) in MIXED_SKILLS.items() if allowed(turns)]
+        if t == count - 1 and len({turn["skill"] for turn in turns}) == 1:
+            skills.remove(turns[0]["skill"])
+        skill = b.rng.choices(skills, [MIXED_SKILLS[s][2] for s in skills])[0]
+        turns.append({"skill": skill, "refers_to": None, **MIXED_SKILLS[skill][0](b, turns)})

@@ -19,6 +19,14 @@ record cut before one assistant message, its target:
                   an earlier answer: "add 7 to that", "read the first file"), else the
                   final reply (a name, colour or image fact said turns earlier)
   a, c, d         the final assistant reply
+  f (mixed)       a case per turn: a record of T turns is cut before each turn's first
+                  assistant step (its tool call, or its reply when it calls none), scored
+                  against that turn's own truth; the result also counts the cases by turn
+                  index (1, 2, 3+). ``n`` counts records here, so a skill-f run has about
+                  5n cases. Not in the default skills (SKILLS): asked for by name
+
+Records of kinds a-e for a seed never change when a kind is added (``dsagent.corpus``), so
+the default skills' cases stay the same.
 
 Generation is greedy (temperature 0) and stops at EOS or after
 ``min(max_new_tokens, target tokens + SLACK)`` new tokens; a reply cut there is closed
@@ -36,7 +44,7 @@ Scoring (0 or 1 per case):
                       kind (singular or plural) and its count (digit or word), and no other
                       colour, kind or count of the corpus vocabulary
                     - ``truth["value"]`` (d): the recalled value
-                    - ``truth["answer"]`` (a, e): the answer, without trailing . ! ?
+                    - ``truth["answer"]`` (a, e, f): the answer, without trailing . ! ?
                     - ``truth["read"]`` (r; ``read_back_truth``): each value, name or
                       word of the reply that came from a tool result, with the
                       question's own expressions (``truth["unsaid"]``) cut out of the
@@ -53,7 +61,10 @@ Modes, one column each:
             Agent (``add_history``: CED prefill, save point with KV chunks), that Agent
             is closed without a RAM pool (the local state is gone), a new Agent resumes
             the session from disk (stored global KV chunks + replay of the last window
-            tokens) and generates the target (``reply``)
+            tokens) and generates the target (``reply``). A per-turn case (f) is saved
+            between turns: the prompt without its turn's user message is logged, and the
+            resumed Agent logs that message before it replies, as a chat resumed for its
+            next question does
   prefix    another session (its prompt the case's system message and tools, then "Hello.")
             is stored first, once per system message, in a store the generator keeps; the
             case is then logged by a new Agent in that store, whose first prefill starts
@@ -83,7 +94,7 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from dsagent.agent import Agent, AgentOptions
-from dsagent.corpus import COLOURS, KINDS, NUMBER_WORDS, RECALL_TOKENS, SHAPES, make_record
+from dsagent.corpus import COLOURS, DEFAULT_KINDS, KINDS, NUMBER_WORDS, RECALL_TOKENS, SHAPES, make_record
 from dsagent.runtime import Runtime
 from model.chat import EOS, encode_messages
 from model.dsml import DSMLError, parse_completion
@@ -96,8 +107,11 @@ from sessions import Store
 HELD_OUT_SEED = 7919
 TRAIN_SEEDS = (31, 34, 60, 74, 80, 82, 84, 90, 92, 94)  # the corpus seeds the embedded default learnt from (model/assets/default/TRAINING.json)
 MODES = ("exact", "ced", "float-kv", "resume", "prefix")
-SKILLS = (*KINDS, "r")  # the corpus kinds a-e, and r: kind b's records cut after the tool results
+SKILLS = (*DEFAULT_KINDS, "r")  # the default: the corpus kinds a-e, and r: kind b's records cut after the tool results
+TURN_SKILLS = ("f",)  # a case per turn (about five a record), asked for by name
+KNOWN_SKILLS = (*SKILLS, *TURN_SKILLS)
 SKILL_NAMES = {**KINDS, "r": "read_back"}
+TURN_BUCKETS = ("1", "2", "3+")  # the turn indices a per-turn skill is reported by
 SLACK = 16  # new tokens allowed beyond the target's length
 MAX_NEW_TOKENS = 128
 
@@ -112,7 +126,7 @@ class EvalConfigError(ValueError):
 class Case:
     """A held-out record cut before its target assistant message."""
     id: str
-    skill: str  # a-e, the record's kind, or r (a kind-b record's final reply)
+    skill: str  # a-f, the record's kind, or r (a kind-b record's final reply)
     prompt: list[dict]  # the messages before the target
     target: dict  # the assistant message the model should produce
     truth: dict  # the record's ground truth
@@ -120,6 +134,7 @@ class Case:
     thinking_mode: str
     expected: str  # the target rendered as the completion it was trained to be
     expected_tokens: int
+    turn: int | None = None  # the 1-based turn of a per-turn case (skill f)
 
 
 def target_index(record: dict, skill: str) -> int:
@@ -139,12 +154,29 @@ def case_from_record(record: dict, tokenizer: Tokenizer, skill: str | None = Non
     skill = skill or record["kind"]
     cut = target_index(record, skill)
     prompt, target = record["messages"][:cut], record["messages"][cut]
-    rendered = encode_messages([target], context=prompt, thinking_mode=record["thinking_mode"])
-    images = {sha: base64.b64decode(data) for sha, data in record["images"].items()}
     case_id = record["id"] if skill == record["kind"] else f"{record['id']}-{skill}"
     truth = read_back_truth(prompt, target, record["truth"]) if skill == "r" else record["truth"]
+    return _cut(record, cut, tokenizer, case_id, skill, truth)
+
+
+def turn_cases(record: dict, tokenizer: Tokenizer) -> list[Case]:
+    """A mixed record (kind f) as a case per turn: cut before the turn's first assistant
+    step, with that turn's own truth (``truth["turns"]``)."""
+    messages = record["messages"]
+    asked = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    assert len(asked) == len(record["truth"]["turns"]), record["id"]
+    cuts = [next(i for i in range(start, len(messages)) if messages[i]["role"] == "assistant") for start in asked]
+    return [_cut(record, cut, tokenizer, f"{record['id']}-t{t}", record["kind"], truth, t)
+            for t, (cut, truth) in enumerate(zip(cuts, record["truth"]["turns"]), 1)]
+
+
+def _cut(record: dict, cut: int, tokenizer: Tokenizer, case_id: str, skill: str, truth: dict,
+         turn: int | None = None) -> Case:
+    prompt, target = record["messages"][:cut], record["messages"][cut]
+    rendered = encode_messages([target], context=prompt, thinking_mode=record["thinking_mode"])
+    images = {sha: base64.b64decode(data) for sha, data in record["images"].items()}
     return Case(case_id, skill, prompt, target, truth, images,
-                record["thinking_mode"], rendered.text, len(rendered.tokenize(tokenizer).ids))
+                record["thinking_mode"], rendered.text, len(rendered.tokenize(tokenizer).ids), turn)
 
 
 def read_back_truth(prompt: list[dict], reply: dict, truth: dict) -> dict:
@@ -172,12 +204,16 @@ def _word_list(text: str) -> list[str]:
 
 def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
                skills: Sequence[str] = SKILLS, recall_tokens: tuple[int, int] = RECALL_TOKENS) -> list[Case]:
-    """``n`` cases per skill from records 0..n-1 of ``seed``; recall logs drawn from
-    ``recall_tokens`` tokens (the corpus default unless probing by length)."""
+    """``n`` cases per skill from records 0..n-1 of ``seed`` (a per-turn skill: a case for
+    every turn of those records); recall logs drawn from ``recall_tokens`` tokens (the
+    corpus default unless probing by length)."""
     check_config(skills=skills, seed=seed, recall_tokens=recall_tokens)
-    return [case_from_record(make_record(seed, i, "b" if skill == "r" else skill, tokenizer, tuple(recall_tokens)),
-                             tokenizer, skill)
-            for skill in skills for i in range(n)]
+    cases = []
+    for skill in skills:
+        for i in range(n):
+            record = make_record(seed, i, "b" if skill == "r" else skill, tokenizer, tuple(recall_tokens))
+            cases += turn_cases(record, tokenizer) if skill in TURN_SKILLS else [case_from_record(record, tokenizer, skill)]
+    return cases
 
 
 def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES, seed: int = HELD_OUT_SEED,
@@ -186,7 +222,7 @@ def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES
     or a recall length range that is not 1 <= LO <= HI."""
     if len(recall_tokens) != 2 or not 1 <= recall_tokens[0] <= recall_tokens[1]:
         raise EvalConfigError(f"recall tokens must be LO,HI with 1 <= LO <= HI, not {recall_tokens}")
-    for what, given, known in (("skill", skills, SKILLS), ("mode", modes, MODES)):
+    for what, given, known in (("skill", skills, KNOWN_SKILLS), ("mode", modes, MODES)):
         bad = [x for x in given if x not in known]
         if bad or not given:
             raise EvalConfigError(f"unknown {what}(s) {bad}: use some of {','.join(known)}")
@@ -324,18 +360,24 @@ class ModelGenerator:
         return Completion(self.rt.tokenizer.decode(out), stats)
 
     def _resumed(self, case: Case) -> Completion:
-        """Log the prompt in a store, drop the live state, resume from disk, then reply."""
+        """Log the prompt in a store, drop the live state, resume from disk, then reply; a
+        per-turn case is saved before its turn's user message, which the resumed Agent logs."""
+        split = len(case.prompt) - 1 if case.turn else len(case.prompt)
         with ExitStack() as stack:
             home = self.store_home or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="dsagent-eval-")))
             store = stack.enter_context(Store.open(home))
             opts = self._options(case, home, prefix_cache=False)  # its own KV only: the yardstick
             with Agent(self.rt, store, opts) as agent:
-                agent.add_history(case.prompt, case.images)
+                agent.add_history(case.prompt[:split], case.images)
             with Agent(self.rt, store, opts) as agent:  # no RAM pool: resumed from disk
+                resumed = len(agent.log)
+                if split < len(case.prompt):
+                    agent.add_history(case.prompt[split:], case.images)
                 start = len(agent.log)
                 agent.reply()
                 out, usage = agent.log[start:], asdict(agent.usage)
-        return Completion(self.rt.tokenizer.decode(out), {**usage, "session": opts.session, "log_tokens": start})
+        return Completion(self.rt.tokenizer.decode(out),
+                          {**usage, "session": opts.session, "log_tokens": start, "resumed_tokens": resumed})
 
     def _options(self, case: Case, home: Path, **kw) -> AgentOptions:
         return AgentOptions(session=f"eval-{case.id}-{secrets.token_hex(3)}", thinking_mode=case.thinking_mode,
@@ -380,6 +422,15 @@ class CaseResult:
     reply: str
     seconds: float
     stats: dict
+    turn: int | None = None  # the case's turn (per-turn skills)
+
+
+def in_turns(turn: int | None, key: str) -> bool:
+    """Whether a case of ``turn`` counts under ``key``: a turn index ("2") or that index and
+    every later one ("3+")."""
+    if turn is None:
+        return False
+    return turn >= int(key[:-1]) if key.endswith("+") else turn == int(key)
 
 
 @dataclass
@@ -395,6 +446,18 @@ class EvalResult:
         rs = [r for r in self.results if r.skill == skill and r.mode == mode]
         return sum(r.score for r in rs), len(rs)
 
+    def turn_cell(self, skill: str, mode: str, turns: str) -> tuple[int, int]:
+        """(correct, n) of one per-turn skill's cases of ``turns`` (see :func:`in_turns`) in one mode."""
+        rs = [r for r in self.results if r.skill == skill and r.mode == mode and in_turns(r.turn, turns)]
+        return sum(r.score for r in rs), len(rs)
+
+    def turn_skills(self) -> list[str]:
+        """The skills whose cases are turns."""
+        return [s for s in self.skills if any(r.skill == s and r.turn is not None for r in self.results)]
+
+    def turn_indices(self, skill: str) -> list[int]:
+        return sorted({r.turn for r in self.results if r.skill == skill and r.turn is not None})
+
     def accuracy(self, skill: str, mode: str) -> float:
         correct, n = self.cell(skill, mode)
         return correct / n if n else 0.0
@@ -409,15 +472,25 @@ class EvalResult:
         return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
     def to_json(self) -> dict:
-        cells = {s: {m: self._cell_json(s, m) for m in self.modes} for s in self.skills}
-        return {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "skills": self.skills, "modes": self.modes, "accuracy": cells,
-                "identical_to_ced": {m: self.identical_to_ced(m) for m in self.modes if m != "ced"},
-                "seconds": {m: round(self.seconds(m), 3) for m in self.modes},
-                "cases": [asdict(r) for r in self.results]}
+        """The result; with per-turn skills also ``turns`` (their cases by TURN_BUCKETS) and
+        ``turn_index`` (by each turn index), per skill and mode."""
+        cells = {s: {m: _cell_json(*self.cell(s, m)) for m in self.modes} for s in self.skills}
+        out = {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "skills": self.skills,
+               "modes": self.modes, "accuracy": cells}
+        if self.turn_skills():
+            out["turns"] = self._turns_json(lambda s: TURN_BUCKETS)
+            out["turn_index"] = self._turns_json(lambda s: [str(t) for t in self.turn_indices(s)])
+        return out | {"identical_to_ced": {m: self.identical_to_ced(m) for m in self.modes if m != "ced"},
+                      "seconds": {m: round(self.seconds(m), 3) for m in self.modes},
+                      "cases": [asdict(r) for r in self.results]}
 
-    def _cell_json(self, skill: str, mode: str) -> dict:
-        correct, n = self.cell(skill, mode)
-        return {"correct": correct, "n": n, "accuracy": self.accuracy(skill, mode)}
+    def _turns_json(self, keys: Callable[[str], Sequence[str]]) -> dict:
+        return {s: {m: {k: _cell_json(*self.turn_cell(s, m, k)) for k in keys(s)} for m in self.modes}
+                for s in self.turn_skills()}
+
+
+def _cell_json(correct: int, n: int) -> dict:
+    return {"correct": correct, "n": n, "accuracy": correct / n if n else 0.0}
 
 
 def evaluate(generator: Generator, cases: Sequence[Case], modes: Sequence[str] = MODES, *,
@@ -430,7 +503,7 @@ def evaluate(generator: Generator, cases: Sequence[Case], modes: Sequence[str] =
             start = time.perf_counter()
             c = generator.complete(case, mode)
             results.append(CaseResult(case.id, case.skill, mode, score(case, c.text), c.text,
-                                      time.perf_counter() - start, c.stats))
+                                      time.perf_counter() - start, c.stats, case.turn))
             if progress is not None:
                 progress(len(results), total)
     skills = list(dict.fromkeys(c.skill for c in cases))

@@ -3,7 +3,9 @@
     python3 scripts/make_corpus.py --out DIR --n N --seed S [--kinds a,b,c,d,e]
 
 Record i has kind `kinds[i % len(kinds)]` and is built by `dsagent.corpus.make_record` from
-its own seeded RNG, so the output is byte-for-byte the same for the same arguments.
+its own seeded RNG, so the output is byte-for-byte the same for the same arguments. The
+default kinds are the default mixture's, a-e; the mixed conversations (f) are asked for by
+name (`--kinds a,b,c,d,e,f`).
 Writes `corpus-NNNNN.jsonl` shards (SHARD_RECORDS records each) and `manifest.json`
 (version, seed, kinds, counts per kind, token statistics, shard names). Token counts
 are of the rendered conversation with each image as one placeholder token.
@@ -20,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import CORPUS_VERSION, KINDS, THINKING_MODE, encode_record, make_record  # noqa: E402
+from dsagent.corpus import CORPUS_VERSION, DEFAULT_KINDS, KINDS, THINKING_MODE, encode_record, make_record  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SHARD_RECORDS = 1000
@@ -31,7 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="output directory (created)")
     p.add_argument("--n", type=int, required=True, help="number of conversations")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--kinds", default=",".join(KINDS), help="comma-separated subset of a,b,c,d,e")
+    p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
+                   help=f"comma-separated subset of {','.join(KINDS)} (default: the default mixture's)")
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
     unknown = [k for k in args.kinds if k not in KINDS]

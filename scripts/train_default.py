@@ -36,8 +36,8 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, RECALL_TOKENS, RecallStyle, add_recall_style_arguments,  # noqa: E402
-                            bare_record, make_record, training_example, value_example)
+from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RecallStyle,  # noqa: E402
+                            add_recall_style_arguments, bare_record, make_record, training_example, value_example)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -47,6 +47,8 @@ from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, 
 
 SCHEDULE = "aabbbccdee"  # record i has kind SCHEDULE[i % 10]: tools, images and sessions weigh most
 SCHEDULE_KINDS = "abcde"
+# another schedule is asked for with --schedule: the default's records stay as they are, and
+# e.g. "aabbbccdeeff" adds the corpus's mixed conversations (f), two records in twelve
 REPLAY_WEIGHTS = (0.4, 0.4, 0.2)  # exact, ced, resume
 OOM_STREAK = 10  # steps out of memory in a row that end a run (checkpoint written, exit status 1)
 
@@ -99,8 +101,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "so a row costs its image and a few dozen tokens")
     p.add_argument("--profile", default="", metavar="STEP,N",
                    help="profile steps STEP..STEP+N-1 (torch.profiler) and log one JSON line of it")
+    p.add_argument("--schedule", default=SCHEDULE,
+                   help="record i has kind SCHEDULE[i %% len(SCHEDULE)] (letters of the corpus's a-f); the "
+                        "default is the default model's mixture: --schedule aabbbccdeeff --kinds abcdef adds the "
+                        "mixed conversations")
     p.add_argument("--kinds", default=SCHEDULE_KINDS,
-                   help="record kinds to train on (letters of the corpus's a-e); the schedule's others are skipped")
+                   help="record kinds to train on (letters of the schedule); the schedule's others are skipped")
     p.add_argument("--replay", default=",".join(map(str, REPLAY_WEIGHTS)), metavar="EXACT,CED,RESUME",
                    help="weights of the replay modes a row simulates")
     p.add_argument("--lr", type=float, default=2e-3)
@@ -154,12 +160,11 @@ def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int
     return n, n
 
 
-def _example(job: tuple[int, int]) -> tuple[int, str, Example, Example | None, Example | None]:
-    """Record ``i`` as an example, and for a recall record also its bare form (the same
+def _example(job: tuple[int, int, str]) -> tuple[int, str, Example, Example | None, Example | None]:
+    """Record ``i`` (of ``kind``) as an example, and for a recall record also its bare form (the same
     conversation without the ~2.3K-token system prompt, see ``--recall-first``) and, when
     trained on the value alone, itself so trained (see ``--recall-rows``)."""
-    seed, i = job
-    kind = SCHEDULE[i % len(SCHEDULE)]
+    seed, i, kind = job
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _STYLE)
     whole = training_example(record, _TOK, _ARGS)
     bare = valued = None
@@ -180,25 +185,26 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False,
                   tokenizer: Tokenizer | None = None, recall_records: int = 0,
-                  recall_style: RecallStyle = RecallStyle()) -> dict[str, list[Example]]:
-    """The records of the ``kinds`` given among the first ``n``, or, in a data-parallel run,
-    this process's share: whole rounds of SCHEDULE, so every process holds every kind.
+                  recall_style: RecallStyle = RecallStyle(), schedule: str = SCHEDULE) -> dict[str, list[Example]]:
+    """The records of the ``kinds`` given among the first ``n``, record i of kind
+    ``schedule[i % len(schedule)]``, or, in a data-parallel run, this process's share:
+    whole rounds of the schedule, so every process holds every kind.
     Pools: "long" the recall records, sorted by length (see next_batch), "bare" the same
     without the system prompt (``value_only``: trained on the value's tokens alone), "short"
     every other kind, "image" the image conversations (also in "short"), and with
     ``value_only`` "valued": the recall records with the system prompt trained on the value
     alone (for --recall-rows). ``recall_records``: at least that many recall records in all
-    (over the processes), the extra ones the records after the first ``n`` that SCHEDULE makes
+    (over the processes), the extra ones the records after the first ``n`` that the schedule makes
     recall records — so a pool of recall rows can be too large to learn by heart."""
     pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": []}
-    mine = [i for i in range(n) if i // len(SCHEDULE) % world == rank]
-    if "d" in kinds:
-        recall_at = [i for i in range(len(SCHEDULE)) if SCHEDULE[i] == "d"]
-        have = sum(SCHEDULE[i % len(SCHEDULE)] == "d" for i in range(n))
+    mine = [i for i in range(n) if i // len(schedule) % world == rank]
+    if "d" in kinds and "d" in schedule:
+        recall_at = [i for i in range(len(schedule)) if schedule[i] == "d"]
+        have = sum(schedule[i % len(schedule)] == "d" for i in range(n))
         rounds = -(-(recall_records - have) // len(recall_at)) if recall_records > have else 0
-        first = -(-n // len(SCHEDULE))  # the first whole round after the first n records
-        mine += [r * len(SCHEDULE) + j for r in range(first, first + rounds) if r % world == rank for j in recall_at]
-    jobs = [(seed, i) for i in mine if SCHEDULE[i % len(SCHEDULE)] in kinds]
+        first = -(-n // len(schedule))  # the first whole round after the first n records
+        mine += [r * len(schedule) + j for r in range(first, first + rounds) if r % world == rank for j in recall_at]
+    jobs = [(seed, i, schedule[i % len(schedule)]) for i in mine if schedule[i % len(schedule)] in kinds]
     if workers <= 1:
         _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_style)
         results = map(_example, jobs)
@@ -470,7 +476,7 @@ def train(a) -> tuple[dict | None, str | None]:
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
-                          RecallStyle.of(a))
+                          RecallStyle.of(a), a.schedule)
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -619,7 +625,7 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "recall_form": a.recall_form, "recall_value": a.recall_value, "recall_decoys": a.recall_decoys,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
-            "schedule": SCHEDULE,
+            "schedule": a.schedule,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,
             "kinds": a.kinds,
             "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
@@ -636,8 +642,10 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
 
 def main(argv=None) -> None:
     a = parse_args(argv)
-    if not a.kinds or set(a.kinds) - set(SCHEDULE_KINDS):
-        raise SystemExit(f"--kinds {a.kinds!r}: want letters of {SCHEDULE_KINDS}")
+    if not a.schedule or set(a.schedule) - set(KINDS):
+        raise SystemExit(f"--schedule {a.schedule!r}: want letters of {''.join(KINDS)}")
+    if not a.kinds or set(a.kinds) - set(a.schedule):
+        raise SystemExit(f"--kinds {a.kinds!r}: want letters of the schedule, {''.join(sorted(set(a.schedule)))}")
     info, stopped = train(a)
     if info is not None:
         print(json.dumps(info), flush=True)

@@ -1,9 +1,10 @@
 """`dsagent eval`: the skill evaluation of a model on held-out corpus records, printed.
 
 Owns: the flags, loading the model with a progress bar, the evaluation progress bar,
-and printing the result as a table (rows skills, columns modes, cells correct/n) or as
-one JSON object with `--json`. Does not own cases, generation or scoring: those are
-`dsagent.evaluate`, whose docstring states the rules.
+and printing the result as a table (rows skills, with a row per turn index 1, 2, 3+ under
+a per-turn skill; columns modes; cells correct/n) or as one JSON object with `--json`.
+Does not own cases, generation or scoring: those are `dsagent.evaluate`, whose docstring
+states the rules.
 
 The flags' defaults are written here, not imported from `dsagent.evaluate` (which imports
 torch and the model): building `dsagent --help` must not load them. A test checks that
@@ -22,7 +23,8 @@ from dsagent.render import consoles, load_progress
 from dsagent.runtime import Runtime, Settings
 from dsagent.settings import FlagError, resolve
 
-# = dsagent.evaluate's HELD_OUT_SEED, MODES, SKILLS, MAX_NEW_TOKENS and dsagent.corpus's RECALL_TOKENS
+# = dsagent.evaluate's HELD_OUT_SEED, MODES, SKILLS (the default; f is asked for by name), MAX_NEW_TOKENS
+# and dsagent.corpus's RECALL_TOKENS
 HELD_OUT_SEED = 7919
 MODES = ("exact", "ced", "float-kv", "resume", "prefix")
 SKILLS = ("a", "b", "c", "d", "e", "r")
@@ -33,11 +35,12 @@ RECALL_TOKENS = (2000, 6000)
 def eval_command(
     model: Optional[str] = typer.Option(None, "--model", help="Checkpoint directory (default: the embedded model)."),
     preset: Optional[str] = typer.Option(None, "--preset", help="Random weights of a preset instead."),
-    n: int = typer.Option(10, "--n", min=1, help="Cases per skill."),
+    n: int = typer.Option(10, "--n", min=1, help="Cases per skill (f: records, each a case per turn)."),
     seed: int = typer.Option(HELD_OUT_SEED, "--seed", help="Corpus seed of the held-out records (the seeds that trained the default, TRAINING.json's, are refused)."),
     skills: str = typer.Option(",".join(SKILLS), "--skills", help="Comma-separated skills: a chat, b tools, "
                                                                    "c images, d recall, e multi-turn, r reading "
-                                                                   "tool results back."),
+                                                                   "tool results back; and f, mixed conversations "
+                                                                   "scored per turn (not in the default)."),
     modes: str = typer.Option(",".join(MODES), "--modes", help="Comma-separated: " + ", ".join(MODES) + "."),
     max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", min=1, help="Cap on new tokens per "
                                        "reply (each is also capped at its target's length + 16)."),
@@ -90,7 +93,7 @@ def _runtime(model: str | None, preset: str | None, device: str) -> Runtime:
 
 def result_table(result) -> Table:
     """The `EvalResult` as a table: rows skills, columns modes."""
-    from dsagent.evaluate import SKILL_NAMES
+    from dsagent.evaluate import SKILL_NAMES, TURN_BUCKETS
 
     logs = "" if tuple(result.recall_tokens) == RECALL_TOKENS else ", recall logs {}-{} tokens".format(*result.recall_tokens)
     t = Table(title=f"held-out skills (seed {result.seed}{logs}), correct/n")
@@ -99,6 +102,9 @@ def result_table(result) -> Table:
         t.add_column(mode, justify="right")
     for skill in result.skills:
         t.add_row(f"{skill} {SKILL_NAMES[skill]}", *(_fraction(*result.cell(skill, m)) for m in result.modes))
+        if skill in result.turn_skills():
+            for turns in TURN_BUCKETS:
+                t.add_row(f"  turn {turns}", *(_fraction(*result.turn_cell(skill, m, turns)) for m in result.modes))
     totals = [[result.cell(s, m) for s in result.skills] for m in result.modes]
     t.add_row("all", *(_fraction(sum(c for c, _ in col), sum(k for _, k in col)) for col in totals), end_section=True)
     same = [result.identical_to_ced(m) for m in result.modes]
