@@ -53,7 +53,7 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
                       engram=engram)
         load_weights(model, path, device=device, dtype=dtype, progress=progress)
         if weights == "packed" and not sharded:
-            pack_weights(model)
+            stack_experts(pack_weights(model))  # the float stacks let go, the FP4 experts stacked
         tokenizer = find_tokenizer_json(path)
     bind_tokenizer(model, tokenizer)
     model.tokenizer_json = tokenizer  # the tokenizer its ids mean: written back with it, read by the scripts

@@ -22,6 +22,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from model.args import ModelArgs
+from model.checkpoint import dequantize_tensor
 from model.linear import ALONE, Linear, World
 
 
@@ -93,18 +94,57 @@ def _cuda_major(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
+DEQUANT_BYTES = 1 << 30  # the most bytes of floats a packed GroupedLinear dequantises at once
+
+
 class GroupedLinear(nn.Module):
     """One Linear of every routed expert as one grouped GEMM over rows sorted by expert.
-    ``weight`` [E, out, in] is a plain tensor, not a parameter: its slices are the experts' own
-    Linear weights (:meth:`MoE.stack_experts`), so state dicts and checkpoints never see it."""
+    ``weight`` is a plain tensor, not a parameter: [E, out, in] floats (``fmt`` "plain"), or
+    the FP4 bytes [E, out, in / 2] (``fmt`` "fp4", with ``scale`` [E, out, in / 32] e8m0);
+    its slices (and the scale's) are the experts' own Linear tensors (:meth:`MoE.stack_experts`),
+    so state dicts and checkpoints never see it."""
 
     def __init__(self):
         super().__init__()
         self.weight: torch.Tensor | None = None
+        self.scale: torch.Tensor | None = None
+        self.fmt, self.in_features = "plain", 0
+
+    def hold(self, weight: torch.Tensor | None, scale: torch.Tensor | None = None, in_features: int = 0) -> None:
+        """Stacks to compute with: floats, FP4 bytes with their scales, or None (nothing stacked)."""
+        self.weight, self.scale = weight, scale
+        self.fmt, self.in_features = ("plain", 0) if scale is None else ("fp4", in_features)
 
     def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """x [M, in], expert e's rows at [ends[e-1], ends[e]) -> [M, out] in x's dtype."""
-        return torch._grouped_mm(x, self.weight.mT, offs=ends)  # mat_b column-major: the Linear layout
+        if self.fmt == "plain":
+            return torch._grouped_mm(x, self.weight.mT, offs=ends)  # mat_b column-major: the Linear layout
+        n_experts, out_f = self.weight.shape[:2]
+        chunk = max(1, DEQUANT_BYTES // (out_f * self.in_features * x.element_size()))
+        out = torch.empty(x.shape[0], out_f, dtype=x.dtype, device=x.device)
+        for first in range(0, n_experts, chunk):
+            out = self._chunk(x, ends, first, min(first + chunk, n_experts), out)
+        return out
+
+    def _chunk(self, x: torch.Tensor, ends: torch.Tensor, first: int, last: int, out: torch.Tensor) -> torch.Tensor:
+        """``out`` with the rows of experts [first, last) written: those experts dequantised
+        (no float image of all of them is ever made), their rows turned to the front — a gather
+        by a device offset, so nothing is read on the host — and one grouped GEMM over them."""
+        rows = torch.arange(x.shape[0], device=x.device)
+        start = ends[first - 1] if first else ends.new_zeros(())
+        turned = (rows + start) % x.shape[0]  # the chunk's rows first; rows past its last group unread
+        y = torch._grouped_mm(x[turned], self.dense(first, last, x.dtype).mT, offs=ends[first:last] - start)
+        mine = (rows >= start) & (rows < ends[last - 1])
+        return torch.where(mine[:, None], y[(rows - start) % x.shape[0]], out)
+
+    def dense(self, first: int, last: int, dtype: torch.dtype) -> torch.Tensor:
+        """Experts [first, last) as floats [n, out, in], dequantised as ``model.checkpoint``
+        dequantises each (FP4 scales cover 1 x 32: every row alone, so the experts' rows at once)."""
+        w, s = self.weight[first:last], self.scale[first:last]
+        n, out_f = w.shape[:2]
+        flat = dequantize_tensor("fp4", w.reshape(n * out_f, -1), s.reshape(n * out_f, -1),
+                                 (n * out_f, self.in_features), dtype=dtype)
+        return flat.view(n, out_f, self.in_features)
 
 
 class GroupedExperts(nn.Module):
@@ -113,12 +153,19 @@ class GroupedExperts(nn.Module):
     before w2 as in :class:`Expert`, each token's k rows summed in slot order. ``first``: the
     global index of the first expert stacked here; ``split``: a rank of several holding a range
     of them, whose pairs routed to other ranks' experts sort after the last group, which no
-    GEMM reads, and give zeros."""
+    GEMM reads, and give zeros. On FP4 stacks (``fmt``) each GEMM dequantises a chunk of
+    experts at a time (:class:`GroupedLinear`): what ``MoE._loop`` computes from the same
+    experts, prefill included, with no float image of them all."""
 
     def __init__(self, limit: float, first: int = 0, split: bool = False):
         super().__init__()
         self.limit, self.first, self.split = limit, first, split
         self.w1, self.w2, self.w3 = GroupedLinear(), GroupedLinear(), GroupedLinear()
+
+    @property
+    def fmt(self) -> str:
+        """How the stacks hold the experts: "plain" floats or "fp4" bytes and scales."""
+        return self.w1.fmt
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Routed output [N, D] fp32 of flat tokens x [N, D] from the gate's weights, indices [N, k]."""
@@ -238,21 +285,24 @@ class MoE(nn.Module):
                 and os.environ.get("DSAGENT_GROUPED_MOE", "1") != "0" and not self.parametrized())
 
     def stack_experts(self) -> None:
-        """Hold the routed experts' w1/w2/w3 as three [E, out, in] tensors whose slices become the
-        experts' own weights (nothing is duplicated; names and state dicts are unchanged). A no-op
+        """Hold the routed experts' w1/w2/w3 as three stacks whose slices become the experts' own
+        tensors (nothing is duplicated; names and state dicts are unchanged): [E, out, in] floats,
+        or FP4 experts' bytes [E, out, in / 2] and scales [E, out, in / 32] as stored. A no-op
         when they already are; a conversion (``_apply``) or a load by assignment stacks again.
-        Packed experts (FP4 bytes, ``model.linear``) are not stacked: they run one by one."""
-        if self._first().w1.fmt != "plain":
-            return
+        Experts of another stored format (FP8, ``expert_dtype``) are not stacked: they run one
+        by one. Over several ranks a rank stacks the range it holds (``GroupedExperts.first``)."""
+        fmt = self._first().w1.fmt
         for name in ("w1", "w2", "w3"):
-            params = [_stored_weight(getattr(e, name)) for e in self.experts]
             grouped = getattr(self.grouped, name)
-            if grouped.weight is not None and _views_of(params, grouped.weight):
+            if fmt not in ("plain", "fp4"):
+                grouped.hold(None)
                 continue
-            stack = torch.stack([p.detach() for p in params])
-            for i, p in enumerate(params):
-                p.data = stack[i]
-            grouped.weight = stack
+            layers = [getattr(e, name) for e in self.experts]
+            tensors = [[_stored_weight(m) for m in layers]] + ([[m.scale for m in layers]] if fmt == "fp4" else [])
+            held = [grouped.weight, grouped.scale][:len(tensors)]
+            if grouped.fmt == fmt and all(h is not None and _views_of(ps, h) for ps, h in zip(tensors, held)):
+                continue
+            grouped.hold(*(_stack(ps) for ps in tensors), in_features=layers[0].in_features)
 
     def _apply(self, fn, recurse=True):
         super()._apply(fn, recurse)
@@ -278,6 +328,14 @@ def stack_experts(model: nn.Module) -> nn.Module:
 def _stored_weight(linear: nn.Linear) -> nn.Parameter:
     """The parameter a Linear stores: under a parametrization (training's QAT), its original."""
     return linear.parametrizations.weight.original if parametrize.is_parametrized(linear, "weight") else linear.weight
+
+
+def _stack(params: list[torch.Tensor]) -> torch.Tensor:
+    """The tensors stacked, each then made its slice of the stack."""
+    stack = torch.stack([p.detach() for p in params])
+    for i, p in enumerate(params):
+        p.data = stack[i]
+    return stack
 
 
 def _views_of(params: list[torch.Tensor], stack: torch.Tensor) -> bool:
