@@ -16,8 +16,8 @@ draft block's forward and head, the verification forward, the settle that rolls 
 accepted tokens and extends the draft context), and every other rank makes it on its own copy
 of that speculator. Rank 0 alone samples and accepts; the others make the calls with its
 choices (the ids, how many tokens are kept), so their caches and draft contexts stay its.
-The draft stages are whole on every rank; the embedding and the head they share with the
-target are split, so a draft block's forward has collectives too.
+The draft stages are split over the ranks as the layers are, and the embedding and the head
+they share with the target by vocabulary, so a draft block's forward has collectives too.
 
 What rank 0 can refuse (a context limit, stored chunks that do not parse, a history too short
 for the draft context) it refuses before it sends anything. A Ctrl-C on rank 0 waits for the
