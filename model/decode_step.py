@@ -105,7 +105,8 @@ def ffn_capturable(model, x: torch.Tensor) -> bool:
     """Whether every layer's MoE runs its fused kernels or its grouped experts on ``x``
     [B, S, D]: the per-expert loop reads expert ids on the host, which a CUDA graph cannot
     capture. The first layer answers for all (asked every decode step): their experts are
-    stacked (``stack_experts``) and parametrized (training's QAT) together, and share their shapes."""
+    stacked (``stack_experts``: floats, or FP4 as stored) and parametrized (training's QAT)
+    together, and share their shapes."""
     ffn = model.layers[0].ffn
     return moe_runs_fused(ffn, x.reshape(-1, x.shape[-1])) or ffn.runs_grouped(x)
 
@@ -491,8 +492,20 @@ def _candidate_rows_at(scores: torch.Tensor, pos: torch.Tensor, *, ratio: int, t
 
 def moe_runs_fused(moe: MoE, x: torch.Tensor) -> bool:
     """Whether text tokens ``x`` [N, D] run through ``kernels.moe_decode``: stacked,
-    unparametrized weights and ``kernels.moe_decode_runs``."""
-    return moe.grouped.w1.weight is not None and not moe.parametrized() and kernels.moe_decode_runs(x)
+    unparametrized weights (floats, or FP4 as stored with a shared expert the kernels decode),
+    every expert on this rank (the kernels route over all of them and sum no ranks), and
+    ``kernels.moe_decode_runs``."""
+    return (moe.grouped.w1.weight is not None and not moe.grouped.split and not moe.parametrized()
+            and _shared_decodable(moe) and kernels.moe_decode_runs(x))
+
+
+def _shared_decodable(moe: MoE) -> bool:
+    """The shared expert as the fused kernels read it: floats beside float experts; beside FP4
+    ones floats or packed weights of power-of-two scale blocks (``kernels.Packed.decodable``)."""
+    weights = [getattr(moe.shared_experts, n).gemv_weight() for n in ("w1", "w3", "w2")]
+    if moe.grouped.fmt == "plain":
+        return all(isinstance(w, torch.Tensor) for w in weights)
+    return all(isinstance(w, torch.Tensor) or w.decodable() for w in weights)
 
 
 def moe_step(moe: MoE, x, image_mask=None, norm=None):
@@ -519,11 +532,13 @@ def _moe_fused(moe: MoE, flat: torch.Tensor, norm=None):
     """``kernels.moe_decode`` (routed sum + shared, in the tokens' dtype, rounded from fp32 by
     the kernel), or None if its kernels cannot be built here."""
     g, a, shared = moe.gate, moe.gate.args, moe.shared_experts
-    return kernels.moe_decode(flat, g.weight, g.bias, moe.grouped.w1.weight, moe.grouped.w3.weight,
-                              moe.grouped.w2.weight, shared.w1.weight, shared.w3.weight, shared.w2.weight,
+    routed = (moe.grouped.w1, moe.grouped.w3, moe.grouped.w2)
+    scales = None if moe.grouped.fmt == "plain" else tuple(r.scale for r in routed)  # FP4: bytes and scales
+    return kernels.moe_decode(flat, g.weight, g.bias, *(r.weight for r in routed),
+                              shared.w1.gemv_weight(), shared.w3.gemv_weight(), shared.w2.gemv_weight(),
                               top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
                               scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype,
-                              x_norm=norm)
+                              x_norm=norm, scales=scales)
 
 
 # ----------------------------------------------------------------------------- segmented graphs

@@ -37,8 +37,9 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _chain, _rms_apply, _rms_factor, _round, _store, chained, unfused
+from model.kernels.fused import _chain, _e2m1, _rms_apply, _rms_factor, _round, _store, _ue8m0, chained, unfused
 from model.kernels.collapsed import Collapsed
+from model.kernels.packed import Packed
 from model.kernels.streams import _collapsed
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
@@ -107,6 +108,40 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
         g = tl.minimum(g, limit)
         u = tl.minimum(tl.maximum(u, -limit), limit)
     return g / (1.0 + tl.exp(-g)) * u
+
+
+@triton.jit
+def _weight_at(w_ptr, sc_ptr, row, col, mask, IN, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
+    """Elements (``row``, ``col``) of a weight of IN inputs a row as fp32 (0 where masked), for
+    indices of any shape (the kernels' tiles: rows x inputs, their transpose, slots x rows x
+    inputs): FMT "plain" floats [rows, IN]; "fp8" e4m3 bytes [rows, IN] times one ue8m0 byte per
+    SR x SC block; "fp4" e2m1 pairs [rows, IN / 2] (the even input in the low nibble) times one
+    ue8m0 byte per 1 x 32. A stack's expert e has rows e * O + o. Each element decodes its own
+    byte (``matvec._packed_tile``'s form of one channel a thread, with its helpers): the values
+    ``model.checkpoint`` dequantises, exact in fp32 (and in bf16: e2m1 or e4m3 times 2^k)."""
+    if FMT == "plain":
+        w = tl.load(w_ptr + row * IN + col, mask=mask, other=0.0).to(tl.float32)
+    elif FMT == "fp8":
+        q = tl.load(w_ptr + row * IN + col, mask=mask, other=0)
+        sb = tl.load(sc_ptr + (row // SR) * tl.cdiv(IN, SC) + col // SC, mask=mask, other=0)
+        w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _ue8m0(sb.to(tl.int32))
+    else:
+        code = tl.load(w_ptr + row * (IN // 2) + col // 2, mask=mask, other=0).to(tl.int32)
+        sb = tl.load(sc_ptr + row * tl.cdiv(IN, 32) + col // 32, mask=mask, other=0)
+        w = _e2m1((code >> ((col & 1) * 4)) & 0xF) * _ue8m0(sb.to(tl.int32))
+    return w
+
+
+@triton.jit
+def _expert_weight(routed, w_ptr, w_sc, s_ptr, s_sc, e, O, row, col, mask, IN, FMT: tl.constexpr,
+                   S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
+    """``_weight_at`` of routed expert e's weight [O, IN] in its stack (FMT, FP4's 1 x 32
+    scales) or, where not ``routed``, of the shared expert's (S_FMT, SR x SC scales)."""
+    if routed:
+        w = _weight_at(w_ptr, w_sc, e.to(tl.int64) * O + row, col, mask, IN, FMT, 1, 32)
+    else:
+        w = _weight_at(s_ptr, s_sc, row, col, mask, IN, S_FMT, SR, SC)
+    return w
 
 
 @triton.jit
@@ -210,10 +245,14 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
 @triton.jit
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, limit,
                K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-               CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
+               CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
+               w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None, FMT: tl.constexpr = "plain",
+               S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
     """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. EARLY
     (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
-    before the dependent launch's wait — a routed slot's expert is known only after it."""
+    before the dependent launch's wait — a routed slot's expert is known only after it.
+    FMT "fp4": the routed experts' bytes and scales (``*_sc``) decoded in registers, the shared
+    expert's as S_FMT says (``_weight_at``); the tile's shape is the plain one's."""
     p = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
@@ -227,13 +266,21 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             t = p // K
             e = tl.load(isel_ptr + p)
             gw = tl.load(wsel_ptr + p)
-            a = tl.load(w1_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
-            b = tl.load(w3_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            if FMT == "plain":
+                a = tl.load(w1_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
+                b = tl.load(w3_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            else:
+                a = _weight_at(w1_ptr, w1_sc, e * I + i[:, None], d[None, :], m, D, FMT, 1, 32)
+                b = _weight_at(w3_ptr, w3_sc, e * I + i[:, None], d[None, :], m, D, FMT, 1, 32)
         else:
             t = p - NK
             gw = 1.0
-            a = tl.load(s1_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
-            b = tl.load(s3_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            if FMT == "plain":
+                a = tl.load(s1_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
+                b = tl.load(s3_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            else:
+                a = _weight_at(s1_ptr, s1_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
+                b = _weight_at(s3_ptr, s3_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
             _chain(PDL)
         x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         acc1 = tl.sum(a.to(tl.float32) * x, 1)
@@ -248,6 +295,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             b_ptr = w3_ptr + e * I * D
         else:  # the shared expert of token p - NK
             t = p - NK
+            e = t * 0  # none: the shared expert is no stack's
             gw = 1.0
             a_ptr = s1_ptr
             b_ptr = s3_ptr
@@ -259,8 +307,14 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             rows = i[:, None] * D + d[None, :]
             m = i_ok[:, None] & d_ok[None, :]
-            acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
-            acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
+            if FMT == "plain":
+                acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
+                acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
+            else:
+                acc1 += tl.sum(_expert_weight(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i[:, None], d[None, :], m,
+                                              D, FMT, S_FMT, SR, SC) * x, 1)
+                acc3 += tl.sum(_expert_weight(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i[:, None], d[None, :], m,
+                                              D, FMT, S_FMT, SR, SC) * x, 1)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
@@ -270,7 +324,9 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
                  K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr,
-                 OUT_BF16: tl.constexpr, PDL: tl.constexpr = False):
+                 OUT_BF16: tl.constexpr, PDL: tl.constexpr = False, w2_sc=None, s2_sc=None,
+                 FMT: tl.constexpr = "plain", S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1,
+                 SC: tl.constexpr = 1):
     _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -279,7 +335,8 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
     for j in tl.static_range(K + 1):  # the K routed slots in order, then the shared expert
         if j < K:
             p = t * K + j
-            w_ptr = w2_ptr + tl.load(isel_ptr + p) * D * I
+            e = tl.load(isel_ptr + p)
+            w_ptr = w2_ptr + e * D * I
         else:
             p = NK + t
             w_ptr = s2_ptr
@@ -291,7 +348,13 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
                 h = _from_bits(tl.load(h_ptr + p * I + i, mask=i_ok, other=0))
             else:
                 h = tl.load(h_ptr + p * I + i, mask=i_ok, other=0.0)
-            w = tl.load(w_ptr + o[:, None] * I + i[None, :], mask=o_ok[:, None] & i_ok[None, :], other=0.0)
+            m = o_ok[:, None] & i_ok[None, :]
+            if FMT == "plain":
+                w = tl.load(w_ptr + o[:, None] * I + i[None, :], mask=m, other=0.0)
+            elif j < K:
+                w = _weight_at(w2_ptr, w2_sc, e * D + o[:, None], i[None, :], m, I, FMT, 1, 32)
+            else:
+                w = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], m, I, S_FMT, SR, SC)
             acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
         total += _round(acc, BF16)
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)  # bf16: rounded as MoE's cast back rounds it
@@ -301,7 +364,8 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain",
+                       S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
@@ -330,8 +394,12 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
         i = tl.arange(0, BLOCK_I)
         hm = live[:, None] & (i < I)[None, :]
         cols = rows[:, :, None] * I + i[None, None, :]
-        w = tl.load(tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols),
-                    mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+        if FMT == "plain":
+            w = tl.load(tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols),
+                        mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+        else:
+            w = _slots_weight(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, i, hm[:, None, :] & o_ok[None, :, None], routed,
+                              I, FMT, S_FMT, SR, SC)
         _chain(PDL)
         acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
     else:
@@ -339,14 +407,29 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
             i = i0 + tl.arange(0, BLOCK_I)
             hm = live[:, None] & (i < I)[None, :]
             cols = rows[:, :, None] * I + i[None, None, :]  # [S, BLOCK_O, BLOCK_I]
-            w_ptr = tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols)
-            w = tl.load(w_ptr, mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+            if FMT == "plain":
+                w_ptr = tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols)
+                w = tl.load(w_ptr, mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+            else:
+                w = _slots_weight(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, i, hm[:, None, :] & o_ok[None, :, None], routed,
+                                  I, FMT, S_FMT, SR, SC)
             acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
     acc = _round(acc, BF16)
     total = tl.zeros([BLOCK_O], dtype=tl.float32)
     for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
         total += tl.sum(tl.where((j == s)[:, None], acc, 0.0), 0)
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
+
+
+@triton.jit
+def _slots_weight(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, i, mask, routed, I, FMT: tl.constexpr, S_FMT: tl.constexpr,
+                  SR: tl.constexpr, SC: tl.constexpr):
+    """The down sum's tile [S, BLOCK_O, len(i)] as fp32 from packed weights: each routed slot's
+    ``rows`` of the w2 stack (FMT), the shared slot's of s2 (S_FMT), decoded apart and joined."""
+    r, c = rows[:, :, None], i[None, None, :]
+    shared = _weight_at(s2_ptr, s2_sc, r, c, mask & (~routed)[:, None, None], I, S_FMT, SR, SC)
+    return tl.where(routed[:, None, None], _weight_at(w2_ptr, w2_sc, r, c, mask & routed[:, None, None], I, FMT, 1, 32),
+                    shared)
 
 
 @triton.jit
@@ -384,7 +467,9 @@ def _expert_rows(isel_ptr, wsel_ptr, N, NK, K: tl.constexpr, K_P2: tl.constexpr,
 def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, N, NK, D, I, limit,
                        K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
                        BLOCK_D: tl.constexpr, BF16: tl.constexpr, CLAMP: tl.constexpr, DOT: tl.constexpr,
-                       PDL: tl.constexpr = False):
+                       PDL: tl.constexpr = False, w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None,
+                       FMT: tl.constexpr = "plain", S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1,
+                       SC: tl.constexpr = 1):
     """Program (e, i-block): expert e (E: the shared one) against every token that picked it,
     its w1 / w3 rows read once for all of them (one tensor-core product of the tokens' block);
     an expert no token picked reads nothing. The product is fp32 at ``DOT`` precision: TF32
@@ -410,8 +495,14 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
             xs = tl.load(x_ptr + t[:, None] * D + d[None, :], mask=has[:, None] & d_ok[None, :], other=0.0)
             cols = i[None, :] * D + d[:, None]  # [BLOCK_D, BLOCK_I]: the rows' transpose
             m = d_ok[:, None] & i_ok[None, :]
-            a = tl.load(a_ptr + cols, mask=m, other=0.0)
-            b = tl.load(b_ptr + cols, mask=m, other=0.0)
+            if FMT == "plain":
+                a = tl.load(a_ptr + cols, mask=m, other=0.0)
+                b = tl.load(b_ptr + cols, mask=m, other=0.0)
+            else:
+                a = _expert_weight(e < E, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i[None, :], d[:, None], m, D,
+                                   FMT, S_FMT, SR, SC)
+                b = _expert_weight(e < E, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i[None, :], d[:, None], m, D,
+                                   FMT, S_FMT, SR, SC)
             acc1 += tl.dot(xs.to(tl.float32), a.to(tl.float32), input_precision=DOT)
             acc3 += tl.dot(xs.to(tl.float32), b.to(tl.float32), input_precision=DOT)
         h = gw[:, None] * _swiglu(acc1, acc3, limit, BF16, CLAMP)
@@ -421,7 +512,9 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
 @triton.jit
 def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N, NK, D, I,
                          K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr,
-                         BLOCK_I: tl.constexpr, BF16: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False):
+                         BLOCK_I: tl.constexpr, BF16: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False,
+                         w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain", S_FMT: tl.constexpr = "plain",
+                         SR: tl.constexpr = 1, SC: tl.constexpr = 1):
     """Program (e, o-block): expert e's w2 rows read once against the h rows of every token
     that picked it; each pair's product, rounded to the activation dtype, to its own row of
     ``part`` (the slots are summed in order by ``_sum_slots_kernel``)."""
@@ -440,7 +533,11 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
             i_ok = i < I
             hm = has[:, None] & i_ok[None, :]
             cols = o[None, :] * I + i[:, None]  # [BLOCK_I, BLOCK_O]
-            w = tl.load(w_ptr + cols, mask=i_ok[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
+            if FMT == "plain":
+                w = tl.load(w_ptr + cols, mask=i_ok[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
+            else:
+                w = _expert_weight(e < E, w2_ptr, w2_sc, s2_ptr, s2_sc, e, D, o[None, :], i[:, None],
+                                   i_ok[:, None] & o_ok[None, :], I, FMT, S_FMT, SR, SC)
             if BF16:  # h's bits, exactly a bf16 value
                 h = _from_bits(tl.load(h_ptr + row[:, None] * I + i[None, :], mask=hm, other=0))
             else:
@@ -478,30 +575,76 @@ def up_tile(D: int, elem_bytes: int) -> tuple[bool, int, int]:
 
 
 def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torch.Tensor,
-               out: torch.Tensor) -> torch.Tensor:
+               out: torch.Tensor, **packed) -> torch.Tensor:
     """``_down_slots_kernel`` of N tokens into ``out`` [N, D] (fp32 or bf16): the rows of h
     [N * K + N, I] (the pairs' SwiGLU outputs, then each token's shared expert's), the routed
-    experts' w2 [E, D, I] picked by ``chosen`` [N, K], the shared expert's s2 [D, I]."""
-    (N, K), (D, I) = chosen.shape, s2.shape
+    experts' w2 [E, D, I] picked by ``chosen`` [N, K], the shared expert's s2 [D, I]; or, with
+    ``packed`` (:func:`stored`'s down arguments), their bytes."""
+    (N, K), D, I = chosen.shape, out.shape[1], h.shape[1]
     bf16, out_bf16 = h.dtype == torch.bfloat16, out.dtype == torch.bfloat16
-    assert h.shape == (N * K + N, I) and w2.shape[1:] == (D, I) and out.shape == (N, D)
+    assert h.shape == (N * K + N, I) and w2.shape[1] == D and out.shape == (N, D)
+    assert packed or (w2.shape[1:] == (D, I) and s2.shape == (D, I))
     splits = triton.cdiv(D, SLOTS_BLOCK_O)
     _down_slots_kernel[(N, splits)](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
         K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
         BLOCK_I=triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **unfused(), **chained(h))
+        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **unfused(), **chained(h), **packed)
     return out
 
 
+def stored(routed: tuple, scales: tuple | None, shared: tuple, dtype: torch.dtype, D: int, I: int):
+    """The experts' weights as the kernels read them, and the launches' further arguments:
+    (routed w1, w3, w2; shared s1, s3, s2; the up kernels' arguments; the down kernels').
+    Routed: floats of ``dtype``, or with ``scales`` FP4 bytes (w1 / w3 int8 [E, I, D / 2], w2
+    [E, D, I / 2]) and their e8m0 scales (one per 1 x 32). Shared: floats of ``dtype``, or
+    (with FP4 routed experts) ``Packed`` of one format and power-of-two scale block, as
+    ``Linear.gemv_weight`` gives them — a packed model's shared expert is FP8 in the checkpoint,
+    read as stored here as its GEMV reads it, so no float copy of it is kept."""
+    if scales is None:
+        assert all(isinstance(t, torch.Tensor) and t.dtype == dtype for t in (*routed, *shared)), \
+            "plain routed experts, a plain shared expert: floats of the tokens' dtype"
+        return (*(t.contiguous() for t in (*routed, *shared)), {}, {})
+    w1, w3, w2 = routed
+    E, cols = w1.shape[0], (-(-D // 32), -(-I // 32))
+    assert D % 2 == 0 and I % 2 == 0 and all(t.dtype == torch.int8 for t in routed)
+    assert w1.shape == w3.shape == (E, I, D // 2) and w2.shape == (E, D, I // 2)
+    assert scales[0].shape == scales[1].shape == (E, I, cols[0]) and scales[2].shape == (E, D, cols[1])
+    up = dict(FMT="fp4", **dict(zip(("w1_sc", "w3_sc"), (_bytes(t) for t in scales[:2]))))
+    down = dict(FMT="fp4", w2_sc=_bytes(scales[2]))
+    if isinstance(shared[0], Packed):
+        fmt, block = shared[0].fmt, shared[0].scale_block()
+        assert all(isinstance(s, Packed) and s.decodable() and s.fmt == fmt and s.scale_block() == block
+                   for s in shared), "the shared expert's weights decoded alike"
+        assert shared[0].shape == shared[1].shape == (I, D) and shared[2].shape == (D, I)
+        kind = dict(S_FMT=fmt, SR=block[0], SC=block[1])
+        up.update(kind, s1_sc=_bytes(shared[0].scale), s3_sc=_bytes(shared[1].scale))
+        down.update(kind, s2_sc=_bytes(shared[2].scale))
+        shared = tuple(s.data for s in shared)
+    else:
+        assert all(t.dtype == dtype for t in shared)
+    return (*(_bytes(t) for t in routed), *(_bytes(t) if t.element_size() == 1 else t.contiguous() for t in shared),
+            up, down)
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A packed tensor's bytes, unsigned (FP4 codes read as nibbles, scales as exponents)."""
+    return t.contiguous().view(torch.uint8)
+
+
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
-               w2: torch.Tensor, s1: torch.Tensor, s3: torch.Tensor, s2: torch.Tensor, *, top_k: int,
-               scoring: str, temp: float, norm: bool, scale: float, limit: float,
-               out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None):
+               w2: torch.Tensor, s1, s3, s2, *, top_k: int, scoring: str, temp: float, norm: bool, scale: float,
+               limit: float, out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None,
+               scales: tuple[torch.Tensor, ...] | None = None):
     """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (any float dtype),
     stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
     [I, D] and s2 [D, I], all in x's dtype. -> [N, D] (routed sum + shared) in fp32, or in
     bf16 rounded from it (``out_dtype``: ``MoE``'s cast back, done by the kernel).
+    ``scales`` (w1's, w3's, w2's): the routed experts are FP4 as the checkpoint stores them,
+    their bytes and scales stacked (``MoE.stack_experts``), and the shared expert's weights
+    may be ``Packed`` (its FP8): see :func:`stored`. Each kernel decodes its tile in registers
+    to the dequantised values and computes on them as on the plain tile (the same shape, the
+    same sums): under Triton's interpreter the plain kernels' bits on the dequantised weights.
     ``grouped``: the experts' kernels by expert (each chosen expert's weights read once for
     all its tokens) rather than by (token, slot) pair; by default from ``GROUPED_TOKENS``
     tokens on. Both forms round and sum alike; their dot products reduce in other orders.
@@ -511,8 +654,9 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     the rows it reads, and writes them normalised for the expert kernels as above."""
     N, D = x.shape
     E, I = w1.shape[0], w1.shape[1]
-    assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and w2.shape == (E, D, I)
-    assert all(t.dtype == x.dtype for t in (w1, w3, w2, s1, s3, s2)) and s1.shape == (I, D) and s2.shape == (D, I)
+    assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D)
+    w1, w3, w2, s1, s3, s2, up, down = stored((w1, w3, w2), scales, (s1, s3, s2), x.dtype, D, I)
+    assert scales is not None or (w2.shape == (E, D, I) and s1.shape == (I, D) and s2.shape == (D, I))
     incoming = {}
     if isinstance(x, Collapsed):
         assert x_norm is not None, "a site's input is made by a gate launch that normalises it"
@@ -520,7 +664,6 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     else:
         x = x.contiguous()
     gate_w, bias = gate_w.contiguous(), bias.contiguous()  # the bias read in its own dtype
-    w1, w3, w2, s1, s3, s2 = (t.contiguous() for t in (w1, w3, w2, s1, s3, s2))
     bf16 = x.dtype == torch.bfloat16
     weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
     chosen = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
@@ -559,23 +702,23 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
-            num_warps=UP_WARPS, **chained(x))
+            num_warps=UP_WARPS, **chained(x), **up)
         if DOWN_SLOTS:
-            return down_slots(h, w2, s2, chosen, out)
+            return down_slots(h, w2, s2, chosen, out, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I,
             K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS,
-            **chained(x))
+            **chained(x), **down)
         return out
     rows = dict(K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=max(16, triton.next_power_of_2(N)), BF16=bf16,
                 DOT="tf32" if bf16 else "ieee")
     _up_grouped_kernel[(E + 1, triton.cdiv(I, G_UP_BLOCK_I))](
         x, w1, w3, s1, s3, weights, chosen, h_arg, N, nk, D, I, float(limit), **rows,
-        BLOCK_I=G_UP_BLOCK_I, BLOCK_D=G_UP_BLOCK_D, CLAMP=limit > 0, num_warps=G_UP_WARPS, **chained(x))
+        BLOCK_I=G_UP_BLOCK_I, BLOCK_D=G_UP_BLOCK_D, CLAMP=limit > 0, num_warps=G_UP_WARPS, **chained(x), **up)
     part = torch.empty(nk + N, D, dtype=torch.float32, device=x.device)
     _down_grouped_kernel[(E + 1, triton.cdiv(D, G_DOWN_BLOCK_O))](
         h_arg, w2, s2, weights, chosen, part, N, nk, D, I, **rows,
-        BLOCK_O=G_DOWN_BLOCK_O, BLOCK_I=G_DOWN_BLOCK_I, num_warps=G_DOWN_WARPS, **chained(x))
+        BLOCK_O=G_DOWN_BLOCK_O, BLOCK_I=G_DOWN_BLOCK_I, num_warps=G_DOWN_WARPS, **chained(x), **down)
     _sum_slots_kernel[(N, triton.cdiv(D, SUM_BLOCK))](part, out_arg, nk, D, K=top_k, BLOCK=SUM_BLOCK,
                                                       OUT_BF16=out_bf16, num_warps=4, **chained(part))
     return out
