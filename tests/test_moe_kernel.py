@@ -270,6 +270,21 @@ def test_moe_kernel_writes_bf16_as_the_cast_rounds_it(monkeypatch):
         assert torch.equal(ds.moe_step(moe, x), decode_call(moe, x, out_dtype=torch.bfloat16))  # the step's own call
 
 
+def moe_launch(name: str, typed: dict, constants: dict, options: dict) -> dict:
+    """A launch of ``model.kernels.moe``'s kernel ``name`` for ``compile_for_hopper``: the
+    ``typed`` arguments, every other parameter a constexpr — those named in ``constants``,
+    the rest at their defaults (the packed formats' scale pointers None, as a plain launch
+    leaves them)."""
+    import inspect
+
+    from model.kernels import moe as kmoe
+
+    params = inspect.signature(getattr(kmoe, name).fn).parameters
+    defaults = {n: p.default for n, p in params.items() if n not in typed and p.default is not p.empty}
+    return {"module": "model.kernels.moe", "name": name, "signature": {n: typed.get(n, "constexpr") for n in params},
+            "constants": {**defaults, **constants}, "options": options}
+
+
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
 @pytest.mark.parametrize("early,block_i", [(False, 256), (True, 1024)])
@@ -281,13 +296,12 @@ def test_down_slots_kernel_compiles_for_hopper(early, block_i, bf16, tmp_path):
     a helper that returned an fp32 tensor in one branch and a load in the other built in fp32
     and was refused in bf16."""
     f, h = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
-    signature = {"h_ptr": h, "w2_ptr": f, "s2_ptr": f, "isel_ptr": "*i64", "out_ptr": h,
-                 **dict.fromkeys(("NK", "D", "I"), "i32"),
-                 **dict.fromkeys(("K", "S_P2", "BLOCK_O", "BLOCK_I", "BF16", "OUT_BF16", "EARLY", "PDL"), "constexpr")}
+    typed = {"h_ptr": h, "w2_ptr": f, "s2_ptr": f, "isel_ptr": "*i64", "out_ptr": h,
+             **dict.fromkeys(("NK", "D", "I"), "i32")}
     constants = {"K": 6, "S_P2": 8, "BLOCK_O": 4, "BLOCK_I": block_i, "BF16": bf16, "OUT_BF16": bf16, "EARLY": early,
                  "PDL": True}
-    r = compile_for_hopper([{"module": "model.kernels.moe", "name": "_down_slots_kernel", "signature": signature,
-                             "constants": constants, "options": {"launch_pdl": True, "num_warps": 8}}], tmp_path)
+    r = compile_for_hopper([moe_launch("_down_slots_kernel", typed, constants,
+                                       {"launch_pdl": True, "num_warps": 8})], tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 
@@ -298,13 +312,12 @@ def test_up_kernel_compiles_for_hopper(early, block_i, block_d, tmp_path):
     """The up kernel at `small`'s decode shape (2,048 channels, bf16) for sm_90 as a dependent
     launch, both forms: ``UP_EARLY``'s whole rows (the shared expert's loaded before the wait,
     in one branch of the program, a routed slot's after it, in the other) and the looped one."""
-    signature = {**dict.fromkeys(("x_ptr", "w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr"), "*bf16"), "wsel_ptr": "*fp32",
-                 "isel_ptr": "*i64", "h_ptr": "*i16", **dict.fromkeys(("NK", "D", "I"), "i32"), "limit": "fp32",
-                 **dict.fromkeys(("K", "BLOCK_I", "BLOCK_D", "BF16", "CLAMP", "EARLY", "PDL"), "constexpr")}
+    typed = {**dict.fromkeys(("x_ptr", "w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr"), "*bf16"), "wsel_ptr": "*fp32",
+             "isel_ptr": "*i64", "h_ptr": "*i16", **dict.fromkeys(("NK", "D", "I"), "i32"), "limit": "fp32"}
     constants = {"K": 6, "BLOCK_I": block_i, "BLOCK_D": block_d, "BF16": True, "CLAMP": True, "EARLY": early,
                  "PDL": True}
-    r = compile_for_hopper([{"module": "model.kernels.moe", "name": "_up_kernel", "signature": signature,
-                             "constants": constants, "options": {"launch_pdl": True, "num_warps": 4}}], tmp_path)
+    r = compile_for_hopper([moe_launch("_up_kernel", typed, constants, {"launch_pdl": True, "num_warps": 4})],
+                           tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
 
 

@@ -1,0 +1,267 @@
+"""FP4 routed experts held as the checkpoint stores them, stacked and run at once: the stacks
+(``MoE.stack_experts``) against the experts' own tensors, the grouped twin on them against
+the per-expert loop, a packed model's decode step, and the fused decode kernels
+(``model.kernels.moe`` with ``scales``) against the same kernels on the dequantised weights.
+
+The twin's tests run everywhere. The kernels run on CUDA when present, else under
+``TRITON_INTERPRET=1``, else skip; their builds for the H200 need Triton installed, no GPU.
+Bit for bit: FP4 (and the shared expert's FP8) values are exact in fp32 and bf16, each kernel
+decodes its tile to the shape the plain kernel loads and sums it alike, so under the
+interpreter the packed kernels give the plain kernels' bits on the dequantised weights; on a
+GPU a decoded tile's registers may be laid out otherwise than a loaded one's (not checked: no
+GPU here), and there the MoE kernel tests' tolerances are the bound. The grouped twin meets
+each expert's rows with the same mm as the loop, bit for bit on this CPU; the tolerances of
+``test_moe_grouped`` leave room for a BLAS that blocks a sliced operand otherwise.
+"""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import model.kernels as kernels
+import model.moe as moe_module
+from model import decode_step as ds
+from model.args import ModelArgs
+from model.linear import Linear, World
+from model.loading import build
+from model.moe import MoE
+from tests.hopper import compile_for_hopper
+from tests.interpreted import interpretable
+from tests.test_moe_grouped import TOL, Calls, HostReads, assert_close
+from tests.test_moe_kernel import moe_launch, use_form
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+TINY = ModelArgs.preset("tiny")  # D 128, 8 experts of width 128, top-2
+needs_triton = pytest.mark.skipif(not kernels.triton_available(),
+                                  reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
+
+
+def packed_moe(dtype: torch.dtype, seed: int = 0, world: World = World()) -> MoE:
+    """A tiny MoE of random weights held as a packed model holds them (routed experts FP4, the
+    shared expert FP8), its experts stacked."""
+    g = torch.Generator().manual_seed(seed)
+    moe = MoE(TINY, world=world)
+    with torch.no_grad():
+        for name, p in moe.named_parameters():
+            std = 0.01 if name.endswith("bias") else p.shape[-1] ** -0.5
+            p.copy_(torch.randn(p.shape, generator=g) * std)
+    for expert in moe.experts:
+        for name in ("w1", "w2", "w3"):
+            getattr(expert, name).pack("fp4")
+    for name in ("w1", "w2", "w3"):
+        getattr(moe.shared_experts, name).pack("fp8")
+    moe = moe.to(DEVICE, dtype).eval().requires_grad_(False)
+    moe.stack_experts()
+    return moe
+
+
+def dequantised(packed: MoE, dtype: torch.dtype) -> MoE:
+    """The same MoE with every packed weight replaced by its dequantised floats, stacked."""
+    dense = MoE(TINY)
+    state = {}
+    for name, t in packed.state_dict().items():
+        owner = name.removesuffix(".weight").removesuffix(".scale")
+        m = packed.get_submodule(owner) if name.endswith((".weight", ".scale")) else None
+        if isinstance(m, Linear) and m.fmt != "plain":
+            if name.endswith(".weight"):
+                state[name] = m.dense_weight(dtype)
+            continue
+        state[name] = t
+    dense.load_state_dict(state)
+    dense = dense.to(DEVICE, dtype).eval().requires_grad_(False)
+    dense.stack_experts()
+    return dense
+
+
+# ----------------------------------------------------------------------------- the stacks
+
+def assert_views(moe: MoE) -> None:
+    """Every routed expert's bytes and scales are their stacks' slices: same memory."""
+    for name in ("w1", "w2", "w3"):
+        grouped = getattr(moe.grouped, name)
+        assert grouped.fmt == "fp4" and grouped.weight.dtype == torch.int8
+        for i, expert in enumerate(moe.experts):
+            layer = getattr(expert, name)
+            for own, stack in ((layer.weight, grouped.weight), (layer.scale, grouped.scale)):
+                assert own.dtype == stack.dtype and own.data_ptr() == stack[i].data_ptr()
+                assert torch.equal(own.view(torch.uint8), stack[i].view(torch.uint8))
+
+
+def test_fp4_experts_are_stacked_as_views_of_their_own_bytes_and_scales():
+    """[E, O, I/2] bytes and [E, O, I/32] scales; the state dict's names and values unchanged,
+    nothing duplicated; a cast (the scales become new tensors) stacks again."""
+    moe = packed_moe(torch.float32)
+    assert moe.grouped.fmt == "fp4"
+    assert moe.grouped.w1.weight.shape == (8, TINY.moe_intermediate_size, TINY.hidden_size // 2)
+    assert moe.grouped.w2.scale.shape == (8, TINY.hidden_size, TINY.moe_intermediate_size // 32)
+    assert_views(moe)
+    before = {k: v.clone() for k, v in moe.state_dict().items()}
+    stacks = moe.grouped.w1.weight
+    moe.stack_experts()
+    assert moe.grouped.w1.weight is stacks  # already views: a no-op
+    moe.to(torch.bfloat16)
+    assert_views(moe)
+    after = moe.state_dict()
+    assert after.keys() == before.keys() and not any(".grouped." in k for k in after)
+    assert all(torch.equal(after[k].float() if after[k].is_floating_point() else after[k],
+                           before[k].float() if before[k].is_floating_point() else before[k])
+               for k in before if "experts." in k and not k.startswith("shared"))
+
+
+def test_a_rank_stacks_the_fp4_experts_of_its_range():
+    part = packed_moe(torch.float32, world=World(1, 4))
+    assert part.grouped.first == 2 and part.grouped.split and part.grouped.w1.weight.shape[0] == 2
+    assert_views(part)
+
+
+# ----------------------------------------------------------------------------- the grouped twin
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_grouped_twin_on_fp4_stacks_equals_the_loop(dtype, tokens, monkeypatch):
+    """Every expert dequantised at once, and three at a time (``DEQUANT_BYTES``: three chunks,
+    each's rows turned to the front), against the loop over the packed experts; the chunks
+    give the same bits as one, and no expert id is read on the host."""
+    moe = packed_moe(dtype, seed=tokens)
+    x = (torch.randn(tokens, TINY.hidden_size, generator=torch.Generator().manual_seed(2)) * 3).to(DEVICE, dtype)
+    with torch.no_grad():
+        weights, indices = moe.gate(x, None)
+        assert moe.runs_grouped(x)
+        with HostReads() as reads:
+            whole = moe.grouped(x, weights, indices)
+        assert not reads.seen, reads.seen
+        monkeypatch.setattr(moe_module, "DEQUANT_BYTES", 3 * TINY.hidden_size * TINY.moe_intermediate_size
+                            * x.element_size())
+        chunked = moe.grouped(x, weights, indices)
+        loop = moe._loop(x, weights, indices)
+    assert torch.equal(chunked, whole)
+    assert_close(whole, loop, TOL[dtype])
+
+
+def test_a_ranks_grouped_twin_on_fp4_stacks_is_its_loop():
+    """One rank of four (experts 2 and 3): its pairs routed elsewhere give zeros."""
+    part = packed_moe(torch.float32, world=World(1, 4))
+    x = torch.randn(24, TINY.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE) * 3
+    with torch.no_grad():
+        weights, indices = part.gate(x, None)
+        grouped, loop = part.grouped(x, weights, indices), part._loop(x, weights, indices)
+    assert_close(grouped, loop, TOL[torch.float32])
+    assert grouped.abs().max() > 0
+
+
+def test_a_packed_models_decode_step_runs_its_stacked_fp4_experts_as_the_loop(monkeypatch):
+    """The tiny preset built packed: its decode steps through ``decode_step``'s fused path on the
+    kernels' twins (``DSAGENT_KERNELS=0``) take the grouped experts on the FP4 stacks, so a step
+    can be captured (``ffn_capturable``), and give the logits of the per-expert loop
+    (``DSAGENT_GROUPED_MOE=0``) over a prefill of five tokens and three decode steps."""
+    args = TINY.replace(engram_layer_ids=(), engram_num_embeddings=())
+    for name, value in (("DSAGENT_KERNELS", "0"), ("DSAGENT_GRAPHS", "0")):
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(ds, "takes_fused", ds.is_decode_step)
+    net = build(args, weights="packed").to(DEVICE)
+    moe = net.layers[0].ffn
+    assert moe.grouped.fmt == "fp4"
+    assert_views(moe)
+    ids = torch.randint(3, args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    logits = {}
+    for grouped in (True, False):
+        monkeypatch.setenv("DSAGENT_GROUPED_MOE", "1" if grouped else "0")
+        with torch.no_grad(), Calls(moe.grouped) as calls:
+            assert ds.ffn_capturable(net, torch.zeros(1, 1, args.hidden_size, device=DEVICE)) == grouped
+            cache = net.new_cache(1)
+            net(ids[:, :5], cache)
+            logits[grouped] = torch.stack([ds.forward(net, ids[:, t: t + 1], cache)[:, -1] for t in range(5, 8)])
+        assert (calls.n > 0) == grouped
+    assert_close(logits[True], logits[False], TOL[torch.float32])
+
+
+# ----------------------------------------------------------------------------- the fused kernels
+
+FORMS = ["by-pair-early", "by-pair", "by-expert"]
+
+
+@needs_triton
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weights(dtype, form, monkeypatch):
+    """A packed MoE's decode step takes the fused kernels on its FP4 stacks and FP8 shared
+    expert: the bits of the plain kernels on the dequantised weights (see the docstring above;
+    on a GPU within the MoE kernel tests' tolerance), by pair (the early loads, and the loops
+    with the down sum slot by slot) and grouped by expert; inputs that hit the clamps."""
+    interpretable(monkeypatch)
+    use_form(form, monkeypatch)
+    packed = packed_moe(dtype, seed=5)
+    dense = dequantised(packed, dtype)
+    x = (torch.randn(3, TINY.hidden_size, generator=torch.Generator().manual_seed(6)) * 20).to(DEVICE, dtype)
+    calls = []
+    real = kernels.moe_decode
+    monkeypatch.setattr(kernels, "moe_decode", lambda *a, **k: calls.append(k["scales"] is not None) or real(*a, **k))
+    with torch.no_grad():
+        assert ds.moe_runs_fused(packed, x)
+        got, want = ds.moe_step(packed, x), ds.moe_step(dense, x)
+    assert calls == [True, False] and not kernels._FAILED
+    if ON_CUDA:
+        rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
+        torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=rtol * want.float().abs().max().item())
+    else:
+        assert torch.equal(got, want)
+
+
+@needs_triton
+def test_the_fused_moe_leaves_a_ranks_split_experts_to_the_twin():
+    """Over several ranks the kernels, which route over every expert and sum no ranks, do not run."""
+    part = packed_moe(torch.float32, world=World(1, 4))
+    with torch.no_grad():
+        assert not ds.moe_runs_fused(part, torch.zeros(1, TINY.hidden_size, device=DEVICE))
+
+
+# ----------------------------------------------------------------------------- builds for the H200
+
+def fp4_launches() -> list[dict]:
+    """Each expert kernel with FP4 routed experts and an FP8 shared expert (32 x 32 scales), bf16
+    tokens, `small`'s decode shapes (top-6), as dependent launches."""
+    u8, pdl = "*u8", {"launch_pdl": True}
+    packed = {"FMT": "fp4", "S_FMT": "fp8", "SR": 32, "SC": 32, "PDL": True}
+    up_typed = {**dict.fromkeys(("w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr", "w1_sc", "w3_sc", "s1_sc", "s3_sc"), u8),
+                "x_ptr": "*bf16", "wsel_ptr": "*fp32", "isel_ptr": "*i64", "h_ptr": "*i16", "limit": "fp32",
+                **dict.fromkeys(("N", "NK", "D", "I"), "i32")}
+    down_typed = {**dict.fromkeys(("w2_ptr", "s2_ptr", "w2_sc", "s2_sc"), u8), "h_ptr": "*i16", "isel_ptr": "*i64",
+                  "wsel_ptr": "*fp32", "out_ptr": "*i16", "part_ptr": "*fp32", **dict.fromkeys(("N", "NK", "D", "I"), "i32")}
+
+    def typed(name: str, types: dict) -> dict:
+        import inspect
+
+        from model.kernels import moe as kmoe
+
+        params = inspect.signature(getattr(kmoe, name).fn).parameters
+        return {k: v for k, v in types.items() if k in params}
+
+    by_pair = {"K": 6, "BF16": True, **packed}
+    grouped = {"K": 6, "K_P2": 8, "BLOCK_N": 16, "BF16": True, "DOT": "tf32", **packed}
+    return [
+        *(moe_launch("_up_kernel", typed("_up_kernel", up_typed),
+                     {**by_pair, "BLOCK_I": bi, "BLOCK_D": bd, "CLAMP": True, "EARLY": early}, {**pdl, "num_warps": 4})
+          for early, bi, bd in ((True, 2, 2048), (False, 4, 256))),
+        *(moe_launch("_down_slots_kernel", typed("_down_slots_kernel", down_typed),
+                     {**by_pair, "S_P2": 8, "BLOCK_O": 4, "BLOCK_I": bi, "OUT_BF16": True, "EARLY": early},
+                     {**pdl, "num_warps": 8}) for early, bi in ((True, 1024), (False, 256))),
+        moe_launch("_down_kernel", typed("_down_kernel", down_typed),
+                   {**by_pair, "BLOCK_O": 4, "BLOCK_I": 512, "OUT_BF16": True}, {**pdl, "num_warps": 8}),
+        moe_launch("_up_grouped_kernel", typed("_up_grouped_kernel", up_typed),
+                   {**grouped, "BLOCK_I": 32, "BLOCK_D": 128, "CLAMP": True}, {**pdl, "num_warps": 4}),
+        moe_launch("_down_grouped_kernel", typed("_down_grouped_kernel", down_typed),
+                   {**grouped, "BLOCK_O": 32, "BLOCK_I": 128}, {**pdl, "num_warps": 4}),
+    ]
+
+
+@pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
+                    reason="needs Triton installed; on a GPU the kernels themselves run in the tests above")
+def test_fp4_moe_kernels_compile_for_hopper(tmp_path):
+    """Triton's GPU compiler for sm_90 on the CPU: the FP4 forms of the up and down kernels by
+    pair (early and looped) and grouped, whose both branches (a routed slot's FP4, the shared
+    expert's FP8) the interpreter never types together."""
+    r = compile_for_hopper(fp4_launches(), tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
