@@ -25,6 +25,10 @@ one program per expert (and block of rows) over the tokens that picked it, the t
 in one tensor-core product, and write each pair's rows; ``_sum_slots_kernel`` sums a token's
 slots in the same order as ``_down_kernel``. Five launches instead of four.
 
+FP4 routed experts (a packed model's, stacked as stored) and its FP8 shared expert are read as
+bytes and scales and decoded in registers (``_weight_at``, with ``fused._e2m1`` / ``_ue8m0``) to
+the tile the plain kernels load, then computed alike (``moe_decode``'s ``scales``; not yet timed).
+
 Not bit-exact with torch: dot products reduce in another order (and torch's top-k breaks
 exact ties its own way), so outputs agree to rounding and the choice of experts only differs
 on near-ties. Weight reads are the GEMVs' whole cost at decode sizes; each program streams
