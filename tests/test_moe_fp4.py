@@ -229,7 +229,8 @@ def fp4_launches() -> list[dict]:
                 "x_ptr": "*bf16", "wsel_ptr": "*fp32", "isel_ptr": "*i64", "h_ptr": "*i16", "limit": "fp32",
                 **dict.fromkeys(("N", "NK", "D", "I"), "i32")}
     down_typed = {**dict.fromkeys(("w2_ptr", "s2_ptr", "w2_sc", "s2_sc"), u8), "h_ptr": "*i16", "isel_ptr": "*i64",
-                  "wsel_ptr": "*fp32", "out_ptr": "*i16", "part_ptr": "*fp32", **dict.fromkeys(("N", "NK", "D", "I"), "i32")}
+                  "wsel_ptr": "*fp32", "out_ptr": "*i16", "part_ptr": "*fp32",
+                  **dict.fromkeys(("N", "NK", "D", "I"), "i32")}
 
     def typed(name: str, types: dict) -> dict:
         import inspect
