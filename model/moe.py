@@ -170,9 +170,10 @@ class GroupedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Routed output [N, D] fp32 of flat tokens x [N, D] from the gate's weights, indices [N, k]."""
         k, n_experts = indices.shape[1], self.w1.weight.shape[0]
-        local = (indices - self.first).flatten()
-        mine = (local >= 0) & (local < n_experts)
-        local = torch.where(mine, local, n_experts)  # another rank's: after every group here
+        local = (indices - self.first).flatten() if self.split else indices.flatten()
+        if self.split:
+            mine = (local >= 0) & (local < n_experts)
+            local = torch.where(mine, local, n_experts)  # another rank's: after every group here
         order = local.argsort(stable=True)  # (N*k,) by expert, token order within one
         experts = torch.arange(n_experts, device=x.device)
         ends = torch.searchsorted(local[order], experts, right=True, out_int32=True)
