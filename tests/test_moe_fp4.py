@@ -34,12 +34,13 @@ from tests.test_moe_kernel import moe_launch, use_form
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
+TWIN = "cpu"  # the twin's tests: torch's grouped GEMM takes fp32 on the CPU only (bf16 on sm90 CUDA)
 TINY = ModelArgs.preset("tiny")  # D 128, 8 experts of width 128, top-2
 needs_triton = pytest.mark.skipif(not kernels.triton_available(),
                                   reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
 
 
-def packed_moe(dtype: torch.dtype, seed: int = 0, world: World = World()) -> MoE:
+def packed_moe(dtype: torch.dtype, seed: int = 0, world: World = World(), device: str = DEVICE) -> MoE:
     """A tiny MoE of random weights held as a packed model holds them (routed experts FP4, the
     shared expert FP8), its experts stacked."""
     g = torch.Generator().manual_seed(seed)
@@ -53,7 +54,7 @@ def packed_moe(dtype: torch.dtype, seed: int = 0, world: World = World()) -> MoE
             getattr(expert, name).pack("fp4")
     for name in ("w1", "w2", "w3"):
         getattr(moe.shared_experts, name).pack("fp8")
-    moe = moe.to(DEVICE, dtype).eval().requires_grad_(False)
+    moe = moe.to(device, dtype).eval().requires_grad_(False)
     moe.stack_experts()
     return moe
 
@@ -125,8 +126,8 @@ def test_grouped_twin_on_fp4_stacks_equals_the_loop(dtype, tokens, monkeypatch):
     """Every expert dequantised at once, and three at a time (``DEQUANT_BYTES``: three chunks,
     each's rows turned to the front), against the loop over the packed experts; the chunks
     give the same bits as one, and no expert id is read on the host."""
-    moe = packed_moe(dtype, seed=tokens)
-    x = (torch.randn(tokens, TINY.hidden_size, generator=torch.Generator().manual_seed(2)) * 3).to(DEVICE, dtype)
+    moe = packed_moe(dtype, seed=tokens, device=TWIN)
+    x = (torch.randn(tokens, TINY.hidden_size, generator=torch.Generator().manual_seed(2)) * 3).to(TWIN, dtype)
     with torch.no_grad():
         weights, indices = moe.gate(x, None)
         assert moe.runs_grouped(x)
@@ -143,8 +144,8 @@ def test_grouped_twin_on_fp4_stacks_equals_the_loop(dtype, tokens, monkeypatch):
 
 def test_a_ranks_grouped_twin_on_fp4_stacks_is_its_loop():
     """One rank of four (experts 2 and 3): its pairs routed elsewhere give zeros."""
-    part = packed_moe(torch.float32, world=World(1, 4))
-    x = torch.randn(24, TINY.hidden_size, generator=torch.Generator().manual_seed(3)).to(DEVICE) * 3
+    part = packed_moe(torch.float32, world=World(1, 4), device=TWIN)
+    x = torch.randn(24, TINY.hidden_size, generator=torch.Generator().manual_seed(3)).to(TWIN) * 3
     with torch.no_grad():
         weights, indices = part.gate(x, None)
         grouped, loop = part.grouped(x, weights, indices), part._loop(x, weights, indices)
@@ -161,16 +162,16 @@ def test_a_packed_models_decode_step_runs_its_stacked_fp4_experts_as_the_loop(mo
     for name, value in (("DSAGENT_KERNELS", "0"), ("DSAGENT_GRAPHS", "0")):
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(ds, "takes_fused", ds.is_decode_step)
-    net = build(args, weights="packed").to(DEVICE)
+    net = build(args, weights="packed").to(TWIN)
     moe = net.layers[0].ffn
     assert moe.grouped.fmt == "fp4"
     assert_views(moe)
-    ids = torch.randint(3, args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    ids = torch.randint(3, args.vocab_size, (1, 8), generator=torch.Generator().manual_seed(4)).to(TWIN)
     logits = {}
     for grouped in (True, False):
         monkeypatch.setenv("DSAGENT_GROUPED_MOE", "1" if grouped else "0")
         with torch.no_grad(), Calls(moe.grouped) as calls:
-            assert ds.ffn_capturable(net, torch.zeros(1, 1, args.hidden_size, device=DEVICE)) == grouped
+            assert ds.ffn_capturable(net, torch.zeros(1, 1, args.hidden_size, device=TWIN)) == grouped
             cache = net.new_cache(1)
             net(ids[:, :5], cache)
             logits[grouped] = torch.stack([ds.forward(net, ids[:, t: t + 1], cache)[:, -1] for t in range(5, 8)])
