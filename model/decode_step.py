@@ -36,7 +36,7 @@ from model.cache import Cache, SourceKV, WindowRing
 from model.csa2 import Compressor, Indexer, candidate_rows
 from model.engram import DEAD
 from model.layer import Step
-from model.linear import grouped_linear
+from model.linear import Table, grouped_linear
 from model.moe import MoE
 from model.quant import KVFormat, main_record_bytes
 from model.rope import Ropes, apply_rope, rope_angles, share_rope_angles, shared_rope_angles
@@ -81,7 +81,7 @@ def run_layers(model, streams, pre, step: Step, cache: Cache, layers: range):
     alone: the fused kernels sum no partial outputs over ranks yet)."""
     if model.world.size > 1:
         return model.run_layers(streams, pre, step, cache, layers)
-    if takes_fused(streams, step, cache.kv) and step.engram_rows is None:  # host-held tables: fetched eagerly
+    if takes_fused(streams, step, cache.kv):
         return _fused_layers(model, streams, pre, step, cache, layers)
     if step.graphs is not None:
         for i in layers:
@@ -135,14 +135,17 @@ def _fused_layers(model, streams, pre, step: Step, cache: Cache, layers: range):
     taps = step.shared.get("taps")
     tapped = tuple(b.layer for b in blocks if b.layer in model.args.dspark_target_layer_ids) \
         if isinstance(taps, dict) else ()
+    fetched = step.engram_rows or {}  # host-held tables' rows: inputs of the step, copied in before it
+    host = tuple(sorted(fetched))
     fn = partial(_step_layers, model.ropes, blocks=blocks, cache=cache, emits=emits, tapped=tapped,
-                 image_mask=step.image_mask)
-    inputs = (streams, pre, step.positions(streams.device)) + (() if step.hash_ids is None else (step.hash_ids,))
+                 image_mask=step.image_mask, host=host)
+    inputs = (streams, pre, step.positions(streams.device)) + (() if step.hash_ids is None else (step.hash_ids,)) \
+        + tuple(Table.ready(fetched[slot]) for slot in host)
     if step.graphs is None:
         streams, pre, *tap_values = fn(*inputs)
     else:
         streams, pre, *tap_values = step.graphs.run(
-            ("step", layers.start, layers.stop, emits, tapped), fn, *inputs,
+            ("step", layers.start, layers.stop, emits, tapped, host), fn, *inputs,
             version=tuple(_step_memory(b.attn, cache) for b in blocks))
     for b in blocks:
         _after_step(b.attn, step, cache)
@@ -151,8 +154,8 @@ def _fused_layers(model, streams, pre, step: Step, cache: Cache, layers: range):
     return streams, pre
 
 
-def _step_layers(ropes: Ropes, streams, pre, pos, *hash_ids, blocks, cache: Cache, emits: tuple, tapped: tuple,
-                 image_mask=None):
+def _step_layers(ropes: Ropes, streams, pre, pos, *engram, blocks, cache: Cache, emits: tuple, tapped: tuple,
+                 image_mask=None, host: tuple = ()):
     """The layers of :func:`_fused_layers`: (streams, pre, *the tapped layers' inputs).
     One RoPE-angle scope for them all: every layer rotates at the same position, under
     one of two frequency tables, so cos / sin are made twice a step, not in every layer.
@@ -162,18 +165,22 @@ def _step_layers(ropes: Ropes, streams, pre, pos, *hash_ids, blocks, cache: Cach
     graph is captured, the Engram layers' projections (which read only the step's inputs)
     may be launched first on a side stream (``engram.BESIDE``), each joined at its layer, and
     the candidate pool made beside the layers after its source (``select.POOL_BESIDE``),
-    joined where it is first read."""
+    joined where it is first read. ``engram``: the step's hashed ids, then the rows of the
+    Engram slots ``host`` (tables in host memory, fetched before the step)."""
+    hash_ids, rows = engram[:1], dict(zip(host, engram[1:]))
     shared, taps = {}, []  # what each layer writes for the later ones: the top-k, the candidate pool
     pending = None  # the layer before's FFN output, added by the next attention site's kernel
     with shared_rope_angles():
         share_rope_angles(pos, ropes)  # a step reads both tables
         beside = bool(hash_ids) and kernels.beside_on(streams, "engram.BESIDE")
-        engram_kv = {b.layer: kernels.Beside(b.engram.kv, hash_ids[0][:, :, b.engram.slot], device=streams.device)
+        engram_kv = {b.layer: kernels.Beside(b.engram.kv, hash_ids[0][:, :, b.engram.slot], rows.get(b.engram.slot),
+                                             device=streams.device)
                      for b in blocks if beside and b.engram is not None}  # kept until the step's end
         for b, e in zip(blocks, emits):
             if pending is not None and ((b.engram is not None and hash_ids) or b.layer in tapped):
                 streams, pending = expand_output(streams, pending), None
-            streams = _engram_site(b, streams, hash_ids[0] if hash_ids else None, image_mask, engram_kv.get(b.layer))
+            streams = _engram_site(b, streams, hash_ids[0] if hash_ids else None, image_mask, engram_kv.get(b.layer),
+                                   rows)
             if b.layer in tapped:
                 taps.append(streams.mean(dim=2))
             streams, pre, pending, *written = _whole_layer(b, streams, pre, pos, shared, ropes=ropes, cache=cache,
@@ -188,10 +195,11 @@ def _step_layers(ropes: Ropes, streams, pre, pos, *hash_ids, blocks, cache: Cach
     return (streams, pre, *taps)
 
 
-def _engram_site(block: Block, streams, hash_ids, image_mask=None, kv=None):
-    """``Block.engram_site``; ``kv``: the layer's Engram rows launched beside (a ``kernels.Beside``)."""
+def _engram_site(block: Block, streams, hash_ids, image_mask=None, kv=None, rows: dict | None = None):
+    """``Block.engram_site``; ``kv``: the layer's Engram rows launched beside (a ``kernels.Beside``);
+    ``rows``: ``Step.engram_rows``' form."""
     if kv is None:
-        return block.engram_site(streams, hash_ids, image_mask)
+        return block.engram_site(streams, hash_ids, image_mask, rows)
     return block.engram.gate(streams, kv.value(), None if image_mask is None else ~image_mask)
 
 

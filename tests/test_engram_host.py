@@ -153,3 +153,27 @@ def test_the_engram_bench_times_both_places_and_puts_the_tables_back():
     assert abs(plain - 4 * census(model.args)["params_active_decode"]) < 1e-3 * plain
     packed, _ = bench_model("tiny", device="cpu", dtype=torch.float32, weights="packed")
     assert weights_read_bytes(packed) < plain / 2
+
+
+def test_the_fused_step_takes_host_rows_as_inputs(monkeypatch):
+    """A decode step of the fused path (on the kernels' twins here) with the tables in host
+    memory takes their rows, fetched before the step, as inputs, and gives the logits of the
+    tables on the device."""
+    from model import decode_step as ds
+    from model.loading import load
+
+    monkeypatch.setenv("DSAGENT_KERNELS", "0")
+    monkeypatch.setattr(ds, "takes_fused", ds.is_decode_step)
+    seen = []
+    fused = ds._fused_layers
+    monkeypatch.setattr(ds, "_fused_layers", lambda m, s, p, step, *a: seen.append(step.engram_rows) or
+                        fused(m, s, p, step, *a))
+    logits = {}
+    for place in ("device", "host"):
+        model = load(DEFAULT, weights="packed", engram=place)
+        cache = model.new_cache(1)
+        with torch.no_grad():
+            model(IDS[:, :40], cache)
+            logits[place] = torch.stack([ds.forward(model, IDS[:, t: t + 1], cache)[:, -1] for t in range(40, 44)])
+    assert len(seen) == 8 and all(r is None for r in seen[:4]) and all(sorted(r) == [0, 1] for r in seen[4:])
+    assert torch.equal(logits["host"], logits["device"])
