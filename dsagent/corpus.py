@@ -788,6 +788,6 @@ def mixed_conversation(b: Builder) -> None:
     for t in range(count):
         skills = [s for s, (_, allowed, _) in MIXED_SKILLS.items() if allowed(turns)]
         if t == count - 1 and len({turn["skill"] for turn in turns}) == 1:
-            skills.remove(turns[0]["skill"])
+            skills = [s for s in skills if s != turns[0]["skill"]]
         skill = b.rng.choices(skills, [MIXED_SKILLS[s][2] for s in skills])[0]
         turns.append({"skill": skill, "refers_to": None, **MIXED_SKILLS[skill][0](b, turns)})

@@ -303,3 +303,165 @@ def test_corpus_and_training_scripts_import_without_the_session_store():
             "assert 'sessions' not in sys.modules, 'the session store was imported'")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
+
+
+# -- the kinds before f, and the mixed conversations (f) -----------------------------------
+
+# sha256 (first 16 hex) of json.dumps(record, sort_keys=True) for records 0-5 of each kind,
+# made by this generator before kind f was added: adding a kind must not move another's draws
+KIND_DIGESTS = {"7-a": "a5d0122455895332", "7-b": "69a1ac5ec1849d90", "7-c": "baa008bec491e810",
+                "7-d": "764b0d34422b8de8", "7-e": "5931fc8f22fcfc99", "7919-a": "60356da8b89dba86",
+                "7919-b": "a7868d56cfb11339", "7919-c": "209de3b84043f9a9", "7919-d": "8f641e1e81d5a720",
+                "7919-e": "71d43c9698a8260d"}
+
+
+def test_records_of_the_kinds_before_f_are_unchanged(tokenizer):
+    import hashlib
+
+    for key, digest in KIND_DIGESTS.items():
+        seed, kind = key.split("-")
+        h = hashlib.sha256()
+        for i in range(6):
+            h.update(json.dumps(corpus_gen.make_record(int(seed), i, kind, tokenizer), sort_keys=True).encode())
+        assert h.hexdigest()[:16] == digest, key
+
+
+@pytest.fixture(scope="module")
+def mixed(tokenizer) -> list[dict]:
+    return [corpus_gen.make_record(SEED, i, "f", tokenizer) for i in range(60)]
+
+
+def _turns(record: dict) -> list[list[dict]]:
+    """The record's messages after the system prompt, a list per turn (from its user message)."""
+    turns: list[list[dict]] = []
+    for m in record["messages"][1:]:
+        if m["role"] == "user":
+            turns.append([])
+        turns[-1].append(m)
+    return turns
+
+
+def test_mixed_records_are_two_to_eight_turns_of_two_skills_or_more(mixed, tokenizer):
+    lengths, skills = set(), set()
+    for r in mixed:
+        truths = r["truth"]["turns"]
+        assert len(_turns(r)) == len(truths) and 2 <= len(truths) <= 8, r["id"]
+        assert len({t["skill"] for t in truths}) >= 2, r["id"]
+        assert r["kind"] == "f" and r["version"] == corpus_gen.CORPUS_VERSION
+        lengths.add(len(truths))
+        skills |= {t["skill"] for t in truths}
+        conv, mask = corpus_gen.encode_record(r, tokenizer)
+        assert conv.ids == encode_messages(r["messages"], thinking_mode=r["thinking_mode"]).tokenize(tokenizer).ids
+        for i, msg in enumerate(r["messages"]):
+            if msg["role"] == "assistant":
+                text = encode_messages([msg], context=r["messages"][:i], thinking_mode=r["thinking_mode"]).text
+                assert parse_completion(text, r["thinking_mode"])["content"] == msg["content"], r["id"]
+    assert lengths == set(range(2, 9)) and skills == set(corpus_gen.MIXED_SKILLS)
+    # four facts told, then the last turn: neither a fifth fact nor the same skill again
+    told = corpus_gen.make_record(7921, 37, "f", tokenizer)["truth"]["turns"]
+    assert [t["skill"] for t in told] == ["tell"] * 4 + ["recall"]
+
+
+def test_mixed_tool_results_are_what_the_real_tools_return(mixed, tmp_path):
+    for n, r in enumerate(mixed[:30]):
+        root = tmp_path / str(n)
+        root.mkdir()
+        _replay_workspace(r, root)
+        runner = ToolRunner(builtin_toolbox(), Workspace(root), policy="yes")
+        results = {m["tool_call_id"]: _text(m["content"]) for m in r["messages"] if m["role"] == "tool"}
+        for call in (c for m in r["messages"] for c in m.get("tool_calls") or []):
+            res = runner.run(call["function"]["name"], call["function"]["arguments"])
+            assert res.ok and res.text == results[call["id"]], r["id"]
+
+
+def _own_image(turn: list[dict], record: dict) -> dict:
+    """What the turn's one picture (attached or returned by view_image) shows."""
+    (url,) = [b["image_url"]["url"] for m in turn if isinstance(m["content"], list)
+              for b in m["content"] if b["type"] == "image_url"]
+    pixels = np.asarray(decode_image(base64.b64decode(record["images"][url.removeprefix("sha256:")])))
+    mask = np.any(pixels != pixels[0, 0], axis=-1)
+    (rgb,) = {tuple(p) for p in pixels[mask]}
+    return {"count": _components(mask), "rgb": list(rgb)}
+
+
+def _chat_answer(question: str) -> str:
+    """The answer to a chat question of kind a, from the question alone."""
+    pool = dict(corpus_gen._runtime_facts() + corpus_gen.FACTS + corpus_gen.GREETINGS)
+    after = re.fullmatch(r"What (?:day|number) comes after (\w+)\?", question)
+    if question in pool:
+        return pool[question]
+    if after:
+        w = after.group(1)
+        return f"{int(w) + 1}." if w.isdigit() else f"{corpus_gen.DAYS[(corpus_gen.DAYS.index(w) + 1) % 7]}."
+    return question.split(": ", 1)[1]  # an echo request
+
+
+def _check_own_turn(skill: str, truth: dict, turn: list[dict], record: dict) -> None:
+    """A turn that does not refer back: its truth follows from its question and its results."""
+    question = _text(turn[0]["content"])
+    results = "\n".join(_text(m["content"]) for m in turn if m["role"] == "tool")
+    calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+             for m in turn for c in m.get("tool_calls") or []]
+    if skill == "chat":
+        assert truth["answer"] == _chat_answer(question) == turn[-1]["content"], question
+    elif skill == "calc":
+        assert [args["expression"] for _, args in calls] == [a["expression"] for a in truth["arithmetic"]]
+        assert all(a["expression"] in question and a["value"] == _python_value(a["expression"])
+                   for a in truth["arithmetic"])
+    elif skill == "file":
+        ((name, args),) = calls
+        assert args["path"] in question or (args["path"] == "data" and "data" in question)
+        listed = len(results.splitlines()) if name == "list_dir" else None
+        assert truth["answer"] == listed or f": {truth['answer']}" in results
+    elif skill == "image":
+        assert all(args["path"] in question for _, args in calls)
+        assert _own_image(turn, record) == {k: truth["image"][k] for k in ("count", "rgb")}
+    else:
+        assert skill == "tell" and not calls and truth["answer"] in question
+    assert turn[-1]["role"] == "assistant" and not turn[-1].get("tool_calls")
+
+
+def test_mixed_turns_answer_from_their_own_question_and_results(mixed):
+    """Every turn's truth comes from its own question and tool results; a turn that draws on
+    an earlier one (a told fact asked back, a calculation on an earlier result) says so in
+    its question, names the turn in ``refers_to``, and gets its value from that turn."""
+    referring = 0
+    for r in mixed:
+        turns, truths = _turns(r), r["truth"]["turns"]
+        for t, (turn, truth) in enumerate(zip(turns, truths), 1):
+            skill, question = truth["skill"], _text(turn[0]["content"])
+            if skill not in ("recall", "back"):
+                assert truth["refers_to"] is None, (r["id"], t)
+                _check_own_turn(skill, truth, turn, r)
+                continue
+            referring += 1
+            earlier = truths[truth["refers_to"] - 1]
+            assert 1 <= truth["refers_to"] < t, (r["id"], t)
+            if skill == "recall":
+                assert question in corpus_gen.TOLD[truth["fact"]].asks and earlier["fact"] == truth["fact"]
+                assert truth["answer"] not in question
+                assert truth["answer"] == earlier["answer"] and truth["answer"] in turn[-1]["content"]
+                continue
+            (item,) = truth["arithmetic"]
+            said = "that" if truth["refers_to"] == t - 1 else f"the result of {earlier['arithmetic'][-1]['expression']}"
+            assert said in question and item["expression"].startswith(f"{earlier['answer']} "), (r["id"], t)
+            assert item["expression"].rsplit(" ", 1)[1] in question and item["value"] == _python_value(item["expression"])
+    assert referring > 20
+
+
+def test_make_corpus_writes_f_when_asked_and_the_trainer_schedules_it(tmp_path):
+    """f is in no default mixture: make_corpus writes it for --kinds naming it, and the
+    trainer's --schedule (default the default model's) lays its records out."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import train_default
+    from model.args import ModelArgs
+
+    make_corpus.main(["--out", str(tmp_path), "--n", "4", "--seed", "1", "--kinds", "a,f"])
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "corpus-00000.jsonl").read_text().splitlines()]
+    assert kinds == ["a", "f", "a", "f"] and make_corpus.parse_args(["--out", "x", "--n", "1"]).kinds == list("abcde")
+    assert train_default.parse_args(["--out", "x"]).schedule == train_default.SCHEDULE == "aabbbccdee"
+    pools = train_default.make_examples(6, 1, ModelArgs.preset("tiny"), workers=1, kinds="af", schedule="aff")
+    assert len(pools["short"]) == 6 and not pools["long"]
+    for bad in (["--schedule", "aabz"], ["--kinds", "abcdef"]):  # refused before anything is trained
+        with pytest.raises(SystemExit, match="schedule"):
+            train_default.main(["--out", str(tmp_path / "run"), *bad])
