@@ -100,22 +100,21 @@ THINKING = typer.Option(None, "--thinking", metavar="chat|thinking",
 WORKSPACE = typer.Option(None, "--workspace", metavar="DIR",
                          help="Root directory tools may touch (default: the current one).")
 DEVICE = typer.Option("cpu", "--device", metavar="cpu|cuda[:N]", help="Where the model runs.")
-def _weights_form(value: str) -> str:
-    if value not in ("plain", "packed"):
-        raise typer.BadParameter(f"{value!r} is not plain or packed")
-    return value
 
 
-WEIGHTS = typer.Option("plain", "--weights", metavar="plain|packed", callback=_weights_form,
+def _one_of(*choices: str):
+    """A callback that refuses a value not among ``choices`` as a usage error."""
+    def check(value: str) -> str:
+        if value not in choices:
+            raise typer.BadParameter(f"{value!r} is not {' or '.join(choices)}")
+        return value
+    return check
+
+
+WEIGHTS = typer.Option("plain", "--weights", metavar="plain|packed", callback=_one_of("plain", "packed"),
                        help="packed: the checkpoint's FP8 / FP4 weights held as stored (a fraction of the memory; "
-                            "computed through dequantisation until their kernels land).")
-def _engram_place(value: str) -> str:
-    if value not in ("device", "host"):
-        raise typer.BadParameter(f"{value!r} is not device or host")
-    return value
-
-
-ENGRAM = typer.Option("device", "--engram", metavar="device|host", callback=_engram_place,
+                            "a CUDA decode step reads them in its kernels, the rest dequantises them).")
+ENGRAM = typer.Option("device", "--engram", metavar="device|host", callback=_one_of("device", "host"),
                       help="Where the Engram tables are kept: on the device (over --gpus N, a GPU its share of "
                            "the rows), or whole in host memory, shared by the ranks (a packed checkpoint's tables "
                            "are its shards' memory maps).")

@@ -34,7 +34,7 @@ def script(monkeypatch):
     """Make `run`/`chat` load a ScriptedRuntime (a test double) replying with the given completions."""
     def use(*replies: str) -> ScriptedRuntime:
         rt = ScriptedRuntime(list(replies))
-        monkeypatch.setattr(cli, "load_runtime", lambda d, device, weights="plain", gpus=1: rt)
+        monkeypatch.setattr(cli, "load_runtime", lambda d, device, weights="plain", gpus=1, engram="device": rt)
         return rt
     return use
 
@@ -98,7 +98,7 @@ def test_run_usage_errors_exit_2(script, args):
 @pytest.fixture
 def never_loads(monkeypatch, home):
     """For flags refused up front: loading a model fails the test, and the store must stay unmade."""
-    def load(d, device, weights="plain", gpus=1):
+    def load(d, device, weights="plain", gpus=1, engram="device"):
         raise AssertionError("the model was loaded before the flags were checked")
     monkeypatch.setattr(cli, "load_runtime", load)
     yield

@@ -231,7 +231,7 @@ def options_seen(tmp_path, monkeypatch):
     monkeypatch.delenv("DSAGENT_PREFIX_CACHE", raising=False)
     monkeypatch.chdir(tmp_path)
     rt = ScriptedRuntime(["ok"] * 8)
-    monkeypatch.setattr(cli, "load_runtime", lambda d, device, weights="plain", gpus=1: rt)
+    monkeypatch.setattr(cli, "load_runtime", lambda d, device, weights="plain", gpus=1, engram="device": rt)
     seen, build = [], cli.agent_options
     monkeypatch.setattr(cli, "agent_options", lambda *a, **kw: seen.append(build(*a, **kw)) or seen[-1])
     return seen

@@ -80,7 +80,7 @@ def seen(tmp_path, monkeypatch):
     monkeypatch.delenv("DSAGENT_THREADS", raising=False)
     got = []
 
-    def load(d, device, weights="plain", gpus=1):
+    def load(d, device, weights="plain", gpus=1, engram="device"):
         got.append(d)
         raise KeyboardInterrupt  # stop here: exit 130, nothing else runs
 
