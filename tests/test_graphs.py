@@ -310,7 +310,7 @@ def test_whole_step_segments_follow_the_cache_they_write(monkeypatch):
     for a, b in zip(plain, replayed):
         assert torch.equal(a, b)
     compressors = tuple(b.attn.compressor is not None for b in model.layers)
-    last = segments._graphs[(("step", 0, len(model.layers), compressors, ()), 1)]  # position 89 completes pairs
+    last = segments._graphs[(("step", 0, len(model.layers), compressors, (), ()), 1)]  # position 89 completes pairs
     for memory, ring in zip(last[0][0], copies[1].cache.windows):  # it holds the memory of the state decoded last
         assert memory[:2] == ((ring.data.data_ptr(), tuple(ring.data.shape)),
                               (ring.pos.data_ptr(), tuple(ring.pos.shape)))
