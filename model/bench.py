@@ -281,8 +281,8 @@ def bench_decode(model: Transformer, ctx: int, *, short: int | None = None, step
     short = short or max(model.args.sliding_window, ctx // 32)
     times = {n: _step_seconds(model, n, 1, steps, chunk) for n in (short, ctx)}
     read = decode_read_bytes(model.args, ctx, weight_bytes=model.embed.weight.element_size())
-    read["total"] += weights_read_bytes(model) - read["weights"]  # the bytes the weights are held in
-    read["weights"] = weights_read_bytes(model)
+    held = weights_read_bytes(model)  # the bytes the weights are held in, packed or not
+    read["total"], read["weights"] = read["total"] - read["weights"] + held, held
     copy = copy_tb_per_s(model.device)
     achieved = read["total"] / times[ctx] / 1e12
     out = {"bench": "decode", "ctx_short": short, "ctx_long": ctx, "step_ms_short": 1e3 * times[short],
