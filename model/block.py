@@ -211,9 +211,9 @@ class Engram(nn.Module):
         """The hashed rows' key and value [..., (hc + 1) * D], in the model's float dtype (that of
         ``q_weight``: the table and the projection may be packed). ``rows``: the table's rows of
         ``hash_ids`` fetched before the layer ran (a table in host memory: ``Table.fetch``).
-        Never by the GEMV kernel (``gemv=False``): a decode step may make them beside its layers
-        (``model.decode_step``), where cuBLAS's few programs suit, and either way they are the
-        same bits."""
+        A plain projection never by the GEMV kernel (``gemv=False``): a decode step may make them
+        beside its layers (``model.decode_step``), where cuBLAS's few programs suit, and either
+        way they are the same bits; a packed one by the GEMV on its bytes, both ways too."""
         rows = self.embed(hash_ids) if rows is None else self.embed.ready(rows)
         return self.wkv(rows.flatten(-2).to(self.q_weight.dtype))
 

@@ -155,6 +155,30 @@ def test_a_packed_linear_takes_the_gemv_on_a_decode_steps_rows(fmt, monkeypatch)
     assert len(seen) == 2
 
 
+@needs_triton
+def test_a_packed_weight_takes_the_gemv_even_where_a_plain_one_would_not(monkeypatch):
+    """``gemv=False`` (the Engram projection, made beside the layers by cuBLAS) keeps a plain
+    weight off the GEMV; a packed one still takes it on a decode step's rows: the twin would
+    dequantise the whole weight every step."""
+    seen = []
+    real = kernels.gemv
+    monkeypatch.setattr(kernels, "gemv", lambda x, *w, **k: seen.append(type(w[0]).__name__) or real(x, *w, **k))
+    dense = []
+    real_dense = Linear.dense_weight
+    monkeypatch.setattr(Linear, "dense_weight", lambda self, dtype: dense.append(self.fmt) or real_dense(self, dtype))
+    x = rows(2, 256, seed=20, dtype=torch.float32)
+    with torch.no_grad():
+        plain = Linear(256, 96, gemv=False).to(DEVICE)
+        plain(x)
+        assert seen == [] and dense == ["plain"]
+        layer = packed(96, 256, "fp8", seed=21)
+        layer.gemv = False
+        got = layer(x)
+        assert seen == ["Packed"] and dense == ["plain"]
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, real_dense(layer, torch.float32)),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_the_twin_dequantises_a_packed_weight():
     """``gemv_ref`` on a ``Packed`` weight: ``F.linear`` of the weight as ``dense_weight`` makes it."""
     for fmt in FORMATS:
