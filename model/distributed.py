@@ -35,8 +35,9 @@ def init_world(rank: int | None = None, size: int | None = None, *, init_method:
     size = int(os.environ.get("WORLD_SIZE", 1)) if size is None else size
     if size == 1:
         return ALONE
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
+    # with CUDA, each tensor's collectives by its device: a model on the CPU (the tests') still runs
+    backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+    if "nccl" in backend:
         torch.cuda.set_device(device or int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
