@@ -4,6 +4,7 @@
         gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,topk]  (gemv, compare: the
         fast path against torch only; down: the MoE's down sum slot by slot against every slot at once,
         then the latter's tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps)
+        [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
 ``.matvec``) is timed as a decode step runs it: 20 calls captured in one CUDA graph,
@@ -109,12 +110,34 @@ def moe_inputs(args: ModelArgs, batch: int, device) -> tuple[list, dict]:
     return tensors, config
 
 
+def fp4_experts(tensors: list, config: dict) -> tuple[list, dict]:
+    """:func:`moe_inputs` as a packed model holds them: the routed experts FP4 (bytes and 1 x 32
+    scales, stacked), the shared expert FP8 (128 x 128 scales), read as stored."""
+    from model.blockfp import quantize_fp8_weight
+    from model.checkpoint import quantize_fp4
+    from model.kernels.packed import Packed
+
+    def fp4(stack):
+        data, scale = quantize_fp4(stack.flatten(0, 1).float().cpu())
+        return data.view(*stack.shape[:2], -1).to(DEVICE), scale.view(*stack.shape[:2], -1).to(DEVICE)
+
+    def fp8(w):
+        data, scale = quantize_fp8_weight(w.float().cpu(), 128)
+        return Packed(data.to(DEVICE), scale.to(DEVICE), "fp8", (128, 128), w.shape[1], None)
+
+    routed = [fp4(t) for t in tensors[3:6]]
+    return ([*tensors[:3], *(d for d, _ in routed), *(fp8(t) for t in tensors[6:])],
+            {**config, "scales": tuple(c for _, c in routed)})
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--preset", default="small")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--only", default="attention,moe,indexer,mhc,site,grouped,gemv-sweep")
+    p.add_argument("--fp4", action="store_true", help="the MoE kinds on a packed model's experts: FP4 routed, "
+                                                      "FP8 shared")
     a = p.parse_args()
     args = ModelArgs.preset(a.preset)
     with open(a.out, "a") as out:
@@ -223,6 +246,8 @@ def main() -> None:
                       cycled(matvec.gemv), emit, "gemv (a layer's six calls)", check=first)
         if {"moe", "grouped", "compare", "down", "up"} & set(only):  # compare: the two MoE forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE)
+            if a.fp4:
+                tensors, config = fp4_experts(tensors, config)
             by_pair = lambda: moe.moe_decode(*tensors, **config, grouped=False)  # noqa: E731
             grouped = lambda: moe.moe_decode(*tensors, **config, grouped=True)  # noqa: E731
             # the experts picked: the bias is zero and every score function is monotonic in the logit
@@ -248,15 +273,17 @@ def main() -> None:
                   "at_once_us": round(with_settings(moe, {"DOWN_SLOTS": True}, lambda: graphed_us(cycled)), 2),
                   "max_abs_diff": (with_settings(moe, {"DOWN_SLOTS": False}, by_pair)
                                    - with_settings(moe, {"DOWN_SLOTS": True}, by_pair)).abs().max().item()})
+            tile = "SLOTS_FP4_" if a.fp4 else "SLOTS_"  # FP4 experts take tiles of their own
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
-                moe, {"SLOTS_BLOCK_O": [2, 4, 8, 16], "SLOTS_BLOCK_I": [128, 256, 512], "SLOTS_WARPS": [4, 8]},
+                moe, {f"{tile}BLOCK_O": [2, 4, 8, 16], f"{tile}BLOCK_I": [128, 256, 512, 1024], f"{tile}WARPS": [4, 8]},
                 cycled, emit, "moe-down-slots", check=by_pair))
-            # the ids and whole tile asked for before the wait (DOWN_EARLY: BLOCK_I is the whole width)
-            with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
+            # the ids and whole tile asked for before the wait (DOWN_EARLY: BLOCK_I is the whole width; bf16 only)
+            with_settings(moe, {"DOWN_SLOTS": True}, lambda: a.fp4 or sweep(
                 moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-early", check=by_pair))
         if "up" in only:  # the up kernel's rows whole (UP_EARLY: the shared expert's before the wait)
-            sweep(moe, {"UP_EARLY": [False, True], "UP_EARLY_BLOCK_I": [1, 2, 4], "UP_WARPS": [4, 8]},
+            sweep(moe, {"UP_EARLY": [False, True], "UP_EARLY_BLOCK_I": [1, 2, 4, 8], "UP_WARPS": [4, 8],
+                        "UP_EARLY_TILE_BYTES": [16384, 65536]},
                   cycled_moe(2), emit, "moe-up-early", check=by_pair)
         if "moe" in only:  # the two expert kernels apart (each with the other at its default): 36 + 36, not 36 x 36
             sweep(moe, {"UP_BLOCK_I": [4, 8, 16, 32], "UP_BLOCK_D": [128, 256, 512], "UP_WARPS": [2, 4, 8]},

@@ -241,6 +241,8 @@ def fp4_launches() -> list[dict]:
         params = inspect.signature(getattr(kmoe, name).fn).parameters
         return {k: v for k, v in types.items() if k in params}
 
+    from model.kernels import moe as kmoe
+
     by_pair = {"K": 6, "BF16": True, **packed}
     grouped = {"K": 6, "K_P2": 8, "BLOCK_N": 16, "BF16": True, "DOT": "tf32", **packed}
     return [
@@ -248,8 +250,10 @@ def fp4_launches() -> list[dict]:
                      {**by_pair, "BLOCK_I": bi, "BLOCK_D": bd, "CLAMP": True, "EARLY": early}, {**pdl, "num_warps": 4})
           for early, bi, bd in ((True, 2, 2048), (False, 4, 256))),
         *(moe_launch("_down_slots_kernel", typed("_down_slots_kernel", down_typed),
-                     {**by_pair, "S_P2": 8, "BLOCK_O": 4, "BLOCK_I": bi, "OUT_BF16": True, "EARLY": early},
-                     {**pdl, "num_warps": 8}) for early, bi in ((True, 1024), (False, 256))),
+                     {**by_pair, "S_P2": 8, "BLOCK_O": bo, "BLOCK_I": bi, "OUT_BF16": True, "EARLY": early},
+                     {**pdl, "num_warps": warps})
+          for early, bo, bi, warps in ((True, 4, 1024, 8), (False, kmoe.SLOTS_FP4_BLOCK_O, kmoe.SLOTS_FP4_BLOCK_I,
+                                                          kmoe.SLOTS_FP4_WARPS))),
         moe_launch("_down_kernel", typed("_down_kernel", down_typed),
                    {**by_pair, "BLOCK_O": 4, "BLOCK_I": 512, "OUT_BF16": True}, {**pdl, "num_warps": 8}),
         moe_launch("_up_grouped_kernel", typed("_up_grouped_kernel", up_typed),

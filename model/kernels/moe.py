@@ -26,8 +26,9 @@ in one tensor-core product, and write each pair's rows; ``_sum_slots_kernel`` su
 slots in the same order as ``_down_kernel``. Five launches instead of four.
 
 FP4 routed experts (a packed model's, stacked as stored) and its FP8 shared expert are read as
-bytes and scales and decoded in registers (``_weight_at``, with ``fused._e2m1`` / ``_ue8m0``) to
-the tile the plain kernels load, then computed alike (``moe_decode``'s ``scales``; not yet timed).
+bytes and scales and decoded in registers (``_fp4_tile``, each row's bytes one wide load;
+``_weight_at`` for the FP8) to the tile the plain kernels load, then computed alike
+(``moe_decode``'s ``scales``).
 
 Not bit-exact with torch: dot products reduce in another order (and torch's top-k breaks
 exact ties its own way), so outputs agree to rounding and the choice of experts only differs
@@ -75,6 +76,13 @@ DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 # tiles within ~1.5 us of the sweep's best (8, 256, 8), inside its noise
 DOWN_SLOTS = True
 SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
+# the same on FP4 routed experts (an FP8 shared one): 4x the rows, so that a thread holds as many of
+# the weight's bytes in flight as the bf16 tile (a tile's fp32 values are 4x as many). Timed on the
+# H200 (2026-12-05, `small`, batch 1, experts cycled from HBM, kernel_sweep.py --only down --fp4): a
+# whole moe_decode 71.9 us with the bf16 tile, 43.7 with this one (the best of 32 tiles; 2 x 1024 x 4
+# warps 49.1, 8 x 256 x 4 45.2; the early form, each row's whole width a load, 42.9 at 1 row x 4 warps, but
+# its tile grows with I: 8 x 4,096 values a program at `v41-flash`)
+SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
 # as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
@@ -117,34 +125,65 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
 @triton.jit
 def _weight_at(w_ptr, sc_ptr, row, col, mask, IN, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
     """Elements (``row``, ``col``) of a weight of IN inputs a row as fp32 (0 where masked), for
-    indices of any shape (the kernels' tiles: rows x inputs, their transpose, slots x rows x
-    inputs): FMT "plain" floats [rows, IN]; "fp8" e4m3 bytes [rows, IN] times one ue8m0 byte per
-    SR x SC block; "fp4" e2m1 pairs [rows, IN / 2] (the even input in the low nibble) times one
-    ue8m0 byte per 1 x 32. A stack's expert e has rows e * O + o. Each element decodes its own
-    byte (``matvec._packed_tile``'s form of one channel a thread, with its helpers): the values
-    ``model.checkpoint`` dequantises, exact in fp32 (and in bf16: e2m1 or e4m3 times 2^k)."""
+    indices of any shape (the kernels' tiles: rows x inputs, their transpose): FMT "plain" floats
+    [rows, IN]; "fp8" e4m3 bytes [rows, IN] times one ue8m0 byte per SR x SC block — the values
+    ``model.checkpoint`` dequantises, exact in fp32 (and in bf16: e4m3 times 2^k)."""
     if FMT == "plain":
         w = tl.load(w_ptr + row * IN + col, mask=mask, other=0.0).to(tl.float32)
-    elif FMT == "fp8":
+    else:
         q = tl.load(w_ptr + row * IN + col, mask=mask, other=0)
         sb = tl.load(sc_ptr + (row // SR) * tl.cdiv(IN, SC) + col // SC, mask=mask, other=0)
         w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _ue8m0(sb.to(tl.int32))
-    else:
-        code = tl.load(w_ptr + row * (IN // 2) + col // 2, mask=mask, other=0).to(tl.int32)
-        sb = tl.load(sc_ptr + row * tl.cdiv(IN, 32) + col // 32, mask=mask, other=0)
-        w = _e2m1((code >> ((col & 1) * 4)) & 0xF) * _ue8m0(sb.to(tl.int32))
     return w
 
 
 @triton.jit
-def _expert_weight(routed, w_ptr, w_sc, s_ptr, s_sc, e, O, row, col, mask, IN, FMT: tl.constexpr,
-                   S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
-    """``_weight_at`` of routed expert e's weight [O, IN] in its stack (FMT, FP4's 1 x 32
-    scales) or, where not ``routed``, of the shared expert's (S_FMT, SR x SC scales)."""
-    if routed:
-        w = _weight_at(w_ptr, w_sc, e.to(tl.int64) * O + row, col, mask, IN, FMT, 1, 32)
+def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
+    """Inputs [c0, c0 + BLOCK) of FP4 rows as fp32 (0 outside): ``row`` / ``row_ok`` of any
+    shape [..., 1] (rows x 1, slots x rows x 1), the tile [..., BLOCK]; the weight e2m1 pairs
+    [rows, IN / 2] (the even input in the low nibble) times one ue8m0 byte per 1 x 32, a
+    stack's expert e at rows e * O + o, c0 even. Each row's BLOCK / 2 bytes are one contiguous
+    load, both nibbles decoded and interleaved (``matvec._packed_tile``'s wide form), where each
+    input loading its own byte took a load an input (on the H200, 2026-12-05: `small`'s down sum
+    2.21 -> 1.89 ms a step, the up kernel 1.07 -> 1.02). The values ``model.checkpoint``
+    dequantises, exact in fp32 (and in bf16: e2m1 times 2^k)."""
+    j = c0 // 2 + tl.arange(0, BLOCK // 2)
+    ok = row_ok & (j < IN // 2)
+    code = tl.load(w_ptr + row * (IN // 2) + j, mask=ok, other=0).to(tl.int32)
+    s = _ue8m0(tl.load(sc_ptr + row * tl.cdiv(IN, 32) + j // 16, mask=ok, other=0).to(tl.int32))
+    return tl.interleave(_e2m1(code & 0xF) * s, _e2m1(code >> 4) * s)
+
+
+@triton.jit
+def _fp4_tile_t(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
+    """``_fp4_tile``'s transpose, inputs [c0, c0 + BLOCK) down x rows across [BLOCK, R] for
+    ``row`` / ``row_ok`` [1, R]: each row's bytes still one contiguous load (down the tile),
+    both nibbles of a byte decoded and put in adjacent rows of the tile."""
+    j = c0 // 2 + tl.arange(0, BLOCK // 2)[:, None]
+    ok = row_ok & (j < IN // 2)
+    code = tl.load(w_ptr + row * (IN // 2) + j, mask=ok, other=0).to(tl.int32)
+    s = _ue8m0(tl.load(sc_ptr + row * tl.cdiv(IN, 32) + j // 16, mask=ok, other=0).to(tl.int32))
+    pairs = tl.permute(tl.join(_e2m1(code & 0xF) * s, _e2m1(code >> 4) * s), (0, 2, 1))
+    return tl.reshape(pairs, [BLOCK, row.shape[1]])
+
+
+@triton.jit
+def _expert_tile(routed, w_ptr, w_sc, s_ptr, s_sc, e, O, r, r_ok, c0, IN, BLOCK: tl.constexpr, S_FMT: tl.constexpr,
+                 SR: tl.constexpr, SC: tl.constexpr, T: tl.constexpr = False):
+    """Rows ``r`` x inputs [c0, c0 + BLOCK) as fp32 [len(r), BLOCK] (0 outside) of routed
+    expert e's FP4 weight [O, IN] in its stack or, where not ``routed``, of the shared
+    expert's (S_FMT, SR x SC scales); with T its transpose [BLOCK, len(r)]."""
+    c = c0 + tl.arange(0, BLOCK)
+    if T:
+        if routed:
+            w = _fp4_tile_t(w_ptr, w_sc, e.to(tl.int64) * O + r[None, :], r_ok[None, :], c0, IN, BLOCK)
+        else:
+            w = _weight_at(s_ptr, s_sc, r[None, :], c[:, None], r_ok[None, :] & (c < IN)[:, None], IN, S_FMT, SR, SC)
     else:
-        w = _weight_at(s_ptr, s_sc, row, col, mask, IN, S_FMT, SR, SC)
+        if routed:
+            w = _fp4_tile(w_ptr, w_sc, e.to(tl.int64) * O + r[:, None], r_ok[:, None], c0, IN, BLOCK)
+        else:
+            w = _weight_at(s_ptr, s_sc, r[:, None], c[None, :], r_ok[:, None] & (c < IN)[None, :], IN, S_FMT, SR, SC)
     return w
 
 
@@ -274,8 +313,8 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
                 a = tl.load(w1_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
                 b = tl.load(w3_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
             else:
-                a = _weight_at(w1_ptr, w1_sc, e * I + i[:, None], d[None, :], m, D, FMT, 1, 32)
-                b = _weight_at(w3_ptr, w3_sc, e * I + i[:, None], d[None, :], m, D, FMT, 1, 32)
+                a = _fp4_tile(w1_ptr, w1_sc, e * I + i[:, None], i_ok[:, None], 0, D, BLOCK_D)
+                b = _fp4_tile(w3_ptr, w3_sc, e * I + i[:, None], i_ok[:, None], 0, D, BLOCK_D)
         else:
             t = p - NK
             gw = 1.0
@@ -315,10 +354,10 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
                 acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
                 acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
             else:
-                acc1 += tl.sum(_expert_weight(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i[:, None], d[None, :], m,
-                                              D, FMT, S_FMT, SR, SC) * x, 1)
-                acc3 += tl.sum(_expert_weight(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i[:, None], d[None, :], m,
-                                              D, FMT, S_FMT, SR, SC) * x, 1)
+                acc1 += tl.sum(_expert_tile(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, i_ok, d0, D, BLOCK_D,
+                                            S_FMT, SR, SC) * x, 1)
+                acc3 += tl.sum(_expert_tile(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, i_ok, d0, D, BLOCK_D,
+                                            S_FMT, SR, SC) * x, 1)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
@@ -356,7 +395,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
             if FMT == "plain":
                 w = tl.load(w_ptr + o[:, None] * I + i[None, :], mask=m, other=0.0)
             elif j < K:
-                w = _weight_at(w2_ptr, w2_sc, e * D + o[:, None], i[None, :], m, I, FMT, 1, 32)
+                w = _fp4_tile(w2_ptr, w2_sc, e * D + o[:, None], o_ok[:, None], i0, I, BLOCK_I)
             else:
                 w = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], m, I, S_FMT, SR, SC)
             acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
@@ -401,11 +440,12 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
         if FMT == "plain":
             w = tl.load(tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols),
                         mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+            _chain(PDL)
+            acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
         else:
-            w = _slots_weight(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, i, hm[:, None, :] & o_ok[None, :, None], routed,
-                              I, FMT, S_FMT, SR, SC)
-        _chain(PDL)
-        acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
+            w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, routed, o, o_ok, 0, I, BLOCK_I, S_FMT, SR, SC)
+            _chain(PDL)
+            acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, 0, I, BLOCK_I, BF16)
     else:
         for i0 in range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
@@ -414,10 +454,11 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
             if FMT == "plain":
                 w_ptr = tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols)
                 w = tl.load(w_ptr, mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+                acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
             else:
-                w = _slots_weight(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, i, hm[:, None, :] & o_ok[None, :, None], routed,
-                                  I, FMT, S_FMT, SR, SC)
-            acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
+                w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, routed, o, o_ok, i0, I, BLOCK_I, S_FMT, SR,
+                                     SC)
+                acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, i0, I, BLOCK_I, BF16)
     acc = _round(acc, BF16)
     total = tl.zeros([BLOCK_O], dtype=tl.float32)
     for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
@@ -426,14 +467,27 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 
 
 @triton.jit
-def _slots_weight(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, i, mask, routed, I, FMT: tl.constexpr, S_FMT: tl.constexpr,
-                  SR: tl.constexpr, SC: tl.constexpr):
-    """The down sum's tile [S, BLOCK_O, len(i)] as fp32 from packed weights: each routed slot's
-    ``rows`` of the w2 stack (FMT), the shared slot's of s2 (S_FMT), decoded apart and joined."""
-    r, c = rows[:, :, None], i[None, None, :]
-    shared = _weight_at(s2_ptr, s2_sc, r, c, mask & (~routed)[:, None, None], I, S_FMT, SR, SC)
-    return tl.where(routed[:, None, None], _weight_at(w2_ptr, w2_sc, r, c, mask & routed[:, None, None], I, FMT, 1, 32),
-                    shared)
+def _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, routed, o, o_ok, i0, I, BLOCK_I: tl.constexpr,
+                 S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
+    """The down sum's packed tiles of channels [i0, i0 + BLOCK_I): the routed slots' ``rows``
+    of the FP4 w2 stack [S, BLOCK_O, BLOCK_I] (the shared slot's 0) and the shared expert's
+    rows ``o`` of s2 (S_FMT) [BLOCK_O, BLOCK_I], each decoded once rather than both formats
+    for every slot."""
+    w = _fp4_tile(w2_ptr, w2_sc, rows[:, :, None], (routed[:, None] & o_ok[None, :])[:, :, None], i0, I, BLOCK_I)
+    i = i0 + tl.arange(0, BLOCK_I)
+    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < I)[None, :], I, S_FMT, SR, SC)
+    return w, ws
+
+
+@triton.jit
+def _slots_sums(w, ws, h_ptr, pair, j, K: tl.constexpr, live, i0, I, BLOCK_I: tl.constexpr, BF16: tl.constexpr):
+    """Each slot's product [S, BLOCK_O] of ``_slots_tiles``' tiles against its h row's channels
+    [i0, i0 + BLOCK_I): the routed slots' from w, slot K's (the shared expert's) from ws — the
+    sums the plain tile gives each slot's row."""
+    i = i0 + tl.arange(0, BLOCK_I)
+    h = _slot_rows(h_ptr, pair, i, live[:, None] & (i < I)[None, :], I, BF16)
+    shared = tl.sum(ws * tl.sum(tl.where((j == K)[:, None], h, 0.0), 0)[None, :], 1)
+    return tl.where((j == K)[:, None], shared[None, :], tl.sum(w * h[:, None, :], 2))
 
 
 @triton.jit
@@ -503,10 +557,10 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
                 a = tl.load(a_ptr + cols, mask=m, other=0.0)
                 b = tl.load(b_ptr + cols, mask=m, other=0.0)
             else:
-                a = _expert_weight(e < E, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i[None, :], d[:, None], m, D,
-                                   FMT, S_FMT, SR, SC)
-                b = _expert_weight(e < E, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i[None, :], d[:, None], m, D,
-                                   FMT, S_FMT, SR, SC)
+                a = _expert_tile(e < E, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, i_ok, d0, D, BLOCK_D, S_FMT, SR, SC,
+                                 T=True)
+                b = _expert_tile(e < E, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, i_ok, d0, D, BLOCK_D, S_FMT, SR, SC,
+                                 T=True)
             acc1 += tl.dot(xs.to(tl.float32), a.to(tl.float32), input_precision=DOT)
             acc3 += tl.dot(xs.to(tl.float32), b.to(tl.float32), input_precision=DOT)
         h = gw[:, None] * _swiglu(acc1, acc3, limit, BF16, CLAMP)
@@ -540,8 +594,8 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
             if FMT == "plain":
                 w = tl.load(w_ptr + cols, mask=i_ok[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
             else:
-                w = _expert_weight(e < E, w2_ptr, w2_sc, s2_ptr, s2_sc, e, D, o[None, :], i[:, None],
-                                   i_ok[:, None] & o_ok[None, :], I, FMT, S_FMT, SR, SC)
+                w = _expert_tile(e < E, w2_ptr, w2_sc, s2_ptr, s2_sc, e, D, o, o_ok, i0, I, BLOCK_I, S_FMT, SR, SC,
+                                 T=True)
             if BF16:  # h's bits, exactly a bf16 value
                 h = _from_bits(tl.load(h_ptr + row[:, None] * I + i[None, :], mask=hm, other=0))
             else:
@@ -588,12 +642,15 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
     bf16, out_bf16 = h.dtype == torch.bfloat16, out.dtype == torch.bfloat16
     assert h.shape == (N * K + N, I) and w2.shape[1] == D and out.shape == (N, D)
     assert packed or (w2.shape[1:] == (D, I) and s2.shape == (D, I))
-    splits = triton.cdiv(D, SLOTS_BLOCK_O)
-    _down_slots_kernel[(N, splits)](
+    if packed.get("FMT") == "fp4":
+        (block_o, block_i, warps), early = (SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS), False
+    else:
+        block_o, block_i, warps = SLOTS_BLOCK_O, triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, SLOTS_WARPS
+        early = DOWN_EARLY
+    _down_slots_kernel[(N, triton.cdiv(D, block_o))](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
-        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O,
-        BLOCK_I=triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **unfused(), **chained(h), **packed)
+        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
+        EARLY=early, num_warps=warps, **unfused(), **chained(h), **packed)
     return out
 
 
