@@ -13,7 +13,8 @@ for six kinds:
   e  multi_turn  sessions whose later turns depend on earlier answers or results
   f  mixed       2-8 turns of a-c's questions in random order, with facts the user tells and
                  later asks back and calculations that refer back ("and that times 3?"); every
-                 other turn is answered from its own question and tool results
+                 other turn is answered from its own question and tool results; some replies
+                 cut off (Ctrl-C, the token limit) before the next turn
 
 The default mixture (DEFAULT_KINDS, what make_corpus writes unless told otherwise) is a-e;
 kind f is asked for by name (`make_corpus.py --kinds`, `train_default.py --schedule`), so
@@ -200,8 +201,8 @@ def encode_record(record: dict[str, Any], tokenizer: Tokenizer) -> tuple[Convers
     the tool results of a step); returns the conversation and a per-id trained mask."""
     conv = Conversation(tokenizer, thinking_mode=record["thinking_mode"])
     mask: list[bool] = []
-    for group in turn_groups(record["messages"]):
-        trained = group[0]["role"] in record["train_mask_roles"]
+    for group in turn_groups(record["messages"]):  # a reply cut off (its stop saved) is context, never a target
+        trained = group[0]["role"] in record["train_mask_roles"] and group[0].get("stop", "eos") == "eos"
         mask += [trained] * len(conv.append(group))
     return conv, mask
 
@@ -647,6 +648,7 @@ def multi_turn_conversation(b: Builder) -> None:
 # -- (f) mixed conversations ----------------------------------------------------------------
 
 MIXED_TURNS = (2, 8)
+CUT_SKILLS, CUT_SHARE = ("chat", "file", "image"), 0.2  # replies a user may cut off (a later turn draws on none)
 
 
 @dataclass(frozen=True)
@@ -776,12 +778,28 @@ MIXED_SKILLS = {
 }
 
 
+def _cut_reply(b: Builder) -> dict[str, Any]:
+    """The turn's final reply cut off as the agent saves one the user stopped (Ctrl-C) or the
+    token limit ended: the words before a random point — none, where it stopped before its
+    first token — with its ``stop``; its tokens are closed as any reply's and never trained
+    (``encode_record``)."""
+    reply = b.messages[-1]
+    words = reply["content"].split(" ")
+    kept = b.rng.randrange(len(words))  # never the whole reply
+    stop = "interrupted" if kept == 0 else b.rng.choice(["interrupted", "max_tokens"])
+    full, reply["content"], reply["stop"] = reply["content"], " ".join(words[:kept]), stop
+    return {"words": kept, "stop": stop, "reply": full}
+
+
 def mixed_conversation(b: Builder) -> None:
     """2-8 turns, each of a skill drawn from those the turns before allow, two skills at
     least. ``truth["turns"]`` holds each turn's truth: its skill, ``refers_to`` (the 1-based
     turn a recall or a calculation on an earlier result draws on; None for the others),
     and its builder's own keys (``answer``, ``image``, ``arithmetic``); ``truth["files"]``
-    the workspace when a turn asked about files."""
+    the workspace when a turn asked about files. A turn but the last of the skills no later
+    turn draws on (CUT_SKILLS) has its reply cut off one time in CUT_SHARE^-1 (``cut``: the
+    words kept, the stop and the whole reply): the turn after it starts from a reply that
+    never finished."""
     turns: list[dict[str, Any]] = []
     b.truth = {"turns": turns}
     count = b.rng.randint(*MIXED_TURNS)
@@ -790,4 +808,7 @@ def mixed_conversation(b: Builder) -> None:
         if t == count - 1 and len({turn["skill"] for turn in turns}) == 1:
             skills = [s for s in skills if s != turns[0]["skill"]]
         skill = b.rng.choices(skills, [MIXED_SKILLS[s][2] for s in skills])[0]
-        turns.append({"skill": skill, "refers_to": None, **MIXED_SKILLS[skill][0](b, turns)})
+        turn = {"skill": skill, "refers_to": None, **MIXED_SKILLS[skill][0](b, turns)}
+        if skill in CUT_SKILLS and t < count - 1 and b.rng.random() < CUT_SHARE:
+            turn["cut"] = _cut_reply(b)
+        turns.append(turn)

@@ -22,7 +22,8 @@ record cut before one assistant message, its target:
   f (mixed)       a case per turn: a record of T turns is cut before each turn's first
                   assistant step (its tool call, or its reply when it calls none), scored
                   against that turn's own truth; the result also counts the cases by turn
-                  index (1, 2, 3+). ``n`` counts records here, so a skill-f run has about
+                  index (1, 2, 3+) and those right after a reply cut off (Ctrl-C, the token
+                  limit; ``dsagent.corpus``). ``n`` counts records here, so a skill-f run has about
                   5n cases. Not in the default skills (SKILLS): asked for by name
 
 Records of kinds a-e for a seed never change when a kind is added (``dsagent.corpus``), so
@@ -135,6 +136,7 @@ class Case:
     expected: str  # the target rendered as the completion it was trained to be
     expected_tokens: int
     turn: int | None = None  # the 1-based turn of a per-turn case (skill f)
+    after_cut: bool = False  # a per-turn case whose turn before ended in a reply cut off
 
 
 def target_index(record: dict, skill: str) -> int:
@@ -166,17 +168,27 @@ def turn_cases(record: dict, tokenizer: Tokenizer) -> list[Case]:
     asked = [i for i, m in enumerate(messages) if m["role"] == "user"]
     assert len(asked) == len(record["truth"]["turns"]), record["id"]
     cuts = [next(i for i in range(start, len(messages)) if messages[i]["role"] == "assistant") for start in asked]
-    return [_cut(record, cut, tokenizer, f"{record['id']}-t{t}", record["kind"], truth, t)
-            for t, (cut, truth) in enumerate(zip(cuts, record["truth"]["turns"]), 1)]
+    turns = record["truth"]["turns"]
+    return [_cut(record, cut, tokenizer, f"{record['id']}-t{t}", record["kind"], truth, t,
+                 after_cut=t > 1 and "cut" in turns[t - 2], whole=_whole_reply(messages[cut], truth))
+            for t, (cut, truth) in enumerate(zip(cuts, turns), 1)]
+
+
+def _whole_reply(message: dict, truth: dict) -> dict | None:
+    """The reply a turn's case targets where the record cut it off (its truth's ``cut``): the
+    whole one, as it would have ended."""
+    if "cut" not in truth or message.get("stop", "eos") == "eos":
+        return None
+    return {k: v for k, v in message.items() if k != "stop"} | {"content": truth["cut"]["reply"]}
 
 
 def _cut(record: dict, cut: int, tokenizer: Tokenizer, case_id: str, skill: str, truth: dict,
-         turn: int | None = None) -> Case:
-    prompt, target = record["messages"][:cut], record["messages"][cut]
+         turn: int | None = None, after_cut: bool = False, whole: dict | None = None) -> Case:
+    prompt, target = record["messages"][:cut], whole or record["messages"][cut]
     rendered = encode_messages([target], context=prompt, thinking_mode=record["thinking_mode"])
     images = {sha: base64.b64decode(data) for sha, data in record["images"].items()}
     return Case(case_id, skill, prompt, target, truth, images,
-                record["thinking_mode"], rendered.text, len(rendered.tokenize(tokenizer).ids), turn)
+                record["thinking_mode"], rendered.text, len(rendered.tokenize(tokenizer).ids), turn, after_cut)
 
 
 def read_back_truth(prompt: list[dict], reply: dict, truth: dict) -> dict:
@@ -423,6 +435,7 @@ class CaseResult:
     seconds: float
     stats: dict
     turn: int | None = None  # the case's turn (per-turn skills)
+    after_cut: bool = False  # the turn before it ended in a reply cut off
 
 
 def in_turns(turn: int | None, key: str) -> bool:
@@ -451,6 +464,11 @@ class EvalResult:
         rs = [r for r in self.results if r.skill == skill and r.mode == mode and in_turns(r.turn, turns)]
         return sum(r.score for r in rs), len(rs)
 
+    def after_cut_cell(self, skill: str, mode: str) -> tuple[int, int]:
+        """(correct, n) of one per-turn skill's cases that follow a reply cut off, in one mode."""
+        rs = [r for r in self.results if r.skill == skill and r.mode == mode and r.after_cut]
+        return sum(r.score for r in rs), len(rs)
+
     def turn_skills(self) -> list[str]:
         """The skills whose cases are turns."""
         return [s for s in self.skills if any(r.skill == s and r.turn is not None for r in self.results)]
@@ -472,14 +490,17 @@ class EvalResult:
         return sum(a == b for a, b in pairs) / len(pairs) if pairs else None
 
     def to_json(self) -> dict:
-        """The result; with per-turn skills also ``turns`` (their cases by TURN_BUCKETS) and
-        ``turn_index`` (by each turn index), per skill and mode."""
+        """The result; with per-turn skills also ``turns`` (their cases by TURN_BUCKETS),
+        ``turn_index`` (by each turn index) and ``after_cut`` (the cases after a reply cut
+        off), per skill and mode."""
         cells = {s: {m: _cell_json(*self.cell(s, m)) for m in self.modes} for s in self.skills}
         out = {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "skills": self.skills,
                "modes": self.modes, "accuracy": cells}
         if self.turn_skills():
             out["turns"] = self._turns_json(lambda s: TURN_BUCKETS)
             out["turn_index"] = self._turns_json(lambda s: [str(t) for t in self.turn_indices(s)])
+            out["after_cut"] = {s: {m: _cell_json(*self.after_cut_cell(s, m)) for m in self.modes}
+                                for s in self.turn_skills()}
         return out | {"identical_to_ced": {m: self.identical_to_ced(m) for m in self.modes if m != "ced"},
                       "seconds": {m: round(self.seconds(m), 3) for m in self.modes},
                       "cases": [asdict(r) for r in self.results]}
@@ -503,7 +524,7 @@ def evaluate(generator: Generator, cases: Sequence[Case], modes: Sequence[str] =
             start = time.perf_counter()
             c = generator.complete(case, mode)
             results.append(CaseResult(case.id, case.skill, mode, score(case, c.text), c.text,
-                                      time.perf_counter() - start, c.stats, case.turn))
+                                      time.perf_counter() - start, c.stats, case.turn, case.after_cut))
             if progress is not None:
                 progress(len(results), total)
     skills = list(dict.fromkeys(c.skill for c in cases))

@@ -403,7 +403,8 @@ def _check_own_turn(skill: str, truth: dict, turn: list[dict], record: dict) -> 
     calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
              for m in turn for c in m.get("tool_calls") or []]
     if skill == "chat":
-        assert truth["answer"] == _chat_answer(question) == turn[-1]["content"], question
+        assert truth["answer"] == _chat_answer(question) == truth.get("cut", turn[-1])["reply" if "cut" in truth
+                                                                                    else "content"], question
     elif skill == "calc":
         assert [args["expression"] for _, args in calls] == [a["expression"] for a in truth["arithmetic"]]
         assert all(a["expression"] in question and a["value"] == _python_value(a["expression"])
@@ -447,6 +448,45 @@ def test_mixed_turns_answer_from_their_own_question_and_results(mixed):
             assert said in question and item["expression"].startswith(f"{earlier['answer']} "), (r["id"], t)
             assert item["expression"].rsplit(" ", 1)[1] in question and item["value"] == _python_value(item["expression"])
     assert referring > 20
+
+
+def test_some_mixed_replies_are_cut_off_as_the_agent_saves_them_and_never_trained(mixed, tokenizer):
+    """A turn of a skill no later turn draws on, never the last, may end in a reply cut off
+    (Ctrl-C, the token limit): the first words of the whole reply, its stop saved as the
+    agent saves it; its tokens are in the log (closed as any reply's) but not trained, and the
+    turns after it keep their own truths (the test above)."""
+    cut, cuttable = 0, 0
+    for r in mixed:
+        turns, truths = _turns(r), r["truth"]["turns"]
+        conv, mask = corpus_gen.encode_record(r, tokenizer)
+        spans = _assistant_spans(r, tokenizer)
+        for t, (turn, truth) in enumerate(zip(turns, truths), 1):
+            cuttable += truth["skill"] in corpus_gen.CUT_SKILLS and t < len(truths)
+            reply = turn[-1]
+            if "cut" not in truth:
+                assert "stop" not in reply, (r["id"], t)
+                continue
+            cut += 1
+            assert truth["skill"] in corpus_gen.CUT_SKILLS and t < len(truths), (r["id"], t)
+            words, stop, whole = truth["cut"]["words"], truth["cut"]["stop"], truth["cut"]["reply"]
+            assert reply["stop"] == stop and (stop == "interrupted" or words > 0)
+            assert reply["content"] == " ".join(whole.split(" ")[:words]) and words < len(whole.split(" "))
+        for message, (lo, hi) in spans:
+            assert all(mask[lo:hi]) == ("stop" not in message) and any(mask[lo:hi]) == ("stop" not in message)
+    assert 0.1 < cut / cuttable < 0.3, (cut, cuttable)
+
+
+def _assistant_spans(record: dict, tokenizer) -> list[tuple[dict, tuple[int, int]]]:
+    """Each assistant message of the record and the span of its ids in the encoded record."""
+    spans = []
+    for i, m in enumerate(record["messages"]):
+        before = len(encode_messages(record["messages"][:i], thinking_mode=record["thinking_mode"])
+                     .tokenize(tokenizer).ids) if i else 0
+        after = len(encode_messages(record["messages"][:i + 1], thinking_mode=record["thinking_mode"])
+                    .tokenize(tokenizer).ids)
+        if m["role"] == "assistant":
+            spans.append((m, (before, after)))
+    return spans
 
 
 def test_make_corpus_writes_f_when_asked_and_the_trainer_schedules_it(tmp_path):

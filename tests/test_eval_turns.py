@@ -49,7 +49,12 @@ def test_a_record_gives_a_case_per_turn_cut_before_the_turns_first_step(records,
         for c, at, truth in zip(mine, users, r["truth"]["turns"]):
             assert c.id == f"{r['id']}-t{c.turn}" and c.skill == "f" and c.truth == truth
             assert c.prompt == r["messages"][: at + 1]  # the turns before, whole, and this turn's question
-            assert c.target == r["messages"][at + 1] and c.target["role"] == "assistant"
+            stored = r["messages"][at + 1]
+            if stored.get("stop", "eos") != "eos":  # a reply the record cut off: the case wants it whole
+                assert c.target == {"role": "assistant", "content": truth["cut"]["reply"]}
+                assert truth["cut"]["reply"].startswith(stored["content"]) and "stop" not in c.target
+            else:
+                assert c.target == stored and c.target["role"] == "assistant"
             viewed = truth["skill"] == "image" and isinstance(c.prompt[-1]["content"], str)  # not attached
             assert bool(c.target.get("tool_calls")) == (truth["skill"] in ("calc", "file", "back") or viewed), c.id
             assert score(c, c.expected) == 1, c.id
@@ -127,6 +132,38 @@ def test_table_has_a_row_per_turn_index_under_a_per_turn_skill(cases):
     n1, n2, n3 = (_by_hand(cases, 8, key)[1] for key in TURN_BUCKETS)
     assert f"{n1}/{n1}" in rows["turn 1"] and f"0/{n2}" in rows["turn 2"] and f"0/{n3}" in rows["turn 3+"]
     assert f"{n1}/{len(cases)}" in rows["f mixed"]
+
+
+class AfterCutScriptedGenerator:
+    """TEST DOUBLE: a scripted generator right on every case but those right after a reply
+    cut off, where it answers nothing."""
+
+    def complete(self, case: Case, mode: str) -> Completion:
+        return Completion("" if case.after_cut else case.expected)
+
+
+def test_the_cases_after_a_cut_reply_are_counted_apart(records, cases):
+    """A case follows a cut reply where its record's turn before was cut off (``cut`` in that
+    turn's truth; its reply in the prompt is the words kept, with its stop); the result
+    counts those cases apart in the JSON and the table."""
+    after = [c for c in cases if c.after_cut]
+    assert after and all(c.turn > 1 for c in after)
+    for c in after:
+        record = next(r for r in records if c.id.startswith(r["id"] + "-t"))
+        before = record["truth"]["turns"][c.turn - 2]
+        last = [m for m in c.prompt if m["role"] == "assistant"][-1]
+        assert "cut" in before and last["stop"] == before["cut"]["stop"]
+        assert len(last["content"].split()) == before["cut"]["words"]
+    assert sum("cut" in t for r in records for t in r["truth"]["turns"]) == len(after)
+    result = evaluate(AfterCutScriptedGenerator(), cases, ["exact", "resume"])
+    for mode in ("exact", "resume"):
+        assert result.after_cut_cell("f", mode) == (0, len(after))
+        assert result.cell("f", mode) == (len(cases) - len(after), len(cases))
+        assert result.to_json()["after_cut"]["f"][mode] == {"correct": 0, "n": len(after), "accuracy": 0.0}
+    buf = io.StringIO()
+    Console(file=buf, width=200, no_color=True).print(result_table(result))
+    row = next(line for line in buf.getvalue().splitlines() if "after a cut reply" in line)
+    assert row.count(f"0/{len(after)}") == 2
 
 
 def test_repeating_an_earlier_answer_fails_the_later_turns(cases):

@@ -105,6 +105,8 @@ def result_table(result) -> Table:
         if skill in result.turn_skills():
             for turns in TURN_BUCKETS:
                 t.add_row(f"  turn {turns}", *(_fraction(*result.turn_cell(skill, m, turns)) for m in result.modes))
+            if any(r.after_cut for r in result.results if r.skill == skill):
+                t.add_row("  after a cut reply", *(_fraction(*result.after_cut_cell(skill, m)) for m in result.modes))
     totals = [[result.cell(s, m) for s in result.skills] for m in result.modes]
     t.add_row("all", *(_fraction(sum(c for c, _ in col), sum(k for _, k in col)) for col in totals), end_section=True)
     same = [result.identical_to_ced(m) for m in result.modes]
