@@ -113,6 +113,20 @@ def test_cli_info_json() -> None:
     assert data["kv_global_bytes_per_token"] == 712 and len(data["layers"]) == 10
 
 
+def test_cli_info_of_a_preset_cut_as_the_benchmarks_cut_it() -> None:
+    """``--layers`` / ``--engram-rows``: the census of ``ModelArgs.preset(name, layers, rows)``,
+    the model the benchmarks build (what fits a GPU), named so in the table."""
+    result = CliRunner().invoke(app, ["info", "--preset", "small", "--layers", "8", "--engram-rows", "1000",
+                                      "--gpus", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    cut = ModelArgs.preset("small", layers=8, engram_rows=1000)
+    assert len(data["layers"]) == cut.num_hidden_layers == 8 and "cut to 8 layers" in data["model"]
+    assert data["params_total"] == census(cut)["params_total"] < census(ModelArgs.preset("small"))["params_total"]
+    whole = CliRunner().invoke(app, ["info", "--preset", "small", "--gpus", "1", "--json"])
+    assert json.loads(whole.output)["per_gpu"][0]["packed"]["gpu_total"] > data["per_gpu"][0]["packed"]["gpu_total"]
+
+
 def test_cli_info_table_and_errors() -> None:
     result = CliRunner().invoke(app, ["info", "--preset", "tiny"], env={"COLUMNS": "160"})
     assert result.exit_code == 0 and "global KV bytes per token" in result.output and "reindex" in result.output

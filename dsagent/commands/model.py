@@ -32,9 +32,11 @@ def _group() -> None:
     """Inspect model configurations and checkpoints."""
 
 
-def _args(preset: Optional[str], model_dir: Optional[Path]) -> ModelArgs:
+def _args(preset: Optional[str], model_dir: Optional[Path], layers: Optional[int] = None,
+          engram_rows: Optional[int] = None) -> ModelArgs:
     try:
-        return ModelArgs.from_file(model_dir) if model_dir else ModelArgs.preset(preset)
+        args = ModelArgs.from_file(model_dir) if model_dir else ModelArgs.preset(preset)
+        return args.shortened(layers, engram_rows)
     except ConfigError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(1) from None
@@ -144,13 +146,22 @@ def info(preset: Optional[str] = typer.Option(None, "--preset", metavar="P",
          as_json: bool = typer.Option(False, "--json", help="One JSON object."),
          gpus: Optional[List[int]] = typer.Option(None, "--gpus", metavar="N", min=1,
                                                   help="Also the weights a GPU holds with the model split over N "
-                                                       "(repeatable).")) -> None:
+                                                       "(repeatable)."),
+         layers: Optional[int] = typer.Option(None, "--layers", metavar="N", min=2,
+                                              help="The model cut to N layers that keep every kind (as the "
+                                                   "benchmarks' --layers)."),
+         engram_rows: Optional[int] = typer.Option(None, "--engram-rows", metavar="R", min=1,
+                                                   help="Engram tables of about R rows each.")) -> None:
     """Parameter census (total, backbone, active), global KV bytes per token and layer roles
-    of a preset, a checkpoint, or (by default) the embedded model `dsagent run` loads."""
+    of a preset, a checkpoint, or (by default) the embedded model `dsagent run` loads;
+    ``--layers`` / ``--engram-rows``: of that model cut as the benchmarks cut it (what fits)."""
     from model.census import census, rank_bytes
 
     preset, model_dir, name = _chosen(preset, model_dir)
-    args = _args(preset, model_dir)
+    args = _args(preset, model_dir, layers, engram_rows)
+    if layers is not None or engram_rows is not None:
+        name += f" cut to {args.num_hidden_layers} layers" + ("" if engram_rows is None else f", ~{engram_rows:,} "
+                                                                                             "Engram rows a table")
     c = {"model": name, **census(args)}
     if gpus:
         try:
