@@ -47,6 +47,7 @@ from typing import Any
 
 from PIL import Image, ImageDraw
 
+from dsagent.lexicon import LEXICONS, Lexicon
 from dsagent.prompt import DEFAULT_SYSTEM
 from model.args import ModelArgs
 from model.chat import Conversation
@@ -76,6 +77,11 @@ RECALL_FORMS = {"colon": "{key}: {value}", "is": "{key} is {value}"}
 # line holds a digit, while a capital starts every filler line's names and days, so a capital
 # does not point at the value (docs/default-model-training.md, 2026-12-02)
 RECALL_VALUES = ("digits", "mixed")
+# where the asked key lies: "first" (this corpus version's) plants it in the log's first fifth and its
+# decoys after it, so that a model answering with the first key of the asked kind passes; "any" plants
+# the key and each decoy anywhere, so that decoys of the same kind often come first (issue 53: the
+# default answered with the first planted value of the asked kind)
+RECALL_PLACES = ("first", "any")
 
 
 @dataclass(frozen=True)
@@ -86,10 +92,11 @@ class RecallStyle:
 
     form: str = "colon"  # a key of RECALL_FORMS
     value: str = "digits"  # one of RECALL_VALUES
-    decoys: bool = True  # keys of the same kind for other owners, after the planted one
+    decoys: bool = True  # keys of the same kind for other owners
+    place: str = "first"  # one of RECALL_PLACES: where the asked key lies among its decoys
 
     def __post_init__(self) -> None:
-        if self.form not in RECALL_FORMS or self.value not in RECALL_VALUES:
+        if self.form not in RECALL_FORMS or self.value not in RECALL_VALUES or self.place not in RECALL_PLACES:
             raise ValueError(f"unknown recall style {self}")
 
     def differences(self) -> dict[str, Any]:
@@ -99,7 +106,7 @@ class RecallStyle:
     @classmethod
     def of(cls, a) -> RecallStyle:
         """The style that :func:`add_recall_style_arguments`' flags ask for."""
-        return cls(a.recall_form, a.recall_value, a.recall_decoys)
+        return cls(a.recall_form, a.recall_value, a.recall_decoys, a.recall_place)
 
 
 def add_recall_style_arguments(p) -> None:
@@ -115,6 +122,9 @@ def add_recall_style_arguments(p) -> None:
     p.add_argument("--no-recall-decoys", dest="recall_decoys", action="store_false",
                    help="recall logs without the other owners' keys of the same kind (the lookup then needs "
                         "no key, as in a pass-key test), an experiment's")
+    p.add_argument("--recall-place", choices=RECALL_PLACES, default=RecallStyle().place,
+                   help="where the asked key lies: first (the corpus's: in the log's first fifth, its decoys "
+                        "after) or any (the key and each decoy anywhere: decoys often come first)")
 
 
 # -- one conversation -------------------------------------------------------------------
@@ -132,6 +142,7 @@ class Builder:
 
     rng: random.Random
     workspace: Path | None = None
+    lex: Lexicon = field(default_factory=lambda: lexicon("closed"))  # where its names come from
     messages: list[dict[str, Any]] = field(default_factory=list)
     images: dict[str, bytes] = field(default_factory=dict)
     truth: dict[str, Any] = field(default_factory=dict)
@@ -180,20 +191,40 @@ class Builder:
 
 
 def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
-                recall_tokens: tuple[int, int] = RECALL_TOKENS, recall: RecallStyle = RecallStyle()) -> dict[str, Any]:
+                recall_tokens: tuple[int, int] = RECALL_TOKENS, recall: RecallStyle = RecallStyle(),
+                words: str = "closed") -> dict[str, Any]:
     """Record `index` of the corpus for `seed`, of kind a-f; a recall record's log is drawn
     from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default) and
-    written in the ``recall`` style."""
+    written in the ``recall`` style; its names from the lexicon ``words`` (LEXICONS: the
+    closed lists, or a half of the open vocabulary, which the truth then names)."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
     rid = f"{seed}-{index:07d}-{kind}"
     with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
-        b = Builder(rng, Path(tmp))
+        b = Builder(rng, Path(tmp), lex=lexicon(words))
         if kind == "d":
             recall_conversation(b, tokenizer, recall_tokens, recall)
         else:
             {"a": chat_conversation, "b": tool_conversation, "c": image_conversation,
              "e": multi_turn_conversation, "f": mixed_conversation}[kind](b)
+        if words != "closed":
+            b.truth["words"] = words
         return b.record(rid, kind)
+
+
+def words_for(seed: int, index: int, open_share: float) -> str:
+    """The lexicon of record ``index`` of a corpus that draws ``open_share`` of its records'
+    names from the open vocabulary: "open" (its training half) or "closed", by a draw of its
+    own (the record's own draws are the same either way)."""
+    return "open" if open_share > 0 and random.Random(f"words:{seed}:{index}").random() < open_share else "closed"
+
+
+@functools.cache
+def lexicon(name: str) -> Lexicon:
+    """The lexicon ``name`` (one of LEXICONS): the closed lists WORDS and NAMES; "open", the
+    open vocabulary's training half; "held-out", its other half (the evaluation's)."""
+    if name not in LEXICONS:
+        raise ValueError(f"unknown lexicon {name!r}: use one of {', '.join(LEXICONS)}")
+    return Lexicon(name, WORDS, NAMES, {"closed": None, "open": "train", "held-out": "held-out"}[name])
 
 
 def encode_record(record: dict[str, Any], tokenizer: Tokenizer) -> tuple[Conversation, list[bool]]:
@@ -317,10 +348,10 @@ def _sequence_fact(rng: random.Random) -> tuple[str, str]:
     return f"What number comes after {n}?", f"{n + 1}."
 
 
-def _echo(rng: random.Random) -> tuple[str, str]:
+def _echo(rng: random.Random, lex: Lexicon) -> tuple[str, str]:
     """Repeat a text exactly: the copying that quoting names, numbers and expressions needs."""
-    parts = [secret(rng), str(rng.randint(1, 99999)), rng.choice(WORDS), rng.choice(NAMES), arithmetic(rng),
-             f"{rng.choice(WORDS)}.{rng.choice(['txt', 'csv', 'py'])}"]
+    parts = [secret(rng), str(rng.randint(1, 99999)), lex.word(rng), lex.person(rng), arithmetic(rng),
+             f"{lex.word(rng)}.{rng.choice(['txt', 'csv', 'py'])}"]
     text = " ".join(rng.sample(parts, rng.randint(1, 3)))
     return rng.choice([f"Repeat after me: {text}", f"Say exactly this: {text}", f"Copy this: {text}"]), text
 
@@ -331,7 +362,7 @@ def chat_conversation(b: Builder) -> None:
         pool = _runtime_facts() if pick < 0.3 else FACTS if pick < 0.55 else GREETINGS
         q, a = b.rng.choice(pool) if pick < 0.65 else _sequence_fact(b.rng)
     else:
-        q, a = _echo(b.rng)
+        q, a = _echo(b.rng, b.lex)
     b.user(q)
     b.say(a)
     b.truth = {"answer": a}
@@ -366,14 +397,14 @@ def ask_calculator(b: Builder, expr: str, question: str) -> str:
 
 def make_files(b: Builder) -> dict[str, str]:
     """A small workspace: notes, a todo list, a log and a data folder; returns their text."""
-    rng, root = b.rng, b.workspace
-    owner, project, day = rng.choice(NAMES), rng.choice(WORDS), rng.choice(DAYS)
+    rng, root, lex = b.rng, b.workspace, b.lex
+    owner, project, day = lex.person(rng), lex.word(rng), rng.choice(DAYS)
     todo = [f"- [ ] {w} the {v}" for w, v in zip(rng.sample(["fix", "test", "write", "check", "clean"], 3),
-                                                 rng.sample(WORDS, 3))][: rng.randint(1, 3)]
-    log = [f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR'])} step {i} {rng.choice(WORDS)}" for i in range(rng.randint(3, 12))]
+                                                 lex.words(rng, 3))][: rng.randint(1, 3)]
+    log = [f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR'])} step {i} {lex.word(rng)}" for i in range(rng.randint(3, 12))]
     files = {"notes.txt": f"owner: {owner}\nproject: {project}\nmeeting: {day}\n",
              "todo.md": "\n".join(todo) + "\n", "logs/run.log": "\n".join(log) + "\n"}
-    for name in rng.sample(WORDS, rng.randint(1, 4)):
+    for name in lex.words(rng, rng.randint(1, 4)):
         files[f"data/{name}.{rng.choice(['txt', 'csv', 'py'])}"] = f"{name} {rng.randint(1, 999)}\n"
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -420,7 +451,7 @@ def shell_question(b: Builder, files: dict[str, str]) -> None:
 
 def view_question(b: Builder) -> None:
     shape = draw_shapes(b.rng)
-    name = f"{b.rng.choice(WORDS)}.png"
+    name = f"{b.lex.word(b.rng)}.png"
     (b.workspace / name).write_bytes(shape.png)
     b.user(b.rng.choice([f"What is in {name}?", f"Look at {name} and tell me how many shapes it shows."]))
     b.call(("view_image", {"path": name}))
@@ -527,12 +558,13 @@ ADJS = ["old", "small", "heavy", "bright", "quiet", "dusty", "narrow", "round"]
 KEY_KINDS = ["access code", "locker number", "password", "badge id"]
 
 
-def filler_line(rng: random.Random) -> str:
+def filler_line(rng: random.Random, lex: Lexicon | None = None) -> str:
+    lex = lex or lexicon("closed")
     if rng.random() < 0.5:
-        return (f"On {rng.choice(DAYS)} {rng.choice(NAMES)} moved the {rng.choice(ADJS)} "
+        return (f"On {rng.choice(DAYS)} {lex.person(rng)} moved the {rng.choice(ADJS)} "
                 f"{rng.choice(THINGS)} to {rng.choice(PLACES)}.")
-    return (f"Inventory: {rng.choice(ADJS)} {rng.choice(THINGS)}, shelf {rng.choice(WORDS)}, "
-            f"checked by {rng.choice(NAMES)}.")
+    return (f"Inventory: {rng.choice(ADJS)} {rng.choice(THINGS)}, shelf {lex.word(rng)}, "
+            f"checked by {lex.person(rng)}.")
 
 
 def secret(rng: random.Random, value: str = "mixed") -> str:
@@ -545,21 +577,27 @@ def secret(rng: random.Random, value: str = "mixed") -> str:
 
 
 def recall_document(rng: random.Random, tokenizer: Tokenizer, key: str, value: str,
-                    recall_tokens: tuple[int, int] = RECALL_TOKENS, form: str = "colon") -> list[str]:
-    """Filler lines up to the drawn length, the key planted in the first fifth, decoys after."""
+                    recall_tokens: tuple[int, int] = RECALL_TOKENS, form: str = "colon",
+                    place: str = "first", lex: Lexicon | None = None) -> list[str]:
+    """Filler lines up to the drawn length, the key planted in the first fifth (``place``
+    "first") or anywhere after the first line ("any")."""
     target = rng.randint(*recall_tokens)
     lines, tokens = [], 0
     while tokens < target:
-        lines.append(filler_line(rng))
+        lines.append(filler_line(rng, lex))
         tokens += len(tokenizer.encode_content(lines[-1] + "\n"))
-    lines.insert(rng.randrange(1, max(2, len(lines) // 5)), RECALL_FORMS[form].format(key=key, value=value))
+    end = max(2, len(lines) // 5) if place == "first" else len(lines) + 1
+    lines.insert(rng.randrange(1, end), RECALL_FORMS[form].format(key=key, value=value))
     return lines
 
 
 def plant_decoys(rng: random.Random, lines: list[str], key_kind: str, owner: str,
-                 style: RecallStyle = RecallStyle()) -> None:
-    for other in rng.sample([n for n in WORDS if n != owner], rng.randint(2, 4)):
-        lines.insert(rng.randrange(len(lines) // 5, len(lines)),
+                 style: RecallStyle = RecallStyle(), lex: Lexicon | None = None) -> None:
+    """2-4 keys of the same kind for other owners: after the first fifth (style "first":
+    always after the planted key) or anywhere (style "any")."""
+    for other in (lex or lexicon("closed")).words(rng, rng.randint(2, 4), but=(owner,)):
+        start = len(lines) // 5 if style.place == "first" else 0
+        lines.insert(rng.randrange(start, len(lines)),
                      RECALL_FORMS[style.form].format(key=f"{key_kind} of {other}", value=secret(rng, style.value)))
 
 
@@ -569,11 +607,13 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
     after, and the question for the key, written in ``style`` (the corpus's own unless a
     trainer asks for another)."""
     rng = b.rng
-    key_kind, owner, value = rng.choice(KEY_KINDS), rng.choice(WORDS), secret(rng, style.value)
+    key_kind, owner, value = rng.choice(KEY_KINDS), b.lex.word(rng), secret(rng, style.value)
     key = f"{key_kind} of {owner}"
-    lines = recall_document(rng, tokenizer, key, value, recall_tokens, style.form)
+    lines = recall_document(rng, tokenizer, key, value, recall_tokens, style.form, style.place, b.lex)
     if style.decoys:
-        plant_decoys(rng, lines, key_kind, owner, style)
+        plant_decoys(rng, lines, key_kind, owner, style, b.lex)
+    planted = RECALL_FORMS[style.form].format(key=key, value=value)
+    before = sum(line.startswith(f"{key_kind} of ") for line in lines[:lines.index(planted)])
     document, question = "\n".join(lines), f"What is the {key}?"
     if rng.random() < 0.5:
         b.user(f"Here is a log.\n\n{document}\n\n{question}")
@@ -583,6 +623,8 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
         b.user(question)
     b.say(f"The {key} is {value}.")
     b.truth = {"key": key, "value": value, "question": question}
+    if style.place != "first":  # the corpus's own puts none before
+        b.truth["decoys_before"] = before
     if differences := style.differences():
         b.truth["style"] = differences
 
@@ -590,7 +632,7 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
 # -- (e) multi-turn ------------------------------------------------------------------------
 
 def remember_session(b: Builder) -> None:
-    name, pet, colour = b.rng.choice(NAMES), b.rng.choice(WORDS).capitalize(), b.rng.choice(sorted(COLOURS))
+    name, pet, colour = b.lex.person(b.rng), b.lex.word(b.rng).capitalize(), b.rng.choice(sorted(COLOURS))
     b.user(f"My name is {name}, my cat is called {pet} and my favourite colour is {colour}.")
     b.say(f"Nice to meet you, {name}. I'll remember that.")
     q, a = b.rng.choice(FACTS)
@@ -659,22 +701,22 @@ class Fact:
     ack: str
     asks: tuple[str, ...]  # ways of asking it back
     answer: str
-    draw: Any  # rng -> the value
+    draw: Any  # (rng, lexicon) -> the value
 
 
 TOLD = {
     "name": Fact("My name is {}.", "Nice to meet you, {}. I'll remember that.",
                  ("What did I tell you my name was?", "What is my name?"), "Your name is {}.",
-                 lambda rng: rng.choice(NAMES)),
+                 lambda rng, lex: lex.person(rng)),
     "cat": Fact("My cat is called {}.", "Got it: your cat is called {}.",
                 ("What did I say my cat is called?", "What is my cat called?"), "Your cat is called {}.",
-                lambda rng: rng.choice(WORDS).capitalize()),
+                lambda rng, lex: lex.word(rng).capitalize()),
     "colour": Fact("My favourite colour is {}.", "Noted: your favourite colour is {}.",
                    ("What did I tell you my favourite colour was?", "Which colour did I say I like best?"),
-                   "Your favourite colour is {}.", lambda rng: rng.choice(sorted(COLOURS))),
+                   "Your favourite colour is {}.", lambda rng, lex: rng.choice(sorted(COLOURS))),
     "number": Fact("My lucky number is {}.", "Noted: your lucky number is {}.",
                    ("What did I say my lucky number was?", "What is my lucky number?"),
-                   "Your lucky number is {}.", lambda rng: str(rng.randint(2, 999))),
+                   "Your lucky number is {}.", lambda rng, lex: str(rng.randint(2, 999))),
 }
 # a calculation on an earlier result: of the turn just before it says "that"; of an earlier
 # one it names that turn's expression
@@ -732,7 +774,7 @@ def _image_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
 def _tell_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
     name = b.rng.choice([f for f in TOLD if f not in _told(turns)])
     fact = TOLD[name]
-    value = fact.draw(b.rng)
+    value = fact.draw(b.rng, b.lex)
     b.user(fact.tell.format(value))
     b.say(fact.ack.format(value))
     return {"fact": name, "answer": value}

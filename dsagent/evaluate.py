@@ -95,7 +95,8 @@ from typing import Any, Callable, Protocol, Sequence
 import torch
 
 from dsagent.agent import Agent, AgentOptions
-from dsagent.corpus import COLOURS, DEFAULT_KINDS, KINDS, NUMBER_WORDS, RECALL_TOKENS, SHAPES, make_record
+from dsagent.corpus import (COLOURS, DEFAULT_KINDS, KINDS, NUMBER_WORDS, RECALL_PLACES, RECALL_TOKENS, SHAPES,
+                            RecallStyle, make_record)
 from dsagent.runtime import Runtime
 from model.chat import EOS, encode_messages
 from model.dsml import DSMLError, parse_completion
@@ -215,25 +216,34 @@ def _word_list(text: str) -> list[str]:
 
 
 def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
-               skills: Sequence[str] = SKILLS, recall_tokens: tuple[int, int] = RECALL_TOKENS) -> list[Case]:
+               skills: Sequence[str] = SKILLS, recall_tokens: tuple[int, int] = RECALL_TOKENS,
+               recall_place: str = "first", words: str = "closed") -> list[Case]:
     """``n`` cases per skill from records 0..n-1 of ``seed`` (a per-turn skill: a case for
     every turn of those records); recall logs drawn from ``recall_tokens`` tokens (the
     corpus default unless probing by length)."""
-    check_config(skills=skills, seed=seed, recall_tokens=recall_tokens)
+    check_config(skills=skills, seed=seed, recall_tokens=recall_tokens, recall_place=recall_place, words=words)
+    style = RecallStyle(place=recall_place)
     cases = []
     for skill in skills:
         for i in range(n):
-            record = make_record(seed, i, "b" if skill == "r" else skill, tokenizer, tuple(recall_tokens))
+            record = make_record(seed, i, "b" if skill == "r" else skill, tokenizer, tuple(recall_tokens), style,
+                                 words)
             cases += turn_cases(record, tokenizer) if skill in TURN_SKILLS else [case_from_record(record, tokenizer, skill)]
     return cases
 
 
 def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES, seed: int = HELD_OUT_SEED,
-                 recall_tokens: tuple[int, int] = RECALL_TOKENS) -> None:
+                 recall_tokens: tuple[int, int] = RECALL_TOKENS, recall_place: str = "first",
+                 words: str = "closed") -> None:
     """Raise EvalConfigError for an unknown skill or mode, an empty list, the training seed,
     or a recall length range that is not 1 <= LO <= HI."""
     if len(recall_tokens) != 2 or not 1 <= recall_tokens[0] <= recall_tokens[1]:
         raise EvalConfigError(f"recall tokens must be LO,HI with 1 <= LO <= HI, not {recall_tokens}")
+    if recall_place not in RECALL_PLACES:
+        raise EvalConfigError(f"unknown recall place {recall_place!r}: use one of {','.join(RECALL_PLACES)}")
+    if words not in ("closed", "held-out"):  # the open vocabulary's training half is never evaluated
+        raise EvalConfigError(f"unknown words {words!r}: use closed (the corpus's lists) or held-out (the open "
+                              f"vocabulary's half that training never draws from)")
     for what, given, known in (("skill", skills, KNOWN_SKILLS), ("mode", modes, MODES)):
         bad = [x for x in given if x not in known]
         if bad or not given:
@@ -453,6 +463,8 @@ class EvalResult:
     results: list[CaseResult]
     seed: int | None = None
     recall_tokens: tuple[int, int] = RECALL_TOKENS
+    recall_place: str = "first"  # where the recall cases' asked key lies among its decoys (corpus.RECALL_PLACES)
+    words: str = "closed"  # the lexicon the cases' names come from (closed or held-out)
 
     def cell(self, skill: str, mode: str) -> tuple[int, int]:
         """(correct, n) of one skill in one mode."""
@@ -494,7 +506,8 @@ class EvalResult:
         ``turn_index`` (by each turn index) and ``after_cut`` (the cases after a reply cut
         off), per skill and mode."""
         cells = {s: {m: _cell_json(*self.cell(s, m)) for m in self.modes} for s in self.skills}
-        out = {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "skills": self.skills,
+        out = {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "recall_place": self.recall_place,
+               "words": self.words, "skills": self.skills,
                "modes": self.modes, "accuracy": cells}
         if self.turn_skills():
             out["turns"] = self._turns_json(lambda s: TURN_BUCKETS)
@@ -533,14 +546,16 @@ def evaluate(generator: Generator, cases: Sequence[Case], modes: Sequence[str] =
 
 def run_eval(runtime: Runtime, *, n: int = 10, seed: int = HELD_OUT_SEED, skills: Sequence[str] = SKILLS,
              modes: Sequence[str] = MODES, max_new_tokens: int = MAX_NEW_TOKENS,
-             recall_tokens: tuple[int, int] = RECALL_TOKENS,
+             recall_tokens: tuple[int, int] = RECALL_TOKENS, recall_place: str = "first", words: str = "closed",
              progress: Callable[[int, int], None] | None = None) -> EvalResult:
     """The held-out evaluation of ``runtime``'s model: ``n`` cases per skill, every mode."""
-    cases = make_cases(runtime.tokenizer, n=n, seed=seed, skills=skills, recall_tokens=recall_tokens)
+    cases = make_cases(runtime.tokenizer, n=n, seed=seed, skills=skills, recall_tokens=recall_tokens,
+                       recall_place=recall_place, words=words)
     generator = ModelGenerator(runtime, max_new_tokens=max_new_tokens)
     try:
         result = evaluate(generator, cases, modes, progress=progress)
     finally:
         generator.close()
-    result.seed, result.recall_tokens = seed, tuple(recall_tokens)
+    result.seed, result.recall_tokens, result.recall_place, result.words = (seed, tuple(recall_tokens), recall_place,
+                                                                            words)
     return result

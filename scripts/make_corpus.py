@@ -22,7 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import CORPUS_VERSION, DEFAULT_KINDS, KINDS, THINKING_MODE, encode_record, make_record  # noqa: E402
+from dsagent.corpus import (CORPUS_VERSION, DEFAULT_KINDS, KINDS, THINKING_MODE, encode_record, make_record,  # noqa: E402
+                            words_for)
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SHARD_RECORDS = 1000
@@ -35,8 +36,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
                    help=f"comma-separated subset of {','.join(KINDS)} (default: the default mixture's)")
+    p.add_argument("--open-words", type=float, default=0.0, metavar="SHARE",
+                   help="share of records whose names, files and keys are generated words of the open "
+                        "vocabulary's training half (dsagent.lexicon), not the corpus's word lists")
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
+    if not 0.0 <= args.open_words <= 1.0:
+        p.error("--open-words takes a share in [0, 1]")
     unknown = [k for k in args.kinds if k not in KINDS]
     if unknown or not args.kinds or args.n < 1:
         p.error(f"--kinds takes a comma-separated subset of {','.join(KINDS)} and --n must be >= 1")
@@ -48,7 +54,7 @@ def token_stats(counts: list[int]) -> dict[str, int]:
             "mean": round(sum(counts) / len(counts)), "total": sum(counts)}
 
 
-def write_corpus(out: Path, n: int, seed: int, kinds: list[str]) -> dict:
+def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: float = 0.0) -> dict:
     """Write shards and the manifest; returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.bundled()
@@ -59,7 +65,7 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str]) -> dict:
         shards.append(f"corpus-{len(shards):05d}.jsonl")
         with open(out / shards[-1], "w", encoding="utf-8") as f:
             for i in range(start, min(n, start + SHARD_RECORDS)):
-                record = make_record(seed, i, kinds[i % len(kinds)], tokenizer)
+                record = make_record(seed, i, kinds[i % len(kinds)], tokenizer, words=words_for(seed, i, open_words))
                 conv, mask = encode_record(record, tokenizer)
                 tokens[record["kind"]].append(len(conv.ids))
                 trained[record["kind"]] += sum(mask)
@@ -68,14 +74,16 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str]) -> dict:
                 "counts": {KINDS[k]: len(tokens[k]) for k in kinds},
                 "tokens": {KINDS[k]: {**token_stats(tokens[k]), "trained": trained[k]} for k in kinds if tokens[k]},
                 "shards": shards, "command": f"python3 scripts/make_corpus.py --out DIR --n {n} --seed {seed} "
-                                             f"--kinds {','.join(kinds)}"}
+                                             f"--kinds {','.join(kinds)}" + (f" --open-words {open_words}" if open_words else "")}
+    if open_words:
+        manifest["open_words"] = open_words
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return manifest
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    manifest = write_corpus(args.out, args.n, args.seed, args.kinds)
+    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, args.open_words)
     print(json.dumps({"out": str(args.out), "counts": manifest["counts"]}))
 
 

@@ -37,7 +37,8 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RecallStyle,  # noqa: E402
-                            add_recall_style_arguments, bare_record, make_record, training_example, value_example)
+                            add_recall_style_arguments, bare_record, make_record, training_example, value_example,
+                            words_for)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -105,6 +106,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="record i has kind SCHEDULE[i %% len(SCHEDULE)] (letters of the corpus's a-f); the "
                         "default is the default model's mixture: --schedule aabbbccdeeff --kinds abcdef adds the "
                         "mixed conversations")
+    p.add_argument("--open-words", type=float, default=0.0, metavar="SHARE",
+                   help="share of records whose names, files and keys are generated words of the open "
+                        "vocabulary's training half (dsagent.lexicon), not the corpus's word lists")
     p.add_argument("--kinds", default=SCHEDULE_KINDS,
                    help="record kinds to train on (letters of the schedule); the schedule's others are skipped")
     p.add_argument("--replay", default=",".join(map(str, REPLAY_WEIGHTS)), metavar="EXACT,CED,RESUME",
@@ -140,14 +144,16 @@ _RECALL = RECALL_TOKENS
 _SPREAD = "uniform"
 _VALUE_ONLY = False
 _STYLE = RecallStyle()
+_OPEN_WORDS = 0.0
 
 
 def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer=None,
-                 style=RecallStyle()) -> None:
-    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE
+                 style=RecallStyle(), open_words=0.0) -> None:
+    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE, _OPEN_WORDS
     torch.set_num_threads(1)
     _TOK = tokenizer or Tokenizer.bundled()
     _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE = args, tuple(recall_tokens), spread, value_only, style
+    _OPEN_WORDS = open_words
 
 
 def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int, int]:
@@ -165,7 +171,8 @@ def _example(job: tuple[int, int, str]) -> tuple[int, str, Example, Example | No
     conversation without the ~2.3K-token system prompt, see ``--recall-first``) and, when
     trained on the value alone, itself so trained (see ``--recall-rows``)."""
     seed, i, kind = job
-    record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _STYLE)
+    record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _STYLE,
+                         words_for(seed, i, _OPEN_WORDS))
     whole = training_example(record, _TOK, _ARGS)
     bare = valued = None
     if kind == "d":
@@ -185,7 +192,8 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
                   recall_tokens: tuple[int, int] = RECALL_TOKENS, spread: str = "uniform",
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False,
                   tokenizer: Tokenizer | None = None, recall_records: int = 0,
-                  recall_style: RecallStyle = RecallStyle(), schedule: str = SCHEDULE) -> dict[str, list[Example]]:
+                  recall_style: RecallStyle = RecallStyle(), schedule: str = SCHEDULE,
+                  open_words: float = 0.0) -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, record i of kind
     ``schedule[i % len(schedule)]``, or, in a data-parallel run, this process's share:
     whole rounds of the schedule, so every process holds every kind.
@@ -206,11 +214,12 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
         mine += [r * len(schedule) + j for r in range(first, first + rounds) if r % world == rank for j in recall_at]
     jobs = [(seed, i, schedule[i % len(schedule)]) for i in mine if schedule[i % len(schedule)] in kinds]
     if workers <= 1:
-        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_style)
+        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_style, open_words)
         results = map(_example, jobs)
     else:
         pool = mp.get_context("fork").Pool(workers, _init_worker,
-                                           (model_args, recall_tokens, spread, value_only, tokenizer, recall_style))
+                                           (model_args, recall_tokens, spread, value_only, tokenizer, recall_style,
+                                            open_words))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare, valued in results:
         pools["long" if kind == "d" else "short"].append(ex)
@@ -476,7 +485,7 @@ def train(a) -> tuple[dict | None, str | None]:
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
-                          RecallStyle.of(a), a.schedule)
+                          RecallStyle.of(a), a.schedule, a.open_words)
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)

@@ -264,6 +264,32 @@ def test_recall_values_are_the_only_digits_of_the_log_and_styles_name_what_diffe
         assert re.fullmatch(r"[A-Z]{3}-\d{4}", mixed["truth"]["value"]) and mixed["truth"]["style"] == {"value": "mixed"}
     with pytest.raises(ValueError):
         corpus_gen.RecallStyle(value="words")
+    with pytest.raises(ValueError):
+        corpus_gen.RecallStyle(place="middle")
+
+
+def test_recall_keys_placed_anywhere_have_decoys_before_them_as_often_as_not(tokenizer):
+    """``RecallStyle(place="any")`` (the trainer's --recall-place any): the asked key and each
+    decoy anywhere in the log, so keys of the asked kind often come first (``decoys_before``);
+    the corpus's own style, at its lengths, plants the key in the log's first fifth and every
+    decoy after it."""
+    def placed(r: dict) -> tuple[int, list[int], int]:
+        truth, log = r["truth"], _text(r["messages"][1]["content"]).split("\n")
+        kind, at = truth["key"].split(" of ")[0], log.index(f"{truth['key']}: {truth['value']}")
+        return at, [j for j, line in enumerate(log) if line.startswith(f"{kind} of ") and j != at], len(log)
+
+    for i in range(6):
+        own = corpus_gen.make_record(9, i, "d", tokenizer)
+        at, same_kind, lines = placed(own)
+        assert at <= lines // 5 + 2 and all(j > at for j in same_kind) and "decoys_before" not in own["truth"]
+    late, before = 0, []
+    for i in range(40):
+        r = corpus_gen.make_record(9, i, "d", tokenizer, (150, 300), corpus_gen.RecallStyle(place="any"))
+        at, same_kind, lines = placed(r)
+        assert r["truth"]["decoys_before"] == sum(j < at for j in same_kind) and r["truth"]["style"] == {"place": "any"}
+        before.append(r["truth"]["decoys_before"])
+        late += at > lines // 2
+    assert late >= 10 and 0.3 < sum(b > 0 for b in before) / 40 < 0.9, (late, before)
 
 
 def test_multi_turn_final_answers_depend_on_earlier_turns(records):

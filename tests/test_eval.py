@@ -254,6 +254,32 @@ def test_recall_cases_can_be_drawn_shorter(runtime):
     assert min(sizes[:2]) > 2000 and max(sizes[2:]) < 400, sizes
 
 
+def test_recall_cases_can_place_the_key_anywhere_among_its_decoys(runtime):
+    """--recall-place any: the same held-out records' keys, each planted anywhere and its
+    decoys too, so that in most cases a key of the asked kind comes before it (what training
+    never showed: issue 53's default answered with the first one); named in the JSON and the
+    table's title; an unknown place is refused before loading."""
+    first = make_cases(runtime.tokenizer, n=6, skills=["d"], recall_tokens=(300, 600))
+    anywhere = make_cases(runtime.tokenizer, n=6, skills=["d"], recall_tokens=(300, 600), recall_place="any")
+    assert all("decoys_before" not in c.truth for c in first)
+    before = [c.truth["decoys_before"] for c in anywhere]
+    assert sum(b > 0 for b in before) >= 2, before
+    for c in anywhere:
+        log = next(m["content"] for m in c.prompt if m["role"] == "user").split("\n")
+        kind = c.truth["key"].split(" of ")[0]
+        at = log.index(f"{c.truth['key']}: {c.truth['value']}")
+        assert sum(line.startswith(f"{kind} of ") for line in log[:at]) == c.truth["decoys_before"]
+        assert c.truth["style"] == {"place": "any"}
+    result = evaluate(TruthScriptedGenerator(), anywhere, ["exact"])
+    result.recall_place = "any"
+    assert result.to_json()["recall_place"] == "any" and result.cell("d", "exact") == (6, 6)
+    buf = io.StringIO()
+    Console(file=buf, width=200, no_color=True).print(result_table(result))
+    assert "recall keys placed any" in buf.getvalue()
+    r = CliRunner().invoke(cli.app, ["eval", "--skills", "d", "--recall-place", "middle"])
+    assert r.exit_code == 2 and "recall place" in r.output, r.output
+
+
 def test_refused_seeds_are_the_ones_the_default_trained_on():
     """TRAIN_SEEDS must name every corpus seed in the shipped model's training record."""
     import json

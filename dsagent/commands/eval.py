@@ -47,6 +47,14 @@ def eval_command(
     recall_tokens: str = typer.Option(f"{RECALL_TOKENS[0]},{RECALL_TOKENS[1]}", "--recall-tokens",
                                       help="LO,HI: length of the recall cases' logs in tokens (shorter ones probe "
                                            "retrieval by distance; the table's default is the corpus's)."),
+    recall_place: str = typer.Option("first", "--recall-place", metavar="first|any",
+                                     help="Where the recall cases' asked key lies: first (the corpus's: early, "
+                                          "its decoys of the same kind after) or any (the key and each decoy "
+                                          "anywhere: decoys often come first, which training never showed)."),
+    words: str = typer.Option("closed", "--words", metavar="closed|held-out",
+                              help="Where the cases' names, files and keys come from: closed (the corpus's "
+                                   "word lists) or held-out (generated words of the open vocabulary's half "
+                                   "that training never draws from: the generalisation split)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
@@ -62,13 +70,15 @@ def eval_command(
         from dsagent.evaluate import EvalConfigError, check_config, run_eval
 
         try:
-            check_config(skills=_split(skills), modes=_split(modes), seed=seed, recall_tokens=lengths)
+            check_config(skills=_split(skills), modes=_split(modes), seed=seed, recall_tokens=lengths,
+                         recall_place=recall_place, words=words)
         except EvalConfigError as e:
             raise FlagError(str(e)) from None
         rt = _runtime(model, preset, device)
         with load_progress(err, "evaluating", unit="cases") as progress:
             result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
-                              max_new_tokens=max_new_tokens, recall_tokens=lengths, progress=progress)
+                              max_new_tokens=max_new_tokens, recall_tokens=lengths, recall_place=recall_place,
+                              words=words, progress=progress)
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     else:
@@ -96,6 +106,8 @@ def result_table(result) -> Table:
     from dsagent.evaluate import SKILL_NAMES, TURN_BUCKETS
 
     logs = "" if tuple(result.recall_tokens) == RECALL_TOKENS else ", recall logs {}-{} tokens".format(*result.recall_tokens)
+    logs += "" if result.recall_place == "first" else f", recall keys placed {result.recall_place}"
+    logs += "" if result.words == "closed" else f", {result.words} words"
     t = Table(title=f"held-out skills (seed {result.seed}{logs}), correct/n")
     t.add_column("skill")
     for mode in result.modes:

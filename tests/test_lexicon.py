@@ -1,0 +1,116 @@
+"""Where corpus records' names come from (dsagent/lexicon.py): the closed lists, or the open
+vocabulary's two halves, which never meet; records drawn with each, and the evaluation's
+held-out words."""
+import json
+import random
+import re
+
+import pytest
+
+from dsagent import corpus
+from dsagent.evaluate import EvalConfigError, check_config, make_cases
+from dsagent.lexicon import SPLITS, Lexicon, split_of
+from model.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.bundled()
+
+
+def test_the_closed_lexicon_draws_what_the_lists_draw():
+    """So the records written before open lexicons existed are unchanged (their digests are
+    held in test_corpus)."""
+    closed = corpus.lexicon("closed")
+    a, b = random.Random(5), random.Random(5)
+    got = [closed.word(a), closed.person(a), closed.words(a, 3), closed.words(a, 2, but=("maple",))]
+    want = [b.choice(corpus.WORDS), b.choice(corpus.NAMES), b.sample(corpus.WORDS, 3),
+            b.sample([w for w in corpus.WORDS if w != "maple"], 2)]
+    assert got == want and a.getstate() == b.getstate()
+
+
+def test_the_open_halves_are_disjoint_large_and_hold_no_closed_word():
+    rng = random.Random(0)
+    halves = {s: {corpus.lexicon(name).word(rng) for _ in range(3000)} for s, name in zip(SPLITS, ("open", "held-out"))}
+    closed = {w.lower() for w in (*corpus.WORDS, *corpus.NAMES)}
+    for split, words in halves.items():
+        assert len(words) > 2900 and all(split_of(w) == split for w in words)  # few repeats: a large vocabulary
+        assert not words & closed and all(re.fullmatch(r"[a-z]{4,9}", w) for w in words)
+    assert not halves["train"] & halves["held-out"]
+    person = corpus.lexicon("held-out").person(rng)
+    assert person[0].isupper() and split_of(person.lower()) == "held-out"
+    picked = corpus.lexicon("open").words(rng, 4, but=("zuzu",))
+    assert len(set(picked)) == 4 and "zuzu" not in picked
+    with pytest.raises(ValueError, match="lexicon"):
+        corpus.lexicon("huge")
+    with pytest.raises(AssertionError):
+        Lexicon("x", [], [], split="test")
+
+
+def _names(record: dict) -> set[str]:
+    """The lower-case words of a record's user messages, its tool calls and results."""
+    text = json.dumps([m for m in record["messages"][1:] if m["role"] != "assistant" or m.get("tool_calls")])
+    return {w.lower() for w in re.findall(r"[A-Za-z]+", text)}
+
+
+def test_records_of_held_out_words_name_nothing_of_the_lists(tokenizer):
+    """Every kind drawn with the held-out half: its truth says so, its files, owners, pets,
+    people and keys are open words of that half, and none of the closed lists' appear; the
+    same record with the closed lexicon is the corpus's own."""
+    fixed = {w for place in corpus.PLACES for w in place.split()}  # "the harbor": a filler line's place, not a name
+    closed_words = {w.lower() for w in (*corpus.WORDS, *corpus.NAMES)} - fixed
+    for kind in "abdef":  # c: attached pictures, no names
+        fresh = set()
+        for i in range(8):
+            own = corpus.make_record(11, i, kind, tokenizer, (200, 400))
+            held = corpus.make_record(11, i, kind, tokenizer, (200, 400), words="held-out")
+            assert held["truth"]["words"] == "held-out" and "words" not in own["truth"]
+            assert not _names(held) & closed_words, (kind, i, _names(held) & closed_words)
+            fresh |= {w for w in _names(held) - _names(own) if split_of(w) == "held-out"}
+        assert fresh, kind  # a calculator question or a chat fact names nothing; the rest do
+    files = corpus.make_record(11, 0, "b", tokenizer, words="held-out")["truth"].get("files", {})
+    for path in files:
+        stem = path.rsplit("/", 1)[-1].split(".")[0]
+        assert stem in ("notes", "todo", "run") or split_of(stem) == "held-out", path
+
+
+def test_a_corpus_draws_open_words_for_its_share_of_records():
+    shares = {share: [corpus.words_for(3, i, share) for i in range(400)] for share in (0.0, 0.25, 1.0)}
+    assert set(shares[0.0]) == {"closed"} and set(shares[1.0]) == {"open"}
+    assert 60 < shares[0.25].count("open") < 140
+    assert shares[0.25] == [corpus.words_for(3, i, 0.25) for i in range(400)]  # reproducible
+
+
+def test_the_evaluation_takes_held_out_words_and_refuses_the_training_half(tokenizer):
+    cases = make_cases(tokenizer, n=2, skills=["b", "e"], words="held-out")
+    assert all(c.truth["words"] == "held-out" for c in cases)
+    for words in ("open", "new"):
+        with pytest.raises(EvalConfigError, match="words"):
+            check_config(words=words)
+    check_config(words="closed")
+
+
+def test_make_corpus_and_the_trainer_draw_their_share_of_open_words(tmp_path):
+    """--open-words SHARE: make_corpus writes that share of its records with the open
+    vocabulary's training half (named in each record's truth and in the manifest), and the
+    trainer lays out the same records as the corpus would."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import make_corpus
+    import train_default
+    from model.args import ModelArgs
+
+    make_corpus.main(["--out", str(tmp_path), "--n", "12", "--seed", "4", "--kinds", "b,e", "--open-words", "0.5"])
+    records = [json.loads(line) for line in (tmp_path / "corpus-00000.jsonl").read_text().splitlines()]
+    drawn = [r["truth"].get("words", "closed") for r in records]
+    assert drawn == [corpus.words_for(4, i, 0.5) for i in range(12)] and set(drawn) == {"open", "closed"}
+    assert json.loads((tmp_path / "manifest.json").read_text())["open_words"] == 0.5
+    with pytest.raises(SystemExit):
+        make_corpus.parse_args(["--out", "x", "--n", "1", "--open-words", "2"])
+    assert train_default.parse_args(["--out", "x", "--open-words", "0.3"]).open_words == 0.3
+    args = ModelArgs.preset("tiny")
+    opened = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", open_words=1.0)
+    closed = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
+    assert [list(e.ids) for e in opened["short"]] != [list(e.ids) for e in closed["short"]]
