@@ -420,7 +420,9 @@ def _plural(n: int, word: str) -> str:
 def read_question(b: Builder, files: dict[str, str]) -> None:
     key = b.rng.choice(["owner", "project", "meeting"])
     value = dict(line.split(": ") for line in files["notes.txt"].splitlines())[key]
-    b.user(b.rng.choice([f"What is the {key} in notes.txt?", f"Check notes.txt: what is the {key}?"]))
+    b.user(b.lex.phrase(b.rng, [f"What is the {key} in notes.txt?", f"Check notes.txt: what is the {key}?"],
+                        {"train": [f"Read notes.txt and tell me the {key}.", f"What does notes.txt say the {key} is?"],
+                         "held-out": [f"Look up the {key} in notes.txt.", f"In notes.txt, what is given as the {key}?"]}))
     b.call(("read_file", {"path": "notes.txt"}))
     b.say(f"The {key} in notes.txt is {value}.")
     b.truth["answer"] = value
@@ -428,7 +430,9 @@ def read_question(b: Builder, files: dict[str, str]) -> None:
 
 def list_question(b: Builder, files: dict[str, str]) -> None:
     names = sorted(p.split("/", 1)[1] for p in files if p.startswith("data/"))
-    b.user(b.rng.choice(["What files are in the data folder?", "List the data directory."]))
+    b.user(b.lex.phrase(b.rng, ["What files are in the data folder?", "List the data directory."],
+                        {"train": ["What's in the data folder?", "Show me the files in data."],
+                         "held-out": ["List the files in the data folder.", "Which files does the data folder hold?"]}))
     b.call(("list_dir", {"path": "data"}))
     b.say(f"The data folder has {_plural(len(names), 'file')}: {', '.join(names)}.")
     b.truth["answer"] = len(names)
@@ -453,7 +457,9 @@ def view_question(b: Builder) -> None:
     shape = draw_shapes(b.rng)
     name = f"{b.lex.word(b.rng)}.png"
     (b.workspace / name).write_bytes(shape.png)
-    b.user(b.rng.choice([f"What is in {name}?", f"Look at {name} and tell me how many shapes it shows."]))
+    b.user(b.lex.phrase(b.rng, [f"What is in {name}?", f"Look at {name} and tell me how many shapes it shows."],
+                        {"train": [f"Describe {name}.", f"What does {name} show?"],
+                         "held-out": [f"Open {name}: what shapes are in it?", f"Tell me what the picture {name} contains."]}))
     b.call(("view_image", {"path": name}))
     b.say(describe(shape))
     b.truth["image"] = shape.truth()
@@ -469,8 +475,30 @@ def calc_question(b: Builder) -> None:
         b.say(f"{e1} = {v1} and {e2} = {v2}.")
         return
     expr = arithmetic(b.rng)
-    q = b.rng.choice([f"What is {expr}?", f"Calculate {expr}.", f"Use the calculator: {expr}"])
+    said = _spoken(b, expr)
+    q = b.lex.phrase(b.rng, [f"What is {said}?", f"Calculate {said}.", f"Use the calculator: {said}"],
+                     {"train": [f"Compute {said}.", f"What's {said}?"],
+                      "held-out": [f"How much is {said}?", f"Work out {said}."]})
     b.say(f"{expr} = {ask_calculator(b, expr, q)}.")
+
+
+# an operator as an open lexicon's half says it (the training half: its symbol too)
+SPOKEN_OPS = {"+": {"train": ("plus",), "held-out": ("added to",)},
+              "-": {"train": ("minus",), "held-out": ("take away",)},
+              "*": {"train": ("times", "×"), "held-out": ("multiplied by",)},
+              "/": {"train": ("divided by",), "held-out": ("over",)}}
+
+
+def _spoken(b: Builder, expr: str) -> str:
+    """``expr`` as the user says it: as written with the closed lexicon, or where it is one
+    operator between two numbers, in an open half's words for the operator (the calculator
+    still gets ``expr``: the model turns the words into it)."""
+    m = re.fullmatch(r"(\d+) ([-+*/]) (\d+)", expr)
+    if b.lex.split is None or m is None:
+        return expr
+    a, op, c = m.groups()
+    said = SPOKEN_OPS[op][b.lex.split]
+    return f"{a} {b.rng.choice((op, *said) if b.lex.split == 'train' else said)} {c}"
 
 
 def tool_conversation(b: Builder) -> None:
@@ -614,7 +642,9 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
         plant_decoys(rng, lines, key_kind, owner, style, b.lex)
     planted = RECALL_FORMS[style.form].format(key=key, value=value)
     before = sum(line.startswith(f"{key_kind} of ") for line in lines[:lines.index(planted)])
-    document, question = "\n".join(lines), f"What is the {key}?"
+    document = "\n".join(lines)
+    question = b.lex.phrase(rng, [f"What is the {key}?"], {"train": [f"Which {key} does the log give?"],
+                                                           "held-out": [f"Tell me the {key} from the log."]})
     if rng.random() < 0.5:
         b.user(f"Here is a log.\n\n{document}\n\n{question}")
     else:

@@ -12,7 +12,10 @@ The open words fall in two halves that never meet: a word belongs to ``train`` o
 ``held-out`` by one bit of its hash, and neither holds a word of the closed lists. Training
 records draw from ``train``; the evaluation's generalisation split from ``held-out``.
 
-Owns: ``Lexicon`` (``word``, ``person``, ``words``) and ``split_of``. The closed lexicon
+The open halves also ask in their own words (``phrase``): the training half in the corpus's
+phrasings and more, the held-out half in others that training never draws.
+
+Owns: ``Lexicon`` (``word``, ``person``, ``words``, ``phrase``) and ``split_of``. The closed lexicon
 draws exactly what ``rng.choice`` / ``rng.sample`` of its lists draw, so the records written
 before open lexicons existed stay byte for byte what they were. Does not own: the lists
 themselves and which lexicon a record draws from (``dsagent.corpus``: ``lexicon``), nor
@@ -58,6 +61,14 @@ class Lexicon:
     def person(self, rng: random.Random) -> str:
         """A given name, capitalised."""
         return rng.choice(self.closed_names) if self.split is None else self.word(rng).capitalize()
+
+    def phrase(self, rng: random.Random, own: Sequence[str], more: dict[str, Sequence[str]]) -> str:
+        """A way of asking: the closed lexicon one of the corpus's ``own`` (what ``rng.choice``
+        of them draws); the training half one of ``own`` and ``more["train"]``; the held-out
+        half one of ``more["held-out"]`` alone, which training never draws."""
+        if self.split is None:
+            return own[0] if len(own) == 1 else rng.choice(own)  # one phrasing: no draw, as the corpus had none
+        return rng.choice([*own, *more["train"]] if self.split == "train" else more["held-out"])
 
     def words(self, rng: random.Random, k: int, but: Iterable[str] = ()) -> list[str]:
         """``k`` distinct words, none of ``but``."""

@@ -114,3 +114,39 @@ def test_make_corpus_and_the_trainer_draw_their_share_of_open_words(tmp_path):
     opened = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", open_words=1.0)
     closed = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
     assert [list(e.ids) for e in opened["short"]] != [list(e.ids) for e in closed["short"]]
+
+
+def test_the_halves_ask_in_their_own_words():
+    """``phrase``: the closed lexicon draws the corpus's own phrasings as ``rng.choice`` does
+    (one phrasing: no draw at all); the training half those and its own more; the held-out
+    half only phrasings training never draws."""
+    own, more = ["own a", "own b"], {"train": ["train c"], "held-out": ["held d", "held e"]}
+    a, b = random.Random(2), random.Random(2)
+    assert corpus.lexicon("closed").phrase(a, own, more) == b.choice(own) and a.getstate() == b.getstate()
+    assert corpus.lexicon("closed").phrase(a, ["only"], more) == "only" and a.getstate() == b.getstate()
+    rng = random.Random(3)
+    assert {corpus.lexicon("open").phrase(rng, own, more) for _ in range(200)} == {"own a", "own b", "train c"}
+    assert {corpus.lexicon("held-out").phrase(rng, own, more) for _ in range(200)} == {"held d", "held e"}
+
+
+def test_held_out_questions_say_operators_in_words_the_calculator_call_keeps_symbols(tokenizer):
+    """A calculator question of one operator between two numbers says it in the half's words
+    (the training half: its symbol or words; the held-out half: other words only); the call
+    carries the expression written, whose value the reply gives."""
+    said = {"open": set(), "held-out": set()}
+    for words in said:
+        for i in range(60):
+            r = corpus.make_record(21, i, "b", tokenizer, words=words)
+            calls = r["messages"][2].get("tool_calls") or []
+            if len(calls) != 1 or calls[0]["function"]["name"] != "calculator":
+                continue
+            expr = json.loads(calls[0]["function"]["arguments"])["expression"]
+            m = re.fullmatch(r"(\d+) ([-+*/]) (\d+)", expr)
+            if m:
+                a, _, c = m.groups()
+                said[words].add(re.search(rf"{a} (.+?) {c}\b", r["messages"][1]["content"]).group(1))
+            assert r["messages"][-1]["content"] == f"{expr} = {r['truth']['arithmetic'][0]['value']}."
+    train_words = {w for op in corpus.SPOKEN_OPS.values() for w in op["train"]} | set("+-*/")
+    held_words = {w for op in corpus.SPOKEN_OPS.values() for w in op["held-out"]}
+    assert said["open"] <= train_words and said["held-out"] <= held_words and not train_words & held_words
+    assert len(said["held-out"]) >= 2 and said["open"] - set("+-*/"), said
