@@ -220,7 +220,9 @@ def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
                recall_place: str = "first", words: str = "closed") -> list[Case]:
     """``n`` cases per skill from records 0..n-1 of ``seed`` (a per-turn skill: a case for
     every turn of those records); recall logs drawn from ``recall_tokens`` tokens (the
-    corpus default unless probing by length)."""
+    corpus default unless probing by length), their keys placed as ``recall_place`` says
+    (``corpus.RECALL_PLACES``); names, files and phrasings from the lexicon ``words``
+    ("closed", the corpus's, or "held-out", the generalisation split)."""
     check_config(skills=skills, seed=seed, recall_tokens=recall_tokens, recall_place=recall_place, words=words)
     style = RecallStyle(place=recall_place)
     cases = []
@@ -236,7 +238,8 @@ def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES
                  recall_tokens: tuple[int, int] = RECALL_TOKENS, recall_place: str = "first",
                  words: str = "closed") -> None:
     """Raise EvalConfigError for an unknown skill or mode, an empty list, the training seed,
-    or a recall length range that is not 1 <= LO <= HI."""
+    a recall length range that is not 1 <= LO <= HI, an unknown recall place, or words other
+    than closed or held-out."""
     if len(recall_tokens) != 2 or not 1 <= recall_tokens[0] <= recall_tokens[1]:
         raise EvalConfigError(f"recall tokens must be LO,HI with 1 <= LO <= HI, not {recall_tokens}")
     if recall_place not in RECALL_PLACES:

@@ -147,11 +147,18 @@ def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
     input loading its own byte took a load an input (on the H200, 2026-12-05: `small`'s down sum
     2.21 -> 1.89 ms a step, the up kernel 1.07 -> 1.02). The values ``model.checkpoint``
     dequantises, exact in fp32 (and in bf16: e2m1 times 2^k)."""
-    j = c0 // 2 + tl.arange(0, BLOCK // 2)
+    low, high = _fp4_pairs(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN)
+    return tl.interleave(low, high)
+
+
+@triton.jit
+def _fp4_pairs(w_ptr, sc_ptr, row, row_ok, j, IN):
+    """Bytes ``j`` of FP4 rows ``row`` (broadcast together, as are ``row_ok``) decoded: the
+    even inputs' values and the odd ones' (low and high nibbles), each times its 1 x 32 scale."""
     ok = row_ok & (j < IN // 2)
     code = tl.load(w_ptr + row * (IN // 2) + j, mask=ok, other=0).to(tl.int32)
     s = _ue8m0(tl.load(sc_ptr + row * tl.cdiv(IN, 32) + j // 16, mask=ok, other=0).to(tl.int32))
-    return tl.interleave(_e2m1(code & 0xF) * s, _e2m1(code >> 4) * s)
+    return _e2m1(code & 0xF) * s, _e2m1(code >> 4) * s
 
 
 @triton.jit
@@ -159,12 +166,8 @@ def _fp4_tile_t(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
     """``_fp4_tile``'s transpose, inputs [c0, c0 + BLOCK) down x rows across [BLOCK, R] for
     ``row`` / ``row_ok`` [1, R]: each row's bytes still one contiguous load (down the tile),
     both nibbles of a byte decoded and put in adjacent rows of the tile."""
-    j = c0 // 2 + tl.arange(0, BLOCK // 2)[:, None]
-    ok = row_ok & (j < IN // 2)
-    code = tl.load(w_ptr + row * (IN // 2) + j, mask=ok, other=0).to(tl.int32)
-    s = _ue8m0(tl.load(sc_ptr + row * tl.cdiv(IN, 32) + j // 16, mask=ok, other=0).to(tl.int32))
-    pairs = tl.permute(tl.join(_e2m1(code & 0xF) * s, _e2m1(code >> 4) * s), (0, 2, 1))
-    return tl.reshape(pairs, [BLOCK, row.shape[1]])
+    low, high = _fp4_pairs(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2)[:, None], IN)
+    return tl.reshape(tl.permute(tl.join(low, high), (0, 2, 1)), [BLOCK, row.shape[1]])
 
 
 @triton.jit
