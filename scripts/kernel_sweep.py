@@ -113,21 +113,8 @@ def moe_inputs(args: ModelArgs, batch: int, device) -> tuple[list, dict]:
 def fp4_experts(tensors: list, config: dict) -> tuple[list, dict]:
     """:func:`moe_inputs` as a packed model holds them: the routed experts FP4 (bytes and 1 x 32
     scales, stacked), the shared expert FP8 (128 x 128 scales), read as stored."""
-    from model.blockfp import quantize_fp8_weight
-    from model.checkpoint import quantize_fp4
-    from model.kernels.packed import Packed
-
-    def fp4(stack):
-        data, scale = quantize_fp4(stack.flatten(0, 1).float().cpu())
-        return data.view(*stack.shape[:2], -1).to(DEVICE), scale.view(*stack.shape[:2], -1).to(DEVICE)
-
-    def fp8(w):
-        data, scale = quantize_fp8_weight(w.float().cpu(), 128)
-        return Packed(data.to(DEVICE), scale.to(DEVICE), "fp8", (128, 128), w.shape[1], None)
-
-    routed = [fp4(t) for t in tensors[3:6]]
-    return ([*tensors[:3], *(d for d, _ in routed), *(fp8(t) for t in tensors[6:])],
-            {**config, "scales": tuple(c for _, c in routed)})
+    experts, scales = kbench.packed_experts(tuple(tensors[3:6]), tuple(tensors[6:]))
+    return [*tensors[:3], *experts], {**config, "scales": scales}
 
 
 def main() -> None:

@@ -130,10 +130,7 @@ def moe_launches(args: ModelArgs) -> None:
 def moe_fp4_launches(args: ModelArgs) -> None:
     """:func:`moe_launches` on a packed model's experts: the routed ones FP4 as stored (bytes
     and 1 x 32 scales), the shared one FP8 (128 x 128 scales)."""
-    from model.checkpoint import quantize_fp4
-    from model.blockfp import quantize_fp8_weight
     from model.kernels import moe
-    from model.kernels.packed import Packed
 
     g = torch.Generator().manual_seed(0)
     D, E, I = args.hidden_size, args.n_routed_experts, args.moe_intermediate_size
@@ -141,21 +138,13 @@ def moe_fp4_launches(args: ModelArgs) -> None:
     def w(*shape):
         return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).bfloat16()
 
-    def fp4(e, o, i):
-        data, scale = quantize_fp4(w(e * o, i).float())
-        return data.view(e, o, -1), scale.view(e, o, -1)
-
-    def fp8(o, i):
-        data, scale = quantize_fp8_weight(w(o, i).float(), 128)
-        return Packed(data, scale, "fp8", (128, 128), i, None)
-
-    (w1, c1), (w3, c3), (w2, c2) = fp4(E, I, D), fp4(E, I, D), fp4(E, D, I)
+    experts, scales = kbench.packed_experts((w(E, I, D), w(E, I, D), w(E, D, I)), (w(I, D), w(I, D), w(D, I)))
     early = moe.DOWN_EARLY
     moe.DOWN_EARLY = True
     try:
-        moe.moe_decode(w(1, D), w(E, D), torch.zeros(E), w1, w3, w2, fp8(I, D), fp8(I, D), fp8(D, I),
+        moe.moe_decode(w(1, D), w(E, D), torch.zeros(E), *experts,
                        top_k=args.num_experts_per_tok, scoring="sqrtsoftplus", temp=1.0, norm=True, scale=1.0,
-                       limit=10.0, out_dtype=torch.bfloat16, x_norm=(w(D), 1e-6), scales=(c1, c3, c2))
+                       limit=10.0, out_dtype=torch.bfloat16, x_norm=(w(D), 1e-6), scales=scales)
     finally:
         moe.DOWN_EARLY = early
 

@@ -14,7 +14,27 @@ import torch
 from model.args import ModelArgs
 from model.kernels import indexer_scores_ref, sparse_attention_ref, triton_available
 from model.blockfp import fake_quant_fp4, index_record_bytes, main_record_bytes, pack_index, pack_main, pack_window
-from model.blockfp import INDEX_BLOCK, window_record_bytes
+from model.blockfp import INDEX_BLOCK, quantize_fp8_weight, window_record_bytes
+
+
+def packed_experts(routed: tuple, shared: tuple) -> tuple[list, tuple]:
+    """Float experts as a packed model holds them, for ``moe_decode``: the routed stacks
+    (w1, w3 [E, I, D], w2 [E, D, I]) as FP4 bytes with their 1 x 32 scales, the shared
+    expert's weights as FP8 ``Packed`` (128 x 128 scales); each on its tensor's device.
+    -> ([w1, w3, w2, s1, s3, s2], the routed stacks' scales)."""
+    from model.checkpoint import quantize_fp4
+    from model.kernels.packed import Packed
+
+    def fp4(stack):
+        data, scale = quantize_fp4(stack.flatten(0, 1).float().cpu())
+        return data.view(*stack.shape[:2], -1).to(stack.device), scale.view(*stack.shape[:2], -1).to(stack.device)
+
+    def fp8(w):
+        data, scale = quantize_fp8_weight(w.float().cpu(), 128)
+        return Packed(data.to(w.device), scale.to(w.device), "fp8", (128, 128), w.shape[1], None)
+
+    stacks = [fp4(t) for t in routed]
+    return [*(d for d, _ in stacks), *(fp8(w) for w in shared)], tuple(c for _, c in stacks)
 
 
 def decode_shapes(args: ModelArgs, batch: int = 1, spare: int = 16) -> dict:
