@@ -31,7 +31,8 @@ the default skills' cases stay the same.
 
 Generation is greedy (temperature 0) and stops at EOS or after
 ``min(max_new_tokens, target tokens + SLACK)`` new tokens; a reply cut there is closed
-with EOS, as the agent closes it. Speculative decoding is off in every mode.
+with EOS, as the agent closes it. Speculative decoding is off in every mode but
+``speculative``.
 
 Scoring (0 or 1 per case):
 
@@ -66,6 +67,10 @@ Modes, one column each:
             between turns: the prompt without its turn's user message is logged, and the
             resumed Agent logs that message before it replies, as a chat resumed for its
             next question does
+  speculative  CED prefill, then DSpark speculative decoding (greedy: the same tokens as
+            ``ced`` but for float rounding flips, which ``identical_to_ced`` counts); per case
+            its verify forwards, proposals drafted and accepted. Not in the default modes
+            (MODES): asked for by name, of a checkpoint with draft stages
   prefix    another session (its prompt the case's system message and tools, then "Hello.")
             is stored first, once per system message, in a store the generator keeps; the
             case is then logged by a new Agent in that store, whose first prefill starts
@@ -100,6 +105,7 @@ from dsagent.corpus import (COLOURS, DEFAULT_KINDS, KINDS, NUMBER_WORDS, RECALL_
 from dsagent.runtime import Runtime
 from model.chat import EOS, encode_messages
 from model.dsml import DSMLError, parse_completion
+from model.dspark import Speculator, has_draft_stages
 from model.engine import Engine, Sampling
 from model.quant import KVFormat
 from model.tokenizer import Tokenizer
@@ -109,6 +115,8 @@ from sessions import Store
 HELD_OUT_SEED = 7919
 TRAIN_SEEDS = (31, 34, 60, 74, 80, 82, 84, 90, 92, 94)  # the corpus seeds the embedded default learnt from (model/assets/default/TRAINING.json)
 MODES = ("exact", "ced", "float-kv", "resume", "prefix")
+SPECULATIVE = "speculative"  # asked for by name: CED with DSpark (a checkpoint with draft stages)
+KNOWN_MODES = MODES + (SPECULATIVE,)
 SKILLS = (*DEFAULT_KINDS, "r")  # the default: the corpus kinds a-e, and r: kind b's records cut after the tool results
 TURN_SKILLS = ("f",)  # a case per turn (about five a record), asked for by name
 KNOWN_SKILLS = (*SKILLS, *TURN_SKILLS)
@@ -247,7 +255,7 @@ def check_config(*, skills: Sequence[str] = SKILLS, modes: Sequence[str] = MODES
     if words not in ("closed", "held-out"):  # the open vocabulary's training half is never evaluated
         raise EvalConfigError(f"unknown words {words!r}: use closed (the corpus's lists) or held-out (the open "
                               f"vocabulary's half that training never draws from)")
-    for what, given, known in (("skill", skills, KNOWN_SKILLS), ("mode", modes, MODES)):
+    for what, given, known in (("skill", skills, KNOWN_SKILLS), ("mode", modes, KNOWN_MODES)):
         bad = [x for x in given if x not in known]
         if bad or not given:
             raise EvalConfigError(f"unknown {what}(s) {bad}: use some of {','.join(known)}")
@@ -378,8 +386,16 @@ class ModelGenerator:
         ids, images = prompt_inputs(self.rt, case)
         engine.prefill(state, ids, images=images)
         eos = self.rt.tokenizer.eos_id
-        out = list(engine.generate(state, Sampling(max_new_tokens=self.budget(case), stop_ids=(eos,))))
-        stats = {"prompt_tokens": ids.shape[1], "completion_tokens": len(out)}
+        params = Sampling(max_new_tokens=self.budget(case), stop_ids=(eos,))
+        stats = {"prompt_tokens": ids.shape[1]}
+        if mode == SPECULATIVE:  # a drafter of its own per case: no context carried from another
+            spec = Speculator(self.rt.model, engine)
+            out = list(spec.generate(state, params, ids[0]))
+            stats |= {"verify_forwards": spec.stats.forwards, "drafted": spec.stats.drafted,
+                      "accepted": spec.stats.accepted, "emitted": spec.stats.emitted}
+        else:
+            out = list(engine.generate(state, params))
+        stats["completion_tokens"] = len(out)
         if not out or out[-1] != eos:
             out.append(eos)  # closed as the agent closes a cut reply
         return Completion(self.rt.tokenizer.decode(out), stats)
@@ -498,6 +514,19 @@ class EvalResult:
     def seconds(self, mode: str) -> float:
         return sum(r.seconds for r in self.results if r.mode == mode)
 
+    def speculation(self, mode: str = SPECULATIVE) -> dict | None:
+        """DSpark over ``mode``'s cases (None where it did not run): per verify forward the
+        proposals accepted and the tokens emitted (accepted + the bonus token), the
+        proposals the confidence head chose to verify, and the share of them accepted."""
+        stats = [r.stats for r in self.results if r.mode == mode and "verify_forwards" in r.stats]
+        if not stats:
+            return None
+        total = {k: sum(s[k] for s in stats) for k in ("verify_forwards", "drafted", "accepted", "emitted")}
+        n = max(1, total["verify_forwards"])
+        return total | {"accepted_per_verify": total["accepted"] / n, "tokens_per_verify": total["emitted"] / n,
+                        "block_length": total["drafted"] / n,
+                        "acceptance_rate": total["accepted"] / max(1, total["drafted"])}
+
     def identical_to_ced(self, mode: str) -> float | None:
         """Fraction of cases whose ``mode`` reply equals the ``ced`` reply (None without ced)."""
         ced = {r.case: r.reply for r in self.results if r.mode == "ced"}
@@ -517,6 +546,8 @@ class EvalResult:
             out["turn_index"] = self._turns_json(lambda s: [str(t) for t in self.turn_indices(s)])
             out["after_cut"] = {s: {m: _cell_json(*self.after_cut_cell(s, m)) for m in self.modes}
                                 for s in self.turn_skills()}
+        if SPECULATIVE in self.modes:
+            out["speculation"] = self.speculation()
         return out | {"identical_to_ced": {m: self.identical_to_ced(m) for m in self.modes if m != "ced"},
                       "seconds": {m: round(self.seconds(m), 3) for m in self.modes},
                       "cases": [asdict(r) for r in self.results]}
@@ -552,6 +583,9 @@ def run_eval(runtime: Runtime, *, n: int = 10, seed: int = HELD_OUT_SEED, skills
              recall_tokens: tuple[int, int] = RECALL_TOKENS, recall_place: str = "first", words: str = "closed",
              progress: Callable[[int, int], None] | None = None) -> EvalResult:
     """The held-out evaluation of ``runtime``'s model: ``n`` cases per skill, every mode."""
+    if SPECULATIVE in modes and not has_draft_stages(runtime.model):
+        raise EvalConfigError("the speculative mode needs a checkpoint with DSpark draft stages (mtp.*); "
+                              "this one has none")
     cases = make_cases(runtime.tokenizer, n=n, seed=seed, skills=skills, recall_tokens=recall_tokens,
                        recall_place=recall_place, words=words)
     generator = ModelGenerator(runtime, max_new_tokens=max_new_tokens)

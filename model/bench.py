@@ -474,6 +474,50 @@ def bench_speculative(model: Transformer, ctx: int, *, gen: int = 64, chunk: int
             "greedy_agreement": agreement(fast, plain)}
 
 
+def bench_speculative_replies(model: Transformer, prompts: list[tuple[torch.Tensor, object, int]], *,
+                              stop_ids: tuple[int, ...] = (), chunk: int = 512, repeats: int = 4) -> dict:
+    """DSpark on real replies: each prompt (ids [1, N], its image inputs or None, a token
+    budget) CED-prefilled once, then its greedy reply plain and speculative from copies of
+    that state, each timed (the copies made outside the clock). Beside tokens/s both ways:
+    per verify forward the proposals accepted, the tokens emitted and the block length the
+    confidence head chose; the cost of verifying a whole block against one decode step
+    (the first prompt's state), which also sets the speculator's cost per extra token; and
+    the replies that differ (a float rounding flip: batch-shape order of sums)."""
+    from model.dspark import Speculator
+
+    engine, block = engine_for(model, mode="ced", chunk=chunk), model.args.dspark_block_size
+    cost, verify_over_decode = None, None
+    plain_s = spec_s = 0.0
+    plain_n = spec_n = differ = 0
+    totals = {"forwards": 0, "drafted": 0, "accepted": 0, "emitted": 0}
+    for ids, images, budget in prompts:
+        state = engine.new_state()
+        engine.prefill(state, ids, images=images)
+        if cost is None:
+            anchor = int(state.last_logits.argmax())
+            step_s = _forward_seconds(model, state, [anchor], repeats)
+            verify_s = _forward_seconds(model, state, [anchor] + ids[0, -block:].tolist(), repeats)
+            verify_over_decode = verify_s / step_s
+            cost = max(0.0, verify_over_decode - 1) / block
+        params = Sampling(max_new_tokens=budget, stop_ids=stop_ids)
+        one, two = copy.deepcopy(state), copy.deepcopy(state)
+        plain, secs = _timed(lambda: list(engine.generate(one, params)), model.device)
+        plain_s, plain_n = plain_s + secs, plain_n + len(plain)
+        spec = Speculator(model, engine, extra_token_cost=cost)
+        fast, secs = _timed(lambda: list(spec.generate(two, params, ids[0])), model.device)
+        spec_s, spec_n, differ = spec_s + secs, spec_n + len(fast), differ + (fast != plain)
+        for k in totals:
+            totals[k] += getattr(spec.stats, k)
+    n = max(1, totals["forwards"])
+    plain_rate, spec_rate = plain_n / plain_s, spec_n / spec_s
+    return {"bench": "speculative_replies", "replies": len(prompts), "block_size": block,
+            "plain_tokens": plain_n, "spec_tokens": spec_n, "replies_differing": differ,
+            "verify_over_decode": verify_over_decode, "extra_token_cost": cost, "verify_forwards": totals["forwards"],
+            "accepted_per_verify": totals["accepted"] / n, "tokens_per_verify": totals["emitted"] / n,
+            "block_length": totals["drafted"] / n, "acceptance_rate": totals["accepted"] / max(1, totals["drafted"]),
+            "plain_tokens_per_s": plain_rate, "spec_tokens_per_s": spec_rate, "speedup": spec_rate / plain_rate}
+
+
 def _forward_seconds(model: Transformer, state: State, ids: list[int], repeats: int) -> float:
     """Mean seconds of one target forward over ``ids`` from ``state`` (rolled back each time,
     after one warm-up)."""

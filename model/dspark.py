@@ -40,7 +40,7 @@ from model.layer import RMSNorm, Step, embedding
 from model.linear import ALONE, Linear, World, grouped_linear
 from model.block import Attention, Block, hc_collapse
 from model.moe import MoE
-from model.quant import fake_quant_fp8
+from model.quant import fake_quant_fp8, straight_through
 from model.rope import apply_rope
 
 if TYPE_CHECKING:
@@ -68,18 +68,34 @@ class DraftAttention(Attention):
         """Context entries (pre-FP8) of features c [B, S, D]: this stage's wkv, kv_norm, RoPE."""
         return apply_rope(self.kv_norm(self.wkv(c)), positions, ropes.main)
 
-    def forward(self, x: torch.Tensor, step: Step, ctx: "DraftContext", ropes) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step, ctx, ropes) -> torch.Tensor:
+        """Blocks x [B, S, D] against the context entries ``ctx.window`` gives this stage:
+        (entries [b, L, hd], which of them each block sees [b, L], the block positions [S]
+        shared by every row or [B, S] one row each); b is 1 (shared) or B."""
         B, S, _ = x.shape
-        pos = step.positions(x.device)
+        old, seen, pos = ctx.window(self, step, ropes)
         q_res = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, ropes.main)
-        kv = fake_quant_fp8(apply_rope(self.kv_norm(self.wkv(x)), pos, ropes.main))
-        old, old_pos = ctx.rings[self.stage].read()
-        seen = (old_pos >= 0) & (old_pos < step.start) & (old_pos >= step.start - self.args.sliding_window)
-        mask = torch.cat([seen, torch.ones(S, dtype=torch.bool, device=x.device)]).expand(S, -1)
-        out = self.attend(q, torch.cat([old.to(kv.dtype), kv], dim=1), mask[None], None)
-        out = apply_rope(out, pos, ropes.main, inverse=True)
+        q = rope_rows(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, ropes.main)
+        kv = fp8_entries(rope_rows(self.kv_norm(self.wkv(x)), pos, ropes.main))
+        mask = torch.cat([seen[:, None, :].expand(-1, S, -1),
+                          torch.ones(seen.shape[0], S, S, dtype=torch.bool, device=x.device)], dim=-1)
+        keys = torch.cat([old.to(kv.dtype).expand(B, -1, -1), kv], dim=1)
+        out = rope_rows(self.attend(q, keys, mask, None), pos, ropes.main, inverse=True)
         return self.wo_b(grouped_linear(self.wo_a, out.flatten(2), self.o_groups))
+
+
+def rope_rows(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``apply_rope`` at positions [S] shared by the rows of x [B, S, ...], or [B, S] one row each."""
+    if pos.dim() == 1:
+        return apply_rope(x, pos, inv_freq, inverse=inverse)
+    flat = x.reshape(1, -1, *x.shape[2:])
+    return apply_rope(flat, pos.reshape(-1), inv_freq, inverse=inverse).view_as(x)
+
+
+def fp8_entries(kv: torch.Tensor) -> torch.Tensor:
+    """Entries as the FP8 ring holds them; the identity's gradient where one is wanted (training)."""
+    q = fake_quant_fp8(kv.detach())
+    return straight_through(kv, q) if kv.requires_grad else q
 
 
 class MarkovHead(nn.Module):
@@ -101,8 +117,11 @@ class ConfidenceHead(nn.Module):
         super().__init__()
         self.proj = nn.Linear(dim, 1, bias=False)
 
+    def logit(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
+        return self.proj(torch.cat([h, prev_emb.to(h.dtype)], dim=-1)).float().squeeze(-1)
+
     def forward(self, h: torch.Tensor, prev_emb: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.proj(torch.cat([h, prev_emb.to(h.dtype)], dim=-1)).float()).squeeze(-1)
+        return torch.sigmoid(self.logit(h, prev_emb))
 
 
 class DraftStage(Block):
@@ -167,16 +186,22 @@ class DSpark(nn.ModuleList):
 
     def hidden(self, target: Transformer, anchor: int, start: int, ctx: "DraftContext") -> torch.Tensor:
         """Normed hidden [S, D] of the block [anchor, noise...] at positions start.. (S = block size)."""
+        anchors = torch.tensor([anchor], device=target.device)
+        return self.hidden_rows(target, anchors, Step(start=start, length=self.args.dspark_block_size), ctx)[0]
+
+    def hidden_rows(self, target: Transformer, anchors: torch.Tensor, step: Step, ctx) -> torch.Tensor:
+        """Normed hidden [N, S, D] of N blocks [anchor_n, noise...]; where each block sits and
+        what context it sees is ``ctx.window``'s (one block at ``step``'s positions in
+        decoding, many at their own in training: ``model.draft_training``)."""
         a = self.args
-        ids = torch.full((1, a.dspark_block_size), a.dspark_noise_token_id, device=target.device)
-        ids[0, 0] = anchor
+        ids = torch.full((anchors.shape[0], a.dspark_block_size), a.dspark_noise_token_id, device=anchors.device)
+        ids[:, 0] = anchors
         streams = target.embed(ids).unsqueeze(2).expand(-1, -1, a.hc_mult, -1).contiguous()
         pre = torch.zeros(*streams.shape[:-1], dtype=torch.float32, device=streams.device)
         pre[..., 0] = 1.0
-        step = Step(start=start, length=a.dspark_block_size)
         for stage in self:
             streams, pre = stage(streams, pre, step, ctx, target.ropes)
-        return self[-1].norm(hc_collapse(streams, pre))[0]
+        return self[-1].norm(hc_collapse(streams, pre))
 
     def block_logits(self, target: Transformer, anchor: int, start: int,
                      ctx: "DraftContext") -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,6 +242,13 @@ class DraftContext:
         for ring in self.rings:
             ring.truncate(length)
         self.length = min(self.length, length)
+
+    def window(self, attn: DraftAttention, step: Step, ropes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stage's ring entries, those of the ``sliding_window`` positions before the block,
+        and the block's positions (``DraftAttention.forward``)."""
+        old, old_pos = self.rings[attn.stage].read()
+        seen = (old_pos >= 0) & (old_pos < step.start) & (old_pos >= step.start - attn.args.sliding_window)
+        return old, seen[None], step.positions(old.device)
 
 
 # ----------------------------------------------------------------------------- sampling helpers

@@ -191,13 +191,15 @@ def bind_tokenizer(model: Transformer, tokenizer_json: Path | None) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: Transformer, seed: int) -> None:
+def init_weights(model: torch.nn.Module, seed: int, prefix: str = "", device=None) -> None:
     """Seeded random weights with sane scales: N(0, 1/fan_in) linears, unit norms, small hc.
     The generator lives on the model's device (fast for GPU-sized presets), so the same seed
-    gives other weights on another device type; the fingerprint records it."""
-    g = torch.Generator(device=model.device).manual_seed(seed)
+    gives other weights on another device type; the fingerprint records it. ``prefix``: the
+    module's place in a model (its parameters are named as there, e.g. ``mtp.``);
+    ``device``: where the generator lives when ``model`` has no ``device`` of its own."""
+    g = torch.Generator(device=device or model.device).manual_seed(seed)
     for name, p in model.named_parameters():
-        p.copy_(_init_value(name, p, g))
+        p.copy_(_init_value(prefix + name, p, g))
 
 
 def _init_value(name: str, p: torch.Tensor, g: torch.Generator) -> torch.Tensor:

@@ -98,10 +98,13 @@ def quantised_weights(model: nn.Module):
                     qat.ready = None
 
 
-def add_weight_qat(model: Transformer, expert_dtype: str = "fp4", block: int = DEFAULT_BLOCK) -> int:
-    """Make every stored-as-FP8/FP4/BF16 parameter read as its checkpoint value; returns how many."""
+def add_weight_qat(model: Transformer, expert_dtype: str = "fp4", block: int = DEFAULT_BLOCK, only: str = "") -> int:
+    """Make every stored-as-FP8/FP4/BF16 parameter read as its checkpoint value (``only``: those
+    whose names start so, e.g. the draft stages' ``mtp.``); returns how many."""
     n = 0
     for name, p in list(model.named_parameters()):
+        if not name.startswith(only):
+            continue
         fmt = stored_format(name, tuple(p.shape), expert_dtype)
         if fmt == "f32":
             continue

@@ -42,6 +42,9 @@ from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RecallStyle,  
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
+from model.draft_training import (add_draft_stages, draft_losses, draft_parameters, pick_anchors,  # noqa: E402
+                                  prefix_run, self_distilled)
+from model.draft_training import learning_rate as draft_learning_rate  # noqa: E402
 from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, batch_loss,  # noqa: E402
                             batch_for, official_name, param_groups, plain_state_dict, quantised_weights,
                             write_trained)
@@ -57,6 +60,9 @@ OOM_STREAK = 10  # steps out of memory in a row that end a run (checkpoint writt
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--stage", choices=("backbone", "drafts"), default="backbone",
+                   help="backbone: the network itself; drafts: the DSpark draft stages of the --init checkpoint, "
+                        "its backbone frozen, on its own greedy replies to the corpus (model.draft_training)")
     p.add_argument("--minutes", type=float, default=18.0, help="wall-clock training budget (all runs together)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=0, help="corpus seed and weight seed")
@@ -130,6 +136,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=max(1, (mp.cpu_count() or 2) - 2))
     p.add_argument("--log-every", type=int, default=25)
     p.add_argument("--max-steps", type=int, default=0, help="stop after this many steps (0: time only)")
+    p.add_argument("--draft-records", type=int, default=1200,
+                   help="drafts: corpus records whose replies the model answers greedily to train on")
+    p.add_argument("--draft-held-out", type=int, default=60,
+                   help="drafts: records of another seed whose replies score the drafts at every log")
+    p.add_argument("--draft-batch", type=int, default=32, help="drafts: replies a step")
+    p.add_argument("--draft-anchors", type=int, default=8, help="drafts: blocks drawn from each reply a step")
     p.add_argument("--stop-minutes", type=float, default=0.0,
                    help="end this invocation after this many minutes of training (state and checkpoint "
                         "written; a rerun with the same --out continues the --minutes budget and its schedule)")
@@ -649,8 +661,163 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
     return info
 
 
+# ----------------------------------------------------------------------------- the drafts stage
+
+DRAFT_HELD_OUT_SEED = 104729  # the drafts' held-out replies: records no stage trains on
+
+
+def _distil_worker(job):
+    """One worker's share of the records, self-distilled (a process of its own: one thread)."""
+    init, seed, indices, schedule, open_words = job
+    torch.set_num_threads(1)
+    model = load(str(init))
+    tok = Tokenizer.of(model)
+
+    def example(i: int) -> Example:
+        record = make_record(seed, i, schedule[i % len(schedule)], tok, words=words_for(seed, i, open_words))
+        return training_example(record, tok, model.args)
+
+    if not indices:
+        return [], {}
+    # the system prompt every record starts with (two records share it), run once and forked
+    one, two = example(indices[0]), example(indices[0] + 1)
+    prefix = prefix_run(model, [int(t) for t in one.ids[:common_length(one.ids, two.ids) - 1]])
+    samples, counts = [], {}
+    for k, i in enumerate(indices):
+        got, c = self_distilled(model, one if k == 0 else example(i), prefix=prefix)
+        samples += got
+        for name, v in c.items():
+            counts[name] = counts.get(name, 0) + v
+        if k % 100 == 99:
+            print(json.dumps({"distilled": k + 1, "of": len(indices), "seed": seed, "replies": len(samples)}),
+                  flush=True)
+    return samples, counts
+
+
+def common_length(x, y) -> int:
+    """How many ids ``x`` and ``y`` share from the start."""
+    n = min(len(x), len(y))
+    return next((i for i in range(n) if x[i] != y[i]), n)
+
+
+def distil(a, seed: int, n: int, cache: Path) -> tuple[list, dict]:
+    """The self-distilled replies of records 0..n-1 of ``seed`` (kept in ``cache``: a rerun reads them)."""
+    if cache.is_file():
+        saved = torch.load(cache, weights_only=False)
+        return saved["samples"], saved["counts"]
+    workers = max(1, a.workers)
+    jobs = [(a.init, seed, list(range(w, n, workers)), a.schedule, a.open_words) for w in range(workers)]
+    if workers == 1:
+        results = [_distil_worker(jobs[0])]
+    else:
+        with mp.get_context("fork").Pool(workers) as pool:
+            results = pool.map(_distil_worker, jobs)
+    samples, counts = [], {}
+    for got, c in results:
+        samples += got
+        for k, v in c.items():
+            counts[k] = counts.get(k, 0) + v
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"samples": samples, "counts": counts}, cache)
+    return samples, counts
+
+
+@torch.no_grad()
+def score_drafts(model, samples: list) -> dict:
+    """Every block of every held-out reply: greedy proposals accepted per block (blocks verified
+    whole), the mean confidence and 1 - TV."""
+    totals = {"blocks": 0, "accepted": 0.0, "confidence": 0.0, "accept_rate": 0.0}
+    for at in range(0, len(samples), 16):
+        part = samples[at: at + 16]
+        got = draft_losses(model, part, [list(s.anchors) for s in part])
+        totals["blocks"] += got.blocks
+        totals["accepted"] += got.accepted
+        totals["confidence"] += got.confidence_mean * got.blocks
+        totals["accept_rate"] += got.accept_rate * got.blocks
+    n = max(1, totals["blocks"])
+    return {"held_out_blocks": totals["blocks"], "held_out_accepted": round(totals["accepted"] / n, 3),
+            "held_out_confidence": round(totals["confidence"] / n, 3),
+            "held_out_accept_rate": round(totals["accept_rate"] / n, 3)}
+
+
+def train_drafts(a) -> dict:
+    """The drafts stage: self-distil, train the draft stages alone, write --init's model with them."""
+    if not a.init:
+        raise SystemExit("--stage drafts trains the draft stages of a trained model: give it --init")
+    torch.manual_seed(a.seed)
+    t0 = time.time()
+    data = a.out / "drafts"
+    samples, counts = distil(a, a.seed, a.draft_records, data / f"samples-{a.seed}-{a.draft_records}.pt")
+    held, held_counts = distil(a, DRAFT_HELD_OUT_SEED, a.draft_held_out,
+                               data / f"held-{DRAFT_HELD_OUT_SEED}-{a.draft_held_out}.pt")
+    distil_s = time.time() - t0
+    print(json.dumps({"replies": len(samples), **counts, "held_out_replies": len(held), "seconds": round(distil_s)}),
+          flush=True)
+    model = load(str(a.init), device=a.device)
+    add_draft_stages(model, a.seed)
+    add_weight_qat(model, only="mtp.")
+    model.train()
+    params = draft_parameters(model)
+    opt = torch.optim.AdamW(params, lr=a.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    loads = ExpertLoads(model.mtp)
+    rng = random.Random(f"drafts:{a.seed}")
+    history, step, began = [], 0, time.time()
+    window = torch.zeros(5, dtype=torch.float64)
+    while time.time() - began < a.minutes * 60 and not (a.max_steps and step >= a.max_steps):
+        progress = step / a.max_steps if a.max_steps else (time.time() - began) / (a.minutes * 60)
+        for g in opt.param_groups:
+            g["lr"] = draft_learning_rate(a.lr, step, progress, a.warmup)
+        batch = rng.sample(samples, min(a.draft_batch, len(samples)))
+        opt.zero_grad(set_to_none=True)
+        with quantised_weights(model):
+            losses = draft_losses(model, batch, pick_anchors(batch, a.draft_anchors, rng))
+            losses.total.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        worst = loads.update_bias(a.bias_rate)
+        step += 1
+        window += torch.tensor([losses.ce, losses.l1, losses.confidence, losses.accepted, losses.blocks],
+                               dtype=torch.float64)
+        if step % a.log_every == 0:
+            ce, l1, conf, accepted, blocks = window.tolist()
+            n = a.log_every
+            model.eval()
+            with quantised_weights(model):
+                scored = score_drafts(model, held)
+            model.train()
+            entry = {"step": step, "seconds": round(time.time() - began, 1), "ce": round(ce / n, 4),
+                     "l1": round(l1 / n, 4), "confidence_loss": round(conf / n, 4),
+                     "accepted": round(accepted / max(1, blocks), 3), "max_load": round(worst, 2),
+                     "lr": round(opt.param_groups[0]["lr"], 6), **scored}
+            history.append(entry)
+            print(json.dumps(entry), flush=True)
+            window.zero_()
+    loads.close()
+    model.eval()
+    out = a.out / "model"
+    if out.exists():
+        for f in sorted(out.rglob("*"), reverse=True):
+            f.unlink() if f.is_file() else f.rmdir()
+    write_trained(model, out)
+    stage = {"command": command_line(), "seed": a.seed, "init": str(a.init), "corpus_version": CORPUS_VERSION,
+             "records": a.draft_records, "schedule": a.schedule, "open_words": a.open_words,
+             "held_out": {"seed": DRAFT_HELD_OUT_SEED, "records": a.draft_held_out, "replies": len(held)},
+             "replies": len(samples), **counts, "distil_seconds": round(distil_s, 1), "steps": step,
+             "seconds": round(time.time() - began, 1), "lr": a.lr, "batch": a.draft_batch,
+             "anchors": a.draft_anchors, "device": a.device, "torch": torch.__version__,
+             "last": history[-1:] or None}
+    prior = Path(a.init) / "TRAINING.json"
+    info = json.loads(prior.read_text()) if prior.is_file() else {}
+    info["drafts"] = stage
+    (out / "TRAINING.json").write_text(json.dumps(info, indent=1) + "\n")
+    return stage
+
+
 def main(argv=None) -> None:
     a = parse_args(argv)
+    if a.stage == "drafts":
+        print(json.dumps(train_drafts(a)), flush=True)
+        return
     if not a.schedule or set(a.schedule) - set(KINDS):
         raise SystemExit(f"--schedule {a.schedule!r}: want letters of {''.join(KINDS)}")
     if not a.kinds or set(a.kinds) - set(a.schedule):

@@ -234,6 +234,31 @@ def test_cli_eval_json_on_the_embedded_default(monkeypatch, tmp_path):
     assert prefixed["prompt_tokens"] == prefixed["log_tokens"] - 2048
 
 
+def test_speculative_mode_replies_as_ced_does_and_counts_its_verifies(runtime):
+    """The embedded default has trained draft stages: on held-out cases its speculative replies
+    are ced's, token for token, and most verify forwards accept proposals."""
+    cases = make_cases(runtime.tokenizer, n=1, skills=["a", "b", "r"])
+    generator = ModelGenerator(runtime)
+    result = evaluate(generator, cases, ["ced", "speculative"])
+    assert result.identical_to_ced("speculative") == 1.0
+    assert all(result.cell(s, "speculative") == result.cell(s, "ced") for s in ("a", "b", "r"))
+    spec = result.speculation()
+    assert spec["verify_forwards"] > 0 and spec["accepted_per_verify"] > 1.0
+    assert spec["tokens_per_verify"] == pytest.approx(spec["accepted_per_verify"] + 1)
+    assert result.to_json()["speculation"] == spec
+
+
+def test_cli_eval_speculative_flag_and_a_model_without_draft_stages(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(cli.app, ["eval", "--n", "1", "--skills", "b", "--modes", "ced", "--speculative",
+                                     "--max-new-tokens", "8", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["modes"] == ["ced", "speculative"] and out["speculation"]["verify_forwards"] > 0
+    r = CliRunner().invoke(cli.app, ["eval", "--preset", "tiny", "--n", "1", "--skills", "b", "--speculative"])
+    assert r.exit_code == 2 and "draft stages" in r.output
+
+
 def test_cli_eval_refuses_bad_flags_before_loading():
     assert CliRunner().invoke(cli.app, ["eval", "--skills", "a,x"]).exit_code == 2
     assert CliRunner().invoke(cli.app, ["eval", "--seed", str(TRAIN_SEEDS[0])]).exit_code == 2

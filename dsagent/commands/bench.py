@@ -126,7 +126,10 @@ def prefill(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: i
 def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int = CTX,
            device: str = DEVICE, as_json: bool = JSON,
            speculative: bool = typer.Option(False, "--speculative", help="DSpark: verify cost, accepted length, "
-                                                                          "tokens per target forward."),
+                                                                          "tokens per target forward; of a "
+                                                                          "checkpoint, on the evaluation's replies."),
+           cases: int = typer.Option(4, "--cases", min=1, help="With --speculative, of a checkpoint: held-out "
+                                                               "evaluation cases per skill (a-e, r) to reply to."),
            paths: bool = typer.Option(False, "--paths", help="Step time with each fast path (CUDA graphs, kernels, "
                                                             "grouped experts) turned off in turn."),
            profiled: bool = typer.Option(False, "--profile", help="Kernels per step and the ones that take "
@@ -147,7 +150,23 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
             raise FlagError("--gpus N > 1 times the plain step only: leave out --speculative, --paths, --profile "
                             "and --host")
         with _runtime(model, preset, device, gpus) as rt:
+            if speculative and preset is None:
+                return _emit(_speculative_replies(rt, cases), as_json)
             _decode(rt.model, ctx, as_json, speculative, paths, profiled, chained, host, batch)
+
+
+def _speculative_replies(rt: Runtime, cases: int) -> dict:
+    """DSpark on a checkpoint: the replies to ``cases`` held-out evaluation cases per skill."""
+    from dsagent.evaluate import MAX_NEW_TOKENS, SKILLS, SLACK, make_cases, prompt_inputs
+    from model.dspark import SpeculationUnavailable, has_draft_stages
+
+    if not has_draft_stages(rt.model):
+        raise SpeculationUnavailable("this checkpoint has no DSpark draft stages (mtp.*); run without --speculative")
+    held = make_cases(rt.tokenizer, n=cases, skills=SKILLS)
+    prompts = [(*prompt_inputs(rt, c), min(MAX_NEW_TOKENS, c.expected_tokens + SLACK)) for c in held]
+    result = _measure().bench_speculative_replies(rt.model, prompts, stop_ids=(rt.tokenizer.eos_id,),
+                                                  chunk=rt.engine.chunk)
+    return {**result, "cases": f"{cases} per skill of {','.join(SKILLS)} (seed 7919)"}
 
 
 def _decode(m, ctx, as_json, speculative, paths, profiled, chained, host, batch) -> None:

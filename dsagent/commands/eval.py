@@ -27,6 +27,7 @@ from dsagent.settings import FlagError, resolve
 # and dsagent.corpus's RECALL_TOKENS
 HELD_OUT_SEED = 7919
 MODES = ("exact", "ced", "float-kv", "resume", "prefix")
+SPECULATIVE = "speculative"
 SKILLS = ("a", "b", "c", "d", "e", "r")
 MAX_NEW_TOKENS = 128
 RECALL_TOKENS = (2000, 6000)
@@ -41,7 +42,10 @@ def eval_command(
                                                                    "c images, d recall, e multi-turn, r reading "
                                                                    "tool results back; and f, mixed conversations "
                                                                    "scored per turn (not in the default)."),
-    modes: str = typer.Option(",".join(MODES), "--modes", help="Comma-separated: " + ", ".join(MODES) + "."),
+    modes: str = typer.Option(",".join(MODES), "--modes", help="Comma-separated: " + ", ".join(MODES) + ", and "
+                              "speculative (CED with DSpark; not in the default)."),
+    speculative: bool = typer.Option(False, "--speculative", help="Add the speculative mode (CED prefill, DSpark "
+                                     "decoding: its accuracy, replies the same as ced's, tokens per verify)."),
     max_new_tokens: int = typer.Option(MAX_NEW_TOKENS, "--max-new-tokens", min=1, help="Cap on new tokens per "
                                        "reply (each is also capped at its target's length + 16)."),
     recall_tokens: str = typer.Option(f"{RECALL_TOKENS[0]},{RECALL_TOKENS[1]}", "--recall-tokens",
@@ -69,6 +73,7 @@ def eval_command(
             raise FlagError(f"--recall-tokens takes LO,HI (two integers), not {recall_tokens!r}") from None
         from dsagent.evaluate import EvalConfigError, check_config, run_eval
 
+        modes = modes + f",{SPECULATIVE}" if speculative and SPECULATIVE not in _split(modes) else modes
         try:
             check_config(skills=_split(skills), modes=_split(modes), seed=seed, recall_tokens=lengths,
                          recall_place=recall_place, words=words)
@@ -76,9 +81,12 @@ def eval_command(
             raise FlagError(str(e)) from None
         rt = _runtime(model, preset, device)
         with load_progress(err, "evaluating", unit="cases") as progress:
-            result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
-                              max_new_tokens=max_new_tokens, recall_tokens=lengths, recall_place=recall_place,
-                              words=words, progress=progress)
+            try:
+                result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
+                                  max_new_tokens=max_new_tokens, recall_tokens=lengths, recall_place=recall_place,
+                                  words=words, progress=progress)
+            except EvalConfigError as e:
+                raise FlagError(str(e)) from None
     if as_json:
         typer.echo(json.dumps(result.to_json(), indent=2, ensure_ascii=False))
     else:
@@ -124,6 +132,10 @@ def result_table(result) -> Table:
     same = [result.identical_to_ced(m) for m in result.modes]
     t.add_row("same reply as ced", *("" if s is None or m == "ced" else f"{s:.0%}" for s, m in zip(same, result.modes)))
     t.add_row("seconds", *(f"{result.seconds(m):.1f}" for m in result.modes))
+    spec = result.speculation() if SPECULATIVE in result.modes else None
+    if spec is not None:
+        t.add_row("tokens per verify", *(f"{spec['tokens_per_verify']:.2f}" if m == SPECULATIVE else ""
+                                         for m in result.modes))
     return t
 
 
