@@ -666,32 +666,29 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
 DRAFT_HELD_OUT_SEED = 104729  # the drafts' held-out replies: records no stage trains on
 
 
-def _distil_worker(job):
-    """One worker's share of the records, self-distilled (a process of its own: one thread)."""
-    init, seed, indices, schedule, open_words = job
+_DISTIL: dict = {}  # a distilling process's model, tokenizer, corpus settings and shared prefix
+
+
+def _distil_init(init, seed: int, schedule: str, open_words: float) -> None:
+    """A distilling process: one thread, the model loaded, the system prompt every record starts
+    with (records 0 and 1 share it) run once to fork from."""
     torch.set_num_threads(1)
     model = load(str(init))
-    tok = Tokenizer.of(model)
+    _DISTIL.update(model=model, tok=Tokenizer.of(model), seed=seed, schedule=schedule, open_words=open_words)
+    one, two = _distil_example(0), _distil_example(1)
+    _DISTIL["prefix"] = prefix_run(model, [int(t) for t in one.ids[:common_length(one.ids, two.ids) - 1]])
 
-    def example(i: int) -> Example:
-        record = make_record(seed, i, schedule[i % len(schedule)], tok, words=words_for(seed, i, open_words))
-        return training_example(record, tok, model.args)
 
-    if not indices:
-        return [], {}
-    # the system prompt every record starts with (two records share it), run once and forked
-    one, two = example(indices[0]), example(indices[0] + 1)
-    prefix = prefix_run(model, [int(t) for t in one.ids[:common_length(one.ids, two.ids) - 1]])
-    samples, counts = [], {}
-    for k, i in enumerate(indices):
-        got, c = self_distilled(model, one if k == 0 else example(i), prefix=prefix)
-        samples += got
-        for name, v in c.items():
-            counts[name] = counts.get(name, 0) + v
-        if k % 100 == 99:
-            print(json.dumps({"distilled": k + 1, "of": len(indices), "seed": seed, "replies": len(samples)}),
-                  flush=True)
-    return samples, counts
+def _distil_example(i: int) -> Example:
+    d = _DISTIL
+    record = make_record(d["seed"], i, d["schedule"][i % len(d["schedule"])], d["tok"],
+                         words=words_for(d["seed"], i, d["open_words"]))
+    return training_example(record, d["tok"], d["model"].args)
+
+
+def _distil_one(i: int):
+    """Record ``i``'s replies, self-distilled."""
+    return self_distilled(_DISTIL["model"], _distil_example(i), prefix=_DISTIL["prefix"])
 
 
 def common_length(x, y) -> int:
@@ -701,22 +698,28 @@ def common_length(x, y) -> int:
 
 
 def distil(a, seed: int, n: int, cache: Path) -> tuple[list, dict]:
-    """The self-distilled replies of records 0..n-1 of ``seed`` (kept in ``cache``: a rerun reads them)."""
+    """The self-distilled replies of records 0..n-1 of ``seed``, in record order, over --workers
+    processes taking records as they free up (kept in ``cache``: a rerun reads them)."""
     if cache.is_file():
         saved = torch.load(cache, weights_only=False)
         return saved["samples"], saved["counts"]
-    workers = max(1, a.workers)
-    jobs = [(a.init, seed, list(range(w, n, workers)), a.schedule, a.open_words) for w in range(workers)]
-    if workers == 1:
-        results = [_distil_worker(jobs[0])]
+    setup = (a.init, seed, a.schedule, a.open_words)
+    pool = None
+    if a.workers <= 1:
+        _distil_init(*setup)
+        results = map(_distil_one, range(n))
     else:
-        with mp.get_context("fork").Pool(workers) as pool:
-            results = pool.map(_distil_worker, jobs)
+        pool = mp.get_context("fork").Pool(a.workers, _distil_init, setup)
+        results = pool.imap(_distil_one, range(n), chunksize=2)
     samples, counts = [], {}
-    for got, c in results:
+    for k, (got, c) in enumerate(results):
         samples += got
-        for k, v in c.items():
-            counts[k] = counts.get(k, 0) + v
+        for name, v in c.items():
+            counts[name] = counts.get(name, 0) + v
+        if k % 100 == 99:
+            print(json.dumps({"distilled": k + 1, "of": n, "seed": seed, "replies": len(samples)}), flush=True)
+    if pool is not None:
+        pool.close()
     cache.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"samples": samples, "counts": counts}, cache)
     return samples, counts
