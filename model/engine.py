@@ -49,6 +49,10 @@ class State:
     cache: Cache
     last_logits: torch.Tensor | None = None  # [B, vocab]
     generator: torch.Generator | None = field(default=None, repr=False)
+    # a model with draft stages: the DSpark target layers' taps of positions [taps_start,
+    # length) from the prefill that ended at ``length`` (the speculator's draft context), else None
+    taps: dict | None = field(default=None, repr=False)
+    taps_start: int = 0
 
     @property
     def length(self) -> int:
@@ -107,6 +111,7 @@ class Engine:
         if ids.shape[1] == 0:
             return state.last_logits
         mode = mode or self.mode
+        state.taps = None
         chunks = self._chunks(ids, images, progress)
         if mode == "exact" or not self.args.supports_ced:
             state.last_logits = self._exact(state, chunks)
@@ -132,9 +137,29 @@ class Engine:
         """Every layer on ``ids`` at positions [start, ...); the head only on the last one."""
         m, cache = self.model, state.cache
         streams, pre, step = decode_step.begin(m, ids, cache, start, image_embeds=emb, image_mask=mask)
+        taps = self._keep_taps(step)
         streams, pre = decode_step.run_layers(m, streams, pre, step, cache, range(self.args.num_hidden_layers))
         cache.length = max(cache.length, step.end)
+        self._kept_taps(state, taps, step)
         return m.logits(streams[:, -1:], pre[:, -1:])[:, -1]
+
+    def _keep_taps(self, step: Step) -> dict | None:
+        """Ask the layers for the DSpark taps of this step, where the model has draft stages."""
+        if getattr(self.model, "mtp", None) is None:
+            return None
+        step.shared["taps"] = taps = {}
+        return taps
+
+    def _kept_taps(self, state: State, taps: dict | None, step: Step) -> None:
+        """The step's taps on ``state`` when every target layer ran in it (a CED prefill's
+        replay runs only the decoder's), after the previous chunk's: the last window's."""
+        if taps is None or not all(layer in taps for layer in self.args.dspark_target_layer_ids):
+            return
+        before = state.taps
+        if before is not None and state.taps_start + next(iter(before.values())).shape[1] == step.start:
+            taps = {k: torch.cat([before[k], t], dim=1)[:, -self.args.sliding_window:] for k, t in taps.items()}
+        state.taps = taps
+        state.taps_start = step.end - next(iter(taps.values())).shape[1]
 
     def _ced(self, state: State, chunks) -> torch.Tensor:
         m, cache, window = self.model, state.cache, self.args.sliding_window
@@ -153,7 +178,9 @@ class Engine:
         r = tail.streams.shape[1]
         step = Step(start=state.cache.length - r, length=r, hash_ids=tail.hash_ids, image_mask=tail.image_mask)
         decoder = range(self.args.decoder_start, self.args.num_hidden_layers)
+        taps = self._keep_taps(step)
         streams, pre = decode_step.run_layers(self.model, tail.streams, tail.pre, step, state.cache, decoder)
+        self._kept_taps(state, taps, step)
         return self.model.logits(streams[:, -1:], pre[:, -1:])[:, -1]
 
     # ------------------------------------------------------------------ decode
@@ -161,6 +188,7 @@ class Engine:
     def decode(self, state: State, token: torch.Tensor) -> torch.Tensor:
         """One token per row ([B] or [B, 1]) through every layer; returns logits [B, vocab]."""
         self._check_room(state, 1)
+        state.taps = None
         token = token.reshape(-1, 1).to(self.model.device)
         state.last_logits = decode_step.forward(self.model, token, state.cache)[:, -1]
         return state.last_logits
@@ -217,6 +245,7 @@ class Engine:
         if n == 0:
             return None
         first, begin = self.replay_spans(n, tokens)
+        state.taps = None
         self._seed_engram(state, log_ids, first, begin, images)
         tail = log_ids[:, begin:].to(self.model.device)
         emb, mask = (images and images(begin, n)) or (None, None)

@@ -400,3 +400,29 @@ def test_agent_switch_uses_the_speculator_only_when_asked(tiny, tmp_path):
             assert isinstance(on.speculator, Speculator)
             result = on.turn("hi")
         assert on.speculator.stats.forwards >= 1 and result.usage.completion_tokens <= 3
+
+
+@pytest.mark.parametrize("mode", ["ced", "exact"])
+def test_prefill_keeps_the_taps_the_draft_context_is_made_from(tiny, mode):
+    """A prefill keeps the target layers' taps of its last positions (CED: the decoder's
+    replayed window), and the speculator makes its context from them once, instead of a
+    forward over the tail: the same entries but for float rounding of FP8 codes."""
+    engine = Engine(tiny, mode=mode, chunk=36)  # exact: the last chunk shorter than the window
+    state, n, window = engine.new_state(), 40, tiny.args.sliding_window
+    ids = ids_of(n, seed=3)
+    engine.prefill(state, ids)
+    width = n - state.taps_start
+    assert set(state.taps) == set(tiny.args.dspark_target_layer_ids) and width >= window
+    assert all(t.shape[1] == width for t in state.taps.values())
+    tailed = copy.deepcopy(state)
+    tailed.taps = None  # the other way: a forward over the tail
+    kept, other = Speculator(tiny, engine), Speculator(tiny, engine)
+    kept.sync(state, ids[0])
+    other.sync(tailed, ids[0])
+    assert state.taps is None and kept.context.length == other.context.length == n
+    for a, b in zip(kept.context.rings, other.context.rings):
+        (x, xp), (y, yp) = a.read(), b.read()
+        assert torch.equal(xp, yp) and (xp >= n - window).sum() == window
+        assert (x - y).abs().mean() <= 0.01 * y.abs().mean()
+    engine.decode(state, torch.tensor([5]))
+    assert state.taps is None  # taps are of the prefill that ended where the state ends
