@@ -42,12 +42,15 @@ from model.training import Example
 
 # ----------------------------------------------------------------------------- the stages
 
-def add_draft_stages(model: Transformer, seed: int, stages: int = 3) -> Transformer:
-    """Attach ``stages`` seeded draft stages to ``model`` (which has none) and freeze the rest.
-    The Markov head's output and the confidence projection start at zero: the first drafts
-    are the target head's reading of the stages' hidden, every confidence one half."""
+def add_draft_stages(model: Transformer, seed: int, stages: int = 3, replace: bool = False) -> Transformer:
+    """Attach ``stages`` seeded draft stages to ``model`` and freeze the rest; a model that has
+    stages already is refused, or with ``replace`` given new ones. The Markov head's output
+    and the confidence projection start at zero: the first drafts are the target head's
+    reading of the stages' hidden, every confidence one half."""
     if getattr(model, "mtp", None) is not None:
-        raise ValueError("this model already has draft stages")
+        if not replace:
+            raise ValueError("this model already has draft stages")
+        del model.mtp
     a = model.args
     ratios = tuple(a.compress_ratios[:a.num_hidden_layers]) + (0,) * stages
     model.args = a.replace(num_nextn_predict_layers=stages, compress_ratios=ratios)

@@ -45,6 +45,7 @@ from model.tokenizer import Tokenizer  # noqa: E402
 from model.draft_training import (add_draft_stages, draft_losses, draft_parameters, pick_anchors,  # noqa: E402
                                   prefix_run, self_distilled)
 from model.draft_training import learning_rate as draft_learning_rate  # noqa: E402
+from model.dspark import has_draft_stages  # noqa: E402
 from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, batch_loss,  # noqa: E402
                             batch_for, official_name, param_groups, plain_state_dict, quantised_weights,
                             write_trained)
@@ -757,7 +758,9 @@ def train_drafts(a) -> dict:
     print(json.dumps({"replies": len(samples), **counts, "held_out_replies": len(held), "seconds": round(distil_s)}),
           flush=True)
     model = load(str(a.init), device=a.device)
-    add_draft_stages(model, a.seed)
+    if has_draft_stages(model):
+        print(f"{a.init} has draft stages: training new ones in their place", flush=True)
+    add_draft_stages(model, a.seed, replace=True)
     add_weight_qat(model, only="mtp.")
     model.train()
     params = draft_parameters(model)

@@ -19,6 +19,7 @@ from model.engine import Engine, Sampling
 from model.layer import Step
 from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
 from model.training import Example, add_weight_qat, quantised_weights
+from tests.test_dspark import one_thread  # noqa: F401  (autouse: one intra-op thread)
 
 # a 4-layer model of 12 ids without Engram or vision: the noise id 7 and EOS 1 are ids of it
 SMALL = ModelArgs.preset("tiny").replace(
@@ -27,14 +28,6 @@ SMALL = ModelArgs.preset("tiny").replace(
     compress_ratios=(0, 2, 1, 1), hc_sinkhorn_iters=3, kv_source_layer_ids=(1, 2), index_source_layer_ids=(1, 2),
     candidate_source_layer_id=2, dspark_target_layer_ids=(1, 2, 3), num_nextn_predict_layers=0)
 EOS = SMALL.eos_token_id
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def small_model(seed: int = 3):
@@ -77,6 +70,12 @@ def test_stages_are_attached_seeded_and_alone_trainable():
     assert not model.mtp[-1].markov_head.head.weight.any()
     with pytest.raises(ValueError, match="already has draft stages"):
         add_draft_stages(model, seed=5)
+    trained = {n: p.clone() for n, p in model.mtp.named_parameters()}
+    with torch.no_grad():
+        next(model.mtp.parameters()).add_(1.0)
+    add_draft_stages(model, seed=5, replace=True)  # new stages, seeded as before
+    assert all(torch.equal(p, trained[n]) for n, p in model.mtp.named_parameters())
+    assert len(model.args.compress_ratios) == model.args.num_hidden_layers + 3
     again = add_draft_stages(small_model(), seed=5)
     assert all(torch.equal(p, q) for p, q in zip(model.mtp.parameters(), again.mtp.parameters()))
     assert set(draft_parameters(model)) < set(model.mtp.parameters())  # the router biases are the balance's
@@ -202,7 +201,9 @@ def test_drafts_stage_writes_the_model_with_trained_stages(tmp_path, capsys):
     train_default.main(["--stage", "drafts", "--init", str(default), "--out", str(tmp_path), "--draft-records", "2",
                         "--draft-held-out", "1", "--max-steps", "2", "--log-every", "1", "--workers", "1",
                         "--draft-batch", "2", "--warmup", "1"])
-    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines() if x.startswith("{")]
+    printed = capsys.readouterr().out
+    assert "has draft stages: training new ones in their place" in printed  # the default ships trained ones
+    lines = [json.loads(x) for x in printed.splitlines() if x.startswith("{")]
     assert lines[0]["replies"] >= 2 and lines[1]["held_out_blocks"] > 0
     info = json.loads((tmp_path / "model" / "TRAINING.json").read_text())
     assert info["drafts"]["steps"] == 2 and info["drafts"]["init"] == str(default)
