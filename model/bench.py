@@ -475,14 +475,16 @@ def bench_speculative(model: Transformer, ctx: int, *, gen: int = 64, chunk: int
 
 
 def bench_speculative_replies(model: Transformer, prompts: list[tuple[torch.Tensor, object, int]], *,
-                              stop_ids: tuple[int, ...] = (), chunk: int = 512, repeats: int = 4) -> dict:
+                              stop_ids: tuple[int, ...] = (), chunk: int = 512, repeats: int = 4,
+                              temperature: float = 0.0) -> dict:
     """DSpark on real replies: each prompt (ids [1, N], its image inputs or None, a token
     budget) CED-prefilled once, then its greedy reply plain and speculative from copies of
     that state, each timed (the copies made outside the clock). Beside tokens/s both ways:
     per verify forward the proposals accepted, the tokens emitted and the block length the
     confidence head chose; the cost of verifying a whole block against one decode step
     (the first prompt's state), which also sets the speculator's cost per extra token; and
-    the replies that differ (a float rounding flip: batch-shape order of sums)."""
+    the replies that differ (greedy: a float rounding flip, batch-shape order of sums;
+    ``temperature`` > 0: sampled, prompt i with seed i both ways, so replies differ by draw)."""
     from model.dspark import Speculator
 
     engine, block = engine_for(model, mode="ced", chunk=chunk), model.args.dspark_block_size
@@ -490,7 +492,7 @@ def bench_speculative_replies(model: Transformer, prompts: list[tuple[torch.Tens
     plain_s = spec_s = 0.0
     plain_n = spec_n = differ = 0
     totals = {"forwards": 0, "drafted": 0, "accepted": 0, "emitted": 0}
-    for ids, images, budget in prompts:
+    for i, (ids, images, budget) in enumerate(prompts):
         state = engine.new_state()
         engine.prefill(state, ids, images=images)
         if cost is None:
@@ -499,7 +501,7 @@ def bench_speculative_replies(model: Transformer, prompts: list[tuple[torch.Tens
             verify_s = _forward_seconds(model, state, [anchor] + ids[0, -block:].tolist(), repeats)
             verify_over_decode = verify_s / step_s
             cost = max(0.0, verify_over_decode - 1) / block
-        params = Sampling(max_new_tokens=budget, stop_ids=stop_ids)
+        params = Sampling(temperature=temperature, seed=i, max_new_tokens=budget, stop_ids=stop_ids)
         one, two = copy.deepcopy(state), copy.deepcopy(state)
         plain, secs = _timed(lambda: list(engine.generate(one, params)), model.device)
         plain_s, plain_n = plain_s + secs, plain_n + len(plain)
@@ -510,7 +512,7 @@ def bench_speculative_replies(model: Transformer, prompts: list[tuple[torch.Tens
             totals[k] += getattr(spec.stats, k)
     n = max(1, totals["forwards"])
     plain_rate, spec_rate = plain_n / plain_s, spec_n / spec_s
-    return {"bench": "speculative_replies", "replies": len(prompts), "block_size": block,
+    return {"bench": "speculative_replies", "replies": len(prompts), "temperature": temperature, "block_size": block,
             "plain_tokens": plain_n, "spec_tokens": spec_n, "replies_differing": differ,
             "verify_over_decode": verify_over_decode, "extra_token_cost": cost, "verify_forwards": totals["forwards"],
             "accepted_per_verify": totals["accepted"] / n, "tokens_per_verify": totals["emitted"] / n,

@@ -230,3 +230,23 @@ def test_bench_on_replies_reports_speculation_beside_plain(drafted):
     assert 1 <= got["block_length"] <= model.args.dspark_block_size
     assert got["verify_over_decode"] > 0 and got["speedup"] == pytest.approx(
         got["spec_tokens_per_s"] / got["plain_tokens_per_s"])
+    sampled = bench_speculative_replies(model, prompts, stop_ids=(EOS,), repeats=1, temperature=1.0)
+    assert sampled["temperature"] == 1.0 and sampled["verify_forwards"] > 0
+    assert sampled["tokens_per_verify"] == pytest.approx(sampled["accepted_per_verify"] + 1)
+
+
+def test_bench_cli_speculative_on_the_embedded_default(tmp_path, monkeypatch):
+    """`dsagent bench decode --speculative` on the shipped default: the evaluation's replies,
+    the same greedy tokens both ways; a preset without stages is told so."""
+    from typer.testing import CliRunner
+
+    import dsagent.cli as cli
+
+    monkeypatch.setenv("DSAGENT_HOME", str(tmp_path / "home"))
+    r = CliRunner().invoke(cli.app, ["bench", "decode", "--speculative", "--cases", "1", "--json"])
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["replies"] == 6 and out["replies_differing"] == 0 and out["plain_tokens"] == out["spec_tokens"]
+    assert out["accepted_per_verify"] > 1.0 and out["cases"].startswith("1 per skill")
+    r = CliRunner().invoke(cli.app, ["bench", "decode", "--speculative", "--preset", "tiny", "--ctx", "16"])
+    assert r.exit_code != 0 and "no DSpark draft stages" in r.output

@@ -130,6 +130,8 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
                                                                           "checkpoint, on the evaluation's replies."),
            cases: int = typer.Option(4, "--cases", min=1, help="With --speculative, of a checkpoint: held-out "
                                                                "evaluation cases per skill (a-e, r) to reply to."),
+           temperature: float = typer.Option(0.0, "--temperature", min=0.0, help="With --speculative, of a "
+                                             "checkpoint: sample the replies (reply i seeded i), 0 greedy."),
            paths: bool = typer.Option(False, "--paths", help="Step time with each fast path (CUDA graphs, kernels, "
                                                             "grouped experts) turned off in turn."),
            profiled: bool = typer.Option(False, "--profile", help="Kernels per step and the ones that take "
@@ -151,11 +153,11 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
                             "and --host")
         with _runtime(model, preset, device, gpus) as rt:
             if speculative and preset is None:
-                return _emit(_speculative_replies(rt, cases), as_json)
+                return _emit(_speculative_replies(rt, cases, temperature), as_json)
             _decode(rt.model, ctx, as_json, speculative, paths, profiled, chained, host, batch)
 
 
-def _speculative_replies(rt: Runtime, cases: int) -> dict:
+def _speculative_replies(rt: Runtime, cases: int, temperature: float = 0.0) -> dict:
     """DSpark on a checkpoint: the replies to ``cases`` held-out evaluation cases per skill."""
     from dsagent.evaluate import MAX_NEW_TOKENS, SKILLS, SLACK, make_cases, prompt_inputs
     from model.dspark import SpeculationUnavailable, has_draft_stages
@@ -165,7 +167,7 @@ def _speculative_replies(rt: Runtime, cases: int) -> dict:
     held = make_cases(rt.tokenizer, n=cases, skills=SKILLS)
     prompts = [(*prompt_inputs(rt, c), min(MAX_NEW_TOKENS, c.expected_tokens + SLACK)) for c in held]
     result = _measure().bench_speculative_replies(rt.model, prompts, stop_ids=(rt.tokenizer.eos_id,),
-                                                  chunk=rt.engine.chunk)
+                                                  chunk=rt.engine.chunk, temperature=temperature)
     return {**result, "cases": f"{cases} per skill of {','.join(SKILLS)} (seed 7919)"}
 
 
