@@ -458,8 +458,7 @@ def bench_speculative(model: Transformer, ctx: int, *, gen: int = 64, chunk: int
     engine = engine_for(model, mode="ced", chunk=chunk)
     state = _prefilled(engine, ids)
     anchor = int(state.last_logits.argmax())
-    step_s = _forward_seconds(model, state, [anchor], repeats)
-    verify_s = _forward_seconds(model, state, [anchor] + ids[0, :block].tolist(), repeats)
+    step_s, verify_s = _verify_cost(model, state, [anchor] + ids[0, :block].tolist(), repeats)
     params = params or Sampling(max_new_tokens=gen)
     plain, plain_s = _timed(lambda: list(engine.generate(copy.deepcopy(state), params)), model.device)
     spec = Speculator(model, engine, extra_token_cost=max(0.0, verify_s / step_s - 1) / block)
@@ -497,8 +496,7 @@ def bench_speculative_replies(model: Transformer, prompts: list[tuple[torch.Tens
         engine.prefill(state, ids, images=images)
         if cost is None:
             anchor = int(state.last_logits.argmax())
-            step_s = _forward_seconds(model, state, [anchor], repeats)
-            verify_s = _forward_seconds(model, state, [anchor] + ids[0, -block:].tolist(), repeats)
+            step_s, verify_s = _verify_cost(model, state, [anchor] + ids[0, -block:].tolist(), repeats)
             verify_over_decode = verify_s / step_s
             cost = max(0.0, verify_over_decode - 1) / block
         params = Sampling(temperature=temperature, seed=i, max_new_tokens=budget, stop_ids=stop_ids)
@@ -518,6 +516,12 @@ def bench_speculative_replies(model: Transformer, prompts: list[tuple[torch.Tens
             "accepted_per_verify": totals["accepted"] / n, "tokens_per_verify": totals["emitted"] / n,
             "block_length": totals["drafted"] / n, "acceptance_rate": totals["accepted"] / max(1, totals["drafted"]),
             "plain_tokens_per_s": plain_rate, "spec_tokens_per_s": spec_rate, "speedup": spec_rate / plain_rate}
+
+
+def _verify_cost(model: Transformer, state: State, block: list[int], repeats: int) -> tuple[float, float]:
+    """(seconds of a decode step of ``block``'s anchor, seconds of a forward verifying ``block``)
+    from ``state``."""
+    return _forward_seconds(model, state, block[:1], repeats), _forward_seconds(model, state, block, repeats)
 
 
 def _forward_seconds(model: Transformer, state: State, ids: list[int], repeats: int) -> float:

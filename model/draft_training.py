@@ -24,7 +24,6 @@ the optimiser loop (``scripts/train_default.py``).
 from __future__ import annotations
 
 import copy
-import math
 import random
 from dataclasses import dataclass
 
@@ -316,9 +315,3 @@ def draft_losses(model: Transformer, samples: list[DraftSample], anchors: list[l
         rate = float((accept * valid).sum() / n)
     return DraftLosses(total, float(ce.detach()), float(l1.detach()), float(conf.detach()), len(anchor_ids), accepted,
                        conf_mean, rate)
-
-
-def learning_rate(lr: float, step: int, progress: float, warmup: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine to a tenth as ``progress`` goes 0 -> 1."""
-    warm = min(1.0, (step + 1) / max(1, warmup))
-    return lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))

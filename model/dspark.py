@@ -358,14 +358,14 @@ class Speculator:
         from a forward over the tail. Trusts a context of the same length: a stale or
         approximate context only costs acceptance."""
         ids, n, ctx = self.sync_tail(state, history), state.length, self.context
-        kept, state.taps = state.taps, None  # the prefill's taps: used once, at most
+        kept, kept_end, state.taps = state.taps, state.taps_end, None  # the prefill's taps: used once, at most
         if ctx.length > n:
             ctx.truncate(n)
         start = n - ids.shape[1]
         if start == n:
             ctx.length = n
             return
-        if kept is not None and state.taps_start <= start and state.taps_start + _width(kept) == n:
+        if kept_end == n and state.taps_start <= start:
             at = start - state.taps_start
             return self.drafter_extend({k: v[:, at:] for k, v in kept.items()}, start)
         self.drafter_extend(self._tail_taps(state.cache, ids.to(self.model.device), start), start)
@@ -490,10 +490,6 @@ class Speculator:
             if token in params.stop_ids or emitted + j + 1 >= params.max_new_tokens:
                 return r.tokens[: j + 1], j + 1, True
         return r.tokens, len(r.tokens), False
-
-
-def _width(taps: dict[int, torch.Tensor]) -> int:
-    return next(iter(taps.values())).shape[1]
 
 
 def _ring_copy(ring: WindowRing) -> WindowRing:

@@ -58,6 +58,11 @@ class State:
     def length(self) -> int:
         return self.cache.length
 
+    @property
+    def taps_end(self) -> int | None:
+        """Where the kept taps end (None without them)."""
+        return None if self.taps is None else self.taps_start + next(iter(self.taps.values())).shape[1]
+
 
 @dataclass
 class _Tail:
@@ -155,9 +160,8 @@ class Engine:
         replay runs only the decoder's), after the previous chunk's: the last window's."""
         if taps is None or not all(layer in taps for layer in self.args.dspark_target_layer_ids):
             return
-        before = state.taps
-        if before is not None and state.taps_start + next(iter(before.values())).shape[1] == step.start:
-            taps = {k: torch.cat([before[k], t], dim=1)[:, -self.args.sliding_window:] for k, t in taps.items()}
+        if state.taps_end == step.start:
+            taps = {k: torch.cat([state.taps[k], t], dim=1)[:, -self.args.sliding_window:] for k, t in taps.items()}
         state.taps = taps
         state.taps_start = step.end - next(iter(taps.values())).shape[1]
 

@@ -50,7 +50,6 @@ from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.draft_training import (add_draft_stages, draft_losses, draft_parameters, pick_anchors,  # noqa: E402
                                   prefix_run, self_distilled)
-from model.draft_training import learning_rate as draft_learning_rate  # noqa: E402
 from model.dspark import has_draft_stages  # noqa: E402
 from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, batch_loss,  # noqa: E402
                             batch_for, official_name, param_groups, plain_state_dict, quantised_weights,
@@ -640,12 +639,17 @@ def command_line(world: int = 1) -> str:
     return f"{launcher} scripts/train_default.py " + " ".join(shlex.quote(x) for x in sys.argv[1:])
 
 
-def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None) -> dict:
-    out = a.out / "model"
+def write_model(model, out: Path) -> None:
+    """The trained model as a checkpoint in ``out``, whatever an earlier run left there removed."""
     if out.exists():
         for f in sorted(out.rglob("*"), reverse=True):
             f.unlink() if f.is_file() else f.rmdir()
     write_trained(model, out)
+
+
+def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None) -> dict:
+    out = a.out / "model"
+    write_model(model, out)
     commands = counters.get("commands") or [command_line(world)]
     info = {"command": commands[0], **({"reruns": commands[1:]} if len(commands) > 1 else {}),
             "seed": a.seed, "init": str(a.init) if a.init else None, "corpus_version": CORPUS_VERSION, "records": a.records,
@@ -778,7 +782,7 @@ def train_drafts(a) -> dict:
     while time.time() - began < a.minutes * 60 and not (a.max_steps and step >= a.max_steps):
         progress = step / a.max_steps if a.max_steps else (time.time() - began) / (a.minutes * 60)
         for g in opt.param_groups:
-            g["lr"] = draft_learning_rate(a.lr, step, progress, a.warmup)
+            g["lr"] = learning_rate(a, step, progress)
         batch = rng.sample(samples, min(a.draft_batch, len(samples)))
         opt.zero_grad(set_to_none=True)
         with quantised_weights(model):
@@ -807,10 +811,7 @@ def train_drafts(a) -> dict:
     loads.close()
     model.eval()
     out = a.out / "model"
-    if out.exists():
-        for f in sorted(out.rglob("*"), reverse=True):
-            f.unlink() if f.is_file() else f.rmdir()
-    write_trained(model, out)
+    write_model(model, out)
     stage = {"command": command_line(), "seed": a.seed, "init": str(a.init), "corpus_version": CORPUS_VERSION,
              "records": a.draft_records, "schedule": a.schedule, "open_words": a.open_words,
              "held_out": {"seed": DRAFT_HELD_OUT_SEED, "records": a.draft_held_out, "replies": len(held)},
