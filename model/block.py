@@ -28,7 +28,7 @@ from torch import nn
 from model import kernels
 from model.args import ModelArgs
 from model.cache import Cache, SourceKV
-from model.csa2 import Compressor, Indexer
+from model.csa2 import Compressor, Indexer, reads_packed
 from model.layer import RMSNorm, Step
 from model.linear import ALONE, Linear, Table, World, grouped_linear
 from model.moe import MoE
@@ -88,7 +88,9 @@ class Attention(nn.Module):
         """The part that reads and writes the cache: window ring, KV source, indexer, attention.
         ``index_query``: the indexer's :meth:`Indexer.query` of these tokens, where the caller
         made it already."""
-        keys, key_mask = self._window_keys(kv, step, cache)
+        packed = self._packed_window(kv, step, cache)
+        if packed is None:
+            keys, key_mask = self._window_keys(kv, step, cache)
         records = None
         if self.ratio:
             self.update_source(x, step, cache, ropes)
@@ -97,7 +99,10 @@ class Attention(nn.Module):
                 step.shared["topk"] = self.indexer(x, q_res, step, src, ropes.compress, index_query)
                 if step.index_losses is not None and "index_scores" in step.shared:
                     step.index_losses.append(self._index_loss(q, src, step.shared.pop("index_scores")))
-            records = self._selected_records(cache, step)
+            if packed is None:
+                records = self._selected_records(cache, step)
+        if packed is not None:
+            return self._attend_packed(q, *packed, cache, step)
         return self.attend(q, keys, key_mask, records)
 
     def rope_table(self, ropes: Ropes) -> torch.Tensor:
@@ -124,6 +129,32 @@ class Attention(nn.Module):
         keys = torch.cat([old.to(kv.dtype), kv], dim=1)  # before the write: a float ring's read is its buffer
         ring.write(kv, pos)
         return keys, mask
+
+    def _packed_window(self, kv: torch.Tensor, step: Step, cache: Cache):
+        """Where the prefill kernel attends (``model.csa2.reads_packed``): (the FP8 window
+        entries of positions [start - window, end) in order [B, window + S, bytes], their
+        positions, -1 where the ring holds none); writes the ring. Else None, and
+        :meth:`_window_keys` makes the reference's keys."""
+        if not reads_packed(step, cache.kv, kv):
+            return None
+        ring, span = cache.windows[self.layer], self.args.sliding_window
+        pos = step.positions(kv.device)
+        before = step.start - span + torch.arange(span, device=kv.device)
+        slots = before % ring.pos.shape[0]
+        old_pos = torch.where(ring.pos[slots] == before, before, -1)  # replayed or stale slots hold none
+        old, new = ring.data[:, slots], cache.kv.pack_window(kv)  # the old rows read before the write
+        ring.write_packed(new, pos)
+        return torch.cat([old, new], dim=1), torch.cat([old_pos, pos])
+
+    def _attend_packed(self, q, window, window_pos, cache: Cache, step: Step) -> torch.Tensor:
+        """:meth:`attend` on the packed bytes (:meth:`_packed_window`'s and the source's
+        records at the step's selection), each sequence by ``kernels.sparse_prefill``."""
+        idx = step.shared.get("topk") if self.ratio else None
+        src = cache.sources[self.args.kv_source(self.layer)] if idx is not None else None
+        records = src.view()[0] if src is not None and src.n else None
+        return torch.stack([kernels.sparse_prefill(
+            q[b], window[b], window_pos, None if records is None else records[b], None if records is None else idx[b],
+            self.attn_sink, self.head_dim ** -0.5, out_dtype=q.dtype) for b in range(q.shape[0])])
 
     def update_source(self, x: torch.Tensor, step: Step, cache: Cache, ropes: Ropes) -> None:
         """This layer's KV source (where it owns one): the groups that complete become FP4

@@ -45,9 +45,14 @@ class WindowRing:
 
     def write(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
         cap = self.pos.shape[0]
-        kv, positions = kv[:, -cap:], positions[-cap:]
+        self.write_packed(self.kv.pack_window(kv[:, -cap:]), positions)
+
+    def write_packed(self, rows: torch.Tensor, positions: torch.Tensor) -> None:
+        """:meth:`write` of entries already packed as the ring holds them."""
+        cap = self.pos.shape[0]
+        rows, positions = rows[:, -cap:], positions[-cap:]
         slots = positions % cap
-        self.data[:, slots] = self.kv.pack_window(kv)
+        self.data[:, slots] = rows
         self.pos[slots] = positions
 
     def write_step(self, kv: torch.Tensor, position: torch.Tensor) -> None:

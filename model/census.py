@@ -1,6 +1,7 @@
 """Parameter and KV census of a V4.1 config, counted from real module shapes.
 
-Owns ``census(args)``: the numbers behind ``dsagent model info``. The backbone is built as
+Owns ``census(args)``: the numbers behind ``dsagent model info``; ``decode_read_bytes`` (what
+a decode step reads) and ``prefill_flops`` (what a prefill computes, by part) for the benchmarks. The backbone is built as
 :class:`model.model.Transformer` on the ``meta`` device (no memory, no weights) and its
 parameters are counted by official name. Does not own: reading checkpoints (the dtype
 census of a directory is ``model.checkpoint.census``), printing (the CLI renders).
@@ -51,16 +52,21 @@ _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
 
 # ----------------------------------------------------------------------------- counting
 
-def backbone_counts(args: ModelArgs) -> dict[str, int]:
-    """Elements per parameter name of ``Transformer(args)``, from modules built on meta."""
+def backbone_shapes(args: ModelArgs) -> dict[str, torch.Size]:
+    """The shape of each parameter of ``Transformer(args)`` by name, from modules built on meta."""
     with torch.device("meta"):
         model = Transformer(args.replace(n_routed_experts=args.num_experts_per_tok))
-        ffn = {name: p.numel() for name, p in MoE(args).named_parameters()}
-    counts = {name: p.numel() for name, p in model.named_parameters()
+        ffn = {name: p.shape for name, p in MoE(args).named_parameters()}
+    shapes = {name: p.shape for name, p in model.named_parameters()
               if ".ffn." not in name or name.startswith("mtp.")}  # draft stages keep their real MoE
     for i in range(args.num_hidden_layers):
-        counts.update({f"layers.{i}.ffn.{name}": n for name, n in ffn.items()})
-    return counts
+        shapes.update({f"layers.{i}.ffn.{name}": shape for name, shape in ffn.items()})
+    return shapes
+
+
+def backbone_counts(args: ModelArgs) -> dict[str, int]:
+    """Elements per parameter name of ``Transformer(args)`` (:func:`backbone_shapes`)."""
+    return {name: shape.numel() for name, shape in backbone_shapes(args).items()}
 
 
 def part_of(name: str) -> str:
@@ -110,8 +116,6 @@ def _source_projection(args: ModelArgs, layer: dict[str, int]) -> int:
     rows = args.engram_n_cols * args.engram_head_dim if "engram.embed.weight" in layer else 0
     return sum(n for name, n in layer.items() if name.startswith(keep)) + rows
 
-
-# ----------------------------------------------------------------------------- DSpark (not built yet)
 
 # ----------------------------------------------------------------------------- census
 
@@ -190,6 +194,118 @@ def decode_read_bytes(args: ModelArgs, ctx: int, weight_bytes: int = 2) -> dict[
     weights = census(args)["params_active_decode"] * weight_bytes
     return {"weights": weights, "window": window, "records": records, "index_keys": index,
             "total": weights + window + records + index}
+
+
+# ----------------------------------------------------------------------------- prefill FLOPs
+
+# a layer's projections by the part of a prefill they count in (the rest of its matrices: "linear")
+_FLOP_PARTS = (("attn.compressor.", "compressor"), ("attn.indexer.wk.", "compressor"), ("hc_", "mhc"),
+               ("ffn.gate.", "router"))
+
+
+def prefill_flops(args: ModelArgs, tokens: int, mode: str = "ced", start: int = 0) -> dict:
+    """The model FLOPs of a prefill of ``tokens`` new tokens at positions [start, start +
+    tokens), in ``mode`` "exact" (every layer on every token) or "ced" (the encoder layers on
+    every token, the decoder's KV source projecting every token, the decoder layers on the
+    last ``sliding_window``, whose window then holds those alone), counted from the config: what the algorithm needs, not what a
+    kernel happens to compute (masked entries, padding and dequantisation are not counted).
+    A multiply-add is 2 FLOPs. -> {"total": ..., "by_part": {part: FLOPs}} with the parts:
+    - ``linear``: every projection a token runs through (attention, the indexer's query and
+      head weights, shared and ``num_experts_per_tok`` routed experts, Engram; the ``head``
+      on the last token);
+    - ``compressor``: the KV sources' ``wkv`` / ``wgate`` on every token, the index key's
+      ``wk`` on every record made, and the pooling of each record's ``ratio`` tokens;
+    - ``attention``: Q·K and P·V over each query's window entries (up to ``sliding_window``,
+      itself included) and its selected records (up to ``index_topk`` of those it sees; in a
+      layer that honours the candidate pool, of the pool's);
+    - ``indexer``: the weighted-ReLU scores of each Full / Reindex layer's query against
+      every index key it sees (the pool's, where it honours the pool);
+    - ``mhc``: the two sites' stream projections (``hc_*_fn``); ``router``: the gate."""
+    if mode not in ("ced", "exact"):
+        raise ValueError(f"prefill mode must be 'ced' or 'exact', not {mode!r}")
+    shapes = backbone_shapes(args)
+    layers: dict[int, dict[str, torch.Size]] = {}
+    for name, shape in shapes.items():
+        m = _LAYER.fullmatch(name)
+        if m:
+            layers.setdefault(int(m.group(1)), {})[m.group(2)] = shape
+    ced = mode == "ced" and args.supports_ced
+    end = start + tokens
+    parts = dict.fromkeys(("linear", "compressor", "attention", "indexer", "mhc", "router"), 0)
+    for i in range(args.num_hidden_layers):
+        if i in args.kv_source_layer_ids:  # a source makes its records from every token, in either mode
+            ratio = args.ratios[i]
+            _add(parts, _source_flops(args, i, layers[i], tokens, end // ratio - start // ratio))
+        if ced and i >= args.decoder_start:
+            if i == args.decoder_start:  # its Engram on every token, for the source's input; again in the replay
+                _add(parts, {p: f * tokens for p, f in _matrix_flops(layers[i], ("engram.wkv.",)).items()})
+            first = max(start, end - args.sliding_window)  # the decoder replay
+        else:
+            first = start
+        # the decoder replay's window holds the replayed tokens alone when it starts past the new
+        # tokens' first (the decoder never saw the ones before); else every earlier position's
+        _add(parts, _layer_flops(args, i, layers[i], torch.arange(first, end, dtype=torch.int64),
+                                 first if first > start else 0))
+    parts["linear"] += 2 * shapes["head.weight"].numel() * min(tokens, 1)
+    return {"mode": "ced" if ced else "exact", "tokens": tokens, "start": start,
+            "total": sum(parts.values()), "by_part": parts}
+
+
+def _add(parts: dict, more: dict) -> None:
+    for k, v in more.items():
+        parts[k] += v
+
+
+def _matrix_flops(layer: dict[str, torch.Size], prefixes: tuple, exclude: tuple = ()) -> dict[str, int]:
+    """2 x elements of each matrix of ``layer`` whose name starts with one of ``prefixes``
+    (every one when empty) and with none of ``exclude``, by part (:data:`_FLOP_PARTS`)."""
+    out: dict[str, int] = {}
+    for name, shape in layer.items():
+        product = name.endswith(".weight") or (name.startswith("hc_") and name.endswith("_fn"))
+        if not product or len(shape) != 2 or not name.startswith(prefixes or ("",)) or name.startswith(exclude):
+            continue
+        part = next((p for prefix, p in _FLOP_PARTS if name.startswith(prefix)), "linear")
+        out[part] = out.get(part, 0) + 2 * shape.numel()
+    return out
+
+
+def _source_flops(args: ModelArgs, i: int, layer: dict[str, torch.Size], tokens: int, records: int) -> dict[str, int]:
+    """What KV source layer ``i`` spends making ``records`` records and index keys from
+    ``tokens`` tokens: its compressor's projections on each token, each record's ``wk`` and pooling."""
+    ratio = args.ratios[i]
+    out = {part: f * tokens for part, f in _matrix_flops(layer, ("attn.compressor.",)).items()}
+    wk = _matrix_flops(layer, ("attn.indexer.wk.",)).get("compressor", 0)
+    pool = 3 * ratio * args.head_dim if ratio > 1 else 0  # the softmax-gated sum of a group
+    _add(out, {"compressor": records * (wk + pool)})
+    return out
+
+
+def _layer_flops(args: ModelArgs, i: int, layer: dict[str, torch.Size], pos: torch.Tensor,
+                 known: int = 0) -> dict[str, int]:
+    """Layer ``i`` run on the tokens at ``pos`` (int64): its projections on each (its KV
+    source's apart, :func:`_source_flops`), its attention and its indexer's scores at each
+    position; its window holds the entries of positions from ``known`` on."""
+    n, ratio = len(pos), args.ratios[i]
+    per_token = _matrix_flops(layer, (), ("engram.embed.", "attn.compressor.", "attn.indexer.wk.", "ffn.experts."))
+    per_token["linear"] += args.num_experts_per_tok * sum(_matrix_flops(layer, ("ffn.experts.0.",)).values())
+    out = {part: f * n for part, f in per_token.items()}
+    keys = (pos - known).clamp(max=args.sliding_window - 1) + 1  # window entries, itself included
+    if ratio:
+        seen = (pos + 1) // ratio  # records visible
+        if args.uses_candidates(args.index_source(i)):  # the pool (a Reuse layer reads its index source's): the newest block (pinned, maybe partial) and the best others
+            block, n_blocks = args.candidate_block_size, args.candidate_topk_blocks
+            newest = seen - (seen - 1).clamp(min=0) // block * block
+            seen = torch.where(seen > n_blocks * block, (n_blocks - 1) * block + newest, seen)
+        keys = keys + seen.clamp(max=args.index_topk)
+        if args.role(i) in ("full", "reindex"):
+            _add(out, {"indexer": 2 * args.index_n_heads * (args.index_head_dim + 1) * int(seen.sum())})
+    _add(out, {"attention": 4 * args.num_attention_heads * args.head_dim * int(keys.sum())})
+    return out
+
+
+def _add(parts: dict, more: dict) -> None:
+    for k, v in more.items():
+        parts[k] = parts.get(k, 0) + v
 
 
 # ----------------------------------------------------------------------------- bytes a rank holds

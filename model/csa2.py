@@ -26,6 +26,14 @@ from model.quant import KVFormat
 from model.rope import apply_rope
 
 
+def reads_packed(step: Step, kv: KVFormat, t: torch.Tensor) -> bool:
+    """Whether this step's attention and indexer read the cache's bytes in place through the
+    kernels (``kernels.sparse_prefill``, ``kernels.indexer_scores``): several tokens of
+    inference on a packed cache where the kernels run; else the reference's float keys."""
+    return (step.length > 1 and kv.packed and step.index_losses is None and step.floor is None and not step.dense
+            and step.graphs is None and not torch.is_grad_enabled() and kernels.attends_packed(t))
+
+
 class Compressor(nn.Module):
     """Pools ``ratio`` tokens into one 512-dim latent (ratio 1: a per-token projection)."""
 
@@ -97,6 +105,16 @@ class Indexer(nn.Module):
         visible = torch.arange(keys.shape[1], device=x.device) < ((pos + 1) // self.args.ratios[self.layer])[:, None]
         return s.masked_fill(~visible, float("-inf"))
 
+    def packed_scores(self, x, q_res, step: Step, src: SourceKV, inv_freq, qw=None) -> torch.Tensor:
+        """:meth:`scores` read off the source's FP4 index keys in place (``kernels.indexer_scores``,
+        each query a row, the keys every row's; no [S, heads, n] products are kept)."""
+        pos = step.positions(x.device)
+        q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
+        keys = src.view()[1]
+        return torch.stack([kernels.indexer_scores(q[b], w[b], keys[b].expand(q.shape[1], -1, -1),
+                                                   (pos, self.args.ratios[self.layer]), self.head_dim ** -0.5,
+                                                   weight_scale=self.n_heads ** -0.5) for b in range(q.shape[0])])
+
     def select(self, s: torch.Tensor, lens: torch.Tensor, candidates: torch.Tensor | None):
         """Top-k record indices [B, S, <= k] (-1 = none) of scores ``s`` [B, S, n] for queries
         that see ``lens`` [S] records; the candidate pool is made here (the candidate source)
@@ -112,10 +130,13 @@ class Indexer(nn.Module):
         ``query``: :meth:`query` of these tokens, where the caller made it already."""
         if src.n == 0:
             return None
-        # the indexer learns from its own loss only (its inputs are cut from the graph; so
-        # are the latents its keys come from, in Attention.update_source)
-        keys = src.kv.unpack_index(src.view()[1], self.head_dim)
-        s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv, query)
+        if reads_packed(step, src.kv, x):
+            s = self.packed_scores(x, q_res, step, src, inv_freq, query)
+        else:
+            # the indexer learns from its own loss only (its inputs are cut from the graph; so
+            # are the latents its keys come from, in Attention.update_source)
+            keys = src.kv.unpack_index(src.view()[1], self.head_dim)
+            s = self.scores(x.detach(), q_res.detach(), step, keys, inv_freq, src.kv, query)
         if step.index_losses is not None:
             step.shared["index_scores"] = s
         if step.dense:

@@ -207,3 +207,102 @@ def test_cli_info_gpus() -> None:
     assert four["engram_share"] == -(-384016682 // 4) * 264 + -(-384006168 // 4) * 264  # e4m3 rows + 8 scales
     r = CliRunner().invoke(app, ["info", "--preset", "v41-flash", "--gpus", "3"])
     assert r.exit_code == 2 and "split" in r.output
+
+
+# ----------------------------------------------------------------------------- prefill FLOPs
+
+def _counted_prefill(model, mode: str, lengths: tuple[int, ...], monkeypatch) -> list[dict]:
+    """Each prefill of ``lengths`` (one after another on one state) run on the reference path,
+    its FLOPs counted from what ran, independently of the census: torch's FLOP counter for the
+    2-D products (every projection but the grouped ``wo_a``, which runs as a batched product:
+    2 x its weight per token of a layer's run), and the attention and indexer entries the
+    queries actually see (unmasked window keys and selected records, finite index scores after
+    the candidate pool), counted by wrapping the functions that consume them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from model import block, csa2
+    from model.engine import Engine
+
+    from model.moe import GroupedLinear
+
+    seen = {"keys": 0, "scores": 0, "wo_a_tokens": 0, "grouped": 0}
+    attend, top, output = block.Attention.attend, csa2.top_records, block.Attention.output
+    grouped = GroupedLinear.forward
+
+    def count_attend(self, q, keys, key_mask, records):
+        seen["keys"] += int(key_mask.expand(q.shape[0], -1, -1).sum()) * q.shape[2]
+        if records is not None:
+            seen["keys"] += int(records[1].sum()) * q.shape[2]
+        return attend(self, q, keys, key_mask, records)
+
+    def count_top(s, k, *rest):
+        seen["scores"] += int(torch.isfinite(s).sum())
+        return top(s, k, *rest)
+
+    def count_output(self, out, pos, ropes):
+        seen["wo_a_tokens"] += out.shape[0] * out.shape[1]
+        return output(self, out, pos, ropes)
+
+    def count_grouped(self, x, *rest, **kw):
+        seen["grouped"] += 2 * x.shape[0] * x.shape[1] * self.weight.shape[1]  # every (token, expert) row
+        return grouped(self, x, *rest, **kw)
+
+    monkeypatch.setattr(block.Attention, "attend", count_attend)
+    monkeypatch.setattr(GroupedLinear, "forward", count_grouped)
+    monkeypatch.setattr(csa2, "top_records", count_top)
+    monkeypatch.setattr(block.Attention, "output", count_output)
+    engine = Engine(model, mode=mode, chunk=96)
+    state, out = engine.new_state(), []
+    wo_a = model.layers[0].attn.wo_a.weight.numel()
+    for i, n in enumerate(lengths):
+        seen.update(keys=0, scores=0, wo_a_tokens=0, grouped=0)
+        with FlopCounterMode(display=False) as counter:
+            engine.prefill(state, torch.randint(3, 1000, (1, n), generator=torch.Generator().manual_seed(i)))
+        mm = counter.get_flop_counts()["Global"].get(torch.ops.aten.mm, 0)
+        # the head runs on each chunk's last token (the census counts the prompt's last alone)
+        head = 2 * model.head.weight.numel() * (-(-n // engine.chunk) - 1 if mode == "exact" else 0)
+        out.append({"mm": mm + 2 * wo_a * seen["wo_a_tokens"] + seen["grouped"] - head, "keys": seen["keys"],
+                    "scores": seen["scores"]})
+    return out
+
+
+@pytest.mark.parametrize("mode", ["exact", "ced"])
+def test_prefill_flops_equal_what_a_prefill_runs(mode, monkeypatch) -> None:
+    """The census's prefill FLOPs (counted from the config) against those of a real prefill on
+    ``tiny`` (two prefills on one state, in chunks, so positions start past 0 and the candidate
+    pool clips): every product, the attention's keys and the indexer's scores, part by part."""
+    from model.census import prefill_flops
+    from model.loading import build
+
+    monkeypatch.setenv("DSAGENT_KERNELS", "0")
+    args = ModelArgs.preset("tiny").replace(sliding_window=32, index_topk=8, candidate_topk_blocks=3,
+                                           candidate_block_size=2)
+    model = build(args, seed=3).eval()
+    model.bind_token_map([i % args.engram_compressed_vocab_size for i in range(args.vocab_size)])
+    lengths = (150, 70)
+    counted = _counted_prefill(model, mode, lengths, monkeypatch)
+    start = 0
+    for n, got in zip(lengths, counted):
+        want = prefill_flops(args, n, mode, start=start)
+        assert want["mode"] == mode and want["total"] == sum(want["by_part"].values())
+        parts = want["by_part"]
+        pools = sum(3 * args.ratios[s] * args.head_dim * ((start + n) // args.ratios[s] - start // args.ratios[s])
+                    for s in args.kv_source_layer_ids if args.ratios[s] > 1)
+        assert parts["linear"] + parts["compressor"] - pools + parts["mhc"] + parts["router"] == got["mm"]
+        assert parts["attention"] == 4 * args.head_dim * got["keys"]
+        assert parts["indexer"] == 2 * args.index_n_heads * (args.index_head_dim + 1) * got["scores"]
+        start += n
+
+
+def test_prefill_flops_of_small_ced_at_32k() -> None:
+    """``small``'s CED prefill: ~2.2 GFLOP of projections a token (the figure the prefill issue
+    starts from), the exact mode about twice CED, and the attention a few tenths of a GFLOP."""
+    from model.census import prefill_flops
+
+    args = ModelArgs.preset("small")
+    ced, exact = prefill_flops(args, 32768, "ced"), prefill_flops(args, 32768, "exact")
+    assert ced["by_part"]["linear"] / 32768 == pytest.approx(2.17e9, rel=0.02)
+    assert 1.8 < exact["total"] / ced["total"] < 2.2
+    assert 0.2e9 < ced["by_part"]["attention"] / 32768 < 0.6e9
+    with pytest.raises(ValueError, match="prefill mode"):
+        prefill_flops(args, 8, "fast")

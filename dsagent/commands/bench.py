@@ -63,7 +63,19 @@ def _emit(result: dict, as_json: bool) -> None:
     if as_json:
         return typer.echo(json.dumps(result, indent=2, default=str))
     for key, value in result.items():
-        typer.echo(f"{key:<28} {round(value, 4) if isinstance(value, float) else value}")
+        if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+            typer.echo(key)  # a breakdown: a row each, its figures by name
+            for name, row in value.items():
+                typer.echo(f"  {name:<26} " + "  ".join(f"{k} {_short(v)}" for k, v in row.items()))
+        else:
+            typer.echo(f"{key:<28} {_short(value)}")
+
+
+def _short(value):
+    """A figure as a table shows it: floats to 4 places (small ones to 4 significant digits)."""
+    if not isinstance(value, float):
+        return value
+    return round(value, 4) if abs(value) >= 0.01 or value == 0 else float(f"{value:.4g}")
 
 
 @app.command()
@@ -116,10 +128,15 @@ def _dtype(device: str):
 
 @app.command()
 def prefill(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int = CTX,
-            device: str = DEVICE, as_json: bool = JSON) -> None:
-    """CED prefill vs exact prefill: tokens/s and how far their outputs agree."""
+            device: str = DEVICE, as_json: bool = JSON,
+            chunk: int = typer.Option(512, "--chunk", min=1, help="Tokens a prefill runs at once."),
+            parts: bool = typer.Option(True, "--parts/--no-parts", help="Time each part of the model in one "
+                                                                        "more run of each mode.")) -> None:
+    """CED prefill vs exact prefill: tokens/s, how far their outputs agree, and the model FLOPs
+    over the time against the device's matmul rate (prefill_mfu), by part."""
     with guarded():
-        _emit(_measure().bench_prefill(_runtime(model, preset, device).model, ctx, gen=16), as_json)
+        _emit(_measure().bench_prefill(_runtime(model, preset, device).model, ctx, chunk=chunk, gen=16,
+                                       parts=parts), as_json)
 
 
 @app.command()

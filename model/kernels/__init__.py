@@ -134,6 +134,37 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
     return out if turn_back is None else rope_ref(out[:, None], *turn_back)[:, 0]
 
 
+def attends_packed(t: torch.Tensor) -> bool:
+    """Whether a prefill's attention on ``t``'s device runs :func:`sparse_prefill`'s kernel
+    on the cache's bytes (``model.block.Attention``), rather than the reference's float keys;
+    ``DSAGENT_PREFILL_KERNELS=0`` turns this alone off (to time the two side by side)."""
+    return enabled(t) and os.environ.get("DSAGENT_PREFILL_KERNELS", "1") != "0"
+
+
+def sparse_prefill(q: torch.Tensor, window: torch.Tensor, window_pos: torch.Tensor, records: torch.Tensor | None,
+                   record_idx: torch.Tensor | None, sink: torch.Tensor, scale: float,
+                   out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``Attention.attend`` of S prefill queries of one sequence on packed bytes, each query a
+    row of :func:`sparse_attention` (kernel or twin): q [S, H, D]; ``window`` uint8 [span + S,
+    D + D/32], the FP8 entries of positions [start - span, start + S) in order (``span`` the
+    sliding window), ``window_pos`` [span + S] their positions (-1: no entry), so that query i's
+    window is rows i + 1 .. i + span — a strided view, read in place; ``records`` uint8 [N, D/2 +
+    D/16], the source's FP4 records, every query's (a stride-0 view), and ``record_idx`` [S, K]
+    each query's selection (-1 none); either None: no records. No [S, K, D] gather is made on
+    the kernel path. -> [S, H, D]."""
+    S, span = q.shape[0], window.shape[0] - q.shape[0]
+    rows = window.as_strided((S, span, window.shape[1]), (window.stride(0), window.stride(0), window.stride(1)),
+                             window.storage_offset() + window.stride(0))
+    at = window_pos.as_strided((S, span), (window_pos.stride(0), window_pos.stride(0)),
+                               window_pos.storage_offset() + window_pos.stride(0))
+    if records is None or record_idx is None:
+        D = q.shape[-1]
+        records = torch.zeros(0, D // 2 + D // 16, dtype=torch.uint8, device=q.device)
+        record_idx = torch.full((S, 0), -1, dtype=torch.long, device=q.device)
+    return sparse_attention(q, rows, at >= 0, records.expand(S, -1, -1), record_idx, sink, scale,
+                            splits=1 if _use_triton(q) else None, out_dtype=out_dtype)
+
+
 def merge_turns_back(q: torch.Tensor) -> bool:
     """Whether a fused decode step's attention on ``q`` de-rotates its own output
     (:func:`sparse_attention`'s ``turn_back``, in the kernel's merge launch where

@@ -420,7 +420,9 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     assert D >= 16 and D & (D - 1) == 0, f"head_dim {D} must be a power of two >= 16"
     assert window.dtype == records.dtype == torch.uint8 and window.shape[2] == D + D // 32
     assert records.shape[2] == D // 2 + D // 16 and sink.shape == (H,)
-    q, window, records, record_idx = (t.contiguous() for t in (q, window, records, record_idx))
+    # rows read through their strides (a prefill's overlapping windows, its records shared by
+    # every query): only the bytes of a row must be contiguous
+    q, window, records, record_idx = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, window, records, record_idx))
     if window_at is None:
         assert window_valid.shape == (B, W)
         valid, cur, span = window_valid.contiguous().view(torch.uint8), q, 0
@@ -463,7 +465,7 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
 
 @triton.jit(do_not_specialize=["N", "NK", "n_visible", "s_ob", "s_rb"])
 def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, rows_ptr, HI, N, NK, n_visible, head_scale,
-                    s_qb, s_qh, s_wb, s_kb, s_kn, s_ob, s_rb,
+                    s_qb, s_qh, s_wb, s_kb, s_kn, s_ob, s_rb, s_vb,
                     w_scale, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_N: tl.constexpr,
                     VIS_PTR: tl.constexpr, VIS_RATIO: tl.constexpr, ROWS: tl.constexpr, Q_PARTS: tl.constexpr,
                     PDL: tl.constexpr = False):
@@ -471,11 +473,12 @@ def _indexer_kernel(q_ptr, w_ptr, key_ptr, out_ptr, vis_ptr, rows_ptr, HI, N, NK
     BLOCK_N entries, -1 none, out of the NK there are): the query's heads (bf16 parts,
     :func:`_bf16_parts`) against FP4 keys decoded to bf16, on tensor cores; ReLU, sum over
     the heads weighted by w · w_scale. The keys seen: ``n_visible``, or with VIS_PTR the count
-    at ``vis_ptr``, or with VIS_RATIO too the position there + 1 over it."""
+    at ``vis_ptr`` (the row's, ``s_vb`` apart; 0: one for every row), or with VIS_RATIO too the
+    position there + 1 over it."""
     _chain(PDL)
     b, blk = tl.program_id(0), tl.program_id(1)
     if VIS_PTR:  # a device tensor (a graphed decode step): the count, or with VIS_RATIO the position
-        limit = tl.load(vis_ptr)
+        limit = tl.load(vis_ptr + b.to(tl.int64) * s_vb)
         if VIS_RATIO:
             limit = (limit + 1) // VIS_RATIO
     else:
@@ -522,7 +525,8 @@ def indexer_scores(q, weights, keys, n_visible, head_scale: float, rows: torch.T
         return out
     if NK == 0:  # nothing to read: every row is none
         return out.fill_(float("-inf"))
-    q, weights, keys = q.contiguous(), weights.contiguous(), keys.contiguous()
+    # keys read through their strides (a prefill's queries share one buffer): a row's bytes contiguous
+    q, weights, keys = q.contiguous(), weights.contiguous(), keys if keys.stride(-1) == 1 else keys.contiguous()
     if rows is not None:
         assert rows.shape[0] == B
         rows = rows.contiguous()
@@ -530,10 +534,15 @@ def indexer_scores(q, weights, keys, n_visible, head_scale: float, rows: torch.T
     on_device = isinstance(n_visible, torch.Tensor)
     if ratio and not on_device:  # a position on the host: its count here
         n_visible, ratio = (n_visible + 1) // ratio, 0
+    per_row = on_device and n_visible.numel() > 1
+    if per_row:
+        assert n_visible.numel() == B
+        n_visible = n_visible.reshape(B).contiguous()
     _indexer_kernel[(B, triton.cdiv(N, INDEX_BLOCK_N))](
         q, weights, keys, out, n_visible if on_device else out, out if rows is None else rows, HI, N, NK,
         0 if on_device else int(n_visible), float(head_scale), q.stride(0), q.stride(1), weights.stride(0),
-        keys.stride(0), keys.stride(1), out.stride(0), 0 if rows is None else rows.stride(0), float(weight_scale),
+        keys.stride(0), keys.stride(1), out.stride(0), 0 if rows is None else rows.stride(0), 1 if per_row else 0,
+        float(weight_scale),
         DI=DI, BLOCK_HI=max(16, triton.next_power_of_2(HI)), BLOCK_N=INDEX_BLOCK_N, VIS_PTR=on_device,
         VIS_RATIO=ratio, ROWS=rows is not None, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
         num_warps=INDEX_WARPS, **chained(q))

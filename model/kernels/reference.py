@@ -66,8 +66,9 @@ def _selected_records(records: torch.Tensor, record_idx: torch.Tensor, dim: int)
 def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n_visible, head_scale: float,
                        rows: torch.Tensor | None = None, weight_scale: float = 1.0) -> torch.Tensor:
     """Scores [B, N] fp32: sum_h w[b, h] * relu(q[b, h] . key[b, n]) * head_scale, with w =
-    ``weights.float() * weight_scale``; -inf at n >= n_visible: an int or a one-element
-    tensor, or (position [1], ratio): the records that position sees, (position + 1) // ratio.
+    ``weights.float() * weight_scale``; -inf at n >= n_visible: an int, a one-element tensor
+    or one count a row [B], or (position [1] or [B], ratio): the records that position sees,
+    (position + 1) // ratio.
 
     q [B, Hi, d] float (already FP4-fake-quantised, as ``KVFormat.index_query`` makes it);
     weights [B, Hi]: ``weights_proj(x)``, and weight_scale ``n_heads**-0.5``; keys uint8 [B,
@@ -77,6 +78,8 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     """
     if isinstance(n_visible, tuple):
         n_visible = (n_visible[0] + 1) // n_visible[1]
+    if isinstance(n_visible, torch.Tensor):  # one count, or one a row
+        n_visible = n_visible.reshape(-1, 1)
     (B, _, d), N = q.shape, keys.shape[1]
     if rows is not None:
         keys = keys.gather(1, rows.long().clamp(0, max(N - 1, 0))[..., None].expand(-1, -1, keys.shape[-1])) \

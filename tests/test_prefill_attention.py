@@ -1,0 +1,160 @@
+"""A prefill's attention on the cache's bytes (``kernels.sparse_prefill``, taken by
+``Attention._packed_window`` / ``_attend_packed`` where the kernels run) against the
+reference's float keys and gathered records (``Attention.attend``).
+
+- Twin == reference (always, CI too): the packed path forced on the CPU, where
+  ``sparse_prefill`` runs the twin (``sparse_attention_ref`` on the strided views), beside
+  every attention call of whole prefills of ``tiny`` in exact and CED modes, in chunks, two
+  prefills on one state: the same output to float rounding and the same ring bytes.
+- Kernel == twin: random packed windows, positions and selections, on CUDA, else under
+  ``TRITON_INTERPRET=1``, else skipped; and on CUDA the lockstep above with the kernel.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from model import kernels
+from model.args import ModelArgs
+from model.engine import Engine, Sampling
+from model.kernels import sparse_attention_ref, sparse_prefill, triton_available
+from model.loading import build
+from model.quant import pack_main, pack_window
+from tests.test_kernels import assert_out_close, latents
+
+ON_CUDA = torch.cuda.is_available()
+needs_kernel = pytest.mark.skipif(not triton_available(),
+                                  reason="needs Triton with CUDA, or TRITON_INTERPRET=1 for its CPU interpreter")
+ARGS = ModelArgs.preset("tiny").replace(sliding_window=32, index_topk=8, candidate_topk_blocks=3,
+                                        candidate_block_size=2)
+
+
+def tiny(device="cpu"):
+    model = build(ARGS, seed=5, device=device).eval()
+    model.bind_token_map([i % ARGS.engram_compressed_vocab_size for i in range(ARGS.vocab_size)])
+    return model
+
+
+def lockstep(model, mode: str, monkeypatch, rtol: float) -> int:
+    """Two prefills (in chunks of 48) and three decode steps on the reference path, where every
+    attention call is run again on a copy of its cache and step by the packed path, on the
+    same inputs: its output must agree within ``rtol`` and the copy's window ring must hold the
+    same bytes after. (Whole prefills cannot be compared: a float rounding apart, a layer's
+    next FP4 index query may round the other way, and so select another record.) -> calls."""
+    from model import block
+
+    calls, real = [], block.Attention.core
+
+    def core(self, x, q_res, q, kv, pos, step, cache, ropes, index_query=None):
+        twin_cache, twin_shared = copy.deepcopy(cache), copy.deepcopy(step.shared)
+        out = real(self, x, q_res, q, kv, pos, step, cache, ropes, index_query)
+        shared, step.shared = step.shared, twin_shared
+        monkeypatch.setattr(kernels, "attends_packed", lambda t: True)
+        try:
+            twin = real(self, x, q_res, q, kv, pos, step, twin_cache, ropes, index_query)
+        finally:
+            monkeypatch.setattr(kernels, "attends_packed", lambda t: False)
+            step.shared = shared
+        if step.length > 1:
+            calls.append(self.layer)
+            assert_out_close(twin.float(), out.float(), rtol=rtol, msg=f"layer {self.layer} at {step.start}")
+            assert torch.equal(twin_cache.windows[self.layer].data, cache.windows[self.layer].data)
+        return out
+
+    monkeypatch.setattr(kernels, "attends_packed", lambda t: False)
+    monkeypatch.setattr(block.Attention, "core", core)
+    engine = Engine(model, mode=mode, chunk=48)
+    state = engine.new_state()
+    g = torch.Generator().manual_seed(11)
+    for n in (130, 45):
+        engine.prefill(state, torch.randint(3, 1000, (1, n), generator=g).to(model.device))
+    list(engine.generate(state, Sampling(max_new_tokens=3)))
+    return len(calls)
+
+
+@pytest.mark.parametrize("mode", ["exact", "ced"])
+def test_packed_prefill_twin_equals_the_reference(mode, monkeypatch) -> None:
+    monkeypatch.setenv("DSAGENT_KERNELS", "0")
+    layers = ARGS.num_hidden_layers
+    calls = lockstep(tiny(), mode, monkeypatch, rtol=1e-5)
+    chunks = 3 + 1 if mode == "exact" else None  # 130 = 48 + 48 + 34, then 45
+    assert calls == (chunks * layers if chunks else ARGS.decoder_start * 4 + (layers - ARGS.decoder_start) * 2)
+
+
+def prefill_case(S: int, span: int, H: int, N: int, K: int, *, D: int = 512, seed: int = 0, device="cpu"):
+    """Random packed inputs of :func:`sparse_prefill`: some window slots empty (-1), the
+    first query with nothing selected, -1s among the rest's selections."""
+    g = torch.Generator().manual_seed(seed)
+    q = (torch.randn(S, H, D, generator=g) * 3).to(torch.bfloat16)
+    window = pack_window(latents(span + S, D, g=g))
+    pos = torch.arange(-span, S) + 1000
+    pos[torch.rand(span + S, generator=g) < 0.2] = -1
+    records = pack_main(latents(N, D, g=g))
+    idx = torch.randint(0, N, (S, K), generator=g)
+    idx[torch.rand(S, K, generator=g) < 0.3] = -1
+    idx[0] = -1
+    sink = torch.randn(H, generator=g)
+    return [t.to(device) for t in (q, window, pos, records, idx, sink)]
+
+
+def by_rows(q, window, pos, records, idx, sink, scale):
+    """The same attention, one decode-step row per query, from materialised windows."""
+    S, span = q.shape[0], window.shape[0] - q.shape[0]
+    rows = torch.stack([window[i + 1:i + 1 + span] for i in range(S)])
+    valid = torch.stack([pos[i + 1:i + 1 + span] >= 0 for i in range(S)])
+    return sparse_attention_ref(q, rows, valid, records.expand(S, -1, -1), idx, sink, scale)
+
+
+def test_the_twin_reads_each_query_its_own_window() -> None:
+    inputs = prefill_case(9, 8, 4, 20, 5)
+    out = sparse_prefill(*inputs, 512 ** -0.5)
+    torch.testing.assert_close(out, by_rows(*inputs, 512 ** -0.5))
+    no_records = sparse_prefill(*inputs[:3], None, None, inputs[5], 512 ** -0.5)
+    q, window, pos, _, _, sink = inputs
+    empty = torch.zeros(9, 0, dtype=torch.long)
+    torch.testing.assert_close(no_records, by_rows(q, window, pos, inputs[3][:0], empty, sink, 512 ** -0.5))
+
+
+CASES = [(64, 32, 16, 300, 64), (33, 128, 4, 5, 8), (200, 128, 16, 700, 512)] if ON_CUDA else [(9, 8, 4, 20, 5)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("S,span,H,N,K", CASES)
+def test_sparse_prefill_kernel(S, span, H, N, K) -> None:
+    device = "cuda" if ON_CUDA else "cpu"
+    inputs = prefill_case(S, span, H, N, K, device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = sparse_prefill(*inputs, 512 ** -0.5, out_dtype=dtype)
+        ref = by_rows(*inputs, 512 ** -0.5)
+        assert out.dtype == dtype
+        assert_out_close(out.float(), ref, rtol=1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.skipif(not (ON_CUDA and triton_available()), reason="needs CUDA and Triton")
+@pytest.mark.parametrize("mode", ["exact", "ced"])
+def test_packed_prefill_kernel_on_the_gpu(mode, monkeypatch) -> None:
+    """bf16 on the GPU: the kernel path against the reference path, layer by layer, to bf16 rounding."""
+    assert lockstep(tiny("cuda").to(torch.bfloat16), mode, monkeypatch, rtol=1e-2) > 0
+
+
+@needs_kernel
+def test_indexer_scores_with_a_count_a_row() -> None:
+    """A prefill's index scores: every query a row with its own position, the keys one buffer
+    read by every row (a stride-0 view); the kernel against the twin."""
+    from model.kernels import indexer_scores, indexer_scores_ref
+    from model.quant import INDEX_BLOCK, fake_quant_fp4, pack_index
+
+    device = "cuda" if ON_CUDA else "cpu"
+    g = torch.Generator().manual_seed(3)
+    S, HI, DI, N, ratio = 7, 4, 128, 40, 2
+    q = fake_quant_fp4(torch.randn(S, HI, DI, generator=g), INDEX_BLOCK).to(device)
+    w = torch.randn(S, HI, generator=g).to(device)
+    keys = pack_index(torch.randn(1, N, DI, generator=g)).to(device).expand(S, -1, -1)
+    pos = torch.arange(60, 60 + S, device=device) + torch.tensor([0, 3, 9, 0, 1, 1, 2], device=device)
+    out = indexer_scores(q, w, keys, (pos, ratio), DI ** -0.5, weight_scale=HI ** -0.5)
+    ref = indexer_scores_ref(q, w, keys, (pos, ratio), DI ** -0.5, weight_scale=HI ** -0.5)
+    assert torch.equal(out.isneginf(), ref.isneginf())
+    assert [int(n) for n in (~ref.isneginf()).sum(1)] == [min(N, (int(p) + 1) // ratio) for p in pos]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
