@@ -177,8 +177,11 @@ def cast_model(model: torch.nn.Module, dtype: torch.dtype, prefix: str = "") -> 
 
 
 def keeps_fp32(name: str) -> bool:
+    """The tensors a model of any dtype holds in fp32: the mHC mixes, the attention sinks and
+    the router's balance biases — not the ViT's and aligner's Linear biases, which are added
+    to products in the model's dtype."""
     leaf = name.rsplit(".", 1)[-1]
-    return leaf.startswith("hc_") or leaf in ("attn_sink", "bias", "bias_vl")
+    return leaf.startswith("hc_") or leaf == "attn_sink" or name.endswith(("gate.bias", "gate.bias_vl"))
 
 
 def bind_tokenizer(model: Transformer, tokenizer_json: Path | None) -> None:

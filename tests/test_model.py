@@ -87,6 +87,7 @@ def test_bf16_forward_keeps_fp32_logits_and_fp32_tensors() -> None:
     dtypes = {name: p.dtype for name, p in net.named_parameters()}
     assert dtypes["layers.0.hc_attn_fn"] == torch.float32 and dtypes["layers.2.attn.attn_sink"] == torch.float32
     assert dtypes["layers.2.ffn.gate.bias"] == torch.float32 and dtypes["layers.2.attn.wq_a.weight"] == torch.bfloat16
+    assert dtypes["vision.patch_embed.proj.bias"] == dtypes["aligner.w1.bias"] == torch.bfloat16  # Linear biases
     with torch.no_grad():
         logits = net(tokens(1, 24))
     assert logits.shape == (1, 24, VOCAB) and logits.dtype == torch.float32 and torch.isfinite(logits).all()

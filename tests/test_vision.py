@@ -427,3 +427,13 @@ def test_flash_attn_patch_attention_matches_sdpa(monkeypatch):
     flash = vision.patch_attention(q, k, v)
     monkeypatch.setenv("DSAGENT_FLASH", "0")
     torch.testing.assert_close(flash, vision.patch_attention(q, k, v), rtol=2e-2, atol=2e-2)
+
+
+def test_a_bf16_model_encodes_an_image() -> None:
+    """Loaded in bf16 (as on CUDA), the tower's and aligner's Linear biases follow the model's
+    dtype (only the router's biases stay fp32), so a picture encodes."""
+    from model.loading import build
+
+    model = build(ModelArgs.preset("tiny"), seed=0, dtype=torch.bfloat16).eval()
+    span = model.encode_image(noise(40, 30))
+    assert span.dtype == torch.bfloat16 and torch.isfinite(span.float()).all()
