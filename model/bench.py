@@ -933,6 +933,23 @@ def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 
             **profile_summary(prof, cuda, steps, top, spans)}
 
 
+def bench_prefill_profile(model: Transformer, ctx: int, *, mode: str = "ced", chunk: int = 2048, top: int = 30) -> dict:
+    """Where a prefill's device time goes, by kernel: torch.profiler over one ``mode`` prefill
+    of ``ctx`` random tokens after one of the same length (the builds and the allocator's
+    blocks). As :func:`bench_profile`, a guide for the kernels, not a target."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, ids = engine_for(model, mode=mode, chunk=chunk), prompt_ids(model, ctx)
+    engine.prefill(engine.new_state(), ids)
+    cuda = model.device.type == "cuda"
+    _sync(model.device)
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        engine.prefill(engine.new_state(), ids)
+        _sync(model.device)
+    return {"bench": "prefill_profile", "ctx": ctx, "mode": mode, "chunk": chunk,
+            **profile_summary(prof, cuda, 1, top)}
+
+
 def profile_summary(prof, cuda: bool, steps: int, top: int = 12, spans_out: list | None = None) -> dict:
     """A torch.profiler run of ``steps`` steps, per step: kernels launched and their summed
     device time (on the CPU: top-level operators and their time), and the ``top`` names by

@@ -2,7 +2,7 @@
 
 Usage: python3 scripts/gpu_bench.py OUT.jsonl [--preset small] [--layers N] [--engram-rows R] [--weights packed]
        [--prefill 8192,32768] [--decode 4096,32768]
-       [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--engram 4096] [--profile 16384]
+       [--chunk 2048] [--prefill-profile 8192] [--linears 8192] [--paths 4096] [--paths-batch 1,16] [--host 4096] [--engram 4096] [--profile 16384]
        [--knobs moe.DOWN_EARLY,fused.MIN_BLOCKS_PER_SPLIT=2 --knobs-ctx 131072 --knobs-rounds 2] [--set moe.DOWN_EARLY,...]
 Each figure is a ratio measured side by side in one run (RUNTIME.md §9). The device
 machine lacks sqlite-utils/zstandard, so this imports only the `model` package.
@@ -17,7 +17,7 @@ import torch
 
 from model.bench import (bench_batch, bench_model, bench_decode, bench_engram, bench_host, bench_knobs, bench_linears,
                          bench_paths,
-                         bench_prefill, bench_profile, bench_resume, copy_tb_per_s, kernel_knob, matmul_tflops,
+                         bench_prefill, bench_prefill_profile, bench_profile, bench_resume, copy_tb_per_s, kernel_knob, matmul_tflops,
                          switched)
 
 
@@ -45,6 +45,8 @@ def main() -> None:
                                                  "are timed side by side")
     p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
+    p.add_argument("--prefill-profile", default="", help="contexts at which a CED and an exact prefill are profiled")
+    p.add_argument("--chunk", type=int, default=512, help="prefill chunk of --prefill and --prefill-profile")
     p.add_argument("--profile-batch", default="1", help="batch sizes of --profile")
     p.add_argument("--timeline", default="",
                    help="a file for the chained profile's kernels in order: a JSON line a profile, [[start µs, end µs, "
@@ -70,7 +72,10 @@ def main() -> None:
         model, loaded = bench_model(a.preset, weights=a.weights, layers=a.layers, engram_rows=a.engram_rows)
         emit({**loaded, "params": sum(x.numel() for x in model.parameters())})
         for n in map(int, filter(None, a.prefill.split(","))):
-            emit(bench_prefill(model, n, gen=16))
+            emit(bench_prefill(model, n, chunk=a.chunk, gen=16))
+        for n in map(int, filter(None, a.prefill_profile.split(","))):
+            for mode in ("ced", "exact"):
+                emit(bench_prefill_profile(model, n, mode=mode, chunk=a.chunk))
         short, *longs = list(map(int, filter(None, a.decode.split(",")))) or [0]
         for n in longs:
             emit(bench_decode(model, n, short=short, steps=8))
