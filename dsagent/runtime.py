@@ -39,7 +39,7 @@ class Settings:
     device: str = "cpu"
     dtype: str = "float32"
     prefill: str = "ced"  # or "exact"
-    chunk: int = 512  # prefill chunk (tokens)
+    chunk: int | None = None  # prefill chunk (tokens); None: the engine's default for the device
     max_context: int | None = None
     threads: int | None = None  # torch's threads; None = the CPUs this process may use
     weights: str = "plain"  # or "packed": the FP8 / FP4 families held as the checkpoint stores them

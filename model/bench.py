@@ -27,7 +27,7 @@ from safetensors.torch import save as st_save
 
 from model import decode_step
 from model.census import decode_read_bytes, prefill_flops
-from model.engine import Engine, Sampling, State
+from model.engine import Engine, Sampling, State, default_chunk
 from model.model import Transformer
 from model.moe import GroupedLinear
 
@@ -257,7 +257,7 @@ def agreement(a: list[int], b: list[int]) -> float:
     return same / max(1, min(len(a), len(b)))
 
 
-def bench_prefill(model: Transformer, ctx: int, *, chunk: int = 512, gen: int = 64, parts: bool = True,
+def bench_prefill(model: Transformer, ctx: int, *, chunk: int | None = None, gen: int = 64, parts: bool = True,
                   matmul_size: int | None = None) -> dict:
     """Exact and CED prefill of ``ctx`` random tokens: tokens/s, how far their outputs agree,
     and the model FLOPs each executes (``model.census.prefill_flops``) over its time against
@@ -269,13 +269,19 @@ def bench_prefill(model: Transformer, ctx: int, *, chunk: int = 512, gen: int = 
     device = model.device
     peak = _matmul_peak(model, matmul_size)
     ids = prompt_ids(model, ctx)
+    chunk = chunk or default_chunk(device)
     runs, out = {}, {"bench": "prefill", "ctx": ctx, "chunk": chunk, "device": str(device), "matmul_tflops": peak}
+    weights = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     for mode in ("exact", "ced"):
         engine = engine_for(model, mode=mode, chunk=chunk)
         if device.type == "cuda":  # warm-up: the allocator's blocks, the GEMM handles, the kernels' builds
             engine.prefill(engine.new_state(), ids[:, :min(ctx, 2 * chunk)])
         state = engine.new_state()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         logits, secs = _timed(lambda: engine.prefill(state, ids), device)
+        if device.type == "cuda":  # what the prefill needed on top of the weights, its cache included
+            out[f"{mode}_peak_gb_over_weights"] = (torch.cuda.max_memory_allocated(device) - weights) / 1e9
         flops = prefill_flops(model.args, ctx, mode)
         runs[mode] = {"seconds": secs, "logits": logits.float(), "greedy": greedy(engine, state, gen)}
         out[f"{mode}_tokens_per_s"] = ctx / secs

@@ -111,7 +111,9 @@ def _kernels_off():
 @needs_kernel
 def test_model_decode_runs_the_kernels_and_matches_its_reference_path(monkeypatch):
     """The wiring in model.model: decode steps on a packed cache go through the kernels
-    (counted) and give the reference path's logits; prefill never does. Both arms run the
+    (counted) and give the reference path's logits. The prefill before runs the reference
+    path in both arms (``DSAGENT_PREFILL_KERNELS=0``: its own kernels are compared in
+    tests/test_prefill_attention.py, layer by layer, where FP4 roundings cannot flip). Both arms run the
     mHC and RMSNorm twins and the MoE in torch (those kernels run in prefill too, and on a
     random model their last-bit differences flip FP4 roundings and top-k choices; each is
     compared with its twin on its own: below, in tests/test_norm_kernel.py and
@@ -120,6 +122,7 @@ def test_model_decode_runs_the_kernels_and_matches_its_reference_path(monkeypatc
 
     monkeypatch.setenv("DSAGENT_FUSED_MOE", "0")
     monkeypatch.setenv("DSAGENT_GRAPHS", "0")
+    monkeypatch.setenv("DSAGENT_PREFILL_KERNELS", "0")
     real = kernels.hc_split, kernels.rms_norm
     kernels.hc_split = kernels.hc_split_ref
     kernels.rms_norm = lambda x, w, eps, upcast=False: kernels.rms_norm_ref(x.float() if upcast else x, w, eps)
@@ -151,7 +154,7 @@ def _decode_wiring(kernels) -> None:
             try:
                 with (contextlib.nullcontext() if use else _kernels_off()):
                     net(ids[:, :150], cache)
-                    assert calls == {"attention": 0, "indexer": 0}  # prefill: reference path
+                    assert calls == {"attention": 0, "indexer": 0}  # prefill: the reference path here
                     logits[use] = torch.stack([ds.forward(net, ids[:, t: t + 1], cache)[:, -1] for t in range(150, 153)])
             finally:
                 kernels.sparse_attention, kernels.indexer_scores = real_attention, real_indexer
