@@ -74,7 +74,7 @@ class AgentOptions:
     replay_tokens: int | None = None  # None: the sliding window
     tool_timeout_s: float = 30.0
     tool_output_cap: int = 16_000
-    speculative: bool = True  # DSpark when the checkpoint has draft stages
+    speculative: bool | None = None  # DSpark when the checkpoint has draft stages (None: where it pays, on the CPU)
     prefix_cache: bool = True  # a new session starts from KV stored for the same prefix (system prompt, tools)
 
 

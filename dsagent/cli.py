@@ -124,8 +124,9 @@ GPUS = typer.Option(1, "--gpus", min=1, metavar="N",
 THREADS = typer.Option(None, "--threads", min=1, metavar="N",
                        help="torch's compute threads (default: the CPUs this process may use, from its affinity "
                             "and cgroup quota).")
-SPECULATIVE = typer.Option(True, "--speculative/--no-speculative",
-                           help="DSpark speculative decoding (off by itself when the checkpoint has no draft stages).")
+SPECULATIVE = typer.Option(None, "--speculative/--no-speculative",
+                           help="DSpark speculative decoding (default: on where it pays, the CPU; off by itself when "
+                                "the checkpoint has no draft stages).")
 PREFIX_CACHE = typer.Option(None, "--prefix-cache/--no-prefix-cache",
                             help="A new session starts from the KV other sessions stored for the same system prompt "
                                  "and tools, replaying the window before it. \\[default: on]")
@@ -149,7 +150,7 @@ def load_runtime(d: Defaults, device: str, weights: str = "plain", gpus: int = 1
         return Runtime.load(settings, progress=progress, world=world)
 
 
-def agent_options(d: Defaults, session, tools, max_steps, seed, workspace, speculative=True):
+def agent_options(d: Defaults, session, tools, max_steps, seed, workspace, speculative=None):
     from dsagent.agent import AgentOptions
     from model.engine import Sampling
 
@@ -199,7 +200,7 @@ def run(
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
     weights: str = WEIGHTS, engram: str = ENGRAM, gpus: int = GPUS, threads: Optional[int] = THREADS,
-    speculative: bool = SPECULATIVE, prefix_cache: Optional[bool] = PREFIX_CACHE,
+    speculative: Optional[bool] = SPECULATIVE, prefix_cache: Optional[bool] = PREFIX_CACHE,
     as_json: bool = typer.Option(False, "--json", help="Print one result object on stdout."),
     jsonl: bool = typer.Option(False, "--jsonl", help="Print every event as a JSON line on stdout."),
 ) -> None:
@@ -306,7 +307,7 @@ def chat(
     temperature: Optional[float] = TEMPERATURE, policy: Optional[str] = POLICY, yes: bool = YES,
     thinking: Optional[str] = THINKING, workspace: Optional[Path] = WORKSPACE, device: str = DEVICE,
     weights: str = WEIGHTS, engram: str = ENGRAM, gpus: int = GPUS, threads: Optional[int] = THREADS,
-    speculative: bool = SPECULATIVE, prefix_cache: Optional[bool] = PREFIX_CACHE,
+    speculative: Optional[bool] = SPECULATIVE, prefix_cache: Optional[bool] = PREFIX_CACHE,
 ) -> None:
     """Chat interactively; /help lists the slash commands, Ctrl-C stops a reply, Ctrl-D leaves."""
     out, err = consoles()

@@ -498,11 +498,21 @@ def _ring_copy(ring: WindowRing) -> WindowRing:
     return out
 
 
-def speculator_for(model: Transformer, engine: Engine, requested: bool = True, **kwargs) -> Speculator | None:
-    """The CLI's switch: a Speculator when asked for and the checkpoint has draft stages, else
-    None. An engine over several ranks makes its own (``model.lockstep.Leader.speculator``:
-    every rank makes its model calls)."""
-    if not requested or not has_draft_stages(model):
+def verify_pays(device) -> bool:
+    """Whether speculation speeds decoding up on ``device``: a verify forward must cost about a
+    decode step. On the CPU it does (1.22× a step, 2.51× the tokens/s: README). On CUDA a
+    decode step is one CUDA graph of the fused kernels and a verify forward runs eagerly:
+    50.8× a step on an H100 (2026-12-05, the default checkpoint), so speculation gave 0.18×
+    the tokens/s — off there unless asked for."""
+    return torch.device(device).type != "cuda"
+
+
+def speculator_for(model: Transformer, engine: Engine, requested: bool | None = True, **kwargs) -> Speculator | None:
+    """The CLI's switch: a Speculator when the checkpoint has draft stages and it is asked for
+    (``requested`` True), or left to the device (None: where :func:`verify_pays`), else None.
+    An engine over several ranks makes its own (``model.lockstep.Leader.speculator``: every
+    rank makes its model calls)."""
+    if requested is False or not has_draft_stages(model) or (requested is None and not verify_pays(model.device)):
         return None
     over_ranks = getattr(engine, "speculator", None)
     return Speculator(model, engine, **kwargs) if over_ranks is None else over_ranks(**kwargs)

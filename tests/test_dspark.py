@@ -205,6 +205,21 @@ def test_speculation_is_unavailable_without_draft_stages():
         Speculator(plain, engine)
 
 
+def test_speculation_by_default_where_a_verify_costs_about_a_step(tiny, monkeypatch):
+    """Left to the device (None), speculation is on where a verify forward costs about a decode
+    step (the CPU) and off on CUDA, whose decode step is a CUDA graph and whose verify is eager;
+    asked for, it is on anywhere; refused, off."""
+    from model import dspark
+
+    engine = Engine(tiny)
+    assert dspark.verify_pays("cpu") and not dspark.verify_pays("cuda")
+    assert isinstance(speculator_for(tiny, engine, requested=None), Speculator)
+    assert speculator_for(tiny, engine, requested=False) is None
+    monkeypatch.setattr(dspark, "verify_pays", lambda device: False)
+    assert speculator_for(tiny, engine, requested=None) is None
+    assert isinstance(speculator_for(tiny, engine, requested=True), Speculator)
+
+
 # ----------------------------------------------------------------------------- (b) greedy
 
 def test_order_invariant_math_makes_rows_shape_independent(tiny):
