@@ -939,7 +939,8 @@ def bench_profile(model: Transformer, ctx: int, *, batch: int = 1, steps: int = 
             **profile_summary(prof, cuda, steps, top, spans)}
 
 
-def bench_prefill_profile(model: Transformer, ctx: int, *, mode: str = "ced", chunk: int = 2048, top: int = 30) -> dict:
+def bench_prefill_profile(model: Transformer, ctx: int, *, mode: str = "ced", chunk: int | None = None,
+                          top: int = 30) -> dict:
     """Where a prefill's device time goes, by kernel: torch.profiler over one ``mode`` prefill
     of ``ctx`` random tokens after one of the same length (the builds and the allocator's
     blocks). As :func:`bench_profile`, a guide for the kernels, not a target."""
@@ -952,7 +953,7 @@ def bench_prefill_profile(model: Transformer, ctx: int, *, mode: str = "ced", ch
     with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
         engine.prefill(engine.new_state(), ids)
         _sync(model.device)
-    return {"bench": "prefill_profile", "ctx": ctx, "mode": mode, "chunk": chunk,
+    return {"bench": "prefill_profile", "ctx": ctx, "mode": mode, "chunk": engine.chunk,
             **profile_summary(prof, cuda, 1, top)}
 
 

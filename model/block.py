@@ -135,7 +135,7 @@ class Attention(nn.Module):
         entries of positions [start - window, end) in order [B, window + S, bytes], their
         positions, -1 where the ring holds none); writes the ring. Else None, and
         :meth:`_window_keys` makes the reference's keys."""
-        if not reads_packed(step, cache.kv, kv):
+        if not reads_packed(step, cache.kv):
             return None
         ring, span = cache.windows[self.layer], self.args.sliding_window
         pos = step.positions(kv.device)

@@ -1,9 +1,9 @@
 """Parameter and KV census of a V4.1 config, counted from real module shapes.
 
 Owns ``census(args)``: the numbers behind ``dsagent model info``; ``decode_read_bytes`` (what
-a decode step reads) and ``prefill_flops`` (what a prefill computes, by part) for the benchmarks. The backbone is built as
-:class:`model.model.Transformer` on the ``meta`` device (no memory, no weights) and its
-parameters are counted by official name. Does not own: reading checkpoints (the dtype
+a decode step reads) and ``prefill_flops`` (what a prefill computes, by part) for the
+benchmarks. The backbone is built as :class:`model.model.Transformer` on the ``meta`` device
+(no memory, no weights) and its parameters are counted by official name. Does not own: reading checkpoints (the dtype
 census of a directory is ``model.checkpoint.census``), printing (the CLI renders).
 
 Definitions (ARCHITECTURE.md §5.3):
@@ -207,8 +207,9 @@ def prefill_flops(args: ModelArgs, tokens: int, mode: str = "ced", start: int = 
     """The model FLOPs of a prefill of ``tokens`` new tokens at positions [start, start +
     tokens), in ``mode`` "exact" (every layer on every token) or "ced" (the encoder layers on
     every token, the decoder's KV source projecting every token, the decoder layers on the
-    last ``sliding_window``, whose window then holds those alone), counted from the config: what the algorithm needs, not what a
-    kernel happens to compute (masked entries, padding and dequantisation are not counted).
+    last ``sliding_window``, whose window then holds those alone), counted from the config:
+    what the algorithm needs, not what a kernel happens to compute (masked entries, padding
+    and dequantisation are not counted).
     A multiply-add is 2 FLOPs. -> {"total": ..., "by_part": {part: FLOPs}} with the parts:
     - ``linear``: every projection a token runs through (attention, the indexer's query and
       head weights, shared and ``num_experts_per_tok`` routed experts, Engram; the ``head``
@@ -292,7 +293,9 @@ def _layer_flops(args: ModelArgs, i: int, layer: dict[str, torch.Size], pos: tor
     keys = (pos - known).clamp(max=args.sliding_window - 1) + 1  # window entries, itself included
     if ratio:
         seen = (pos + 1) // ratio  # records visible
-        if args.uses_candidates(args.index_source(i)):  # the pool (a Reuse layer reads its index source's): the newest block (pinned, maybe partial) and the best others
+        # the candidate pool (a Reuse layer reads its index source's): the newest block
+        # (pinned, maybe partial) and the best others
+        if args.uses_candidates(args.index_source(i)):
             block, n_blocks = args.candidate_block_size, args.candidate_topk_blocks
             newest = seen - (seen - 1).clamp(min=0) // block * block
             seen = torch.where(seen > n_blocks * block, (n_blocks - 1) * block + newest, seen)

@@ -26,12 +26,13 @@ from model.quant import KVFormat
 from model.rope import apply_rope
 
 
-def reads_packed(step: Step, kv: KVFormat, t: torch.Tensor) -> bool:
-    """Whether this step's attention and indexer read the cache's bytes in place through the
-    kernels (``kernels.sparse_prefill``, ``kernels.indexer_scores``): several tokens of
-    inference on a packed cache where the kernels run; else the reference's float keys."""
-    return (step.length > 1 and kv.packed and step.index_losses is None and step.floor is None and not step.dense
-            and step.graphs is None and not torch.is_grad_enabled() and kernels.attends_packed(t))
+def reads_packed(step: Step, kv: KVFormat) -> bool:
+    """Whether this step's attention and indexer read the cache's bytes in place
+    (``kernels.sparse_prefill``, ``kernels.indexer_scores``: kernel or twin by device): where
+    the fast path asked for it (``Step.packed_reads``) on a packed cache, outside training;
+    else the reference's float keys."""
+    return (step.packed_reads and kv.packed and step.index_losses is None and step.floor is None and not step.dense
+            and step.graphs is None and not torch.is_grad_enabled())
 
 
 class Compressor(nn.Module):
@@ -130,7 +131,7 @@ class Indexer(nn.Module):
         ``query``: :meth:`query` of these tokens, where the caller made it already."""
         if src.n == 0:
             return None
-        if reads_packed(step, src.kv, x):
+        if reads_packed(step, src.kv):
             s = self.packed_scores(x, q_res, step, src, inv_freq, query)
         else:
             # the indexer learns from its own loss only (its inputs are cut from the graph; so

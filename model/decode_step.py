@@ -65,12 +65,20 @@ def graphs_of(model) -> graphs.SegmentGraphs:
     return model.derived["graphs"]
 
 
+def reads_packed(x: torch.Tensor, tokens: int) -> bool:
+    """Whether a step of ``tokens`` tokens on ``x``'s device has its attention and indexer read
+    the cache's bytes in place (``Step.packed_reads``): a prefill's chunk or a verify where the
+    kernels run (``kernels.attends_packed``); a decode step has its own fused path."""
+    return tokens > 1 and kernels.attends_packed(x)
+
+
 def begin(model, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None, image_mask=None):
     """``Transformer.begin``, with a decode step's Engram hashing in one launch (where it
     runs) and its graphs chosen: a one-token text step on CUDA whose every MoE can be captured."""
     hash_ids = _hash_step(model, ids, cache, start) if image_mask is None else None
     streams, pre, step = model.begin(ids, cache, start, image_embeds=image_embeds, image_mask=image_mask,
                                      hash_ids=hash_ids)
+    step.packed_reads = reads_packed(streams, ids.shape[1])
     if graphs.wanted(ids, image_mask, cache.kv.packed) and ffn_capturable(model, streams[:, :, 0]):
         step.graphs = graphs_of(model).for_step()
     return streams, pre, step

@@ -46,7 +46,8 @@ def main() -> None:
     p.add_argument("--host", default="", help="contexts at which the host's share of a decode step is measured")
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     p.add_argument("--prefill-profile", default="", help="contexts at which a CED and an exact prefill are profiled")
-    p.add_argument("--chunk", type=int, default=512, help="prefill chunk of --prefill and --prefill-profile")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="prefill chunk of --prefill and --prefill-profile (default: the engine's, 4096 on CUDA)")
     p.add_argument("--profile-batch", default="1", help="batch sizes of --profile")
     p.add_argument("--timeline", default="",
                    help="a file for the chained profile's kernels in order: a JSON line a profile, [[start µs, end µs, "

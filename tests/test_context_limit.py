@@ -9,7 +9,7 @@ from model.engine import ContextLimitError, Engine, State
 
 
 def test_the_context_limit_error_names_no_missing_flag():
-    engine = Engine(SimpleNamespace(args=ModelArgs.preset("tiny")), max_context=40)
+    engine = Engine(SimpleNamespace(args=ModelArgs.preset("tiny"), device="cpu"), max_context=40)
     state = State(cache=SimpleNamespace(length=30))
     with pytest.raises(ContextLimitError) as caught:
         engine._check_room(state, 11)

@@ -245,7 +245,7 @@ def test_sampling_modes():
     assert set(top2.tolist()) <= {2, 3}
 
 
-def test_chunks_shrink_where_the_index_scores_would_pass_their_budget(model, monkeypatch) -> None:
+def test_chunks_shrink_where_the_index_scores_would_pass_their_budget(model) -> None:
     """The chunk a prefill runs at a position: the engine's, halved while its queries' scores
     over the records they may see pass the budget, never below the floor; the default is the
     device's (512 on the CPU)."""
@@ -255,7 +255,8 @@ def test_chunks_shrink_where_the_index_scores_would_pass_their_budget(model, mon
     assert Engine(model).chunk == engine_mod.CPU_CHUNK == 512
     assert engine.chunk_at(0) == 512
     ratio = min(r for r in model.args.ratios if r)
-    monkeypatch.setattr(engine_mod, "SCORE_BYTES", 512 * 4096 // ratio * engine_mod.SCORE_BYTES_PER)
+    assert engine.score_budget == 4 << 30
+    engine.score_budget = 512 * 4096 // ratio * engine_mod.SCORE_BYTES_PER
     assert engine.chunk_at(4096 - 512) == 512 and engine.chunk_at(4096) == 256
     assert engine.chunk_at(10 ** 7) == engine_mod.MIN_CHUNK
     sizes = [c.shape[1] for c, _, _ in engine._chunks(ids_of(1000), None, None, start=4000)]

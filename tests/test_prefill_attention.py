@@ -49,14 +49,13 @@ def lockstep(model, mode: str, monkeypatch, rtol: float) -> int:
 
     def core(self, x, q_res, q, kv, pos, step, cache, ropes, index_query=None):
         twin_cache, twin_shared = copy.deepcopy(cache), copy.deepcopy(step.shared)
+        step.packed_reads = False
         out = real(self, x, q_res, q, kv, pos, step, cache, ropes, index_query)
-        shared, step.shared = step.shared, twin_shared
-        monkeypatch.setattr(kernels, "attends_packed", lambda t: True)
+        shared, step.shared, step.packed_reads = step.shared, twin_shared, True
         try:
             twin = real(self, x, q_res, q, kv, pos, step, twin_cache, ropes, index_query)
         finally:
-            monkeypatch.setattr(kernels, "attends_packed", lambda t: False)
-            step.shared = shared
+            step.shared, step.packed_reads = shared, False
         if step.length > 1:
             calls.append(self.layer)
             assert_out_close(twin.float(), out.float(), rtol=rtol, msg=f"layer {self.layer} at {step.start}")
@@ -158,3 +157,29 @@ def test_indexer_scores_with_a_count_a_row() -> None:
     assert torch.equal(out.isneginf(), ref.isneginf())
     assert [int(n) for n in (~ref.isneginf()).sum(1)] == [min(N, (int(p) + 1) // ratio) for p in pos]
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["exact", "ced"])
+def test_the_fast_path_asks_for_packed_reads_in_every_chunk_and_the_replay(mode, monkeypatch) -> None:
+    """``decode_step.begin`` (every chunk) and the CED replay set ``Step.packed_reads`` where
+    ``kernels.attends_packed``: each attention of several tokens then goes through
+    ``kernels.sparse_prefill``; elsewhere none does."""
+    from model import block
+
+    model, seen = tiny(), []
+    real = block.Attention.core
+
+    def core(self, x, q_res, q, kv, pos, step, cache, ropes, index_query=None):
+        seen.append(step.packed_reads)
+        return real(self, x, q_res, q, kv, pos, step, cache, ropes, index_query)
+
+    monkeypatch.setattr(block.Attention, "core", core)
+    calls = []
+    real_prefill = kernels.sparse_prefill
+    monkeypatch.setattr(kernels, "sparse_prefill", lambda *a, **k: calls.append(1) or real_prefill(*a, **k))
+    for on in (False, True):
+        seen.clear(), calls.clear()
+        monkeypatch.setattr(kernels, "attends_packed", lambda t: on)
+        engine = Engine(model, mode=mode, chunk=48)
+        engine.prefill(engine.new_state(), torch.randint(3, 1000, (1, 130), generator=torch.Generator().manual_seed(2)))
+        assert seen and all(s == on for s in seen) and len(calls) == (len(seen) if on else 0)

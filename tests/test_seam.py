@@ -2,7 +2,8 @@
 
 The reference modules (the paper's network) may use ``model.kernels`` only for the
 operations that are one function of tensors with a PyTorch twin, the kernel or the twin
-chosen by device (``MATH_OPS``), and ``model.kernels.reference`` (the twins themselves);
+chosen by device (``MATH_OPS``; the prefill's reads of packed bytes among them, taken where
+the fast path set ``Step.packed_reads``), and ``model.kernels.reference`` (the twins themselves);
 their projections go through ``model.linear``. They import neither the fused decode step
 (``model.decode_step``) nor the graphs (``model.graphs``) nor any kernel module: launch
 order, side streams, graph capture and kernel knobs live outside them.
@@ -17,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ("model/model.py", "model/block.py", "model/moe.py", "model/csa2.py", "model/layer.py", "model/rope.py",
              "model/engram.py")
-MATH_OPS = {"rms_norm", "rope", "hc_site", "hc_collapse", "hc_expand", "engram_gate", "ngram_hash", "topk_rows"}
+MATH_OPS = {"rms_norm", "rope", "hc_site", "hc_collapse", "hc_expand", "engram_gate", "ngram_hash", "topk_rows",
+            "sparse_prefill", "indexer_scores"}
 FORBIDDEN_MODULES = ("model.decode_step", "model.graphs")
 
 
