@@ -79,16 +79,17 @@ def begin(model, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None,
     streams, pre, step = model.begin(ids, cache, start, image_embeds=image_embeds, image_mask=image_mask,
                                      hash_ids=hash_ids)
     step.packed_reads = reads_packed(streams, ids.shape[1])
-    if graphs.wanted(ids, image_mask, cache.kv.packed) and ffn_capturable(model, streams[:, :, 0]):
+    # over several ranks no graph: the all-reduces inside a captured step are not yet checked on GPUs
+    if (model.world.size == 1 and graphs.wanted(ids, image_mask, cache.kv.packed)
+            and ffn_capturable(model, streams[:, :, 0])):
         step.graphs = graphs_of(model).for_step()
     return streams, pre, step
 
 
 def run_layers(model, streams, pre, step: Step, cache: Cache, layers: range):
-    """``Transformer.run_layers`` on the fastest path that computes it here (one process
-    alone: the fused kernels sum no partial outputs over ranks yet)."""
-    if model.world.size > 1:
-        return model.run_layers(streams, pre, step, cache, layers)
+    """``Transformer.run_layers`` on the fastest path that computes it here. Over several ranks
+    the fused step sums what the reference sums (``wo_b``'s rows, the routed experts, the
+    Engram rows: :func:`_output`, ``MoE.routed_and_shared``, ``Table.forward``), eagerly."""
     if takes_fused(streams, step, cache.kv):
         return _fused_layers(model, streams, pre, step, cache, layers)
     if step.graphs is not None:
@@ -302,8 +303,8 @@ def _output(attn: Attention, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes,
     else:
         turned_out = out if turned else apply_rope(out, pos, inv, inverse=True)
         lat = grouped_linear(attn.wo_a, turned_out.flatten(2), attn.o_groups)
-    if kernels.gemv_runs(lat, attn.wo_b):
-        return kernels.gemv(lat, attn.wo_b.gemv_weight())[0]
+    if kernels.gemv_runs(lat, attn.wo_b):  # a rank's rows of wo_b: the ranks' partial sums added, as Linear adds them
+        return attn.wo_b.world.sum(kernels.gemv(lat, attn.wo_b.gemv_weight())[0])
     return attn.wo_b(lat)
 
 

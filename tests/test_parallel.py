@@ -43,11 +43,14 @@ def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
     return tokens
 
 
-def _rank(world: World, ids: torch.Tensor, weights: str, results) -> None:
-    """One rank: its part of the default checkpoint, read from the shards (``load(..., world=)``)."""
+def _rank(world: World, ids: torch.Tensor, weights: str, results, fused: bool = False) -> None:
+    """One rank: its part of the default checkpoint, read from the shards (``load(..., world=)``);
+    ``fused``: its decode steps on the fused step's path (the kernels' twins here)."""
     from model.loading import load
 
     torch.set_num_threads(1)
+    if fused:
+        _fused_decode()
     model = load(DEFAULT, weights=weights, world=world)
     assert model.layers[0].attn.n_heads == ARGS.num_attention_heads // world.size
     assert model.layers[0].attn.wo_b.fmt == ("fp8" if weights == "packed" else "plain")
@@ -74,6 +77,44 @@ def test_two_ranks_give_one_process_logits_and_tokens(tmp_path, weights):
         full, tokens = got[rank]
         torch.testing.assert_close(full, want_full, rtol=1e-4, atol=1e-4)
         assert tokens == want_tokens
+
+
+def _fused_decode() -> None:
+    """Decode steps through ``decode_step``'s fused path where no kernel runs (its twins), as
+    the kernel tests do: ``takes_fused`` becomes ``is_decode_step``."""
+    from model import decode_step
+
+    decode_step.takes_fused = decode_step.is_decode_step
+
+
+def _fused_rank(world: World, ids: torch.Tensor, results) -> None:
+    from model import decode_step
+
+    calls, real = [], decode_step._fused_layers
+    decode_step._fused_layers = lambda *a, **k: calls.append(1) or real(*a, **k)
+    _rank(world, ids, "plain", results, fused=True)
+    results[f"fused{world.rank}"] = len(calls)  # decode steps that took the fused path
+
+
+def test_two_ranks_decode_on_the_fused_path(tmp_path, monkeypatch):
+    """The fused decode step over two ranks (each its heads, experts and table rows, the
+    partial sums added where the reference adds them) gives one process's greedy tokens."""
+    from model import decode_step
+
+    ids = torch.randint(3, ARGS.vocab_size, (1, 150), generator=torch.Generator().manual_seed(5))
+    monkeypatch.setattr(decode_step, "takes_fused", decode_step.is_decode_step)
+    calls = []
+    real = decode_step._fused_layers
+    monkeypatch.setattr(decode_step, "_fused_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
+    want_tokens = _greedy(_whole(), ids, 32)
+    assert calls  # the one process decoded on the fused path too
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_ranks(_fused_rank, 2, ids, results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300)
+        got = dict(results)
+    assert got["fused0"] == got["fused1"] == len(calls) > 0
+    for rank in (0, 1):
+        assert got[rank][1] == want_tokens
 
 
 def test_a_ranks_part_of_a_whole_state_dict():
