@@ -135,8 +135,9 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
 
 
 def attends_packed(t: torch.Tensor) -> bool:
-    """Whether a prefill's attention on ``t``'s device runs :func:`sparse_prefill`'s kernel
-    on the cache's bytes (``model.block.Attention``), rather than the reference's float keys;
+    """Whether a step of several tokens on ``t``'s device reads the cache's bytes in place
+    through :func:`sparse_prefill` and :func:`indexer_scores`' kernels (``model.decode_step``
+    sets ``Step.packed_reads`` from this), rather than the reference's float keys;
     ``DSAGENT_PREFILL_KERNELS=0`` turns this alone off (to time the two side by side)."""
     return enabled(t) and os.environ.get("DSAGENT_PREFILL_KERNELS", "1") != "0"
 
