@@ -183,3 +183,19 @@ def test_the_fast_path_asks_for_packed_reads_in_every_chunk_and_the_replay(mode,
         engine = Engine(model, mode=mode, chunk=48)
         engine.prefill(engine.new_state(), torch.randint(3, 1000, (1, 130), generator=torch.Generator().manual_seed(2)))
         assert seen and all(s == on for s in seen) and len(calls) == (len(seen) if on else 0)
+
+
+@needs_kernel
+def test_one_split_ends_in_the_attention_kernel_with_the_merges_bits(monkeypatch) -> None:
+    """With one split a row (a prefill), the attention kernel stores the output itself
+    (``fused.FINAL_ONE_SPLIT``): the same bits as its partials through the merge launch."""
+    from model.kernels import fused
+
+    device = "cuda" if ON_CUDA else "cpu"
+    inputs = prefill_case(9, 8, 4, 20, 5, device=device)
+    for dtype in (torch.float32, torch.bfloat16):
+        merged = []
+        for final in (True, False):
+            monkeypatch.setattr(fused, "FINAL_ONE_SPLIT", final)
+            merged.append(sparse_prefill(*inputs, 512 ** -0.5, out_dtype=dtype))
+        assert merged[0].dtype == dtype and torch.equal(merged[0], merged[1])

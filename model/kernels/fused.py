@@ -71,6 +71,11 @@ MERGE_TURNS_BACK = True
 ATTN_BLOCKWISE = True
 # (2026-12-03, 88b7232: the query and the sink read before the dependent launch's wait — the query is made two
 # launches or more before the attention — 3.213 -> 3.197 ms a step at 128K, -0.5%: not kept)
+# one split a row (a prefill's queries, each a row, ``kernels.sparse_prefill``): the attention
+# kernel ends with the merge's arithmetic (its weight exp(m - top) is 1) and stores the output, no
+# merge launch and no fp32 partials (the merge was 7% of a prefill's device time: H100, `small`,
+# 8K CED in chunks of 2048, 2026-12-05, d76ebc4); the same bits as the merge (tests/test_prefill_attention.py)
+FINAL_ONE_SPLIT = True
 SPLIT_WAVES = 3  # programs per SM the splits aim for; matters from batch ~8 (kernel_sweep --only splits,
 # small, batch 16, 8 warps: 77.6 us a call with 1, 60.6 with 2, 59.1 with 3, 61.0 with 4; batch 4: 22.0-22.5 us for all)
 
@@ -317,6 +322,7 @@ def _sparse_attention_kernel(
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
     FROM_POS: tl.constexpr, BLOCKWISE: tl.constexpr = False, PDL: tl.constexpr = False,
+    FINAL: tl.constexpr = False, BF16: tl.constexpr = False, out_ptr=None,
 ):
     """Partial softmax sums of one (row, head group, split) over blocks split, split +
     SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
@@ -358,10 +364,17 @@ def _sparse_attention_kernel(
         p_hi, p_mid, p_lo = _bf16_parts(p, 3)
         acc = _parts_dot(p_hi, p_mid, p_lo, kb, acc * alpha[:, None], 3)
 
-    part = (b64 * SPLITS + split) * H + heads  # partials are [B, SPLITS, H(, D)]
-    tl.store(m_ptr + part, m, mask=head_ok)
-    tl.store(l_ptr + part, l, mask=head_ok)
-    tl.store(acc_ptr + part[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
+    if FINAL:  # the one split: the merge's sums of one term (top = m, since m starts at the sink)
+        sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
+        top = tl.maximum(m, sink)
+        w = tl.exp(m - top)
+        out = (acc * w[:, None]) / (l * w + tl.exp(sink - top))[:, None]
+        _store(out_ptr + (b64 * H + heads)[:, None] * D + cols[None, :], out, head_ok[:, None], BF16)
+    else:
+        part = (b64 * SPLITS + split) * H + heads  # partials are [B, SPLITS, H(, D)]
+        tl.store(m_ptr + part, m, mask=head_ok)
+        tl.store(l_ptr + part, l, mask=head_ok)
+        tl.store(acc_ptr + part[:, None] * D + cols[None, :], acc, mask=head_ok[:, None])
 
 
 @triton.jit(do_not_specialize=["SPLITS"])
@@ -435,8 +448,15 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
     n_window = triton.cdiv(W, BLOCK_N)
     blocks = n_window + triton.cdiv(K, BLOCK_N)
     splits = splits or _auto_splits(q, groups, blocks)
-    m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
-    l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
+    assert out_dtype in (torch.float32, torch.bfloat16)
+    bf16 = out_dtype == torch.bfloat16
+    out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
+    final = FINAL_ONE_SPLIT and splits == 1 and turn_back is None
+    if final:  # no partials: the kernel stores the output
+        m = l = acc = out
+    else:
+        m = torch.empty(B, splits, H, dtype=torch.float32, device=q.device)
+        l, acc = torch.empty_like(m), torch.empty(B, splits, H, D, dtype=torch.float32, device=q.device)
     sink = sink.contiguous()  # read in its own dtype
     _sparse_attention_kernel[(B, groups, splits)](
         q, window, valid, records, record_idx, sink, m, l, acc, cur,
@@ -445,10 +465,10 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
         records.stride(0), records.stride(1), record_idx.stride(0),
         D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
         FROM_POS=window_at is not None, num_warps=ATTN_WARPS, **chained(q),
-        BLOCKWISE=ATTN_BLOCKWISE and D >= 64)  # from 64 a record's 9 D / 16 bytes hold whole int32 words
-    assert out_dtype in (torch.float32, torch.bfloat16)
-    bf16 = out_dtype == torch.bfloat16
-    out = torch.empty(B, H, D, dtype=out_dtype, device=q.device)
+        BLOCKWISE=ATTN_BLOCKWISE and D >= 64,  # from 64 a record's 9 D / 16 bytes hold whole int32 words
+        FINAL=final, BF16=bf16, out_ptr=out.view(torch.int16) if bf16 else out)
+    if final:
+        return out
     block_d = min(D, MERGE_BLOCK_D)
     cos, sin = turn_back or (m, m)  # unread without TURN
     if turn_back is not None:
