@@ -267,7 +267,7 @@ def bench_prefill(model: Transformer, ctx: int, *, chunk: int | None = None, gen
     of the run, TFLOP/s and that over the matmul rate (the hooks' own cost is in that run's
     total, not in the tokens/s)."""
     device = model.device
-    peak = _matmul_peak(model, matmul_size)
+    peak = _matmul_rate(model, matmul_size)[2]
     ids = prompt_ids(model, ctx)
     chunk = chunk or default_chunk(device)
     runs, out = {}, {"bench": "prefill", "ctx": ctx, "chunk": chunk, "device": str(device), "matmul_tflops": peak}
@@ -295,11 +295,13 @@ def bench_prefill(model: Transformer, ctx: int, *, chunk: int | None = None, gen
     return out
 
 
-def _matmul_peak(model: Transformer, size: int | None = None) -> float:
-    """The dense matmul rate the FLOP figures are measured against (see :func:`bench_prefill`)."""
+def _matmul_rate(model: Transformer, size: int | None = None, repeats: int = 5) -> tuple[int, torch.dtype, float]:
+    """The dense matmul rate the FLOP figures are measured against: (n, dtype, TFLOP/s) of an
+    n×n×n product, bf16 and n = 8192 on CUDA, the model's dtype and n = 2048 on the CPU."""
     cuda = model.device.type == "cuda"
     dtype = torch.bfloat16 if cuda else model.embed.weight.dtype
-    return matmul_tflops(size or (8192 if cuda else 2048), dtype, model.device)
+    size = size or (8192 if cuda else 2048)
+    return size, dtype, matmul_tflops(size, dtype, model.device, repeats)
 
 
 def _prefill_parts(model: Transformer, engine: Engine, ids: torch.Tensor, flops: dict, peak: float) -> dict:
@@ -763,7 +765,7 @@ class _PartTimer:
         self.clock, self.calls, self._stack = clock, [], []
         self._handles = []
         for name, m in model.named_modules():
-            if name.startswith("mtp.") or name.startswith(("vision.", "aligner.")):
+            if name.startswith(("mtp.", "vision.", "aligner.")):
                 continue
             if isinstance(m, (nn.Linear, GroupedLinear)):
                 part = "compressor" if ".compressor." in f".{name}." or name.endswith("indexer.wk") else "linear"
@@ -846,9 +848,7 @@ def bench_linears(model: Transformer, tokens: int = 8192, *, matmul_size: int | 
     weights the forward reads without calling them (their GEMMs are not in the totals)."""
     device = model.device
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else model.embed.weight.dtype
-    size = matmul_size or (8192 if cuda else 2048)
-    peak = matmul_tflops(size, dtype, device, repeats)
+    size, dtype, peak = _matmul_rate(model, matmul_size, repeats)
     engine, ids = engine_for(model, mode="exact", chunk=tokens), prompt_ids(model, tokens)
     if cuda:  # warm-up: the allocator's blocks and the GEMM handles, or the timed run would pay for them
         engine.prefill(engine.new_state(), ids)

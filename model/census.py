@@ -87,8 +87,9 @@ def part_of(name: str) -> str:
     return next((part for prefix, part in prefixes if rest.startswith(prefix)), "router")
 
 
-def _by_layer(counts: dict[str, int]) -> dict[int, dict[str, int]]:
-    layers: dict[int, dict[str, int]] = {}
+def _by_layer(counts: dict) -> dict[int, dict]:
+    """Layer number -> {name within the layer: value} of ``counts`` (any values: counts, shapes)."""
+    layers: dict[int, dict] = {}
     for name, n in counts.items():
         m = _LAYER.fullmatch(name)
         if m:
@@ -225,11 +226,7 @@ def prefill_flops(args: ModelArgs, tokens: int, mode: str = "ced", start: int = 
     if mode not in ("ced", "exact"):
         raise ValueError(f"prefill mode must be 'ced' or 'exact', not {mode!r}")
     shapes = backbone_shapes(args)
-    layers: dict[int, dict[str, torch.Size]] = {}
-    for name, shape in shapes.items():
-        m = _LAYER.fullmatch(name)
-        if m:
-            layers.setdefault(int(m.group(1)), {})[m.group(2)] = shape
+    layers = _by_layer(shapes)
     ced = mode == "ced" and args.supports_ced
     end = start + tokens
     parts = dict.fromkeys(("linear", "compressor", "attention", "indexer", "mhc", "router"), 0)

@@ -65,7 +65,7 @@ def graphs_of(model) -> graphs.SegmentGraphs:
     return model.derived["graphs"]
 
 
-def reads_packed(x: torch.Tensor, tokens: int) -> bool:
+def asks_packed_reads(x: torch.Tensor, tokens: int) -> bool:
     """Whether a step of ``tokens`` tokens on ``x``'s device has its attention and indexer read
     the cache's bytes in place (``Step.packed_reads``): a prefill's chunk or a verify where the
     kernels run (``kernels.attends_packed``); a decode step has its own fused path."""
@@ -78,7 +78,7 @@ def begin(model, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None,
     hash_ids = _hash_step(model, ids, cache, start) if image_mask is None else None
     streams, pre, step = model.begin(ids, cache, start, image_embeds=image_embeds, image_mask=image_mask,
                                      hash_ids=hash_ids)
-    step.packed_reads = reads_packed(streams, ids.shape[1])
+    step.packed_reads = asks_packed_reads(streams, ids.shape[1])
     # over several ranks no graph: the all-reduces inside a captured step are not yet checked on GPUs
     if (model.world.size == 1 and graphs.wanted(ids, image_mask, cache.kv.packed)
             and ffn_capturable(model, streams[:, :, 0])):

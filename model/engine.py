@@ -219,7 +219,7 @@ class Engine:
         """Run the decoder layers on the newest ``window`` tokens only (bounded replay)."""
         r = tail.streams.shape[1]
         step = Step(start=state.cache.length - r, length=r, hash_ids=tail.hash_ids, image_mask=tail.image_mask,
-                    packed_reads=decode_step.reads_packed(tail.streams, r))
+                    packed_reads=decode_step.asks_packed_reads(tail.streams, r))
         decoder = range(self.args.decoder_start, self.args.num_hidden_layers)
         taps = self._keep_taps(step)
         streams, pre = decode_step.run_layers(self.model, tail.streams, tail.pre, step, state.cache, decoder)
