@@ -735,14 +735,15 @@ class _LinearTimer:
         self.modules = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, GroupedLinear))}
         self._handles = [h for name, m in self.modules.items()
                          for h in (m.register_forward_pre_hook(partial(self._pre, name)),
-                                   m.register_forward_hook(partial(self._post, name)))]
+                                   m.register_forward_hook(partial(self._post, name), with_kwargs=True))]
 
     def _pre(self, name: str, module, args) -> None:
         self._open[name] = self.clock.mark()
 
-    def _post(self, name: str, module, args, out) -> None:
+    def _post(self, name: str, module, args, kwargs, out) -> None:
         end = self.clock.mark()
-        self.calls.append((name, gemm_flops(module, args[0]), self._open.pop(name), end))
+        products = 2 if kwargs.get("gate") is not None else 1  # FP4 experts' w1 with w3 in one launch
+        self.calls.append((name, products * gemm_flops(module, args[0]), self._open.pop(name), end))
 
     def close(self) -> None:
         for h in self._handles:
@@ -809,8 +810,7 @@ class _PartTimer:
 def gemm_flops(module: nn.Module, x: torch.Tensor) -> int:
     """2·M·K·N of one call: the M rows of ``x`` against an [N, K] weight (each expert's own
     [N, K] for a grouped call, whose groups together hold the M rows)."""
-    n, k = module.weight.shape[-2:]
-    return 2 * (x.numel() // k) * k * n
+    return 2 * x.numel() * module.weight.shape[-2]  # M·K = x.numel(); a packed weight's K is not its last dim
 
 
 _KINDS = ((".shared_experts.", "shared_experts"), (".experts.", "routed_experts"), (".grouped.", "routed_experts"),
@@ -857,20 +857,22 @@ def bench_linears(model: Transformer, tokens: int = 8192, *, matmul_size: int | 
         _, prefill_s = _timed(lambda: engine.prefill(engine.new_state(), ids), device)
     finally:
         timer.close()
-    kinds = _by_kind(timer, peak)
+    kinds = _by_kind(timer, peak, linear_kind)
+    formats = _by_kind(timer, peak, lambda name: getattr(timer.modules[name], "fmt", "plain"))
     flops, secs = sum(k["flops"] for k in kinds.values()), sum(k["seconds"] for k in kinds.values())
     return {"bench": "linears", "tokens": tokens, "device": str(device), "dtype": str(dtype).removeprefix("torch."),
             "moe_path": "grouped" if any(".grouped." in c[0] for c in timer.calls) else "loop",
             "matmul_size": size, "matmul_tflops": peak, "linear_flops": flops, "linear_seconds": secs,
             "linear_tflops": flops / secs / 1e12, "linear_over_matmul": flops / secs / 1e12 / peak,
             "prefill_seconds": prefill_s, "linear_share_of_prefill": secs / prefill_s,
-            "by_kind": kinds, "linears_not_called": _not_called(timer)}
+            "by_kind": kinds, "by_format": formats, "linears_not_called": _not_called(timer)}
 
 
-def _by_kind(timer: _LinearTimer, peak: float) -> dict:
+def _by_kind(timer: _LinearTimer, peak: float, kind_of) -> dict:
+    """The timed calls summed by ``kind_of(module name)``, each kind's rate over ``peak``."""
     kinds: dict[str, dict] = {}
     for name, flops, start, end in timer.calls:
-        k = kinds.setdefault(linear_kind(name), {"calls": 0, "flops": 0, "seconds": 0.0})
+        k = kinds.setdefault(kind_of(name), {"calls": 0, "flops": 0, "seconds": 0.0})
         k["calls"] += 1
         k["flops"] += flops
         k["seconds"] += timer.clock.seconds(start, end)

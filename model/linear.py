@@ -15,8 +15,10 @@ also knows two things:
 
 ``forward`` picks the computation by device, format and row count: on a decode step's few
 rows the GEMV kernel (``model.kernels.gemv``, where it runs; a packed weight as stored,
-:meth:`Linear.gemv_weight`, dequantised in the kernel's registers), else the
-PyTorch twin — the weight dequantised (:meth:`Linear.dense_weight`), then ``F.linear``. A
+:meth:`Linear.gemv_weight`, dequantised in the kernel's registers); on a prefill's rows a
+packed weight's GEMM on tensor cores, decoding its bytes the same way
+(``model.kernels.packed_matmul``); else the PyTorch twin — the weight dequantised
+(:meth:`Linear.dense_weight`), then ``F.linear``. A
 new format or kernel plugs in here and nowhere else. :func:`grouped_linear` is the grouped
 output projection of the attention (``wo_a``), the same choice.
 
@@ -177,6 +179,8 @@ class Linear(Stored, nn.Linear):
         # the Engram projections of `small`, ~1.2 ms of a 6 ms step on the H200, 2026-12-05)
         if (self.gemv or self.fmt != "plain") and kernels.gemv_runs(x, self):
             y = kernels.gemv(x, self.gemv_weight())[0]
+        elif self.fmt != "plain" and kernels.packed_gemm_runs(x, packed := self.gemv_weight()):
+            y = kernels.packed_matmul(x, packed)  # a prefill's rows: the bytes decoded in registers
         else:
             y = F.linear(x, self.dense_weight(x.dtype))
         return self.world.sum(y) if self.split == "row" else y
@@ -317,6 +321,9 @@ def grouped_linear(layer: nn.Linear, x: torch.Tensor, groups: int) -> torch.Tens
     of the output reads only group g of the input (the attention's ``wo_a``). -> [..., groups * o]."""
     if kernels.gemv_runs(x, layer):
         return kernels.gemv(x, layer.gemv_weight() if isinstance(layer, Linear) else layer.weight, groups=groups)[0]
+    if (getattr(layer, "fmt", "plain") != "plain" and layer.out_features // groups % 16 == 0
+            and kernels.packed_gemm_runs(x, packed := layer.gemv_weight())):
+        return kernels.packed_matmul(x, packed, groups=groups)
     weight = layer.dense_weight(x.dtype) if isinstance(layer, Linear) else layer.weight
     return kernels.gemv_ref(x, weight, groups=groups)[0]
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
+from model import kernels
 from model.args import ModelArgs
 from model.checkpoint import dequantize_tensor
 from model.linear import ALONE, Linear, World
@@ -115,10 +116,27 @@ class GroupedLinear(nn.Module):
         self.weight, self.scale = weight, scale
         self.fmt, self.in_features = ("plain", 0) if scale is None else ("fp4", in_features)
 
-    def forward(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """x [M, in], expert e's rows at [ends[e-1], ends[e]) -> [M, out] in x's dtype."""
+    def forward(self, x: torch.Tensor, ends: torch.Tensor,
+                gate: tuple["GroupedLinear", torch.Tensor, float] | None = None) -> torch.Tensor:
+        """x [M, in], expert e's rows at [ends[e-1], ends[e]) -> [M, out] in x's dtype. FP4 stacks:
+        ``kernels.grouped_fp4`` (their bytes decoded in registers where it runs, else dequantised
+        by chunks of experts, its twin); with ``gate`` = (w3, the rows' route weights [M], limit),
+        ``route * swiglu(x w^T, x w3^T, limit)``, the up projection whole."""
+        if gate is not None:
+            w3, route, limit = gate
+
+            def twin() -> torch.Tensor:
+                up = swiglu(self._dequantised(x, ends), w3._dequantised(x, ends), limit)
+                return (route[:, None] * up).to(x.dtype)
+
+            return kernels.grouped_fp4(x, ends, self.weight, self.scale, twin, paired=(w3.weight, w3.scale),
+                                       route=route, limit=limit)
         if self.fmt == "plain":
             return torch._grouped_mm(x, self.weight.mT, offs=ends)  # mat_b column-major: the Linear layout
+        return kernels.grouped_fp4(x, ends, self.weight, self.scale, lambda: self._dequantised(x, ends))
+
+    def _dequantised(self, x: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """The twin: chunks of experts dequantised, one grouped GEMM each."""
         n_experts, out_f = self.weight.shape[:2]
         chunk = max(1, DEQUANT_BYTES // (out_f * self.in_features * x.element_size()))
         out = torch.empty(x.shape[0], out_f, dtype=x.dtype, device=x.device)
@@ -153,9 +171,11 @@ class GroupedExperts(nn.Module):
     before w2 as in :class:`Expert`, each token's k rows summed in slot order. ``first``: the
     global index of the first expert stacked here; ``split``: a rank of several holding a range
     of them, whose pairs routed to other ranks' experts sort after the last group, which no
-    GEMM reads, and give zeros. On FP4 stacks (``fmt``) each GEMM dequantises a chunk of
-    experts at a time (:class:`GroupedLinear`): what ``MoE._loop`` computes from the same
-    experts, prefill included, with no float image of them all."""
+    GEMM reads, and give zeros. On FP4 stacks (``fmt``) the up projection (w1 with w3, the
+    SwiGLU and the route weight) and the down projection each run one kernel on the stacks'
+    bytes where ``kernels.grouped_fp4`` can, else dequantise a chunk of experts at a time
+    (:class:`GroupedLinear`): what ``MoE._loop`` computes from the same experts, prefill
+    included, with no float image of them all."""
 
     def __init__(self, limit: float, first: int = 0, split: bool = False):
         super().__init__()
@@ -179,8 +199,12 @@ class GroupedExperts(nn.Module):
         ends = torch.searchsorted(local[order], experts, right=True, out_int32=True)
         rows = order // k
         h = x[rows]  # (N*k, D)
-        y = weights.flatten()[order, None] * swiglu(self.w1(h, ends), self.w3(h, ends), self.limit)
-        out = self.w2(y.to(x.dtype), ends)
+        route = weights.flatten()[order]
+        if self.fmt == "fp4":
+            y = self.w1(h, ends, gate=(self.w3, route, self.limit))
+        else:
+            y = (route[:, None] * swiglu(self.w1(h, ends), self.w3(h, ends), self.limit)).to(x.dtype)
+        out = self.w2(y, ends)
         # back to (token, slot) order, then each token's k rows summed: no atomics, so a step's
         # result never depends on the order threads finish in (index_add_ on CUDA would)
         unsorted = torch.empty_like(out).index_copy_(0, order, out)

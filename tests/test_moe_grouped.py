@@ -340,6 +340,21 @@ def test_bench_linears_counts_flops_by_hand(grouped, monkeypatch):
     assert out["linear_seconds"] < out["prefill_seconds"]
 
 
+def test_bench_linears_counts_a_packed_models_flops_by_format():
+    """Packed weights (FP8 projections and shared experts, FP4 routed experts): the same FLOPs
+    by hand (a packed weight's last dimension is not its inputs), the FP4 experts' up projection
+    one call of two products (w1 with w3), and the FLOPs split by the format each weight holds."""
+    out = bench_linears(model.load("tiny", weights="packed"), tokens=32, matmul_size=256, repeats=3)
+    expected = expected_flops(TINY, 32)
+    for kind, flops in expected.items():
+        assert out["by_kind"][kind]["flops"] == flops, kind
+    assert out["by_kind"]["routed_experts"]["calls"] == 2 * TINY.num_hidden_layers
+    formats = out["by_format"]
+    assert formats["fp4"]["flops"] == expected["routed_experts"]
+    assert formats["fp8"]["flops"] >= expected["attention"] + expected["shared_experts"]
+    assert sum(f["flops"] for f in formats.values()) == out["linear_flops"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_training_takes_the_dense_path_and_matches_the_loop(monkeypatch):
     """On CUDA with gradients the dense path runs (no host reads) and gives the loop's

@@ -221,7 +221,8 @@ def test_a_packed_model_decodes_as_its_dequantised_twin(monkeypatch):
         from model.kernels import matvec
 
         monkeypatch.setattr(matvec, "MIN_PROGRAMS", 4)
-    for name, value in (("DSAGENT_FUSED_MOE", "0"), ("DSAGENT_GROUPED_MOE", "0"), ("DSAGENT_GRAPHS", "0")):
+    for name, value in (("DSAGENT_FUSED_MOE", "0"), ("DSAGENT_GROUPED_MOE", "0"), ("DSAGENT_GRAPHS", "0"),
+                        ("DSAGENT_PACKED_GEMM", "0")):  # the prefill's GEMMs: another summation order
         monkeypatch.setenv(name, value)
     monkeypatch.setattr(ds, "takes_fused", ds.is_decode_step)
     nets = {"packed": build(args, weights="packed"), "dense": build(args)}

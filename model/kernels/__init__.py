@@ -46,6 +46,14 @@ and, for one decode step (one query per batch row):
   a weight a float tensor or a :class:`Packed` one (FP8 / FP4 as the checkpoint stores it,
   dequantised in the kernel's registers).
 
+and, for a prefill's rows on packed weights (``model.kernels.gemm``, where
+``packed_gemm_runs(x, *weights)``; ``DSAGENT_PACKED_GEMM=0`` turns them off):
+- ``packed_matmul(x, w, groups=1)``: ``F.linear(x, w.dense(x.dtype))`` (a grouped projection
+  with ``groups``), the weight's bytes decoded in registers, tensor-core dots;
+- ``grouped_fp4(x, ends, w, s, twin, paired=None, route=None, limit=0.0)``: rows sorted by
+  expert times an FP4 expert stack, or the up projection whole (w1 with w3, the SwiGLU and the
+  route weight); ``twin()`` where the kernel does not run.
+
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
 interpreter, for tests), else the pure-PyTorch twin of ``model.kernels.reference``; both
@@ -81,7 +89,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "Packed", "mhc_join",
            "mhc_forget", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
-           "beside_on", "Beside", "engram_step"]
+           "beside_on", "Beside", "engram_step", "packed_gemm_runs", "packed_matmul", "grouped_fp4"]
 
 
 def _interpreting() -> bool:
@@ -351,6 +359,47 @@ def gemv_ref(x: torch.Tensor, *weights, groups: int = 1, norm=None, rope_in=None
     if rope_out is not None:
         outs = (heads(outs[0], rope_out),)
     return outs + (x,) if keep else outs
+
+
+def packed_gemm_runs(x: torch.Tensor, *weights) -> bool:
+    """Whether :func:`packed_matmul` / :func:`grouped_fp4` run on rows ``x`` [..., K] against
+    ``weights`` (:class:`Packed` ones, or an FP4 stack's bytes): where :func:`enabled`, outside
+    autograd, on bf16 rows (the model's dtype on CUDA; fp32 too under the interpreter, for
+    tests), every weight decodable, and ``DSAGENT_PACKED_GEMM`` not ``0``."""
+    return (os.environ.get("DSAGENT_PACKED_GEMM", "1") != "0" and not torch.is_grad_enabled()
+            and (x.dtype == torch.bfloat16 or (_interpreting() and x.dtype == torch.float32))
+            and all(not isinstance(w, Packed) or w.decodable() for w in weights)
+            and _kernel_runs("packed GEMM kernel", x))
+
+
+def packed_matmul(x: torch.Tensor, w: Packed, groups: int = 1) -> torch.Tensor:
+    """``F.linear(x, w.dense(x.dtype))`` of rows x [..., K] where :func:`packed_gemm_runs`:
+    the weight's FP8 / FP4 bytes decoded in the kernel's registers (``model.kernels.gemm``),
+    never a float image of it; agrees with the twin to the summation order. ``groups`` > 1:
+    the grouped projection of :func:`gemv_ref` (each group's outputs a multiple of 16)."""
+    from model.kernels import gemm
+
+    flat = x.reshape(-1, x.shape[-1])
+    y = _guarded("packed GEMM kernel", lambda t, p: gemm.packed_matmul(t, p, groups=groups),
+                 lambda t, p: gemv_ref(t, p, groups=groups)[0], flat, w)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def grouped_fp4(x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor, s: torch.Tensor, twin, *,
+                paired: tuple[torch.Tensor, torch.Tensor] | None = None, route: torch.Tensor | None = None,
+                limit: float = 0.0) -> torch.Tensor:
+    """Rows x [P, K] sorted by expert (expert e's at [ends[e-1], ends[e])) times an FP4 expert
+    stack (bytes ``w`` [E, N, K / 2], scales ``s`` [E, N, K / 32]), decoded in registers
+    (``model.kernels.gemm.grouped_fp4``; with ``paired`` = (w3, its scales) and ``route``:
+    ``route * swiglu(x w^T, x w3^T, limit)``) where :func:`packed_gemm_runs`; else, or if the
+    kernel cannot be built (warned once), ``twin()``: the same from dequantised experts."""
+    if not packed_gemm_runs(x):
+        return twin()
+    from model.kernels import gemm
+
+    return _guarded("packed GEMM kernel",
+                    lambda t: gemm.grouped_fp4(t, ends, w, s, paired=paired, route=route, limit=limit),
+                    lambda t: twin(), x)
 
 
 def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int, eps: float):
