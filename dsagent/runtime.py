@@ -45,6 +45,8 @@ class Settings:
     weights: str = "plain"  # or "packed": the FP8 / FP4 families held as the checkpoint stores them
     gpus: int = 1  # processes (one a GPU on CUDA) the model is split over, this one driving the rest
     engram: str = "device"  # or "host": the Engram tables whole in host memory (``model.loading.load``)
+    layers: int | None = None  # a preset cut to this many layers, every kind kept (``ModelArgs.preset``)
+    engram_rows: int | None = None  # a preset's Engram tables of about this many rows each
 
 
 def default_source() -> str:
@@ -82,6 +84,10 @@ class Runtime:
             source = settings.preset or settings.model or default_source()
             dtype = getattr(torch, settings.dtype)
             options = {} if world is None else {"world": world}
+            if settings.layers or settings.engram_rows:
+                from model.args import ModelArgs
+
+                options["args"] = ModelArgs.preset(source, layers=settings.layers, engram_rows=settings.engram_rows)
             model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress,
                          weights=settings.weights, engram=settings.engram, **options)
             tokenizer = Tokenizer.of(model)

@@ -59,26 +59,16 @@ def bench_model(preset: str, *, device="cuda", dtype: torch.dtype = torch.bfloat
                 layers: int | None = None, engram_rows: int | None = None) -> tuple[Transformer, dict]:
     """A preset for benchmarks (seeded weights), cut to ``layers`` / ``engram_rows``
     (``ModelArgs.shortened``), ``weights`` plain or packed, and what loading it took
-    (:func:`measured_load`'s figures). A preset whose vocabulary the bundled tokenizer
-    cannot hash (``v41-flash``: 129K ids against 1,024) gets a synthetic Engram token map of
-    the real one's shape."""
+    (:func:`measured_load`'s figures), built as ``model.loading.load`` builds a preset (a
+    stand-in Engram token map where the bundled tokenizer has fewer ids: ``v41-flash``)."""
     from model.args import ModelArgs
+    from model.loading import load
 
     args = ModelArgs.preset(preset, layers=layers, engram_rows=engram_rows)
-    model, out = measured_load(lambda progress: _preset_model(args, device, dtype, weights), device)
+    model, out = measured_load(lambda progress: load(preset, device=device, dtype=dtype, weights=weights, args=args),
+                               device)
     return model, {"bench": "load", "preset": preset, "layers": args.num_hidden_layers, "weights": weights,
                    "engram_rows": list(args.engram_num_embeddings), **out, **load_ratios(out, device)}
-
-
-def _preset_model(args, device, dtype: torch.dtype, weights: str) -> Transformer:
-    from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
-
-    model = build(args, device=device, dtype=dtype, weights=weights).eval()
-    if args.engram_layer_ids and args.vocab_size != 1024:
-        model.bind_token_map([i % args.engram_compressed_vocab_size for i in range(args.vocab_size)])
-    else:
-        bind_tokenizer(model, BUNDLED_TOKENIZER)
-    return model
 
 
 def bench_checkpoint(path: str | Path, *, device="cpu", dtype: torch.dtype = torch.float32, weights: str = "plain",

@@ -55,7 +55,7 @@ def load(path_or_preset: str | Path, device="cpu", dtype: torch.dtype = torch.fl
         if weights == "packed" and not sharded:
             stack_experts(pack_weights(model))  # the float stacks let go, the FP4 experts stacked
         tokenizer = find_tokenizer_json(path)
-    bind_tokenizer(model, tokenizer)
+    bind_tokenizer(model, tokenizer, preset=str(path_or_preset) in PRESETS)
     model.tokenizer_json = tokenizer  # the tokenizer its ids mean: written back with it, read by the scripts
     return model.eval()
 
@@ -184,12 +184,22 @@ def keeps_fp32(name: str) -> bool:
     return leaf.startswith("hc_") or leaf == "attn_sink" or name.endswith(("gate.bias", "gate.bias_vl"))
 
 
-def bind_tokenizer(model: Transformer, tokenizer_json: Path | None) -> None:
+def stand_in_token_map(args: ModelArgs) -> list[int]:
+    """A preset's Engram token map where the bundled tokenizer has fewer ids than its vocabulary
+    (``v41-flash``): id i to compressed id i mod the compressed vocabulary, the real map's shape."""
+    return [i % args.engram_compressed_vocab_size for i in range(args.vocab_size)]
+
+
+def bind_tokenizer(model: Transformer, tokenizer_json: Path | None, preset: bool = False) -> None:
+    """The Engram token map of ``tokenizer_json``; a ``preset`` of more ids than it has (``v41-flash``'s
+    129K against the bundled 1,024) gets :func:`stand_in_token_map` instead."""
     if not model.args.engram_layer_ids:
         return
     if tokenizer_json is None:
         raise ConfigError("this model has Engram layers and needs its tokenizer (tokenizer/tokenizer.json)")
     token_map, _ = compressed_token_map(tokenizer_json)
+    if preset and len(token_map) < model.args.vocab_size:
+        token_map = stand_in_token_map(model.args)
     model.bind_token_map(token_map)
 
 

@@ -349,6 +349,18 @@ def test_bench_linears_prints_the_ratio():
     assert 0 < out["linear_share_of_prefill"] < 1
 
 
+def test_bench_linears_of_a_packed_cut_preset_splits_the_flops_by_format():
+    """``--weights packed --layers N`` as ``bench load`` takes them: the FP4 experts and the FP8
+    projections apart; a checkpoint is not cut, and an unknown format is refused."""
+    r = invoke("bench", "linears", "--preset", "tiny", "--weights", "packed", "--layers", "8", "--tokens", "32",
+               "--json")
+    assert r.exit_code == 0, r.output
+    formats = json.loads(r.stdout)["by_format"]
+    assert {"fp8", "fp4"} <= set(formats) and all(f["flops"] > 0 for f in formats.values())
+    assert invoke("bench", "prefill", "--weights", "fp2", "--preset", "tiny").exit_code == 2
+    assert invoke("bench", "decode", "--layers", "8").exit_code == 2  # the embedded checkpoint
+
+
 def test_python_m_dsagent_help():
     r = subprocess.run([sys.executable, "-m", "dsagent", "--help"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "chat" in r.stdout and "sessions" in r.stdout

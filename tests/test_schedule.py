@@ -61,3 +61,22 @@ def test_a_benchmarks_model_reports_what_it_holds():
     assert 65e9 < packed["held_bytes"] < 80e9  # fits one 141 GB GPU with room for the KV and activations
     model, tiny = bench_model("tiny", device="cpu", dtype=torch.float32, weights="packed", layers=8)
     assert tiny["load_s"] > 0 and len(model.layers) == 8 and model.hasher is not None
+
+
+def test_a_preset_of_more_ids_than_the_bundled_tokenizer_gets_a_stand_in_token_map():
+    """``v41-flash``'s 129K ids against the bundled tokenizer's 1,024: each id maps to its
+    residue in the compressed vocabulary, so a prefill of any id runs (here a tiny preset
+    widened to 3,000 ids, through ``model.loading.load`` as the CLI's ``--preset`` loads)."""
+    from model.engine import Engine
+    from model.loading import load, stand_in_token_map
+
+    args = ModelArgs.preset("tiny").replace(vocab_size=3000)
+    model = load("tiny", args=args)
+    expected = stand_in_token_map(args)
+    assert len(expected) == 3000 and expected[2999] == 2999 % args.engram_compressed_vocab_size
+    assert model.hasher.token_map.tolist() == expected
+    engine = Engine(model, mode="exact", chunk=64)
+    state = engine.new_state()
+    engine.prefill(state, torch.tensor([[5, 1500, 2999, 1024, 7]]))
+    assert torch.isfinite(state.last_logits).all()
+    assert load("tiny").hasher.token_map.shape[0] == 1024  # the bundled tokenizer's own map

@@ -32,6 +32,12 @@ MODEL = typer.Option(None, "--model", help="Checkpoint directory (default: the e
 CTX = typer.Option(512, "--ctx", min=1, help="Context length in tokens.")
 DEVICE = typer.Option("cpu", "--device", help="cpu or cuda.")
 JSON = typer.Option(False, "--json", help="One JSON object on stdout.")
+WEIGHTS = typer.Option("plain", "--weights", metavar="plain|packed",
+                       help="packed: the FP8 / FP4 families held as the checkpoint stores them.")
+LAYERS = typer.Option(None, "--layers", min=1, metavar="N", help="With --preset: cut to N layers, every kind of "
+                                                                 "layer kept.")
+ENGRAM_ROWS = typer.Option(None, "--engram-rows", min=1, metavar="R",
+                           help="With --preset: Engram tables of about R rows each.")
 
 
 def _measure():
@@ -41,15 +47,21 @@ def _measure():
     return model.bench
 
 
-def _runtime(model: str | None, preset: str | None, device: str, gpus: int = 1) -> Runtime:
+def _runtime(model: str | None, preset: str | None, device: str, gpus: int = 1,
+             held: tuple[str, int | None, int | None] = ("plain", None, None)) -> Runtime:
+    """The benchmark's model; ``held``: (``--weights``, ``--layers``, ``--engram-rows``)."""
     from dsagent import ranks
     from dsagent.preflight import check_device, check_gpus
+    from dsagent.runtime import default_source
 
     check_device(device)
     check_gpus(gpus, device)
+    weights, layers, engram_rows = held
+    _check_held(preset or model or default_source(), weights, layers, engram_rows)
     dtype = "bfloat16" if device.startswith("cuda") else "float32"
     threads = resolve().threads  # DSAGENT_THREADS or config.toml; else the CPUs this process may use
-    settings = Settings(model=model, preset=preset, device=device, dtype=dtype, threads=threads, gpus=gpus)
+    settings = Settings(model=model, preset=preset, device=device, dtype=dtype, threads=threads, gpus=gpus,
+                        weights=weights, layers=layers, engram_rows=engram_rows)
     world = ranks.torchrun_world()  # torchrun's ranks other than 0 follow rank 0's benchmark, then exit
     if world is not None and world.rank > 0:
         ranks.follow_as(world, settings)
@@ -80,26 +92,17 @@ def _short(value):
 
 @app.command()
 def load(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, device: str = DEVICE, as_json: bool = JSON,
-         weights: str = typer.Option("plain", "--weights", metavar="plain|packed",
-                                     help="packed: the FP8 / FP4 families held as the checkpoint stores them."),
-         layers: Optional[int] = typer.Option(None, "--layers", min=1, metavar="N",
-                                              help="With --preset: cut to N layers, every kind of layer kept."),
-         engram_rows: Optional[int] = typer.Option(None, "--engram-rows", min=1, metavar="R",
-                                                   help="With --preset: Engram tables of about R rows each.")) -> None:
+         weights: str = WEIGHTS, layers: Optional[int] = LAYERS, engram_rows: Optional[int] = ENGRAM_ROWS) -> None:
     """Load a checkpoint (or build a preset): seconds, bytes held, host memory before, at the peak and
     after, on CUDA the device's, and their ratios to the checkpoint's shards."""
     with guarded():
         from dsagent.preflight import check_device
         from dsagent.runtime import default_source
         from dsagent.threads import apply_threads
-        from model.loading import WEIGHTS
 
         check_device(device)
         source = preset or model or default_source()
-        if weights not in WEIGHTS:
-            raise FlagError(f"--weights {weights!r} is not plain or packed")
-        if (layers or engram_rows) and _is_checkpoint(source):
-            raise FlagError("--layers and --engram-rows cut a preset; a checkpoint loads as it is")
+        _check_held(source, weights, layers, engram_rows)
         apply_threads(resolve().threads)
         dtype = _dtype(device)
         if _is_checkpoint(source):
@@ -111,6 +114,15 @@ def load(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, device: s
             _, result = _measure().bench_model(source, device=device, dtype=dtype, weights=weights, layers=layers,
                                                engram_rows=engram_rows)
         _emit(result, as_json)
+
+
+def _check_held(source: str, weights: str, layers: int | None, engram_rows: int | None) -> None:
+    from model.loading import WEIGHTS as FORMATS
+
+    if weights not in FORMATS:
+        raise FlagError(f"--weights {weights!r} is not plain or packed")
+    if (layers or engram_rows) and _is_checkpoint(source):
+        raise FlagError("--layers and --engram-rows cut a preset; a checkpoint loads as it is")
 
 
 def _is_checkpoint(source: str) -> bool:
@@ -132,12 +144,13 @@ def prefill(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: i
             chunk: Optional[int] = typer.Option(None, "--chunk", min=1, help="Tokens a prefill runs at once "
                                                                               "(default: 4096 on CUDA, 512 on the CPU)."),
             parts: bool = typer.Option(True, "--parts/--no-parts", help="Time each part of the model in one "
-                                                                        "more run of each mode.")) -> None:
+                                                                        "more run of each mode."),
+            weights: str = WEIGHTS, layers: Optional[int] = LAYERS, engram_rows: Optional[int] = ENGRAM_ROWS) -> None:
     """CED prefill vs exact prefill: tokens/s, how far their outputs agree, and the model FLOPs
     over the time against the device's matmul rate (prefill_mfu), by part."""
     with guarded():
-        _emit(_measure().bench_prefill(_runtime(model, preset, device).model, ctx, chunk=chunk, gen=16,
-                                       parts=parts), as_json)
+        m = _runtime(model, preset, device, held=(weights, layers, engram_rows)).model
+        _emit(_measure().bench_prefill(m, ctx, chunk=chunk, gen=16, parts=parts), as_json)
 
 
 @app.command()
@@ -163,13 +176,14 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
                                                                 "paths differ most at batch 16)."),
            gpus: int = typer.Option(1, "--gpus", min=1, metavar="N",
                                     help="The model split over N ranks (as run --gpus N); the step beside its "
-                                         "all-reduces. Not with --speculative, --paths, --profile or --host.")) -> None:
+                                         "all-reduces. Not with --speculative, --paths, --profile or --host."),
+           weights: str = WEIGHTS, layers: Optional[int] = LAYERS, engram_rows: Optional[int] = ENGRAM_ROWS) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with guarded():
         if gpus > 1 and (speculative or paths or profiled or host):
             raise FlagError("--gpus N > 1 times the plain step only: leave out --speculative, --paths, --profile "
                             "and --host")
-        with _runtime(model, preset, device, gpus) as rt:
+        with _runtime(model, preset, device, gpus, (weights, layers, engram_rows)) as rt:
             if speculative and preset is None:
                 return _emit(_speculative_replies(rt, cases, temperature), as_json)
             _decode(rt.model, ctx, as_json, speculative, paths, profiled, chained, host, batch)
@@ -211,10 +225,13 @@ def resume(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
 
 @app.command()
 def linears(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, device: str = DEVICE, as_json: bool = JSON,
-            tokens: int = typer.Option(8192, "--tokens", min=1, help="Tokens of the one exact prefill chunk.")) -> None:
-    """Prefill linear layers (nn.Linear and grouped-expert GEMMs) against the device's matmul rate."""
+            tokens: int = typer.Option(8192, "--tokens", min=1, help="Tokens of the one exact prefill chunk."),
+            weights: str = WEIGHTS, layers: Optional[int] = LAYERS, engram_rows: Optional[int] = ENGRAM_ROWS) -> None:
+    """Prefill linear layers (nn.Linear and grouped-expert GEMMs) against the device's matmul rate, by
+    part of the model and by the format each weight is held in."""
     with guarded():
-        _emit(_measure().bench_linears(_runtime(model, preset, device).model, tokens), as_json)
+        m = _runtime(model, preset, device, held=(weights, layers, engram_rows)).model
+        _emit(_measure().bench_linears(m, tokens), as_json)
 
 
 @app.command()
