@@ -272,13 +272,13 @@ def test_prefill_flops_equal_what_a_prefill_runs(mode, monkeypatch) -> None:
     ``tiny`` (two prefills on one state, in chunks, so positions start past 0 and the candidate
     pool clips): every product, the attention's keys and the indexer's scores, part by part."""
     from model.census import prefill_flops
-    from model.loading import build
+    from model.loading import build, stand_in_token_map
 
     monkeypatch.setenv("DSAGENT_KERNELS", "0")
     args = ModelArgs.preset("tiny").replace(sliding_window=32, index_topk=8, candidate_topk_blocks=3,
                                            candidate_block_size=2)
     model = build(args, seed=3).eval()
-    model.bind_token_map([i % args.engram_compressed_vocab_size for i in range(args.vocab_size)])
+    model.bind_token_map(stand_in_token_map(args))
     lengths = (150, 70)
     counted = _counted_prefill(model, mode, lengths, monkeypatch)
     start = 0

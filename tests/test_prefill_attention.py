@@ -20,7 +20,7 @@ from model import kernels
 from model.args import ModelArgs
 from model.engine import Engine, Sampling
 from model.kernels import sparse_attention_ref, sparse_prefill, triton_available
-from model.loading import build
+from model.loading import build, stand_in_token_map
 from model.quant import pack_main, pack_window
 from tests.test_kernels import assert_out_close, latents
 
@@ -33,7 +33,7 @@ ARGS = ModelArgs.preset("tiny").replace(sliding_window=32, index_topk=8, candida
 
 def tiny(device="cpu"):
     model = build(ARGS, seed=5, device=device).eval()
-    model.bind_token_map([i % ARGS.engram_compressed_vocab_size for i in range(ARGS.vocab_size)])
+    model.bind_token_map(stand_in_token_map(ARGS))
     return model
 
 
