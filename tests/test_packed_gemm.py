@@ -57,10 +57,11 @@ def rows(n: int, d: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("fmt", ["fp8", "fp4"])
-@pytest.mark.parametrize("shape", [(70, 96, 160), (33, 200, 64)], ids=["tails", "narrow"])
+@pytest.mark.parametrize("shape", [(70, 96, 160), (33, 200, 64), (5, 96, 256)], ids=["tails", "narrow", "few rows"])
 def test_a_packed_gemm_is_the_product_of_the_dequantised_weight(fmt, dtype, shape):
     """Rows, outputs and inputs that no tile divides (masked tails), FP8 of 32 x 32 blocks and
-    FP4 of 1 x 32; against the fp32 product of the same values, and torch's own twin."""
+    FP4 of 1 x 32; against the fp32 product of the same values, and torch's own twin. A few
+    rows (a batch's decode step) take their own narrow tile."""
     from model.kernels import gemm
 
     m, n, k = shape
@@ -68,7 +69,7 @@ def test_a_packed_gemm_is_the_product_of_the_dequantised_weight(fmt, dtype, shap
     x = rows(m, k, seed=n, dtype=dtype)
     w = layer.gemv_weight()
     assert w.decodable()
-    y = gemm.packed_matmul(x, w, tile())
+    y = gemm.packed_matmul(x, w, None if m <= gemm.FEW_ROWS else tile())
     assert y.dtype == dtype and y.shape == (m, n)
     exact = x.float() @ layer.dense_weight(torch.float32).T
     assert rel_err(y, exact) < REL[dtype]
@@ -273,11 +274,12 @@ def gemm_launch(fmt: str, grouped: bool, paired: bool, tile: tuple) -> dict:
 
 @needs_compiler
 def test_the_packed_gemms_compile_for_hopper(tmp_path):
-    """Triton's GPU compiler on the CPU for sm_90: the dense FP8 and FP4 forms and the grouped
-    FP4 forms (alone, paired with its SwiGLU) at the default tiles."""
+    """Triton's GPU compiler on the CPU for sm_90: the dense FP8 and FP4 forms (and FP8 at the
+    few rows' tile) and the grouped FP4 forms (alone, paired with its SwiGLU) at the default tiles."""
     from model.kernels import gemm
 
     launches = [gemm_launch("fp8", False, False, gemm.DENSE_TILE), gemm_launch("fp4", False, False, gemm.DENSE_TILE),
+                gemm_launch("fp8", False, False, gemm.FEW_ROWS_TILE),
                 gemm_launch("fp4", True, False, gemm.GROUPED_TILE), gemm_launch("fp4", True, True, gemm.GROUPED_TILE)]
     r = compile_for_hopper(launches, tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

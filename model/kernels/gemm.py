@@ -30,9 +30,12 @@ from model.kernels.fused import _bf16_dot, _store
 from model.kernels.moe import _fp4_tile, _swiglu, _weight_at
 from model.kernels.packed import Packed
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): untimed guesses until a GPU sweep replaces them
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): untimed guesses until a GPU sweep replaces them;
+# FEW_ROWS_TILE for at most FEW_ROWS rows (a batch's decode step past the GEMV's rows: narrow
+# programs, so that a layer's weight is read by many of them)
 DENSE_TILE = (128, 128, 64, 8, 3)
 GROUPED_TILE = (64, 128, 64, 4, 3)
+FEW_ROWS, FEW_ROWS_TILE = 16, (16, 64, 128, 4, 3)
 
 
 @triton.jit
@@ -123,7 +126,7 @@ def packed_matmul(x: torch.Tensor, w: Packed, tile: tuple[int, int, int, int, in
     """``F.linear(x, w.dense(x.dtype))`` for x [M, K], the weight decoded in registers; with
     ``groups`` g, x [M, g * K] against w [g * O, K]: output group i of input group i (the
     attention's ``wo_a``, ``model.linear.grouped_linear``)."""
-    tile = tile or DENSE_TILE
+    tile = tile or (FEW_ROWS_TILE if x.shape[0] <= FEW_ROWS else DENSE_TILE)
     x = x if x.stride(-1) == 1 else x.contiguous()
     return _launch(x, w.data, w.scale, w.fmt, w.scale_block(), w.shape[0], tile,
                    grid_m=triton.cdiv(x.shape[0], tile[0]), groups=groups)
