@@ -200,6 +200,24 @@ def test_a_packed_moe_runs_its_routed_experts_through_the_kernels_as_the_loop(dt
 
 
 @needs_triton
+def test_a_ranks_fp4_experts_through_the_kernels_are_its_loop(monkeypatch):
+    """One rank of four (experts 2 and 3): the pairs routed to other ranks sort after its last
+    expert, the kernels leave their rows unwritten, and they give zeros."""
+    from model.kernels import gemm
+    from model.linear import World
+
+    interpretable(monkeypatch)
+    monkeypatch.setattr(gemm, "GROUPED_TILE", tile() or gemm.GROUPED_TILE)
+    part = packed_moe(DTYPES[0], world=World(1, 4))
+    x = (torch.randn(40, TINY.hidden_size, generator=torch.Generator().manual_seed(17)) * 3).to(DEVICE, DTYPES[0])
+    with torch.no_grad():
+        weights, indices = part.gate(x, None)
+        grouped, loop = part.grouped(x, weights, indices), part._loop(x, weights, indices)
+    assert_close(grouped, loop, TOL[DTYPES[0]])
+    assert grouped.abs().max() > 0 and (grouped.abs().sum(1) == 0).any()  # tokens with no expert here
+
+
+@needs_triton
 def test_a_packed_linear_takes_the_gemm_on_a_prefills_rows(monkeypatch):
     """More rows than the GEMV takes: the packed GEMM, within bf16's rounding of the twin;
     off with ``DSAGENT_PACKED_GEMM=0`` (the twin, bit for bit torch's) and under autograd."""
