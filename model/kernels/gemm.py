@@ -32,9 +32,12 @@ from model.kernels.packed import Packed
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): untimed guesses until a GPU sweep replaces them;
 # FEW_ROWS_TILE for at most FEW_ROWS rows (a batch's decode step past the GEMV's rows: narrow
-# programs, so that a layer's weight is read by many of them)
+# programs, so that a layer's weight is read by many of them). Built for sm_90 on the CPU
+# (Triton 3.9, 2026-12-05; SASS counted with cuobjdump): each of these tiles' dots are wgmma
+# (HGMMA), none spills but 3 stores of the paired form; the grouped tile at 4 warps spilled
+# 37 (alone) and 240 (paired) registers a thread, at (128, 128, 64, 8) paired 79
 DENSE_TILE = (128, 128, 64, 8, 3)
-GROUPED_TILE = (64, 128, 64, 4, 3)
+GROUPED_TILE = (64, 128, 64, 8, 3)
 FEW_ROWS, FEW_ROWS_TILE = 16, (16, 64, 128, 4, 3)
 
 
