@@ -380,12 +380,11 @@ def test_image_inputs_scatter_and_count_check():
 
 
 def test_an_image_changes_the_model_output(tower):
-    from model.loading import build
+    from model.loading import build, stand_in_token_map
 
     args = ModelArgs.preset("tiny")
     model = build(args, seed=0).eval()
-    n_compressed = args.engram_compressed_vocab_size or args.vocab_size
-    model.bind_token_map([i % n_compressed for i in range(args.vocab_size)])  # a stand-in token map
+    model.bind_token_map(stand_in_token_map(args))
     spans = []
     for seed in (1, 2):
         pixels, plan = preprocess(noise(126, 126, seed=seed), TINY)

@@ -152,16 +152,13 @@ def expert_tiles(ends: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
 
 def grouped_fp4(x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *,
                 paired: tuple[torch.Tensor, torch.Tensor] | None = None, route: torch.Tensor | None = None,
-                limit: float = 0.0, tiles: torch.Tensor | None = None,
-                tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                limit: float = 0.0, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """Rows x [P, K] sorted by expert (expert e's at [ends[e-1], ends[e]), rows past ends[-1]
     left unwritten) times the FP4 stack ``w`` [E, N, K / 2] with scales ``s`` [E, N, K / 32]
     -> [P, N] in x's dtype; ``paired`` (w3, its scales) with ``route`` [P] fp32: ``route *
-    swiglu(x w^T, x w3^T, limit)`` instead. ``tiles``: :func:`expert_tiles` of ``ends`` at this
-    tile's BLOCK_M, made once for several calls."""
+    swiglu(x w^T, x w3^T, limit)`` instead."""
     tile = tile or GROUPED_TILE
-    if tiles is None:
-        tiles = expert_tiles(ends, x.shape[0], tile[0])
+    tiles = expert_tiles(ends, x.shape[0], tile[0])
     v, vs = paired if paired is not None else (None, None)
     return _launch(x.contiguous(), w, s, "fp4", (1, 32), w.shape[1], tile, grid_m=tiles.shape[0], tiles=tiles,
                    ends=ends.to(torch.int32), v=v, vs=vs, route=None if route is None else route.float().contiguous(),
