@@ -160,9 +160,13 @@ class GroupedLinear(nn.Module):
         dequantises each (FP4 scales cover 1 x 32: every row alone, so the experts' rows at once)."""
         w, s = self.weight[first:last], self.scale[first:last]
         n, out_f = w.shape[:2]
-        flat = dequantize_tensor("fp4", w.reshape(n * out_f, -1), s.reshape(n * out_f, -1),
-                                 (n * out_f, self.in_features), dtype=dtype)
-        return flat.view(n, out_f, self.in_features)
+
+        def twin() -> torch.Tensor:
+            flat = dequantize_tensor("fp4", w.reshape(n * out_f, -1), s.reshape(n * out_f, -1),
+                                     (n * out_f, self.in_features), dtype=dtype)
+            return flat.view(n, out_f, self.in_features)
+
+        return kernels.dequantised_fp4_stack(w, s, self.in_features, dtype, twin)
 
 
 class GroupedExperts(nn.Module):

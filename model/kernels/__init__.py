@@ -49,7 +49,10 @@ and, for one decode step (one query per batch row):
 and, for a prefill's rows on packed weights (``model.kernels.gemm``, where
 ``packed_gemm_runs(x, *weights)``; ``DSAGENT_PACKED_GEMM=0`` turns them off):
 - ``packed_matmul(x, w, groups=1)``: ``F.linear(x, w.dense(x.dtype))`` (a grouped projection
-  with ``groups``), the weight's bytes decoded in registers, tensor-core dots;
+  with ``groups``): for few rows the weight's bytes decoded in registers, tensor-core dots; for
+  ``gemm.DEQUANT_ROWS`` or more the weight's floats made once (``dequantised``) and torch's GEMM;
+- ``dequantised(w, dtype)`` / ``dequantised_fp4_stack(w, s, in_features, dtype, twin)``: a packed
+  weight's or an FP4 expert stack's floats in one pass (``model.kernels.dequant``), the twin's bits;
 - ``grouped_fp4(x, ends, w, s, twin, paired=None, route=None, limit=0.0)``: rows sorted by
   expert times an FP4 expert stack, or the up projection whole (w1 with w3, the SwiGLU and the
   route weight); ``twin()`` where the kernel does not run.
@@ -89,7 +92,8 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "Packed", "mhc_join",
            "mhc_forget", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
-           "beside_on", "Beside", "engram_step", "packed_gemm_runs", "packed_matmul", "grouped_fp4"]
+           "beside_on", "Beside", "engram_step", "packed_gemm_runs", "packed_matmul", "grouped_fp4",
+           "dequantised", "dequantised_fp4_stack"]
 
 
 def _interpreting() -> bool:
@@ -380,9 +384,33 @@ def packed_matmul(x: torch.Tensor, w: Packed, groups: int = 1) -> torch.Tensor:
     from model.kernels import gemm
 
     flat = x.reshape(-1, x.shape[-1])
-    y = _guarded("packed GEMM kernel", lambda t, p: gemm.packed_matmul(t, p, groups=groups),
-                 lambda t, p: gemv_ref(t, p, groups=groups)[0], flat, w)
+    if flat.shape[0] >= gemm.DEQUANT_ROWS:  # many rows: the weight's floats once, then the library's GEMM
+        y = gemv_ref(flat, dequantised(w, x.dtype), groups=groups)[0]
+    else:
+        y = _guarded("packed GEMM kernel", lambda t, p: gemm.packed_matmul(t, p, groups=groups),
+                     lambda t, p: gemv_ref(t, p, groups=groups)[0], flat, w)
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def dequantised(w: Packed, dtype: torch.dtype) -> torch.Tensor:
+    """``w.dense(dtype)``, the same bits: one pass of ``model.kernels.dequant`` over the bytes
+    where :func:`enabled` and the weight is decodable (else, or if it cannot be built, the twin)."""
+    if not (w.decodable() and _kernel_runs("dequantisation kernel", w.data)):
+        return w.dense(dtype)
+    from model.kernels import dequant
+
+    return _guarded("dequantisation kernel", lambda p: dequant.dequantise(p, dtype), lambda p: p.dense(dtype), w)
+
+
+def dequantised_fp4_stack(w: torch.Tensor, s: torch.Tensor, in_features: int, dtype: torch.dtype, twin) -> torch.Tensor:
+    """An FP4 expert stack's floats [E, N, K] from its bytes [E, N, K / 2] and scales: the
+    dequantisation kernel where :func:`enabled` (K even), else ``twin()``; the same bits."""
+    if in_features % 2 or not _kernel_runs("dequantisation kernel", w):
+        return twin()
+    from model.kernels import dequant
+
+    return _guarded("dequantisation kernel", lambda t: dequant.dequantise_fp4_stack(t, s, in_features, dtype),
+                    lambda t: twin(), w)
 
 
 def grouped_fp4(x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor, s: torch.Tensor, twin, *,

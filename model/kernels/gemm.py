@@ -30,15 +30,17 @@ from model.kernels.fused import _bf16_dot, _store
 from model.kernels.moe import _fp4_tile, _swiglu, _weight_at
 from model.kernels.packed import Packed
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): untimed guesses until a GPU sweep replaces them;
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages), the best of a sweep on an H100 (2026-12-05, the
+# V4.1-Flash shapes; docs/benchmarks.md): 4 warps, where 8 ran at a third of the rate. At 8192
+# rows the dense tiles reached 0.3-0.45x the rate of cuBLAS bf16 on floats already there, and
+# from 64 rows on, summed over the shapes, decoding the weight once (``model.kernels.dequant``)
+# then cuBLAS took less time: so from DEQUANT_ROWS rows ``kernels.packed_matmul`` does that.
 # FEW_ROWS_TILE for at most FEW_ROWS rows (a batch's decode step past the GEMV's rows: narrow
-# programs, so that a layer's weight is read by many of them). Built for sm_90 on the CPU
-# (Triton 3.9, 2026-12-05; SASS counted with cuobjdump): each of these tiles' dots are wgmma
-# (HGMMA), none spills but 3 stores of the paired form; the grouped tile at 4 warps spilled
-# 37 (alone) and 240 (paired) registers a thread, at (128, 128, 64, 8) paired 79
-DENSE_TILE = (128, 128, 64, 8, 3)
-GROUPED_TILE = (64, 128, 64, 8, 3)
-FEW_ROWS, FEW_ROWS_TILE = 16, (16, 64, 128, 4, 3)
+# programs, so that a layer's weight is read by many of them)
+DENSE_TILE = (128, 128, 64, 4, 3)
+GROUPED_TILE = (64, 128, 64, 4, 3)
+FEW_ROWS, FEW_ROWS_TILE = 16, (16, 32, 128, 4, 3)
+DEQUANT_ROWS = 64
 
 
 @triton.jit
