@@ -184,6 +184,7 @@ def test_a_packed_moe_runs_its_routed_experts_through_the_kernels_as_the_loop(dt
     from model.kernels import gemm
 
     monkeypatch.setattr(gemm, "GROUPED_TILE", tile() or gemm.GROUPED_TILE)
+    monkeypatch.setattr(gemm, "PAIRED_TILE", tile() or gemm.PAIRED_TILE)
     launched = []
     real = gemm.grouped_fp4
     monkeypatch.setattr(gemm, "grouped_fp4", lambda *a, **k: launched.append(k.get("paired") is not None)
@@ -208,6 +209,7 @@ def test_a_ranks_fp4_experts_through_the_kernels_are_its_loop(monkeypatch):
 
     interpretable(monkeypatch)
     monkeypatch.setattr(gemm, "GROUPED_TILE", tile() or gemm.GROUPED_TILE)
+    monkeypatch.setattr(gemm, "PAIRED_TILE", tile() or gemm.PAIRED_TILE)
     part = packed_moe(DTYPES[0], world=World(1, 4))
     x = (torch.randn(40, TINY.hidden_size, generator=torch.Generator().manual_seed(17)) * 3).to(DEVICE, DTYPES[0])
     with torch.no_grad():
@@ -298,6 +300,6 @@ def test_the_packed_gemms_compile_for_hopper(tmp_path):
 
     launches = [gemm_launch("fp8", False, False, gemm.DENSE_TILE), gemm_launch("fp4", False, False, gemm.DENSE_TILE),
                 gemm_launch("fp8", False, False, gemm.FEW_ROWS_TILE),
-                gemm_launch("fp4", True, False, gemm.GROUPED_TILE), gemm_launch("fp4", True, True, gemm.GROUPED_TILE)]
+                gemm_launch("fp4", True, False, gemm.GROUPED_TILE), gemm_launch("fp4", True, True, gemm.PAIRED_TILE)]
     r = compile_for_hopper(launches, tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
