@@ -13,8 +13,9 @@ fp32 and the output is rounded once. The twins (``model.linear.Linear.dense_weig
 ``F.linear``; ``model.moe.GroupedLinear.dense`` then ``torch._grouped_mm``) dequantise the same
 values first, so the two agree to the summation order. Why not W8A8: V4.1's FP8 blocks are 32 x
 32, and an activation quantised per 1 x 32 would need its partial sums rescaled every 32 inputs
-(as much work on the CUDA cores as the tensor cores' own), and would round the activations the
-checkpoint's reference keeps in bf16 here.
+(as much work on the CUDA cores as the tensor cores' own), and would round the activations this
+project's CPU reference keeps in bf16 (the official V4 kernels do quantise them to FP8 for the FP4
+experts, ARCHITECTURE.md 2.8: the way past W4A16's decode cost, with its own agreement test).
 
 A grouped GEMM's programs each take one block of one expert's rows (the ``tiles`` map, made on
 the device by :func:`expert_tiles`, so nothing is read on the host): at most cdiv(P, BLOCK_M) + E
