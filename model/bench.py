@@ -813,18 +813,24 @@ def linear_kind(name: str) -> str:
     return next((kind for part, kind in _KINDS if part in f".{name}."), "other")
 
 
+def median_seconds(fn, device, repeats: int = 5, warmup: int = 1) -> float:
+    """Median seconds of ``fn()`` over ``repeats`` calls run back to back (a mark between
+    each, no synchronize until the last), after ``warmup`` calls."""
+    clock = _Clock(device)
+    for _ in range(warmup):
+        fn()
+    marks = [clock.mark()]
+    for _ in range(repeats):
+        fn()
+        marks.append(clock.mark())
+    _sync(device)
+    return statistics.median(clock.seconds(s, e) for s, e in zip(marks, marks[1:]))
+
+
 def matmul_tflops(n: int, dtype: torch.dtype, device, repeats: int = 5) -> float:
     """Median TFLOP/s of one dense n×n×n product after two warm-up products."""
     a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-    clock = _Clock(device)
-    for _ in range(2):
-        a @ b
-    marks = [clock.mark()]
-    for _ in range(repeats):
-        a @ b
-        marks.append(clock.mark())
-    _sync(device)
-    return 2 * n ** 3 / statistics.median(clock.seconds(s, e) for s, e in zip(marks, marks[1:])) / 1e12
+    return 2 * n ** 3 / median_seconds(lambda: a @ b, device, repeats, warmup=2) / 1e12
 
 
 def bench_linears(model: Transformer, tokens: int = 8192, *, matmul_size: int | None = None,

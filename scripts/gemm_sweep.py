@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from model.bench import _Clock, _sync, matmul_tflops  # noqa: E402
+from model.bench import matmul_tflops, median_seconds as seconds  # noqa: E402
 from model.kernels import dequant, gemm  # noqa: E402
 from model.linear import Linear  # noqa: E402
 from model.moe import GroupedLinear  # noqa: E402
@@ -47,18 +46,6 @@ ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 EXPERTS, TOP, INTER, HIDDEN = 384, 6, 2304, 5120
 TOY = {"shapes": [(96, 64), (64, 128)], "tile": (32, 32, 32, 4, 1), "rows": (8, 40), "experts": 4, "inter": 64,
        "hidden": 64}
-
-
-def seconds(fn, device, repeats: int = 5) -> float:
-    """Median seconds of ``fn()`` after one warm-up call."""
-    clock = _Clock(device)
-    fn()
-    marks = [clock.mark()]
-    for _ in range(repeats):
-        fn()
-        marks.append(clock.mark())
-    _sync(device)
-    return statistics.median(clock.seconds(a, b) for a, b in zip(marks, marks[1:]))
 
 
 def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
