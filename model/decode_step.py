@@ -79,8 +79,7 @@ def begin(model, ids: torch.Tensor, cache: Cache, start: int, image_embeds=None,
     streams, pre, step = model.begin(ids, cache, start, image_embeds=image_embeds, image_mask=image_mask,
                                      hash_ids=hash_ids)
     step.packed_reads = asks_packed_reads(streams, ids.shape[1])
-    # over several ranks no graph: the all-reduces inside a captured step are not yet checked on GPUs
-    if (model.world.size == 1 and graphs.wanted(ids, image_mask, cache.kv.packed)
+    if (graphs.wanted(ids, image_mask, cache.kv.packed) and captures_collectives(model.world)
             and ffn_capturable(model, streams[:, :, 0])):
         step.graphs = graphs_of(model).for_step()
     return streams, pre, step
@@ -108,6 +107,18 @@ def forward(model, input_ids: torch.Tensor, cache: Cache | None = None, *, image
     streams, pre = run_layers(model, streams, pre, step, cache, range(model.args.num_hidden_layers))
     cache.length = max(cache.length, step.end)
     return model.logits(streams, pre)
+
+
+def captures_collectives(world) -> bool:
+    """Whether a CUDA graph can hold the world's collectives on CUDA tensors: none alone, or
+    NCCL's (a capture records them as the step's other kernels; every rank captures and
+    replays the same ones in the same order, so the ranks' collectives still meet). Gloo's
+    run on the host and cannot be captured: such a world decodes eagerly."""
+    if not world.joined:
+        return True
+    import torch.distributed as dist
+
+    return "nccl" in str(dist.get_backend(world.group)).lower()
 
 
 def ffn_capturable(model, x: torch.Tensor) -> bool:

@@ -27,13 +27,15 @@ TIMEOUT_S = 600.0  # a collective waits this long for a missing rank before it f
 
 
 def init_world(rank: int | None = None, size: int | None = None, *, init_method: str | None = None,
-               backend: str | None = None, timeout_s: float = TIMEOUT_S, device: str | None = None) -> World:
+               backend: str | None = None, timeout_s: float = TIMEOUT_S, device: str | None = None,
+               group_alone: bool = False) -> World:
     """This process's place among ``size`` ranks (read from torchrun's environment where not
-    given); one process alone needs no group and gets ``ALONE``. ``device``: the CUDA device
+    given); one process alone needs no group and gets ``ALONE``, or with ``group_alone`` a
+    group of its own whose collectives run (``World.joined``). ``device``: the CUDA device
     this rank's NCCL work goes to (default: ``LOCAL_RANK``, else the rank)."""
     rank = int(os.environ.get("RANK", 0)) if rank is None else rank
     size = int(os.environ.get("WORLD_SIZE", 1)) if size is None else size
-    if size == 1:
+    if size == 1 and not group_alone:
         return ALONE
     # with CUDA, each tensor's collectives by its device: a model on the CPU (the tests') still runs
     backend = backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
@@ -41,11 +43,11 @@ def init_world(rank: int | None = None, size: int | None = None, *, init_method:
         torch.cuda.set_device(device or int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method or "env://", rank=rank, world_size=size,
                             timeout=timedelta(seconds=timeout_s))
-    return World(rank=rank, size=size)
+    return World(rank=rank, size=size, group=dist.group.WORLD if size == 1 else None)
 
 
 def close_world(world: World) -> None:
-    if world.size > 1 and dist.is_initialized():
+    if world.joined and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -55,14 +57,15 @@ class RankFailed(RuntimeError):
 
 
 def run_ranks(fn, size: int, *args, init_method: str, backend: str | None = None,
-              timeout_s: float = TIMEOUT_S) -> None:
+              timeout_s: float = TIMEOUT_S, group_alone: bool = False) -> None:
     """``fn(world, *args)`` on ``size`` spawned processes joined through ``init_method`` (a
-    ``file://`` or ``tcp://`` rendezvous). Returns when all have; if any raises, the others are
-    stopped and the first failure is raised here as :class:`RankFailed`."""
+    ``file://`` or ``tcp://`` rendezvous; ``group_alone``: :func:`init_world`'s). Returns when
+    all have; if any raises, the others are stopped and the first failure is raised here as
+    :class:`RankFailed`."""
     failures = mp.get_context("spawn").SimpleQueue()
     try:
-        mp.spawn(_rank_main, args=(size, fn, args, init_method, backend, timeout_s, failures), nprocs=size,
-                 join=True)
+        mp.spawn(_rank_main, args=(size, fn, args, init_method, backend, timeout_s, failures, group_alone),
+                 nprocs=size, join=True)
     except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
         seen = []
         while not failures.empty():
@@ -74,8 +77,9 @@ def run_ranks(fn, size: int, *args, init_method: str, backend: str | None = None
 
 
 def _rank_main(rank: int, size: int, fn, args: tuple, init_method: str, backend: str | None,
-               timeout_s: float, failures) -> None:
-    world = init_world(rank, size, init_method=init_method, backend=backend, timeout_s=timeout_s)
+               timeout_s: float, failures, group_alone: bool = False) -> None:
+    world = init_world(rank, size, init_method=init_method, backend=backend, timeout_s=timeout_s,
+                       group_alone=group_alone)
     try:
         fn(world, *args)
     except BaseException:

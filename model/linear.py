@@ -50,7 +50,8 @@ FP4_BLOCK = 32  # one ue8m0 scale per 32 inputs
 class World:
     """Where this process sits among the ranks that share the model (tensor parallel =
     expert parallel = ``size``): ``group`` is a ``torch.distributed`` group, None for the
-    default one. ``World()`` is one process alone."""
+    default one. ``World()`` is one process alone; ``World(0, 1, group)`` one process whose
+    sums still go through the group's collectives."""
     rank: int = 0
     size: int = 1
     group: object = None
@@ -77,9 +78,15 @@ class World:
         part = self.part(n, what)
         return part.stop - part.start
 
+    @property
+    def joined(self) -> bool:
+        """Whether its sums are collectives: several ranks, or one in a group of its own (the
+        check that a step's collectives capture in its CUDA graph on one GPU)."""
+        return self.size > 1 or self.group is not None
+
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         """The ranks' ``t`` summed, in place (one all-reduce); ``t`` itself alone."""
-        if self.size > 1:
+        if self.joined:
             import torch.distributed as dist
 
             dist.all_reduce(t, group=self.group)

@@ -171,3 +171,104 @@ def test_a_table_splits_by_rows_unevenly_and_gives_the_same_bits(tmp_path):
         from model.linear import Table
 
         Table(5, 32, world=World(3, 4))
+
+
+def _tiny_model(world: World, device: str, dtype: torch.dtype, weights: str = "plain"):
+    """The tiny preset, seeded, with a short window and top-k (every layer kind within 90
+    tokens, as ``test_graphs`` takes it), on ``world``."""
+    from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
+
+    args = ModelArgs.preset("tiny").replace(sliding_window=16, index_topk=8, candidate_topk_blocks=3,
+                                            candidate_block_size=2)
+    model = build(args, seed=1, device=device, dtype=dtype, weights=weights, world=world).eval()
+    bind_tokenizer(model, BUNDLED_TOKENIZER)
+    return model
+
+
+def _decode_logits(model, ids: torch.Tensor, steps: int = 6) -> torch.Tensor:
+    """[steps, vocab]: the logits of ``steps`` greedy decode steps after a CED prefill of ``ids``."""
+    from model.engine import Engine
+
+    engine = Engine(model, mode="ced", chunk=40)
+    state = engine.new_state()
+    with torch.no_grad():
+        engine.prefill(state, ids)
+        token, logits = state.last_logits.argmax(-1), []
+        for _ in range(steps):
+            logits.append(engine.decode(state, token).float().cpu()[0])
+            token = logits[-1].argmax(-1, keepdim=True).to(ids.device)
+    return torch.stack(logits)
+
+
+def _counted_all_reduces() -> list[bool]:
+    """Wraps ``torch.distributed.all_reduce`` in this process: each call appends whether a
+    CUDA graph was being captured on the current stream."""
+    import torch.distributed as dist
+
+    calls, real = [], dist.all_reduce
+    dist.all_reduce = lambda t, *a, **k: (
+        calls.append(t.is_cuda and torch.cuda.is_current_stream_capturing()) or real(t, *a, **k))
+    return calls
+
+
+def _group_of_one(world: World, device: str, results) -> None:
+    """One process in a group of its own: its decode logits (the steps' CUDA graphs on, then
+    off, where ``device`` is CUDA) and those of the same model alone (no group), how many
+    all-reduces ran and how many of them a graph captured."""
+    import os
+
+    from model import decode_step
+
+    torch.set_num_threads(1)
+    calls = _counted_all_reduces()
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(0)).to(device)
+    for weights in ("plain", "packed"):
+        model = _tiny_model(world, device, dtype, weights)
+        for flag in ("1", "0"):
+            os.environ["DSAGENT_GRAPHS"] = flag
+            results[weights, flag] = _decode_logits(model, ids)
+        results[weights, "graphs"] = len(decode_step.graphs_of(model))
+        del model
+        os.environ["DSAGENT_GRAPHS"] = "0"
+        results[weights, "alone"] = _decode_logits(_tiny_model(World(), device, dtype, weights), ids)
+    results["calls"], results["captured"] = len(calls), sum(calls)
+    results["captures"] = decode_step.captures_collectives(world)
+
+
+def test_a_group_of_one_sums_through_its_collectives(tmp_path):
+    """``World(0, 1, group)`` (``init_world(group_alone=True)``): the model as one process
+    holds it, each sum an all-reduce over gloo — which a CUDA graph could not hold, so such a
+    world is never captured — and the logits of one process alone."""
+    from model import decode_step
+    from model.linear import ALONE
+
+    assert decode_step.captures_collectives(ALONE) and not ALONE.joined
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_ranks(_group_of_one, 1, "cpu", results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300,
+                  group_alone=True, backend="gloo")
+        got = dict(results)
+    assert got["captures"] is False and got["captured"] == 0
+    assert got["calls"] > 0  # the attention's wo_b and the MoE's sums, each step and prefill chunk
+    for weights in ("plain", "packed"):
+        assert torch.equal(got[weights, "1"], got[weights, "0"])
+        assert torch.equal(got[weights, "0"], got[weights, "alone"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not torch.distributed.is_nccl_available(),
+                    reason="needs CUDA and NCCL")
+def test_nccl_collectives_captured_in_the_step_graph_give_the_plain_steps_bits(tmp_path):
+    """World size 1 through NCCL on one GPU: the decode step's all-reduces are captured in its
+    CUDA graph (counted while capturing), and the graphed steps give the eager steps' logits
+    bit for bit, which are one process alone's, with plain and packed weights."""
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_ranks(_group_of_one, 1, "cuda", results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300,
+                  group_alone=True)
+        got = dict(results)
+    assert got["captures"] is True and got["captured"] > 0
+    for weights in ("plain", "packed"):
+        assert got[weights, "graphs"] > 0
+        assert torch.equal(got[weights, "1"], got[weights, "0"])
+        assert torch.equal(got[weights, "0"], got[weights, "alone"])
