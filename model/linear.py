@@ -127,10 +127,13 @@ class Stored(nn.Module):
 class Linear(Stored, nn.Linear):
     """``y = x @ W.T`` of a weight in one of :data:`FORMATS`, split as one of :data:`SPLITS`
     over ``world``. ``in_features`` / ``out_features`` are the whole layer's; the weight is
-    this rank's part. No bias: the network has none."""
+    this rank's part. No bias: the network has none. A row split's partial products are
+    summed over the world (one all-reduce), unless ``sums`` is False: its caller adds them
+    with its own (the MoE's shared expert, in the routed experts' all-reduce)."""
 
     def __init__(self, in_features: int, out_features: int, *, fmt: str = "plain", split: str | None = None,
-                 world: World = ALONE, block: int = FP8_BLOCK, gemv: bool = True, device=None, dtype=None):
+                 world: World = ALONE, block: int = FP8_BLOCK, gemv: bool = True, sums: bool = True, device=None,
+                 dtype=None):
         if fmt not in FORMATS or split not in SPLITS:
             raise ValueError(f"a Linear is one of {FORMATS} x {SPLITS}, not ({fmt!r}, {split!r})")
         local_in = world.share(in_features, "input features") if split == "row" else in_features
@@ -139,6 +142,7 @@ class Linear(Stored, nn.Linear):
         self.fmt, self.split, self.world, self.block = "plain", split, world, block
         self.full_in, self.full_out = in_features, out_features
         self.gemv = gemv  # False: a plain weight never by the GEMV kernel (cuBLAS's GEMM on few rows too)
+        self.sums = sums
         if fmt != "plain":
             self.pack(fmt)
 
@@ -190,7 +194,7 @@ class Linear(Stored, nn.Linear):
             y = kernels.packed_matmul(x, packed)  # a prefill's rows: the bytes decoded in registers
         else:
             y = F.linear(x, self.dense_weight(x.dtype))
-        return self.world.sum(y) if self.split == "row" else y
+        return self.world.sum(y) if self.split == "row" and self.sums else y
 
     def extra_repr(self) -> str:
         split = "" if self.split is None else f", split={self.split} over {self.world.size}"

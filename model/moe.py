@@ -62,14 +62,17 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
 
 
 class Expert(nn.Module):
-    """SwiGLU with the training clamps; the gate's ``weight`` scales a row before w2."""
+    """SwiGLU with the training clamps; the gate's ``weight`` scales a row before w2.
+    ``world``: the intermediate channels split over its ranks (w1 / w3 by rows, w2 by columns),
+    each rank's output a partial sum its caller adds over the world (the shared expert's)."""
 
-    def __init__(self, dim: int, inter: int, limit: float):
+    def __init__(self, dim: int, inter: int, limit: float, world: World = ALONE):
         super().__init__()
         self.limit = limit
-        self.w1 = Linear(dim, inter)
-        self.w2 = Linear(inter, dim)
-        self.w3 = Linear(dim, inter)
+        split = None if world.size == 1 else "column"
+        self.w1 = Linear(dim, inter, split=split, world=world)
+        self.w2 = Linear(inter, dim, split=None if world.size == 1 else "row", world=world, sums=False)
+        self.w3 = Linear(dim, inter, split=split, world=world)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         y = swiglu(self.w1(x), self.w3(x), self.limit)
@@ -243,7 +246,9 @@ class MoE(nn.Module):
     def __init__(self, args: ModelArgs, n_experts: int | None = None, top_k: int | None = None,
                  world: World = ALONE):
         """``world``: expert parallel over its ranks — each holds a contiguous range of the
-        experts, every rank routes every token, the routed sums meet in one all-reduce."""
+        experts and its share of the shared expert's intermediate channels, every rank routes
+        every token, and a rank's routed sum plus its shared part meet the others' in one
+        all-reduce."""
         super().__init__()
         n_experts = n_experts or args.n_routed_experts
         self.gate = Gate(args, n_experts, top_k or args.num_experts_per_tok)
@@ -252,7 +257,7 @@ class MoE(nn.Module):
         mine = world.part(n_experts, "n_routed_experts")
         self.experts = Experts({str(e): Expert(args.hidden_size, inter, args.swiglu_limit)
                                 for e in range(n_experts)[mine]})
-        self.shared_experts = Expert(args.hidden_size, inter, args.swiglu_limit)
+        self.shared_experts = Expert(args.hidden_size, inter, args.swiglu_limit, world)
         self.grouped = GroupedExperts(args.swiglu_limit, mine.start, world.size > 1)
         self.register_load_state_dict_post_hook(_restack_after_load)
 
@@ -265,9 +270,9 @@ class MoE(nn.Module):
         """The MoE of tokens ``flat`` [N, D] (``image_mask`` [..] of N: image-span tokens)."""
         weights, indices = self.gate(flat, None if image_mask is None else image_mask.reshape(-1))
         routed = self.grouped if self.runs_grouped(flat) else self._dense if self.runs_dense(flat) else self._loop
-        y = self.world.sum(routed(flat, weights, indices))
-        y += self.shared_experts(flat).float()
-        return y.to(flat.dtype)
+        y = routed(flat, weights, indices)
+        y += self.shared_experts(flat).float()  # over several ranks this rank's part of it
+        return self.world.sum(y).to(flat.dtype)
 
     def _loop(self, x: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """The reference: one Expert call per expert that has tokens (reads their ids on the host)."""

@@ -55,6 +55,8 @@ def _rank(world: World, ids: torch.Tensor, weights: str, results, fused: bool = 
     assert model.layers[0].attn.n_heads == ARGS.num_attention_heads // world.size
     assert model.layers[0].attn.wo_b.fmt == ("fp8" if weights == "packed" else "plain")
     assert len(model.layers[0].ffn.experts) == ARGS.n_routed_experts // world.size
+    shared = model.layers[0].ffn.shared_experts  # its share of the intermediate channels, summed with the routed
+    assert shared.w1.out_features == shared.w2.in_features == ARGS.moe_intermediate_size // world.size
     table = next(b.engram.embed for b in model.layers if b.engram is not None)  # its share of the rows
     assert table.weight.shape[0] == -(-table.full_rows // world.size) < table.full_rows
     with torch.no_grad():
