@@ -403,9 +403,11 @@ def _tables_in(model: Transformer, tables: list, place: str):
 
 def _collectives(model: Transformer, step_s: float) -> dict:
     """Over several ranks: the all-reduces a decode step of one row makes (the embedding's,
-    and per layer the attention's ``wo_b`` and the MoE's), each timed alone on a [1, 1, D]
-    tensor of the model's dtype, beside the step; the logits' gather is not counted."""
-    count = 1 + 2 * model.args.num_hidden_layers
+    per layer the attention's ``wo_b`` and the MoE's, and each Engram layer's whose table the
+    ranks split by rows), each timed alone on a [1, 1, D] tensor of the model's dtype, beside
+    the step; the logits' gather is not counted."""
+    split_tables = sum(b.engram is not None and b.engram.embed.world.size > 1 for b in model.layers)
+    count = 1 + 2 * model.args.num_hidden_layers + split_tables
     one = engine_for(model).all_reduce_seconds((1, 1, model.args.hidden_size), model.embed.weight.dtype)
     return {"ranks": model.world.size, "all_reduces_per_step": count, "all_reduce_us": 1e6 * one,
             "all_reduce_ms_per_step": 1e3 * count * one, "all_reduce_over_step": count * one / step_s}

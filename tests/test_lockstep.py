@@ -99,9 +99,20 @@ def _bench_rank(world: World, results) -> None:
     model = load("tiny", world=world)
     if world.rank == 0:
         results[0] = bench_decode(model, 160, short=130, steps=2)
+        import torch.distributed as dist
+
         from model.lockstep import Leader
 
-        Leader(model, world).close()  # any leader of rank 0 tells the followers to leave
+        leader = Leader(model, world)
+        state = leader.new_state()
+        with torch.no_grad():
+            leader.prefill(state, torch.arange(3, 40)[None])
+            calls, real = [], dist.all_reduce
+            dist.all_reduce = lambda *a, **k: calls.append(1) or real(*a, **k)
+            leader.decode(state, state.last_logits.argmax(-1))
+            dist.all_reduce = real
+        results["step_all_reduces"] = len(calls)  # a decode step's, counted as they ran
+        leader.close()  # any leader of rank 0 tells the followers to leave
     else:
         follow(Engine(model), world)
 
@@ -112,11 +123,13 @@ def test_decode_bench_over_two_ranks_reports_its_all_reduces(tmp_path):
     with mp.Manager() as manager:
         results = manager.dict()
         run_ranks(_bench_rank, 2, results, init_method=f"file://{tmp_path / 'rendezvous'}", timeout_s=300)
-        out = dict(results)[0]
+        out, counted = dict(results)[0], dict(results)["step_all_reduces"]
     from model.args import ModelArgs
 
-    layers = ModelArgs.preset("tiny").num_hidden_layers
-    assert out["ranks"] == 2 and out["all_reduces_per_step"] == 1 + 2 * layers  # the embedding's, then two a layer
+    args = ModelArgs.preset("tiny")
+    # the embedding's, two a layer, and one an Engram layer (its table's rows split over the ranks)
+    assert out["ranks"] == 2 and out["all_reduces_per_step"] == 1 + 2 * args.num_hidden_layers + len(args.engram_layer_ids)
+    assert args.engram_layer_ids and out["all_reduces_per_step"] == counted
     assert out["all_reduce_us"] > 0 and out["step_ms_long"] > 0
     assert out["all_reduce_ms_per_step"] == pytest.approx(out["all_reduces_per_step"] * out["all_reduce_us"] / 1e3)
 
