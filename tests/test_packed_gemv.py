@@ -1,14 +1,16 @@
 """The decode GEMV on packed weights (``kernels.Packed``: FP8 / FP4 as the checkpoint stores
-them, dequantised in the kernel's registers) against the same kernel on the dequantised
-floats (``Linear.dense_weight``): the same bits, as the decode step launches it with each
-layer; the linear family and the fused decode step on it; and its builds for the H200.
+them, decoded in the kernel's registers) against the same kernel on the dequantised floats
+(``Linear.dense_weight``), to the rounding of sums in another order, as the decode step
+launches it with each layer; the linear family and the fused decode step on it; and its
+builds for the H200.
 
 Runs on CUDA when present, else under ``TRITON_INTERPRET=1``, else skips (the twin's tests
-and the model's run everywhere: without the kernels they check the twins). Bit for bit: a
-packed tile holds the dequantised values exactly in fp32 (e4m3 / e2m1 times a power of
-two), and in bf16 too at a weight's scales, and the kernel sums them in the plain tile's
-order — under the interpreter by construction, on the GPU because the packed build's
-reductions run on tensors of the plain build's layouts (the compile test below).
+and the model's run everywhere: without the kernels they check the twins). An FP8 tile sums
+each 32-input block's products before its scale multiplies them (``matvec._fp8_dot``); an FP4
+tile holds the dequantised values and sums them in the plain tile's order under the
+interpreter (and its reductions run on the plain build's layouts: the compile test below),
+yet on an H200 (2026-12-05) its fp32 outputs were not the plain kernel's bits: so both are
+checked to rounding.
 """
 from __future__ import annotations
 
@@ -60,17 +62,24 @@ def norm_of(d: int, seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, float]
 
 
 def same_as_dense(x, layers: list[Linear], **options) -> None:
-    """The GEMV on the layers' packed weights equals the GEMV on their dequantised floats,
-    bit for bit, every output (``keep``'s normalised x too); and the twin to rounding."""
+    """The GEMV on the layers' packed weights against the GEMV on their dequantised floats, to
+    the rounding of sums in another order (FP8: each 32-input block's products summed before its
+    scale multiplies them, ``matvec._fp8_dot``; FP4: the plain tile's order on the CPU's
+    interpreter, not bit for bit in fp32 on an H200, 2026-12-05); ``keep``'s normalised x bit
+    for bit; and the twin to rounding."""
     from model.kernels import matvec
 
     got = matvec.gemv(x, *(m.gemv_weight() for m in layers), **options)
     want = matvec.gemv(x, *(m.dense_weight(x.dtype) for m in layers), **options)
     assert len(got) == len(want)
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and torch.equal(g, w)
-    twin = kernels.gemv_ref(x, *(m.gemv_weight() for m in layers), **options)
     rtol = 1e-5 if x.dtype == torch.float32 else 2 ** -7
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.dtype == w.dtype
+        if options.get("keep") and i == len(got) - 1:
+            assert torch.equal(g, w)
+        else:
+            torch.testing.assert_close(g.float(), w.float(), rtol=rtol, atol=rtol * w.float().abs().max().item())
+    twin = kernels.gemv_ref(x, *(m.gemv_weight() for m in layers), **options)
     for g, t in zip(got, twin):
         torch.testing.assert_close(g.float(), t.float(), rtol=rtol, atol=rtol * t.float().abs().max().item())
 
@@ -138,8 +147,9 @@ def test_the_indexer_query_with_its_rope(fmt, dtype):
 @needs_triton
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_packed_linear_takes_the_gemv_on_a_decode_steps_rows(fmt, monkeypatch):
-    """``Linear.forward`` on a few rows: the GEMV on its stored bytes (no dequantised copy),
-    the same bits as the plain layer of its dequantised weight; a prefill's rows: ``F.linear``."""
+    """``Linear.forward`` on a few rows: the GEMV on its stored bytes (no dequantised copy), the
+    plain layer of its dequantised weight; a prefill's rows: the packed GEMM, or ``F.linear``
+    on the dequantised weight where no kernel runs; each to the rounding of another order of sums."""
     layer = packed(96, 256, fmt, seed=15)
     plain = Linear(256, 96).to(DEVICE)
     seen = []
@@ -149,9 +159,12 @@ def test_a_packed_linear_takes_the_gemv_on_a_decode_steps_rows(fmt, monkeypatch)
     with torch.no_grad():
         plain.weight.copy_(layer.dense_weight(torch.float32))
         x = rows(2, 256, seed=16, dtype=torch.float32)
-        assert torch.equal(layer(x), plain(x)) and seen == [True, False]
+        got, want = layer(x), plain(x)
+        assert seen == [True, False]
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
         long = rows(kernels.GEMV_TOKENS + 1, 256, seed=17, dtype=torch.float32)
-        assert torch.equal(layer(long), torch.nn.functional.linear(long, layer.dense_weight(torch.float32)))
+        want = torch.nn.functional.linear(long, layer.dense_weight(torch.float32))
+        torch.testing.assert_close(layer(long), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert len(seen) == 2
 
 
@@ -209,11 +222,12 @@ def test_gemv_runs_on_packed_weights_of_one_kind(monkeypatch):
 
 def test_a_packed_model_decodes_as_its_dequantised_twin(monkeypatch):
     """The tiny preset built packed, and the same model with every packed weight replaced by its
-    dequantised floats: the same logits, bit for bit, over a prefill of five tokens and three
+    dequantised floats: the same logits over a prefill of five tokens and three
     fused decode steps. Where the kernels run, the packed model's projections, shared experts (FP8) and
     routed experts (FP4, one by one: ``DSAGENT_GROUPED_MOE=0``, and the fused MoE off in both,
-    so that both run one computation) go through the GEMV on their stored bytes; else both
-    run the twins. Under the interpreter, where each program runs as Python, the GEMV's tiles
+    so that both run one computation) go through the GEMV on their stored bytes, the same to
+    1e-4 (the FP8 GEMV sums each 32-input block before its scale); else both run the twins,
+    the same bits. Under the interpreter, where each program runs as Python, the GEMV's tiles
     are cut into fewer programs, both models' alike."""
     args = ModelArgs.preset("tiny").replace(engram_layer_ids=(), engram_num_embeddings=())
     interpretable(monkeypatch)
@@ -245,7 +259,11 @@ def test_a_packed_model_decodes_as_its_dequantised_twin(monkeypatch):
                                         for t in range(5, 8)])
             if name == "packed" and kernels.enabled(logits[name]):
                 assert {"fp8", "fp4"} <= set(formats), set(formats)
-    assert torch.equal(logits["packed"], logits["dense"])
+    if kernels.enabled(logits["packed"]):  # the FP8 GEMVs sum each 32-input block before its scale
+        torch.testing.assert_close(logits["packed"], logits["dense"], rtol=1e-4,
+                                   atol=1e-4 * logits["dense"].abs().max().item())
+    else:
+        assert torch.equal(logits["packed"], logits["dense"])
 
 
 # ----------------------------------------------------------------------------- builds for the H200
@@ -253,12 +271,13 @@ def test_a_packed_model_decodes_as_its_dequantised_twin(monkeypatch):
 def packed_launch(constants: dict, fmt: str, pdl: bool) -> dict:
     """``_gemv_kernel``'s launch with weights of ``fmt`` (bytes and scale bytes; "plain": the
     float weights of ``test_gemv_kernel``'s launch), aligned as a model's are (pointers at 16
-    bytes, widths multiples of 16), VEC as the launcher sets it."""
+    bytes, widths multiples of 16), VEC and BLOCKS as the launcher sets them."""
     from model.kernels import matvec
 
     elem = 2 if constants["BF16"] else 4
     extra = {} if fmt == "plain" else {"FMT": fmt, "SR": 32 if fmt == "fp8" else 1, "SC": 32,
-                                       "VEC": matvec.vector(constants["BLOCK_O"], constants["BLOCK_D"], 16, elem)}
+                                       "VEC": matvec.vector(constants["BLOCK_O"], constants["BLOCK_D"], 16, elem),
+                                       "BLOCKS": fmt == "fp8"}
     pointers = {} if fmt == "plain" else dict.fromkeys(("w_ptr", "w2_ptr", "s_ptr", "s2_ptr"), "*u8")
     launch = gemv_launch({"TWO": False, **constants, "PDL": pdl, **extra}, {"launch_pdl": True} if pdl else {},
                          pointers)
@@ -296,10 +315,11 @@ def test_packed_gemv_compiles_for_hopper_as_a_dependent_launch(fmt, tmp_path):
 @needs_compiler
 @pytest.mark.parametrize("bf16", [True, False])
 def test_packed_gemv_sums_in_the_plain_gemvs_order_on_hopper(bf16, tmp_path):
-    """Each reduction of a packed build (FP8, FP4) sums a tensor of the layout the plain
-    build's sums at the same tile: the same registers a thread, lanes and warps, so the same
-    order of sums and the same bits from the same values on the GPU too
-    (``gpu_compile_check.py``'s ``DSAGENT_REDUCE``, read off the TTGIR of sm_90 builds)."""
+    """Each reduction of an FP4 build sums a tensor of the layout the plain build's sums at the
+    same tile: the same registers a thread, lanes and warps, so the same order of sums and the
+    same bits from the same values on the GPU too (``gpu_compile_check.py``'s
+    ``DSAGENT_REDUCE``, read off the TTGIR of sm_90 builds). An FP8 build sums by 32-input
+    blocks first (``matvec._fp8_dot``): other layouts, built here too."""
     from gpu_compile_check import compile_apart
 
     launches = [packed_launch({**constants, "BF16": bf16}, fmt, pdl=False)
@@ -311,10 +331,10 @@ def test_packed_gemv_sums_in_the_plain_gemvs_order_on_hopper(bf16, tmp_path):
     for line in r.stdout.splitlines():
         if line.startswith("reduce "):
             built = json.loads(line.removeprefix("reduce "))
-            tile = {k: v for k, v in built["constants"].items() if k not in ("FMT", "SR", "SC", "VEC", "s_ptr", "s2_ptr")}
+            tile = {k: v for k, v in built["constants"].items() if k not in ("FMT", "SR", "SC", "VEC", "BLOCKS", "s_ptr", "s2_ptr")}
             by_tile.setdefault(json.dumps(tile, sort_keys=True), {})[built["constants"].get("FMT", "plain")] = \
                 built["layouts"]
     assert len(by_tile) == 2 * len(STEP_LAUNCHES)  # each also built as a dependent launch
     for tile, layouts in by_tile.items():
         assert set(layouts) == {"plain", *FORMATS} and layouts["plain"], tile
-        assert layouts["fp8"] == layouts["plain"] and layouts["fp4"] == layouts["plain"], (tile, layouts)
+        assert layouts["fp4"] == layouts["plain"] and layouts["fp8"] != layouts["plain"], (tile, layouts)

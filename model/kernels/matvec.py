@@ -27,14 +27,22 @@ tile it holds (the weight is read once whatever the batch). Inputs wider than
 a step.
 
 Packed weights (2026-12-04; ``model.kernels.Packed``, a checkpoint's FP8 e4m3 bytes with a
-ue8m0 scale per block, or FP4 e2m1 pairs with a ue8m0 scale per 1 x 32): ``FMT`` picks the
-tile's decode, in registers after the load (``_packed_tile``), to the fp32 values
-``Linear.dense_weight`` holds — exact, so the rest is the plain kernel's. The tile's shape is
-the plain one's for x's dtype and its loads are as wide a thread (``VEC``, :func:`vector`), so
-Triton lays the decoded tile out in the plain tile's registers and the row's sums run in the
-same order: the same bits as the plain kernel on the dequantised weight, where that weight
-is exact in x's dtype (fp32 always; bf16 at a weight's scales). The compile test reads this
-off the sm_90 builds (``tests/test_packed_gemv.py``). Not yet timed on a GPU.
+ue8m0 scale per block, or FP4 e2m1 pairs with a ue8m0 scale per 1 x 32), ``FMT`` picks the decode:
+
+- FP8 (``BLOCKS``, since 2026-12-05): the tile is held as its bytes and one scale byte per
+  32-input block (``_fp8_blocks``; the tile sized by its bytes, one a weight), asked for
+  before the wait and decoded after it; each block's products are summed, then times its
+  scale (a power of two: exact), then the blocks summed (``_fp8_dot``). On an H200
+  (2026-12-05, V4.1-Flash's FP8 shapes, one row, 20 copies cycled in a graph) 2.0-3.2x faster
+  than the dequantised tile below (``wq_b`` 65.0 -> 20.7 µs, ``wo_b`` 44.7 -> 17.4); a packed
+  `small` decode step 3.82 -> 3.35 ms at 4K (``bench_knobs``, ``FP8_BLOCKS``). Its sums run in
+  another order than the plain kernel's: the same values to rounding.
+- FP4 (and FP8 with ``FP8_BLOCKS`` off): the tile decoded in registers after the load
+  (``_packed_tile``) to the fp32 values ``Linear.dense_weight`` holds, the plain tile's shape
+  for x's dtype with loads as wide a thread (``VEC``, :func:`vector`), so that Triton lays it
+  out in the plain tile's registers and sums it in the same order (read off the sm_90 builds
+  by ``tests/test_packed_gemv.py``; bit for bit under the interpreter, yet not in fp32 on an
+  H200: the tests check it to rounding).
 
 Does not own: when it runs (``model.kernels.gemv_runs``), or which layers use it
 (``model.model``). Imported only when Triton is importable.
@@ -65,6 +73,11 @@ TILE_BYTES, GEMV_WARPS, MIN_PROGRAMS, BLOCK_D_MAX = 16384, 4, 128, 4096
 # (2026-12-04, 505a62b: the same asks made by riders, extra programs of the attention's or its merge's launch,
 # 0.999-1.42x of a step: not kept; the figures: docs/gpu-fast-path.md, "Tried and not kept")
 
+# FP8 weights decoded by 32-input blocks, each block's sum times its scale (``_fp8_dot``), rather than
+# dequantised whole into the plain tile: a knob for the step's own A/B (``bench_knobs``); off is the
+# plain tile's order of sums, the bits of the plain kernel on the dequantised weight
+FP8_BLOCKS = True
+
 # (2026-12-04, dc98548: a timing probe that left x's de-rotation out read 0.979 of a step; the merge now
 # de-rotates instead, ``fused.MERGE_TURNS_BACK``; the probe's code is gone, its figures in docs/gpu-fast-path.md)
 
@@ -77,7 +90,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
                  KEEP: tl.constexpr = False, cs_ptr=None, cpre_ptr=None, cy_ptr=None, cpost_ptr=None, ccomb_ptr=None,
                  COLLAPSE_IN: tl.constexpr = False, C_EXPAND: tl.constexpr = False, C_HC: tl.constexpr = 1,
                  PDL: tl.constexpr = False, s_ptr=None, s2_ptr=None, FMT: tl.constexpr = "plain",
-                 SR: tl.constexpr = 1, SC: tl.constexpr = 1, VEC: tl.constexpr = 1):
+                 SR: tl.constexpr = 1, SC: tl.constexpr = 1, VEC: tl.constexpr = 1, BLOCKS: tl.constexpr = False):
     """Program p: output rows [o0, o0 + BLOCK_O) of the first weight (p < P1) or of the
     second, for every row of x. Group g = rows // OG reads x's channels [g * DG, (g + 1) * DG);
     two weights come only without groups (DG == D), so both weights' tiles have one shape.
@@ -88,7 +101,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
     n % S). Each of these needs the whole input in one tile (BLOCK_D >= DG).
     COLLAPSE_IN (with NORM; ``model.kernels.Collapsed``): x is not in memory but an mHC site's
     input, made by each program from the site's streams ``cs`` (expanded by ``cy`` / ``cpost``
-    / ``ccomb`` with C_EXPAND) collapsed by ``cpre`` (``streams._collapsed``)."""
+    / ``ccomb`` with C_EXPAND) collapsed by ``cpre`` (``streams._collapsed``).
+    BLOCKS (FP8, scale blocks a whole number of 32 inputs wide): the tile held as its bytes and
+    one scale a 32-input block (``_fp8_blocks``), decoded after the wait, each block's products
+    summed before its scale multiplies them (``_fp8_dot``)."""
     p = tl.program_id(0)
     if TWO and p >= P1:
         w_at, out_at, o0, rows = w2_ptr, out2_ptr, (p - P1) * BLOCK_O, O2
@@ -111,7 +127,10 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
             s_at = s2_ptr
         else:
             s_at = s_ptr
-        w = _packed_tile(w_at, s_at, o, o_ok, 0, DG, BLOCK_D, FMT, SR, SC, VEC)
+        if BLOCKS:
+            q, qs = _fp8_blocks(w_at, s_at, o, o_ok, 0, DG, BLOCK_D, SR, SC)
+        else:
+            w = _packed_tile(w_at, s_at, o, o_ok, 0, DG, BLOCK_D, FMT, SR, SC, VEC)
     _chain(PDL)
     n = 0
     while n < N:
@@ -131,16 +150,23 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, w2_ptr, out2_ptr, N, O, O2, D, DG, OG, P
             cs = tl.load(cos_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
             sn = tl.load(sin_ptr + (n % S) * HALF + (hc - OFF) // 2, mask=rot, other=0.0)
             xs = _round(tl.where(rot, _turned(xs, partner, (hc - OFF) % 2 == 0, cs, sn), xs), BF16)
-        acc = tl.sum(w * xs[None, :], 1)
+        if BLOCKS:
+            acc = _fp8_dot(q, qs, xs, BLOCK_D)
+        else:
+            acc = tl.sum(w * xs[None, :], 1)
         d0 = BLOCK_D
         while d0 < DG:  # inputs wider than BLOCK_D_MAX: the rest in chunks
             dd = d0 + d
             xs = tl.load(x_at + n * D + dd, mask=dd < DG, other=0.0).to(tl.float32)
-            if FMT == "plain":
-                wd = tl.load(w_rows + dd[None, :], mask=o_ok[:, None] & (dd < DG)[None, :], other=0.0)
+            if BLOCKS:
+                qd, qsd = _fp8_blocks(w_at, s_at, o, o_ok, d0, DG, BLOCK_D, SR, SC)
+                acc += _fp8_dot(qd, qsd, xs, BLOCK_D)
             else:
-                wd = _packed_tile(w_at, s_at, o, o_ok, d0, DG, BLOCK_D, FMT, SR, SC, VEC)
-            acc += tl.sum(wd.to(tl.float32) * xs[None, :], 1)
+                if FMT == "plain":
+                    wd = tl.load(w_rows + dd[None, :], mask=o_ok[:, None] & (dd < DG)[None, :], other=0.0)
+                else:
+                    wd = _packed_tile(w_at, s_at, o, o_ok, d0, DG, BLOCK_D, FMT, SR, SC, VEC)
+                acc += tl.sum(wd.to(tl.float32) * xs[None, :], 1)
             d0 += BLOCK_D
         if ROPE_OUT:  # the output's pairs lie in one program: BLOCK_O is even
             e, od = tl.split(tl.reshape(_round(acc, BF16), [BLOCK_O // 2, 2]))
@@ -188,6 +214,33 @@ def _packed_tile(w_at, s_at, o, o_ok, d0, DG, BLOCK_D: tl.constexpr, FMT: tl.con
             sb = _ue8m0(tl.load(s_at + rows * tl.cdiv(DG, 32) + (jj // 16)[None, :], mask=ok, other=0,
                                 eviction_policy="evict_first").to(tl.int32))
             return tl.reshape(tl.join(_e2m1(code & 0xF) * sb, _e2m1(code >> 4) * sb), [rows.shape[0], BLOCK_D])
+
+
+@triton.jit
+def _fp8_blocks(w_at, s_at, o, o_ok, d0, DG, BLOCK_D: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
+    """Rows ``o`` x inputs [d0, d0 + BLOCK_D) of an FP8 weight as stored, by 32-input blocks:
+    the e4m3 bytes [BLOCK_O, BLOCK_D / 32, 32] and each block's ue8m0 byte [BLOCK_O, BLOCK_D /
+    32] (an SR x SC scale block, SC a multiple of 32, covers whole 32-input blocks); 0 outside."""
+    rows = o[:, None].to(tl.int64)
+    b = d0 // 32 + tl.arange(0, BLOCK_D // 32)
+    cols = b[:, None] * 32 + tl.arange(0, 32)[None, :]
+    q = tl.load(w_at + rows[:, :, None] * DG + cols[None, :, :], mask=o_ok[:, None, None] & (cols < DG)[None, :, :],
+                other=0, eviction_policy="evict_first")
+    s = tl.load(s_at + (rows // SR) * tl.cdiv(DG, SC) + (b * 32 // SC)[None, :], mask=o_ok[:, None] & (b * 32 < DG)[None, :],
+                other=0, eviction_policy="evict_first")
+    return q, s
+
+
+@triton.jit
+def _fp8_dot(q, s, xs, BLOCK_D: tl.constexpr):
+    """Each row's sum of weight x ``xs`` [BLOCK_D] over :func:`_fp8_blocks`' tile: a 32-input
+    block's e4m3 values times x summed, then times the block's scale (a power of two: exact),
+    then the blocks summed. One scale multiply a block where the dequantised tile took one an
+    input and a scale load an input (an H100, 2026-12-05: V4.1-Flash's FP8 GEMVs 2.0-3.4x
+    faster, docs/benchmarks.md); the sums run in another order than the plain kernel's."""
+    xg = tl.reshape(xs, [BLOCK_D // 32, 32])
+    v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.sum(tl.sum(v * xg[None, :, :], 2) * _ue8m0(s.to(tl.int32)), 1)
 
 
 def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whole: bool = False) -> tuple[int, int]:
@@ -238,8 +291,11 @@ def gemv(x: torch.Tensor, *weights, groups: int = 1, norm=None, rope_in=None,
     # one tile shape for both weights; a power of two dividing the group's rows; the output's
     # RoPE pairs in one program
     most = min(OG & -OG, *(s[0] for s in shapes))
-    block_o, block_d = tile(sum(s[0] for s in shapes) // len(shapes), DG, rows.element_size(), most,
+    blocks = FP8_BLOCKS and packed.get("FMT") == "fp8" and packed["SC"] % 32 == 0  # the tile as bytes: one a weight
+    block_o, block_d = tile(sum(s[0] for s in shapes) // len(shapes), DG, 1 if blocks else rows.element_size(), most,
                             least=2 if rope_out else 1, whole=bool(norm or rope_in))
+    if blocks:
+        block_d = max(block_d, 32)
     p1 = triton.cdiv(O, block_o)
     p2 = triton.cdiv(shapes[1][0], block_o) if len(ws) == 2 else 0
     bf16 = x.dtype == torch.bfloat16
@@ -258,6 +314,7 @@ def gemv(x: torch.Tensor, *weights, groups: int = 1, norm=None, rope_in=None,
         outs.append(torch.empty_like(rows))
     if packed:
         packed["VEC"] = vector(block_o, block_d, DG, rows.element_size())
+        packed["BLOCKS"] = blocks
     _gemv_kernel[(p1 + p2,)](rows, ws[0], view(outs[0]), w2, view(out2), N, O, shapes[-1][0], D, DG, OG,
                              p1, nw, eps, cos, sin, S, hd, hd - 2 * half, half, view(outs[-1]),
                              BLOCK_O=block_o, BLOCK_D=block_d, TWO=len(ws) == 2, BF16=bf16, NORM=norm is not None,
