@@ -1,10 +1,12 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
-        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,topk]  (gemv, compare: the
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,stages,topk]  (gemv, compare: the
         fast path against torch only; down: the MoE's down sum slot by slot against every slot at once,
-        then the latter's tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps)
+        then the latter's tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps;
+        stages: the up and down kernels' channel loops pipelined over 1-4 stages)
         [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them)
+        [--experts N] (at most N routed experts: `--preset v41-flash --experts 32` for its width)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
 ``.matvec``) is timed as a decode step runs it: 20 calls captured in one CUDA graph,
@@ -125,8 +127,13 @@ def main() -> None:
     p.add_argument("--only", default="attention,moe,indexer,mhc,site,grouped,gemv-sweep")
     p.add_argument("--fp4", action="store_true", help="the MoE kinds on a packed model's experts: FP4 routed, "
                                                       "FP8 shared")
+    p.add_argument("--experts", type=int, default=None,
+                   help="at most this many routed experts (a wide preset's 384 are ~27 GB of floats to make and pack; "
+                        "a decode step reads only its top-k of them)")
     a = p.parse_args()
     args = ModelArgs.preset(a.preset)
+    if a.experts:
+        args = args.replace(n_routed_experts=min(a.experts, args.n_routed_experts))
     with open(a.out, "a") as out:
         def emit(d):
             d = {"preset": a.preset, "batch": a.batch, **d}
@@ -231,7 +238,7 @@ def main() -> None:
                                            for o in matvec.gemv(xs, *ws, groups=gr)])
                 sweep(matvec, {"TILE_BYTES": [8192, 16384, 32768], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
                       cycled(matvec.gemv), emit, "gemv (a layer's six calls)", check=first)
-        if {"moe", "grouped", "compare", "down", "up"} & set(only):  # compare: the two MoE forms' times alone
+        if {"moe", "grouped", "compare", "down", "up", "stages"} & set(only):  # compare: the two forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE)
             if a.fp4:
                 tensors, config = fp4_experts(tensors, config)
@@ -268,6 +275,9 @@ def main() -> None:
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: a.fp4 or sweep(
                 moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-early", check=by_pair))
+        if "stages" in only:  # the channel loops software-pipelined (their next steps' loads issued early)
+            sweep(moe, {"UP_STAGES": [1, 2, 3, 4], "DOWN_STAGES": [1, 2, 3, 4]}, cycled_moe(3), emit, "moe-stages",
+                  check=by_pair)
         if "up" in only:  # the up kernel's rows whole (UP_EARLY: the shared expert's before the wait)
             sweep(moe, {"UP_EARLY": [False, True], "UP_EARLY_BLOCK_I": [1, 2, 4, 8], "UP_WARPS": [4, 8],
                         "UP_EARLY_TILE_BYTES": [16384, 65536]},

@@ -247,13 +247,15 @@ def fp4_launches() -> list[dict]:
     grouped = {"K": 6, "K_P2": 8, "BLOCK_N": 16, "BF16": True, "DOT": "tf32", **packed}
     return [
         *(moe_launch("_up_kernel", typed("_up_kernel", up_typed),
-                     {**by_pair, "BLOCK_I": bi, "BLOCK_D": bd, "CLAMP": True, "EARLY": early}, {**pdl, "num_warps": 4})
-          for early, bi, bd in ((True, 2, 2048), (False, 4, 256))),
+                     {**by_pair, "BLOCK_I": bi, "BLOCK_D": bd, "CLAMP": True, "EARLY": early, "STAGES": stages},
+                     {**pdl, "num_warps": 4})
+          for early, bi, bd, stages in ((True, 2, 2048, 1), (False, 4, 256, 1), (False, 4, 256, 3))),
         *(moe_launch("_down_slots_kernel", typed("_down_slots_kernel", down_typed),
-                     {**by_pair, "S_P2": 8, "BLOCK_O": bo, "BLOCK_I": bi, "OUT_BF16": True, "EARLY": early},
-                     {**pdl, "num_warps": warps})
-          for early, bo, bi, warps in ((True, 4, 1024, 8), (False, kmoe.SLOTS_FP4_BLOCK_O, kmoe.SLOTS_FP4_BLOCK_I,
-                                                          kmoe.SLOTS_FP4_WARPS))),
+                     {**by_pair, "S_P2": 8, "BLOCK_O": bo, "BLOCK_I": bi, "OUT_BF16": True, "EARLY": early,
+                      "STAGES": stages}, {**pdl, "num_warps": warps})
+          for early, bo, bi, warps, stages in (
+              (True, 4, 1024, 8, 1),
+              *((False, kmoe.SLOTS_FP4_BLOCK_O, kmoe.SLOTS_FP4_BLOCK_I, kmoe.SLOTS_FP4_WARPS, n) for n in (1, 3)))),
         moe_launch("_down_kernel", typed("_down_kernel", down_typed),
                    {**by_pair, "BLOCK_O": 4, "BLOCK_I": 512, "OUT_BF16": True}, {**pdl, "num_warps": 8}),
         moe_launch("_up_grouped_kernel", typed("_up_grouped_kernel", up_typed),
@@ -267,7 +269,8 @@ def fp4_launches() -> list[dict]:
                     reason="needs Triton installed; on a GPU the kernels themselves run in the tests above")
 def test_fp4_moe_kernels_compile_for_hopper(tmp_path):
     """Triton's GPU compiler for sm_90 on the CPU: the FP4 forms of the up and down kernels by
-    pair (early and looped) and grouped, whose both branches (a routed slot's FP4, the shared
+    pair (early and looped, the loops also software-pipelined over 3 stages: ``UP_STAGES``,
+    ``DOWN_STAGES``) and grouped, whose both branches (a routed slot's FP4, the shared
     expert's FP8) the interpreter never types together."""
     r = compile_for_hopper(fp4_launches(), tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

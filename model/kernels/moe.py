@@ -83,6 +83,10 @@ SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # warps 49.1, 8 x 256 x 4 45.2; the early form, each row's whole width a load, 42.9 at 1 row x 4 warps, but
 # its tile grows with I: 8 x 4,096 values a program at `v41-flash`)
 SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
+# the stages of the up kernel's channel loop and the down sum's (Triton's software pipelining,
+# ``tl.range(num_stages=)``: the next steps' loads issued while this one's are summed), where a
+# program walks its rows in steps (V4.1-Flash's width: 20 steps of 256 channels an up program)
+UP_STAGES, DOWN_STAGES = 1, 1
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
 # as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
@@ -293,7 +297,8 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
                K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
                CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
                w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None, FMT: tl.constexpr = "plain",
-               S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
+               S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
+               STAGES: tl.constexpr = 1):
     """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. EARLY
     (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
     before the dependent launch's wait — a routed slot's expert is known only after it.
@@ -347,7 +352,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             b_ptr = s3_ptr
         acc1 = tl.zeros([BLOCK_I], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_I], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
+        for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
             d = d0 + tl.arange(0, BLOCK_D)
             d_ok = d < D
             x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
@@ -411,7 +416,8 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
                        PDL: tl.constexpr = False, w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain",
-                       S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
+                       S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
+                       STAGES: tl.constexpr = 1):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
@@ -450,7 +456,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
             _chain(PDL)
             acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, 0, I, BLOCK_I, BF16)
     else:
-        for i0 in range(0, I, BLOCK_I):
+        for i0 in tl.range(0, I, BLOCK_I, num_stages=STAGES):
             i = i0 + tl.arange(0, BLOCK_I)
             hm = live[:, None] & (i < I)[None, :]
             cols = rows[:, :, None] * I + i[None, None, :]  # [S, BLOCK_O, BLOCK_I]
@@ -653,7 +659,7 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
     _down_slots_kernel[(N, triton.cdiv(D, block_o))](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
         K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=early, num_warps=warps, **unfused(), **chained(h), **packed)
+        EARLY=early, STAGES=DOWN_STAGES, num_warps=warps, **unfused(), **chained(h), **packed)
     return out
 
 
@@ -766,7 +772,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
-            num_warps=UP_WARPS, **chained(x), **up)
+            STAGES=UP_STAGES, num_warps=UP_WARPS, **chained(x), **up)
         if DOWN_SLOTS:
             return down_slots(h, w2, s2, chosen, out, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
