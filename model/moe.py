@@ -69,10 +69,10 @@ class Expert(nn.Module):
     def __init__(self, dim: int, inter: int, limit: float, world: World = ALONE):
         super().__init__()
         self.limit = limit
-        split = None if world.size == 1 else "column"
-        self.w1 = Linear(dim, inter, split=split, world=world)
-        self.w2 = Linear(inter, dim, split=None if world.size == 1 else "row", world=world, sums=False)
-        self.w3 = Linear(dim, inter, split=split, world=world)
+        columns, rows = (None, None) if world.size == 1 else ("column", "row")
+        self.w1 = Linear(dim, inter, split=columns, world=world)
+        self.w2 = Linear(inter, dim, split=rows, world=world, sums=False)
+        self.w3 = Linear(dim, inter, split=columns, world=world)
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         y = swiglu(self.w1(x), self.w3(x), self.limit)

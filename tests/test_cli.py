@@ -377,6 +377,26 @@ def test_bench_decode_host_sets_the_host_beside_the_step():
     assert out["host_over_step"] == pytest.approx(out["host_issue_ms"] / out["step_ms"])
 
 
+def test_bench_decode_tables_times_both_placements_of_the_engram_tables(monkeypatch):
+    """``--tables``: a step and a step's gather with the Engram tables on the device and in host
+    memory (the same memory on the CPU: two timings, no bound on their ratio here); refused
+    over several ranks and, by name, for a model without Engram layers."""
+    from model.args import ModelArgs
+
+    r = invoke("bench", "decode", "--tables", "--preset", "tiny", "--ctx", "32", "--json")
+    assert r.exit_code == 0, r.output
+    out = json.loads(r.stdout)
+    assert out["bench"] == "engram" and out["ctx"] == 32 and out["tables"] == len(ModelArgs.preset("tiny").engram_layer_ids)
+    assert min(out["step_ms_device"], out["step_ms_host"], out["gather_us_device"], out["gather_us_host"]) > 0
+    assert out["step_host_over_device"] == pytest.approx(out["step_ms_host"] / out["step_ms_device"])
+    assert invoke("bench", "decode", "--tables", "--gpus", "2", "--preset", "tiny").exit_code == 2
+    import model.bench
+
+    monkeypatch.setattr(model.bench, "bench_engram", lambda m, ctx: {})  # what it gives a model without Engram
+    r = invoke("bench", "decode", "--tables", "--preset", "tiny", "--ctx", "32")
+    assert r.exit_code == 2 and "no Engram layers" in r.output
+
+
 def test_bench_decode_profile_counts_what_a_step_launches(monkeypatch):
     monkeypatch.delenv("DSAGENT_PDL", raising=False)
     r = invoke("bench", "decode", "--profile", "--preset", "tiny", "--ctx", "32", "--json")

@@ -172,6 +172,9 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
                                                                   "step's span, not its busy time)."),
            host: bool = typer.Option(False, "--host", help="The host's time to issue a step beside the step's "
                                                            "time: near 1, the device waits on Python."),
+           tables: bool = typer.Option(False, "--tables", help="The Engram tables on the device and in host memory "
+                                                               "side by side: each placement's step time and its "
+                                                               "gather of a step's rows."),
            batch: int = typer.Option(1, "--batch", min=1, help="Rows of each --paths or --profile step (the MoE "
                                                                 "paths differ most at batch 16)."),
            gpus: int = typer.Option(1, "--gpus", min=1, metavar="N",
@@ -180,13 +183,22 @@ def decode(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: in
            weights: str = WEIGHTS, layers: Optional[int] = LAYERS, engram_rows: Optional[int] = ENGRAM_ROWS) -> None:
     """Decode step time at a short context and at --ctx (sparse attention keeps it flat)."""
     with guarded():
-        if gpus > 1 and (speculative or paths or profiled or host):
-            raise FlagError("--gpus N > 1 times the plain step only: leave out --speculative, --paths, --profile "
-                            "and --host")
+        if gpus > 1 and (speculative or paths or profiled or host or tables):
+            raise FlagError("--gpus N > 1 times the plain step only: leave out --speculative, --paths, --profile, "
+                            "--host and --tables")
         with _runtime(model, preset, device, gpus, (weights, layers, engram_rows)) as rt:
             if speculative and preset is None:
                 return _emit(_speculative_replies(rt, cases, temperature), as_json)
+            if tables:
+                return _emit(_tables(rt.model, ctx), as_json)
             _decode(rt.model, ctx, as_json, speculative, paths, profiled, chained, host, batch)
+
+
+def _tables(m, ctx: int) -> dict:
+    out = _measure().bench_engram(m, ctx)
+    if not out:
+        raise FlagError("--tables: this model has no Engram layers")
+    return out
 
 
 def _speculative_replies(rt: Runtime, cases: int, temperature: float = 0.0) -> dict:
