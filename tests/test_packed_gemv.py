@@ -98,6 +98,30 @@ def test_a_last_projection_on_packed_weights_is_the_dense_ones(fmt, dtype):
 
 @needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
+def test_fp8_off_its_blocks_takes_the_dequantised_tile(dtype, monkeypatch):
+    """``matvec.FP8_BLOCKS`` off (the step's A/B knob): an FP8 weight decoded whole into the
+    plain tile, as FP4 is; the same values to rounding, and to rounding the blocks' form."""
+    from model.kernels import matvec
+
+    launched, real = [], matvec._gemv_kernel
+
+    class Seen:  # the kernel, each launch's BLOCKS noted
+        def __getitem__(self, grid):
+            return lambda *a, **k: launched.append(k.get("BLOCKS")) or real[grid](*a, **k)
+
+    monkeypatch.setattr(matvec, "_gemv_kernel", Seen())
+    x, layer = rows(2, 320, seed=5, dtype=dtype), packed(37, 320, "fp8", seed=6)
+    blocks = matvec.gemv(x, layer.gemv_weight())[0]
+    monkeypatch.setattr(matvec, "FP8_BLOCKS", False)
+    same_as_dense(x, [layer])
+    whole = matvec.gemv(x, layer.gemv_weight())[0]
+    assert launched[0] is True and launched[-1] is False
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -7
+    torch.testing.assert_close(whole.float(), blocks.float(), rtol=rtol, atol=rtol * blocks.float().abs().max().item())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_query_and_latent_projections_in_one_launch(fmt, dtype):
     """``wq_a`` and ``wkv`` (the tiny preset's 64 and 512 rows of 128 inputs) in one launch at
