@@ -152,6 +152,7 @@ def follow_as(world: World, settings: Settings) -> None:
     settings = replace(settings, device=rank_device(settings.device, world.rank))
     runtime = Runtime.load(settings, world=world)
     follow(runtime.engine, world)
+    runtime.model.derived.clear()  # its graphs gone before the world closes (``Runtime.close``)
 
 
 def _follower(rank: int, n: int, init_method: str, settings: Settings, timeout_s: float, failures,

@@ -102,10 +102,13 @@ class Runtime:
         return cls(model, tokenizer, engine, fingerprint(model, source, settings.seed), source, ranks)
 
     def close(self) -> None:
-        """The other ranks, if any, leave (each at most once)."""
+        """The other ranks, if any, leave (each at most once). The model's captured decode
+        graphs go first: a graph holding NCCL collectives can keep the process group from
+        being destroyed (a known PyTorch behaviour, torch issue 115388)."""
         from model.lockstep import Leader
 
         if self.ranks is not None:
+            self.model.derived.clear()
             self.ranks.close(self.engine)
         elif isinstance(self.engine, Leader):
             self.engine.close()
