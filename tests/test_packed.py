@@ -95,7 +95,13 @@ def test_a_packed_model_decodes_through_the_engine(written):
         engine.prefill(state, torch.randint(3, 1000, (1, 70), generator=torch.Generator().manual_seed(1)))
         token = state.last_logits.argmax(-1)
         outs.append([engine.decode(state, token).clone() for _ in range(3)])
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
+    from model import kernels
+
+    if kernels.enabled(outs[0][0]):  # the packed layers on their kernels (the interpreter's): sums in another order
+        for a, b in zip(*outs):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    else:  # both on the twins: the dequantised weights' bits
+        assert all(torch.equal(a, b) for a, b in zip(*outs))
 
 
 def test_packed_weights_take_the_fused_steps_twins(written, monkeypatch):
