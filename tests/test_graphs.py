@@ -14,6 +14,7 @@ import torch
 from model import decode_step, graphs, kernels
 from model.args import ModelArgs
 from model.engine import Engine
+from model.linear import ALONE, World
 from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
 
 SMALL = dict(sliding_window=16, index_topk=8, candidate_topk_blocks=3, candidate_block_size=2)
@@ -70,8 +71,11 @@ def _fused_anywhere(monkeypatch):
     monkeypatch.setattr(decode_step, "takes_fused", decode_step.is_decode_step)
 
 
-def _tiny(device="cpu", dtype=torch.float32):
-    model = build(ModelArgs.preset("tiny").replace(**SMALL), seed=1, device=device, dtype=dtype).eval()
+def _tiny(device="cpu", dtype=torch.float32, weights: str = "plain", world: World = ALONE):
+    """The tiny preset, seeded, with a short window and top-k (every layer kind within 90 tokens);
+    ``world``: its part of it on those ranks."""
+    model = build(ModelArgs.preset("tiny").replace(**SMALL), seed=1, device=device, dtype=dtype, weights=weights,
+                  world=world).eval()
     bind_tokenizer(model, BUNDLED_TOKENIZER)
     return model
 
@@ -121,15 +125,15 @@ def test_graphs_only_for_one_token_cuda_steps():
 
 
 def _greedy_logits(model, ids, steps: int = 6) -> torch.Tensor:
-    """[steps, B, vocab]: the logits of ``steps`` greedy decode steps (CUDA) after a CED prefill
-    of ``ids`` [B, n]."""
+    """[steps, B, vocab]: the logits of ``steps`` greedy decode steps after a CED prefill of
+    ``ids`` [B, n] (on their device)."""
     engine = Engine(model, mode="ced", chunk=40)
     state = engine.new_state(batch=ids.shape[0])
     engine.prefill(state, ids)
     token, logits = state.last_logits.argmax(-1), []
     for _ in range(steps):
         logits.append(engine.decode(state, token).float().cpu())
-        token = logits[-1].argmax(-1).cuda()
+        token = logits[-1].argmax(-1).to(ids.device)
     return torch.stack(logits)
 
 

@@ -175,33 +175,6 @@ def test_a_table_splits_by_rows_unevenly_and_gives_the_same_bits(tmp_path):
         Table(5, 32, world=World(3, 4))
 
 
-def _tiny_model(world: World, device: str, dtype: torch.dtype, weights: str = "plain"):
-    """The tiny preset, seeded, with a short window and top-k (every layer kind within 90
-    tokens, as ``test_graphs`` takes it), on ``world``."""
-    from model.loading import BUNDLED_TOKENIZER, bind_tokenizer, build
-
-    args = ModelArgs.preset("tiny").replace(sliding_window=16, index_topk=8, candidate_topk_blocks=3,
-                                            candidate_block_size=2)
-    model = build(args, seed=1, device=device, dtype=dtype, weights=weights, world=world).eval()
-    bind_tokenizer(model, BUNDLED_TOKENIZER)
-    return model
-
-
-def _decode_logits(model, ids: torch.Tensor, steps: int = 6) -> torch.Tensor:
-    """[steps, vocab]: the logits of ``steps`` greedy decode steps after a CED prefill of ``ids``."""
-    from model.engine import Engine
-
-    engine = Engine(model, mode="ced", chunk=40)
-    state = engine.new_state()
-    with torch.no_grad():
-        engine.prefill(state, ids)
-        token, logits = state.last_logits.argmax(-1), []
-        for _ in range(steps):
-            logits.append(engine.decode(state, token).float().cpu()[0])
-            token = logits[-1].argmax(-1, keepdim=True).to(ids.device)
-    return torch.stack(logits)
-
-
 def _counted_all_reduces() -> list[bool]:
     """Wraps ``torch.distributed.all_reduce`` in this process: each call appends whether a
     CUDA graph was being captured on the current stream."""
@@ -220,20 +193,21 @@ def _group_of_one(world: World, device: str, results) -> None:
     import os
 
     from model import decode_step
+    from tests.test_graphs import _greedy_logits, _tiny
 
     torch.set_num_threads(1)
     calls = _counted_all_reduces()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     ids = torch.randint(3, 1000, (1, 90), generator=torch.Generator().manual_seed(0)).to(device)
     for weights in ("plain", "packed"):
-        model = _tiny_model(world, device, dtype, weights)
+        model = _tiny(device, dtype, weights, world)
         for flag in ("1", "0"):
             os.environ["DSAGENT_GRAPHS"] = flag
-            results[weights, flag] = _decode_logits(model, ids)
+            results[weights, flag] = _greedy_logits(model, ids)
         results[weights, "graphs"] = len(decode_step.graphs_of(model))
         del model
         os.environ["DSAGENT_GRAPHS"] = "0"
-        results[weights, "alone"] = _decode_logits(_tiny_model(World(), device, dtype, weights), ids)
+        results[weights, "alone"] = _greedy_logits(_tiny(device, dtype, weights), ids)
     results["calls"], results["captured"] = len(calls), sum(calls)
     results["captures"] = decode_step.captures_collectives(world)
 

@@ -235,9 +235,9 @@ def _fp8_blocks(w_at, s_at, o, o_ok, d0, DG, BLOCK_D: tl.constexpr, SR: tl.const
 def _fp8_dot(q, s, xs, BLOCK_D: tl.constexpr):
     """Each row's sum of weight x ``xs`` [BLOCK_D] over :func:`_fp8_blocks`' tile: a 32-input
     block's e4m3 values times x summed, then times the block's scale (a power of two: exact),
-    then the blocks summed. One scale multiply a block where the dequantised tile took one an
-    input and a scale load an input (an H100, 2026-12-05: V4.1-Flash's FP8 GEMVs 2.0-3.4x
-    faster, docs/benchmarks.md); the sums run in another order than the plain kernel's."""
+    then the blocks summed: one scale multiply a block where the dequantised tile took one an
+    input and a scale load an input (the module's note has the figures); the sums run in
+    another order than the plain kernel's."""
     xg = tl.reshape(xs, [BLOCK_D // 32, 32])
     v = q.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     return tl.sum(tl.sum(v * xg[None, :, :], 2) * _ue8m0(s.to(tl.int32)), 1)
