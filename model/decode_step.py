@@ -520,10 +520,10 @@ def _candidate_rows_at(scores: torch.Tensor, pos: torch.Tensor, *, ratio: int, t
 
 def moe_runs_fused(moe: MoE, x: torch.Tensor) -> bool:
     """Whether text tokens ``x`` [N, D] run through ``kernels.moe_decode``: stacked,
-    unparametrized weights (floats, or FP4 as stored with a shared expert the kernels decode),
-    every expert on this rank (the kernels route over all of them and sum no ranks), and
-    ``kernels.moe_decode_runs``."""
-    return (moe.grouped.w1.weight is not None and not moe.grouped.split and not moe.parametrized()
+    unparametrized weights (floats, or FP4 as stored with a shared expert the kernels decode)
+    and ``kernels.moe_decode_runs``. Over several ranks the kernels compute this rank's part
+    (its range of the experts, its share of the shared expert), summed as ``MoE`` sums it."""
+    return (moe.grouped.w1.weight is not None and not moe.parametrized()
             and _shared_decodable(moe) and kernels.moe_decode_runs(x))
 
 
@@ -558,15 +558,18 @@ def _moe_torch(moe: MoE, flat, image_mask, norm) -> torch.Tensor:
 
 def _moe_fused(moe: MoE, flat: torch.Tensor, norm=None):
     """``kernels.moe_decode`` (routed sum + shared, in the tokens' dtype, rounded from fp32 by
-    the kernel), or None if its kernels cannot be built here."""
-    g, a, shared = moe.gate, moe.gate.args, moe.shared_experts
+    the kernel; over several ranks this rank's fp32 part, summed over them, then rounded, as
+    ``MoE.routed_and_shared`` does), or None if its kernels cannot be built here."""
+    g, a, shared, world = moe.gate, moe.gate.args, moe.shared_experts, moe.world
     routed = (moe.grouped.w1, moe.grouped.w3, moe.grouped.w2)
     scales = None if moe.grouped.fmt == "plain" else tuple(r.scale for r in routed)  # FP4: bytes and scales
-    return kernels.moe_decode(flat, g.weight, g.bias, *(r.weight for r in routed),
-                              shared.w1.gemv_weight(), shared.w3.gemv_weight(), shared.w2.gemv_weight(),
-                              top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
-                              scale=a.routed_scaling_factor, limit=shared.limit, out_dtype=flat.dtype,
-                              x_norm=norm, scales=scales)
+    y = kernels.moe_decode(flat, g.weight, g.bias, *(r.weight for r in routed),
+                           shared.w1.gemv_weight(), shared.w3.gemv_weight(), shared.w2.gemv_weight(),
+                           top_k=g.top_k, scoring=a.scoring_func, temp=a.gate_temp, norm=a.norm_topk_prob,
+                           scale=a.routed_scaling_factor, limit=shared.limit,
+                           out_dtype=torch.float32 if world.joined else flat.dtype,
+                           x_norm=norm, scales=scales, first=moe.grouped.first)
+    return y if y is None or not world.joined else world.sum(y).to(flat.dtype)
 
 
 # ----------------------------------------------------------------------------- segmented graphs

@@ -16,6 +16,7 @@ each expert's rows with the same mm as the loop, bit for bit on this CPU; the to
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -25,12 +26,12 @@ import model.moe as moe_module
 from model import decode_step as ds
 from model.args import ModelArgs
 from model.linear import Linear, World
-from model.loading import build
+from model.loading import build, local_state
 from model.moe import MoE
 from tests.hopper import compile_for_hopper
 from tests.interpreted import interpretable
 from tests.test_moe_grouped import TOL, Calls, HostReads, assert_close
-from tests.test_moe_kernel import moe_launch, use_form
+from tests.test_moe_kernel import decode_call, moe_launch, torch_path, use_form
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"
@@ -211,12 +212,103 @@ def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weig
         assert torch.equal(got, want)
 
 
+def packed_parts(dtype: torch.dtype, size: int, seed: int = 0) -> tuple[MoE, list[MoE]]:
+    """A whole packed MoE (:func:`packed_moe`) and the parts its ``size`` ranks hold of it
+    (``model.loading.local_state``: a range of the experts' stored bytes, a share of the shared
+    expert's FP8 rows / columns and their scales), each part's sums left to the caller (its
+    ``world`` one process alone: the part's own output, not the ranks' sum)."""
+    whole = packed_moe(dtype, seed)
+    parts = []
+    for rank in range(size):
+        part = packed_moe(dtype, seed, world=World(rank, size))
+        part.args = TINY  # local_state reads a model's config (its heads' sinks: none here)
+        part.load_state_dict(local_state(part, whole.state_dict()))
+        part.world = World()
+        parts.append(part)
+    return whole, parts
+
+
+# every form in both dtypes over 2 and 4 ranks on a GPU; three of them under the interpreter (~50 s each)
+PART_CASES = [pytest.param(*case, id=f"{case[0]}-ranks-{str(case[1])[6:]}-{case[2]}") for case in (
+    itertools.product([2, 4], [torch.float32, torch.bfloat16], FORMS) if ON_CUDA else
+    [(4, torch.float32, "by-pair-early"), (2, torch.bfloat16, "by-pair"), (4, torch.bfloat16, "by-expert")])]
+
+
 @needs_triton
-def test_the_fused_moe_leaves_a_ranks_split_experts_to_the_twin():
-    """Over several ranks the kernels, which route over every expert and sum no ranks, do not run."""
-    part = packed_moe(torch.float32, world=World(1, 4))
+@pytest.mark.parametrize("size,dtype,form", PART_CASES)
+def test_a_ranks_fused_moe_is_its_part_and_the_parts_sum_to_the_whole(size, dtype, form, monkeypatch):
+    """Each rank of an expert-parallel MoE runs the fused kernels on its range of the FP4
+    experts (``first``; a slot routed to another rank's expert adds nothing) and its share of
+    the FP8 shared expert (4 ranks: 32 of its 128 channels, one scale block): its decode step
+    is its torch path's output (the grouped twin on its stacks, its shared part) to the kernel
+    tests' tolerance, and the ranks' fp32 parts add up to the whole MoE's kernels — exactly
+    the same routed products, the shared expert's rounded in parts (fp32: ~1e-6; bf16: a bf16
+    step of it). Tokens that pick experts of every rank."""
+    interpretable(monkeypatch)
+    use_form(form, monkeypatch)
+    whole, parts = packed_parts(dtype, size, seed=7)
+    x = (torch.randn(5, TINY.hidden_size, generator=torch.Generator().manual_seed(8)) * 3).to(DEVICE, dtype)
     with torch.no_grad():
-        assert not ds.moe_runs_fused(part, torch.zeros(1, TINY.hidden_size, device=DEVICE))
+        chosen = whole.gate(x, None)[1]
+    assert {int(e) * size // TINY.n_routed_experts for e in chosen.flatten()} == set(range(size))
+    tol = TOL[torch.float32] * 10 if dtype == torch.float32 else 2 ** -6
+    total = torch.zeros(x.shape, dtype=torch.float32, device=DEVICE)
+    with torch.no_grad():
+        for rank, part in enumerate(parts):
+            assert part.grouped.first == rank * TINY.n_routed_experts // size and part.grouped.split
+            assert part.shared_experts.w1.weight.shape[0] == TINY.moe_intermediate_size // size
+            assert ds.moe_runs_fused(part, x)
+            assert_close(ds.moe_step(part, x), torch_path(part, x), tol)
+            total += decode_call(part, x, first=part.grouped.first)
+        assert not kernels._FAILED  # no fallback to the twin
+        assert_close(total, decode_call(whole, x), TOL[torch.float32] * 10 if dtype == torch.float32 else 2 ** -7)
+
+
+def _expert_parallel_rank(world: World, dtype: torch.dtype, x: torch.Tensor, results) -> None:
+    """One rank of a gloo world: its part of the packed MoE, summed over the world as a decode
+    step sums it, through the fused kernels (the interpreter's form without channel loops) and
+    through its torch path."""
+    from model.kernels import moe as kmoe
+
+    torch.set_num_threads(1)
+    kmoe.GATE_EARLY = kmoe.UP_EARLY = kmoe.DOWN_EARLY = True
+    part = packed_parts(dtype, world.size, seed=9)[1][world.rank]
+    part.world = world
+    calls, real = [], kernels.moe_decode
+    kernels.moe_decode = lambda *a, **k: calls.append(k["first"]) or real(*a, **k)
+    with torch.no_grad():
+        assert ds.moe_runs_fused(part, x)
+        fused = ds.moe_step(part, x)
+        results[world.rank] = (fused, torch_path(part, x), calls, dict(kernels._FAILED))
+
+
+@pytest.mark.skipif(ON_CUDA or not kernels.triton_available(),
+                    reason="Triton's interpreter, in processes of a gloo world (on a GPU: the test above)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_expert_parallel_decode_steps_sum_the_fused_parts_over_the_world(dtype, tmp_path):
+    """Two gloo processes, each its half of the experts and of the shared expert's channels:
+    ``moe_step`` runs the fused kernels on its part (fp32), adds the parts over the world and
+    rounds once — the MoE's torch path over the same world, and the whole MoE in one process,
+    to the kernel tests' tolerance, on every rank."""
+    import torch.multiprocessing as mp
+
+    from model.distributed import run_ranks
+
+    x = (torch.randn(3, TINY.hidden_size, generator=torch.Generator().manual_seed(10)) * 3).to(dtype)
+    with mp.Manager() as manager:
+        results = manager.dict()
+        run_ranks(_expert_parallel_rank, 2, dtype, x, results, init_method=f"file://{tmp_path / 'rendezvous'}",
+                  timeout_s=600)
+        got = dict(results)
+    whole = torch_path(packed_moe(dtype, seed=9), x)
+    tol = TOL[torch.float32] * 10 if dtype == torch.float32 else 2 ** -6
+    for rank in (0, 1):
+        fused, twin, calls, failed = got[rank]
+        assert calls == [rank * TINY.n_routed_experts // 2] and not failed
+        assert fused.dtype == dtype and fused.shape == x.shape
+        assert_close(fused, twin, tol)
+        assert_close(fused, whole, tol)
+    assert torch.equal(got[0][0], got[1][0])  # one all-reduce: every rank the same bits
 
 
 # ----------------------------------------------------------------------------- builds for the H200
@@ -228,10 +320,10 @@ def fp4_launches() -> list[dict]:
     packed = {"FMT": "fp4", "S_FMT": "fp8", "SR": 32, "SC": 32, "PDL": True}
     up_typed = {**dict.fromkeys(("w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr", "w1_sc", "w3_sc", "s1_sc", "s3_sc"), u8),
                 "x_ptr": "*bf16", "wsel_ptr": "*fp32", "isel_ptr": "*i64", "h_ptr": "*i16", "limit": "fp32",
-                **dict.fromkeys(("N", "NK", "D", "I"), "i32")}
+                **dict.fromkeys(("N", "NK", "D", "I", "SI"), "i32")}
     down_typed = {**dict.fromkeys(("w2_ptr", "s2_ptr", "w2_sc", "s2_sc"), u8), "h_ptr": "*i16", "isel_ptr": "*i64",
                   "wsel_ptr": "*fp32", "out_ptr": "*i16", "part_ptr": "*fp32",
-                  **dict.fromkeys(("N", "NK", "D", "I"), "i32")}
+                  **dict.fromkeys(("N", "NK", "D", "I", "SI"), "i32")}
 
     def typed(name: str, types: dict) -> dict:
         import inspect

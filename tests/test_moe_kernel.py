@@ -63,12 +63,15 @@ CASES = (list(itertools.product([torch.float32, torch.bfloat16], ["sqrtsoftplus"
 
 
 def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
-    """``kernels.moe_decode`` on ``moe``'s own weights, as ``decode_step._moe_fused`` calls it."""
+    """``kernels.moe_decode`` on ``moe``'s own weights (FP4 stacks with their scales, a packed
+    shared expert as its GEMV reads it), as ``decode_step._moe_fused`` calls it."""
     g, shared = moe.gate, moe.shared_experts
-    weights = (x, g.weight, g.bias, moe.grouped.w1.weight, moe.grouped.w3.weight, moe.grouped.w2.weight,
-               shared.w1.weight, shared.w3.weight, shared.w2.weight)
+    routed = (moe.grouped.w1, moe.grouped.w3, moe.grouped.w2)
+    weights = (x, g.weight, g.bias, *(r.weight for r in routed),
+               *(getattr(shared, name).gemv_weight() for name in ("w1", "w3", "w2")))
     config = dict(top_k=g.top_k, scoring=g.args.scoring_func, temp=g.args.gate_temp, norm=g.args.norm_topk_prob,
-                  scale=g.args.routed_scaling_factor, limit=shared.limit)
+                  scale=g.args.routed_scaling_factor, limit=shared.limit,
+                  scales=None if moe.grouped.fmt == "plain" else tuple(r.scale for r in routed))
     with torch.no_grad():
         return kernels.moe_decode(*weights, **config, **kw)
 
@@ -297,7 +300,7 @@ def test_down_slots_kernel_compiles_for_hopper(early, block_i, bf16, tmp_path):
     and was refused in bf16."""
     f, h = ("*bf16", "*i16") if bf16 else ("*fp32", "*fp32")
     typed = {"h_ptr": h, "w2_ptr": f, "s2_ptr": f, "isel_ptr": "*i64", "out_ptr": h,
-             **dict.fromkeys(("NK", "D", "I"), "i32")}
+             **dict.fromkeys(("NK", "D", "I", "SI"), "i32")}
     constants = {"K": 6, "S_P2": 8, "BLOCK_O": 4, "BLOCK_I": block_i, "BF16": bf16, "OUT_BF16": bf16, "EARLY": early,
                  "PDL": True}
     r = compile_for_hopper([moe_launch("_down_slots_kernel", typed, constants,
@@ -313,7 +316,7 @@ def test_up_kernel_compiles_for_hopper(early, block_i, block_d, tmp_path):
     launch, both forms: ``UP_EARLY``'s whole rows (the shared expert's loaded before the wait,
     in one branch of the program, a routed slot's after it, in the other) and the looped one."""
     typed = {**dict.fromkeys(("x_ptr", "w1_ptr", "w3_ptr", "s1_ptr", "s3_ptr"), "*bf16"), "wsel_ptr": "*fp32",
-             "isel_ptr": "*i64", "h_ptr": "*i16", **dict.fromkeys(("NK", "D", "I"), "i32"), "limit": "fp32"}
+             "isel_ptr": "*i64", "h_ptr": "*i16", **dict.fromkeys(("NK", "D", "I", "SI"), "i32"), "limit": "fp32"}
     constants = {"K": 6, "BLOCK_I": block_i, "BLOCK_D": block_d, "BF16": True, "CLAMP": True, "EARLY": early,
                  "PDL": True}
     r = compile_for_hopper([moe_launch("_up_kernel", typed, constants, {"launch_pdl": True, "num_warps": 4})],

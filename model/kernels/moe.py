@@ -30,6 +30,11 @@ bytes and scales and decoded in registers (``_fp4_tile``, each row's bytes one w
 ``_weight_at`` for the FP8) to the tile the plain kernels load, then computed alike
 (``moe_decode``'s ``scales``).
 
+One rank of an expert-parallel MoE (``moe_decode``'s ``first``) holds a range of the experts
+and a share of the shared expert's intermediate channels (SI of I): the gate still routes over
+every expert and writes each choice as its place in the rank's stack, -1 for another rank's,
+which the expert kernels read no weight for and count zero; the output is the rank's part.
+
 Not bit-exact with torch: dot products reduce in another order (and torch's top-k breaks
 exact ties its own way), so outputs agree to rounding and the choice of experts only differs
 on near-ties. Weight reads are the GEMVs' whole cost at decode sizes; each program streams
@@ -176,21 +181,26 @@ def _fp4_tile_t(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
 
 @triton.jit
 def _expert_tile(routed, w_ptr, w_sc, s_ptr, s_sc, e, O, r, r_ok, c0, IN, BLOCK: tl.constexpr, S_FMT: tl.constexpr,
-                 SR: tl.constexpr, SC: tl.constexpr, T: tl.constexpr = False):
+                 SR: tl.constexpr, SC: tl.constexpr, T: tl.constexpr = False, S_IN=None):
     """Rows ``r`` x inputs [c0, c0 + BLOCK) as fp32 [len(r), BLOCK] (0 outside) of routed
     expert e's FP4 weight [O, IN] in its stack or, where not ``routed``, of the shared
-    expert's (S_FMT, SR x SC scales); with T its transpose [BLOCK, len(r)]."""
+    expert's (S_FMT, SR x SC scales; S_IN inputs a row where given, else IN); with T its
+    transpose [BLOCK, len(r)]."""
+    if S_IN is None:
+        S_IN = IN
     c = c0 + tl.arange(0, BLOCK)
     if T:
         if routed:
             w = _fp4_tile_t(w_ptr, w_sc, e.to(tl.int64) * O + r[None, :], r_ok[None, :], c0, IN, BLOCK)
         else:
-            w = _weight_at(s_ptr, s_sc, r[None, :], c[:, None], r_ok[None, :] & (c < IN)[:, None], IN, S_FMT, SR, SC)
+            w = _weight_at(s_ptr, s_sc, r[None, :], c[:, None], r_ok[None, :] & (c < S_IN)[:, None], S_IN, S_FMT, SR,
+                           SC)
     else:
         if routed:
             w = _fp4_tile(w_ptr, w_sc, e.to(tl.int64) * O + r[:, None], r_ok[:, None], c0, IN, BLOCK)
         else:
-            w = _weight_at(s_ptr, s_sc, r[:, None], c[None, :], r_ok[:, None] & (c < IN)[None, :], IN, S_FMT, SR, SC)
+            w = _weight_at(s_ptr, s_sc, r[:, None], c[None, :], r_ok[:, None] & (c < S_IN)[None, :], S_IN, S_FMT, SR,
+                           SC)
     return w
 
 
@@ -258,7 +268,9 @@ def _gate_input(x_ptr, nw_ptr, t, d, D, factor, NORM: tl.constexpr, BF16: tl.con
 @triton.jit
 def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
                  K: tl.constexpr, K_P2: tl.constexpr, BLOCK_E: tl.constexpr, SPLITS_P2: tl.constexpr,
-                 SCORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False):
+                 SCORE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr = False, FIRST=0, EL=0):
+    """Token t's top-k over the partial logits: the route weights, and each chosen expert's
+    place in this rank's stack of EL experts from global id FIRST on (-1: another rank's)."""
     _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
@@ -289,11 +301,12 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
     if NORM:
         picked_w = picked_w / (tl.sum(picked_w, 0) + 1e-20)
     tl.store(wout_ptr + t * K + ks, picked_w * scale, mask=ks < K)
-    tl.store(iout_ptr + t * K + ks, picked_i, mask=ks < K)
+    local = picked_i - FIRST
+    tl.store(iout_ptr + t * K + ks, tl.where((local >= 0) & (local < EL), local, -1), mask=ks < K)
 
 
 @triton.jit
-def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, limit,
+def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, SI, limit,
                K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
                CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
                w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None, FMT: tl.constexpr = "plain",
@@ -303,7 +316,9 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
     (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
     before the dependent launch's wait — a routed slot's expert is known only after it.
     FMT "fp4": the routed experts' bytes and scales (``*_sc``) decoded in registers, the shared
-    expert's as S_FMT says (``_weight_at``); the tile's shape is the plain one's."""
+    expert's as S_FMT says (``_weight_at``); the tile's shape is the plain one's.
+    A slot of another rank's expert (id -1) reads no weight and writes zeros; the shared
+    expert has SI <= I rows here (a rank's share of its channels), the rest of its h row zeros."""
     p = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     i_ok = i < I
@@ -311,21 +326,24 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
         d = tl.arange(0, BLOCK_D)
         d_ok = d < D
         rows = i[:, None] * D + d[None, :]
-        m = i_ok[:, None] & d_ok[None, :]
         if p < NK:
             _chain(PDL)
             t = p // K
             e = tl.load(isel_ptr + p)
+            w_ok = tl.where(e >= 0, i_ok, False)  # (a block & a scalar: a mask Triton's interpreter refuses)
+            e = tl.maximum(e, 0)
             gw = tl.load(wsel_ptr + p)
+            m = w_ok[:, None] & d_ok[None, :]
             if FMT == "plain":
                 a = tl.load(w1_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
                 b = tl.load(w3_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
             else:
-                a = _fp4_tile(w1_ptr, w1_sc, e * I + i[:, None], i_ok[:, None], 0, D, BLOCK_D)
-                b = _fp4_tile(w3_ptr, w3_sc, e * I + i[:, None], i_ok[:, None], 0, D, BLOCK_D)
+                a = _fp4_tile(w1_ptr, w1_sc, e * I + i[:, None], w_ok[:, None], 0, D, BLOCK_D)
+                b = _fp4_tile(w3_ptr, w3_sc, e * I + i[:, None], w_ok[:, None], 0, D, BLOCK_D)
         else:
             t = p - NK
             gw = 1.0
+            m = (i < SI)[:, None] & d_ok[None, :]
             if FMT == "plain":
                 a = tl.load(s1_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
                 b = tl.load(s3_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
@@ -341,12 +359,15 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
         if p < NK:  # a routed slot: expert isel[p] of token p // K
             t = p // K
             e = tl.load(isel_ptr + p)
+            w_ok = tl.where(e >= 0, i_ok, False)
+            e = tl.maximum(e, 0)
             gw = tl.load(wsel_ptr + p)
             a_ptr = w1_ptr + e * I * D
             b_ptr = w3_ptr + e * I * D
         else:  # the shared expert of token p - NK
             t = p - NK
             e = t * 0  # none: the shared expert is no stack's
+            w_ok = i < SI
             gw = 1.0
             a_ptr = s1_ptr
             b_ptr = s3_ptr
@@ -357,14 +378,14 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             d_ok = d < D
             x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             rows = i[:, None] * D + d[None, :]
-            m = i_ok[:, None] & d_ok[None, :]
+            m = w_ok[:, None] & d_ok[None, :]
             if FMT == "plain":
                 acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
                 acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
             else:
-                acc1 += tl.sum(_expert_tile(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, i_ok, d0, D, BLOCK_D,
+                acc1 += tl.sum(_expert_tile(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, w_ok, d0, D, BLOCK_D,
                                             S_FMT, SR, SC) * x, 1)
-                acc3 += tl.sum(_expert_tile(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, i_ok, d0, D, BLOCK_D,
+                acc3 += tl.sum(_expert_tile(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, w_ok, d0, D, BLOCK_D,
                                             S_FMT, SR, SC) * x, 1)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
@@ -373,11 +394,13 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
 
 
 @triton.jit
-def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
+def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                  K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr,
                  OUT_BF16: tl.constexpr, PDL: tl.constexpr = False, w2_sc=None, s2_sc=None,
                  FMT: tl.constexpr = "plain", S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1,
                  SC: tl.constexpr = 1):
+    """Token t's output channels ``o``: each slot's w2 product (a slot of another rank's
+    expert, id -1, reads no weight: zero), then the shared expert's [D, SI] part."""
     _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -387,10 +410,15 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
         if j < K:
             p = t * K + j
             e = tl.load(isel_ptr + p)
+            row_ok = tl.where(e >= 0, o_ok, False)
+            e = tl.maximum(e, 0)
             w_ptr = w2_ptr + e * D * I
+            IN = I
         else:
             p = NK + t
+            row_ok = o_ok
             w_ptr = s2_ptr
+            IN = SI
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
         for i0 in range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
@@ -399,20 +427,20 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
                 h = _from_bits(tl.load(h_ptr + p * I + i, mask=i_ok, other=0))
             else:
                 h = tl.load(h_ptr + p * I + i, mask=i_ok, other=0.0)
-            m = o_ok[:, None] & i_ok[None, :]
+            m = row_ok[:, None] & (i < IN)[None, :]
             if FMT == "plain":
-                w = tl.load(w_ptr + o[:, None] * I + i[None, :], mask=m, other=0.0)
+                w = tl.load(w_ptr + o[:, None] * IN + i[None, :], mask=m, other=0.0)
             elif j < K:
-                w = _fp4_tile(w2_ptr, w2_sc, e * D + o[:, None], o_ok[:, None], i0, I, BLOCK_I)
+                w = _fp4_tile(w2_ptr, w2_sc, e * D + o[:, None], row_ok[:, None], i0, I, BLOCK_I)
             else:
-                w = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], m, I, S_FMT, SR, SC)
+                w = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], m, SI, S_FMT, SR, SC)
             acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
         total += _round(acc, BF16)
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)  # bf16: rounded as MoE's cast back rounds it
 
 
 @triton.jit
-def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
+def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
                        PDL: tl.constexpr = False, w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain",
@@ -427,7 +455,8 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
     the dependent launch's wait, as the GEMV asks for its weights. The ids come from the gate
     kernel, two launches back: this kernel is scheduled only once every program of the up
     kernel between has passed its own wait, which returns when the gate has finished and its
-    writes are visible; the ids are read past the SM's L1 (``.cg``) all the same."""
+    writes are visible; the ids are read past the SM's L1 (``.cg``) all the same.
+    A slot of another rank's expert (id -1) reads no weight; the shared expert's w2 is [D, SI]."""
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
@@ -440,32 +469,35 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
         e = tl.load(isel_ptr + t * K + j, mask=routed, other=0, cache_modifier=".cg")
     else:
         e = tl.load(isel_ptr + t * K + j, mask=routed, other=0)
-    rows = tl.where(routed, e * D, 0)[:, None] + o[None, :]  # [S, BLOCK_O]: w2[e] or s2 rows
+    mine = routed & (e >= 0)  # a routed slot whose expert this rank holds
+    rows = tl.where(mine, e * D, 0)[:, None] + o[None, :]  # [S, BLOCK_O]: w2[e] rows (routed slots)
+    width = tl.where(routed, I, SI)[:, None, None]  # each slot's weight row: w2's I, the shared expert's SI
+    read = (mine | (j == K))[:, None, None] & o_ok[None, :, None]  # whose weight rows are read
     acc = tl.zeros([S_P2, BLOCK_O], dtype=tl.float32)
     if EARLY:
         i = tl.arange(0, BLOCK_I)
         hm = live[:, None] & (i < I)[None, :]
-        cols = rows[:, :, None] * I + i[None, None, :]
         if FMT == "plain":
-            w = tl.load(tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols),
-                        mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+            w = tl.load(tl.where(routed[:, None, None], w2_ptr + rows[:, :, None] * I + i[None, None, :],
+                                 s2_ptr + o[None, :, None] * SI + i[None, None, :]),
+                        mask=read & (i[None, None, :] < width), other=0.0)
             _chain(PDL)
             acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
         else:
-            w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, routed, o, o_ok, 0, I, BLOCK_I, S_FMT, SR, SC)
+            w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, 0, I, SI, BLOCK_I, S_FMT, SR, SC)
             _chain(PDL)
             acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, 0, I, BLOCK_I, BF16)
     else:
         for i0 in tl.range(0, I, BLOCK_I, num_stages=STAGES):
             i = i0 + tl.arange(0, BLOCK_I)
             hm = live[:, None] & (i < I)[None, :]
-            cols = rows[:, :, None] * I + i[None, None, :]  # [S, BLOCK_O, BLOCK_I]
-            if FMT == "plain":
-                w_ptr = tl.where(routed[:, None, None], w2_ptr + cols, s2_ptr + cols)
-                w = tl.load(w_ptr, mask=hm[:, None, :] & o_ok[None, :, None], other=0.0)
+            if FMT == "plain":  # [S, BLOCK_O, BLOCK_I]
+                w_ptr = tl.where(routed[:, None, None], w2_ptr + rows[:, :, None] * I + i[None, None, :],
+                                 s2_ptr + o[None, :, None] * SI + i[None, None, :])
+                w = tl.load(w_ptr, mask=read & (i[None, None, :] < width), other=0.0)
                 acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
             else:
-                w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, routed, o, o_ok, i0, I, BLOCK_I, S_FMT, SR,
+                w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I, S_FMT, SR,
                                      SC)
                 acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, i0, I, BLOCK_I, BF16)
     acc = _round(acc, BF16)
@@ -476,15 +508,15 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I,
 
 
 @triton.jit
-def _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, routed, o, o_ok, i0, I, BLOCK_I: tl.constexpr,
+def _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I: tl.constexpr,
                  S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
-    """The down sum's packed tiles of channels [i0, i0 + BLOCK_I): the routed slots' ``rows``
-    of the FP4 w2 stack [S, BLOCK_O, BLOCK_I] (the shared slot's 0) and the shared expert's
-    rows ``o`` of s2 (S_FMT) [BLOCK_O, BLOCK_I], each decoded once rather than both formats
-    for every slot."""
-    w = _fp4_tile(w2_ptr, w2_sc, rows[:, :, None], (routed[:, None] & o_ok[None, :])[:, :, None], i0, I, BLOCK_I)
+    """The down sum's packed tiles of channels [i0, i0 + BLOCK_I): the ``mine`` slots' ``rows``
+    of the FP4 w2 stack [S, BLOCK_O, BLOCK_I] (0 for the others: the shared slot, another
+    rank's expert) and the shared expert's rows ``o`` of s2 [D, SI] (S_FMT) [BLOCK_O, BLOCK_I],
+    each decoded once rather than both formats for every slot."""
+    w = _fp4_tile(w2_ptr, w2_sc, rows[:, :, None], (mine[:, None] & o_ok[None, :])[:, :, None], i0, I, BLOCK_I)
     i = i0 + tl.arange(0, BLOCK_I)
-    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < I)[None, :], I, S_FMT, SR, SC)
+    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC)
     return w, ws
 
 
@@ -511,7 +543,8 @@ def _slot_rows(h_ptr, pair, i, hm, I, BF16: tl.constexpr):
 
 @triton.jit
 def _expert_rows(isel_ptr, wsel_ptr, N, NK, K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The program's expert e (axis 0; E = the last, the shared expert), which of the N tokens
+    """The program's expert e (axis 0: the stack's; E = the last, the shared expert; a slot
+    whose expert is another rank's, id -1, matches none), which of the N tokens
     it serves (the shared expert: every token), the row of each in the pair buffers (token
     t's slot j: t * K + j; the shared: NK + t), its gate weight, and whether it serves any.
     A token picks an expert at most once, so each token has at most one such row."""
@@ -531,7 +564,7 @@ def _expert_rows(isel_ptr, wsel_ptr, N, NK, K: tl.constexpr, K_P2: tl.constexpr,
 
 
 @triton.jit
-def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, N, NK, D, I, limit,
+def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, N, NK, D, I, SI, limit,
                        K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
                        BLOCK_D: tl.constexpr, BF16: tl.constexpr, CLAMP: tl.constexpr, DOT: tl.constexpr,
                        PDL: tl.constexpr = False, w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None,
@@ -541,19 +574,21 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
     its w1 / w3 rows read once for all of them (one tensor-core product of the tokens' block);
     an expert no token picked reads nothing. The product is fp32 at ``DOT`` precision: TF32
     holds bf16 values exactly, so with bf16 weights and tokens it is exact products summed in
-    fp32, as the bf16 GEMM's; fp32 takes "ieee"."""
+    fp32, as the bf16 GEMM's; fp32 takes "ieee". The shared expert has SI <= I rows (the rest
+    of its h rows zeros)."""
     _chain(PDL)
     e, E, has, row, gw, live = _expert_rows(isel_ptr, wsel_ptr, N, NK, K, K_P2, BLOCK_N)
     if live:
+        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
         if e < E:
             a_ptr = w1_ptr + e.to(tl.int64) * I * D
             b_ptr = w3_ptr + e.to(tl.int64) * I * D
+            i_ok = i < I
         else:
             a_ptr = s1_ptr
             b_ptr = s3_ptr
+            i_ok = i < SI
         t = tl.arange(0, BLOCK_N)
-        i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-        i_ok = i < I
         acc1 = tl.zeros([BLOCK_N, BLOCK_I], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_N, BLOCK_I], dtype=tl.float32)
         for d0 in range(0, D, BLOCK_D):
@@ -573,25 +608,28 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
             acc1 += tl.dot(xs.to(tl.float32), a.to(tl.float32), input_precision=DOT)
             acc3 += tl.dot(xs.to(tl.float32), b.to(tl.float32), input_precision=DOT)
         h = gw[:, None] * _swiglu(acc1, acc3, limit, BF16, CLAMP)
-        _store(h_ptr + row[:, None] * I + i[None, :], h, has[:, None] & i_ok[None, :], BF16)
+        _store(h_ptr + row[:, None] * I + i[None, :], h, has[:, None] & (i < I)[None, :], BF16)
 
 
 @triton.jit
-def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N, NK, D, I,
+def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N, NK, D, I, SI,
                          K: tl.constexpr, K_P2: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_O: tl.constexpr,
                          BLOCK_I: tl.constexpr, BF16: tl.constexpr, DOT: tl.constexpr, PDL: tl.constexpr = False,
                          w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain", S_FMT: tl.constexpr = "plain",
                          SR: tl.constexpr = 1, SC: tl.constexpr = 1):
     """Program (e, o-block): expert e's w2 rows read once against the h rows of every token
     that picked it; each pair's product, rounded to the activation dtype, to its own row of
-    ``part`` (the slots are summed in order by ``_sum_slots_kernel``)."""
+    ``part`` (the slots are summed in order by ``_sum_slots_kernel``). The shared expert's w2
+    is [D, SI]."""
     _chain(PDL)
     e, E, has, row, gw, live = _expert_rows(isel_ptr, wsel_ptr, N, NK, K, K_P2, BLOCK_N)
     if live:
         if e < E:
             w_ptr = w2_ptr + e.to(tl.int64) * D * I
+            IN = I
         else:
             w_ptr = s2_ptr
+            IN = SI
         o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
         o_ok = o < D
         acc = tl.zeros([BLOCK_N, BLOCK_O], dtype=tl.float32)
@@ -599,12 +637,12 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
             i = i0 + tl.arange(0, BLOCK_I)
             i_ok = i < I
             hm = has[:, None] & i_ok[None, :]
-            cols = o[None, :] * I + i[:, None]  # [BLOCK_I, BLOCK_O]
+            cols = o[None, :] * IN + i[:, None]  # [BLOCK_I, BLOCK_O]
             if FMT == "plain":
-                w = tl.load(w_ptr + cols, mask=i_ok[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
+                w = tl.load(w_ptr + cols, mask=(i < IN)[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
             else:
                 w = _expert_tile(e < E, w2_ptr, w2_sc, s2_ptr, s2_sc, e, D, o, o_ok, i0, I, BLOCK_I, S_FMT, SR, SC,
-                                 T=True)
+                                 T=True, S_IN=SI)
             if BF16:  # h's bits, exactly a bf16 value
                 h = _from_bits(tl.load(h_ptr + row[:, None] * I + i[None, :], mask=hm, other=0))
             else:
@@ -614,17 +652,19 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
 
 
 @triton.jit
-def _sum_slots_kernel(part_ptr, out_ptr, NK, D, K: tl.constexpr, BLOCK: tl.constexpr, OUT_BF16: tl.constexpr,
-                      PDL: tl.constexpr = False):
-    """Token t's output: its K slots' products in slot order, then the shared expert's, in
-    fp32 (``_down_kernel``'s order, so both forms sum alike)."""
+def _sum_slots_kernel(part_ptr, isel_ptr, out_ptr, NK, D, K: tl.constexpr, BLOCK: tl.constexpr,
+                      OUT_BF16: tl.constexpr, PDL: tl.constexpr = False):
+    """Token t's output: its K slots' products in slot order (a slot of another rank's
+    expert, id -1, none: its row was never written), then the shared expert's, in fp32
+    (``_down_kernel``'s order, so both forms sum alike)."""
     _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     o_ok = o < D
     total = tl.zeros([BLOCK], dtype=tl.float32)
     for j in tl.static_range(K):
-        total += tl.load(part_ptr + (t * K + j) * D + o, mask=o_ok, other=0.0)
+        mine = tl.load(isel_ptr + t * K + j) >= 0
+        total += tl.load(part_ptr + (t * K + j) * D + o, mask=tl.where(mine, o_ok, False), other=0.0)
     total += tl.load(part_ptr + (NK + t) * D + o, mask=o_ok, other=0.0)
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
 
@@ -642,22 +682,24 @@ def up_tile(D: int, elem_bytes: int) -> tuple[bool, int, int]:
 
 
 def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torch.Tensor,
-               out: torch.Tensor, **packed) -> torch.Tensor:
+               out: torch.Tensor, shared_inter: int | None = None, **packed) -> torch.Tensor:
     """``_down_slots_kernel`` of N tokens into ``out`` [N, D] (fp32 or bf16): the rows of h
     [N * K + N, I] (the pairs' SwiGLU outputs, then each token's shared expert's), the routed
-    experts' w2 [E, D, I] picked by ``chosen`` [N, K], the shared expert's s2 [D, I]; or, with
-    ``packed`` (:func:`stored`'s down arguments), their bytes."""
+    experts' w2 [E, D, I] picked by ``chosen`` [N, K] (-1: another rank's expert, none), the
+    shared expert's s2 [D, SI] (``shared_inter`` SI, default I); or, with ``packed``
+    (:func:`stored`'s down arguments), their bytes."""
     (N, K), D, I = chosen.shape, out.shape[1], h.shape[1]
+    SI = I if shared_inter is None else shared_inter
     bf16, out_bf16 = h.dtype == torch.bfloat16, out.dtype == torch.bfloat16
-    assert h.shape == (N * K + N, I) and w2.shape[1] == D and out.shape == (N, D)
-    assert packed or (w2.shape[1:] == (D, I) and s2.shape == (D, I))
+    assert h.shape == (N * K + N, I) and w2.shape[1] == D and out.shape == (N, D) and 0 < SI <= I
+    assert packed or (w2.shape[1:] == (D, I) and s2.shape == (D, SI))
     if packed.get("FMT") == "fp4":
         (block_o, block_i, warps), early = (SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS), False
     else:
         block_o, block_i, warps = SLOTS_BLOCK_O, triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, SLOTS_WARPS
         early = DOWN_EARLY
     _down_slots_kernel[(N, triton.cdiv(D, block_o))](
-        h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I,
+        h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I, SI,
         K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
         EARLY=early, STAGES=DOWN_STAGES, num_warps=warps, **unfused(), **chained(h), **packed)
     return out
@@ -670,7 +712,9 @@ def stored(routed: tuple, scales: tuple | None, shared: tuple, dtype: torch.dtyp
     [E, D, I / 2]) and their e8m0 scales (one per 1 x 32). Shared: floats of ``dtype``, or
     (with FP4 routed experts) ``Packed`` of one format and power-of-two scale block, as
     ``Linear.gemv_weight`` gives them — a packed model's shared expert is FP8 in the checkpoint,
-    read as stored here as its GEMV reads it, so no float copy of it is kept."""
+    read as stored here as its GEMV reads it, so no float copy of it is kept. The shared
+    expert's intermediate width SI may be narrower than the routed experts' I (a rank's share
+    of its channels): s1 / s3 [SI, D], s2 [D, SI]."""
     if scales is None:
         assert all(isinstance(t, torch.Tensor) and t.dtype == dtype for t in (*routed, *shared)), \
             "plain routed experts, a plain shared expert: floats of the tokens' dtype"
@@ -686,7 +730,8 @@ def stored(routed: tuple, scales: tuple | None, shared: tuple, dtype: torch.dtyp
         fmt, block = shared[0].fmt, shared[0].scale_block()
         assert all(isinstance(s, Packed) and s.decodable() and s.fmt == fmt and s.scale_block() == block
                    for s in shared), "the shared expert's weights decoded alike"
-        assert shared[0].shape == shared[1].shape == (I, D) and shared[2].shape == (D, I)
+        SI = shared[0].shape[0]
+        assert SI <= I and shared[0].shape == shared[1].shape == (SI, D) and shared[2].shape == (D, SI)
         kind = dict(S_FMT=fmt, SR=block[0], SC=block[1])
         up.update(kind, s1_sc=_bytes(shared[0].scale), s3_sc=_bytes(shared[1].scale))
         down.update(kind, s2_sc=_bytes(shared[2].scale))
@@ -705,7 +750,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, s1, s3, s2, *, top_k: int, scoring: str, temp: float, norm: bool, scale: float,
                limit: float, out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None,
-               scales: tuple[torch.Tensor, ...] | None = None):
+               scales: tuple[torch.Tensor, ...] | None = None, first: int = 0):
     """The MoE of tokens x [N, D] (fp32 or bf16): gate weight [E, D] and bias [E] (any float dtype),
     stacked routed experts w1 / w3 [E, I, D] and w2 [E, D, I], the shared expert's s1 / s3
     [I, D] and s2 [D, I], all in x's dtype. -> [N, D] (routed sum + shared) in fp32, or in
@@ -721,12 +766,18 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     ``x_norm`` = (weight [D], eps): x is an mHC site's input before its RMSNorm, which the
     gate-logits launch applies (``rms_norm``'s roundings) and writes for the expert kernels.
     ``x`` may be a ``model.kernels.Collapsed`` (with ``x_norm``): the gate-logits launch makes
-    the rows it reads, and writes them normalised for the expert kernels as above."""
+    the rows it reads, and writes them normalised for the expert kernels as above.
+    ``first``: one rank's part of an expert-parallel MoE — the stacks hold experts [first, first
+    + their count) of the gate's E, the shared expert SI <= I of its intermediate channels (s1 /
+    s3 [SI, D], s2 [D, SI]); the gate routes over every expert, a slot routed to another rank's
+    adds nothing, and the output is this rank's part of the sum (``out_dtype`` fp32, for the
+    caller to add over the ranks)."""
     N, D = x.shape
-    E, I = w1.shape[0], w1.shape[1]
-    assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D)
+    E, EL, I = gate_w.shape[0], w1.shape[0], w1.shape[1]
+    SI = s1.shape[0]
+    assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and 0 <= first and first + EL <= E
     w1, w3, w2, s1, s3, s2, up, down = stored((w1, w3, w2), scales, (s1, s3, s2), x.dtype, D, I)
-    assert scales is not None or (w2.shape == (E, D, I) and s1.shape == (I, D) and s2.shape == (D, I))
+    assert scales is not None or (w2.shape == (EL, D, I) and s1.shape == (SI, D) and s2.shape == (D, SI))
     incoming = {}
     if isinstance(x, Collapsed):
         assert x_norm is not None, "a site's input is made by a gate launch that normalises it"
@@ -757,7 +808,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
                        K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                        SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
-                       NORM=bool(norm and top_k > 1), num_warps=4, **chained(x))
+                       NORM=bool(norm and top_k > 1), num_warps=4, FIRST=first, EL=EL, **chained(x))
     nk = N * top_k
     h = torch.empty(nk + N, I, dtype=x.dtype, device=x.device)
     h_arg = h.view(torch.int16) if bf16 else h
@@ -770,25 +821,25 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     if not grouped:
         early, block_i, block_d = up_tile(D, x.element_size())
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
-            x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, float(limit),
+            x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
             STAGES=UP_STAGES, num_warps=UP_WARPS, **chained(x), **up)
         if DOWN_SLOTS:
-            return down_slots(h, w2, s2, chosen, out, **down)
+            return down_slots(h, w2, s2, chosen, out, SI, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
-            h_arg, w2, s2, chosen, out_arg, nk, D, I,
+            h_arg, w2, s2, chosen, out_arg, nk, D, I, SI,
             K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS,
             **chained(x), **down)
         return out
     rows = dict(K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=max(16, triton.next_power_of_2(N)), BF16=bf16,
                 DOT="tf32" if bf16 else "ieee")
-    _up_grouped_kernel[(E + 1, triton.cdiv(I, G_UP_BLOCK_I))](
-        x, w1, w3, s1, s3, weights, chosen, h_arg, N, nk, D, I, float(limit), **rows,
+    _up_grouped_kernel[(EL + 1, triton.cdiv(I, G_UP_BLOCK_I))](
+        x, w1, w3, s1, s3, weights, chosen, h_arg, N, nk, D, I, SI, float(limit), **rows,
         BLOCK_I=G_UP_BLOCK_I, BLOCK_D=G_UP_BLOCK_D, CLAMP=limit > 0, num_warps=G_UP_WARPS, **chained(x), **up)
     part = torch.empty(nk + N, D, dtype=torch.float32, device=x.device)
-    _down_grouped_kernel[(E + 1, triton.cdiv(D, G_DOWN_BLOCK_O))](
-        h_arg, w2, s2, weights, chosen, part, N, nk, D, I, **rows,
+    _down_grouped_kernel[(EL + 1, triton.cdiv(D, G_DOWN_BLOCK_O))](
+        h_arg, w2, s2, weights, chosen, part, N, nk, D, I, SI, **rows,
         BLOCK_O=G_DOWN_BLOCK_O, BLOCK_I=G_DOWN_BLOCK_I, num_warps=G_DOWN_WARPS, **chained(x), **down)
-    _sum_slots_kernel[(N, triton.cdiv(D, SUM_BLOCK))](part, out_arg, nk, D, K=top_k, BLOCK=SUM_BLOCK,
+    _sum_slots_kernel[(N, triton.cdiv(D, SUM_BLOCK))](part, chosen, out_arg, nk, D, K=top_k, BLOCK=SUM_BLOCK,
                                                       OUT_BF16=out_bf16, num_warps=4, **chained(part))
     return out
