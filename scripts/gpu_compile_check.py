@@ -191,13 +191,19 @@ def sass_census(cubin: bytes) -> dict:
 
 
 def ptxas_usage(ptx: str) -> str:
-    """``ptxas -v`` of ``ptx`` for sm_90a with the ptxas Triton ships: registers a thread,
-    stack frame and spill bytes, as ptxas words them."""
+    """``ptxas -v`` of ``ptx`` for sm_90a with the ptxas Triton builds sm_90 with: registers a
+    thread, stack frame and spill bytes, as ptxas words them. (Triton 3.9 builds sm_90 with its
+    newer ``ptxas-blackwell``; its older ``ptxas`` refuses the PTX version it writes.)"""
     import re
 
     import triton
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        ptxas = get_ptxas(90).path
+    except ImportError:  # a Triton before get_ptxas: the one it ships
+        ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:

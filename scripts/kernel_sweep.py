@@ -7,6 +7,8 @@
         stages: the up and down kernels' channel loops pipelined over 1-4 stages)
         [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them)
         [--experts N] (at most N routed experts: `--preset v41-flash --experts 32` for its width)
+        [--ranks N] (the MoE kinds on rank 0's part of an expert-parallel MoE over N ranks: a
+        range of E / N experts, I / N of the shared expert's channels, routing over all E)
 
 Each setting (the module constants of ``model.kernels.fused``, ``.moe``, ``.streams`` and
 ``.matvec``) is timed as a decode step runs it: 20 calls captured in one CUDA graph,
@@ -98,17 +100,21 @@ def scaled_bf16(g: torch.Generator, device, *shape) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).to(device, torch.bfloat16)
 
 
-def moe_inputs(args: ModelArgs, batch: int, device) -> tuple[list, dict]:
+def moe_inputs(args: ModelArgs, batch: int, device, ranks: int = 1) -> tuple[list, dict]:
+    """A MoE's decode inputs; over ``ranks`` rank 0's part (``moe_decode``'s ``first``): the
+    gate over every expert, the first E / ranks experts, I / ranks of the shared expert's channels."""
     g = torch.Generator().manual_seed(0)
     E, I, D = args.n_routed_experts, args.moe_intermediate_size, args.hidden_size
     S = I * args.n_shared_experts
+    assert E % ranks == 0 and S % ranks == 0, f"{E} experts, {S} shared channels over {ranks} ranks"
+    EL, S = E // ranks, S // ranks
     w = functools.partial(scaled_bf16, g, device)
 
     tensors = [torch.randn(batch, D, generator=g).to(device, torch.bfloat16),
                (torch.randn(E, D, generator=g) * D ** -0.5).to(device), torch.zeros(E, device=device),
-               w(E, I, D), w(E, I, D), w(E, D, I), w(S, D), w(S, D), w(D, S)]
+               w(EL, I, D), w(EL, I, D), w(EL, D, I), w(S, D), w(S, D), w(D, S)]
     config = dict(top_k=args.num_experts_per_tok, scoring=args.scoring_func, temp=args.gate_temp,
-                  norm=args.norm_topk_prob, scale=args.routed_scaling_factor, limit=args.swiglu_limit)
+                  norm=args.norm_topk_prob, scale=args.routed_scaling_factor, limit=args.swiglu_limit, first=0)
     return tensors, config
 
 
@@ -130,13 +136,15 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=None,
                    help="at most this many routed experts (a wide preset's 384 are ~27 GB of floats to make and pack; "
                         "a decode step reads only its top-k of them)")
+    p.add_argument("--ranks", type=int, default=1,
+                   help="the MoE kinds on rank 0's part over this many ranks (its expert range, its shared channels)")
     a = p.parse_args()
     args = ModelArgs.preset(a.preset)
     if a.experts:
         args = args.replace(n_routed_experts=min(a.experts, args.n_routed_experts))
     with open(a.out, "a") as out:
         def emit(d):
-            d = {"preset": a.preset, "batch": a.batch, **d}
+            d = {"preset": a.preset, "batch": a.batch, **({"ranks": a.ranks} if a.ranks > 1 else {}), **d}
             out.write(json.dumps(d) + "\n")
             out.flush()
             print(json.dumps(d), flush=True)
@@ -239,7 +247,7 @@ def main() -> None:
                 sweep(matvec, {"TILE_BYTES": [8192, 16384, 32768], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
                       cycled(matvec.gemv), emit, "gemv (a layer's six calls)", check=first)
         if {"moe", "grouped", "compare", "down", "up", "stages"} & set(only):  # compare: the two forms' times alone
-            tensors, config = moe_inputs(args, a.batch, DEVICE)
+            tensors, config = moe_inputs(args, a.batch, DEVICE, a.ranks)
             if a.fp4:
                 tensors, config = fp4_experts(tensors, config)
             by_pair = lambda: moe.moe_decode(*tensors, **config, grouped=False)  # noqa: E731
@@ -247,8 +255,9 @@ def main() -> None:
             # the experts picked: the bias is zero and every score function is monotonic in the logit
             chosen = (tensors[0].float() @ tensors[1].float().T).topk(args.num_experts_per_tok).indices
             emit({"kernel": "moe: by pair vs grouped", "distinct_experts": int(chosen.unique().numel()),
-                  "active_bytes": 2 * 3 * args.moe_intermediate_size * args.hidden_size
-                  * (args.num_experts_per_tok * a.batch + args.n_shared_experts),
+                  # bf16 bytes of the experts this rank reads: its chosen ones, its shared channels
+                  "active_bytes": 2 * 3 * args.hidden_size * (args.moe_intermediate_size * int(
+                      (chosen < tensors[3].shape[0]).sum()) + tensors[6].shape[0]),
                   "by_pair_us": round(graphed_us(by_pair), 2), "grouped_us": round(graphed_us(grouped), 2),
                   "max_abs_diff": (by_pair() - grouped()).abs().max().item()})
         def cycled_moe(seed: int):
