@@ -776,6 +776,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     E, EL, I = gate_w.shape[0], w1.shape[0], w1.shape[1]
     SI = s1.shape[0]
     assert x.dtype in (torch.float32, torch.bfloat16) and gate_w.shape == (E, D) and 0 <= first and first + EL <= E
+    assert 0 < SI <= I, f"a shared expert of {SI} channels beside routed ones of {I}"
     w1, w3, w2, s1, s3, s2, up, down = stored((w1, w3, w2), scales, (s1, s3, s2), x.dtype, D, I)
     assert scales is not None or (w2.shape == (EL, D, I) and s1.shape == (SI, D) and s2.shape == (D, SI))
     incoming = {}
