@@ -35,6 +35,11 @@ from model.moe import MoE
 from model.quant import KVFormat
 from model.rope import Ropes, apply_rope, shared_rope_angles
 
+# the records a training query reads: its top-k gathered, as inference reads them (on, the
+# default), or every record under a mask (the dense-mask form, which the indexer's dense warm-up
+# always takes: it selects every record)
+GATHERED_TRAINING = True
+
 
 # ----------------------------------------------------------------------------- attention
 
@@ -169,15 +174,16 @@ class Attention(nn.Module):
             src.append(records, self.indexer.keys(latent.detach(), positions, ropes.compress, src.kv))
 
     def _selected_records(self, cache: Cache, step: Step):
-        """(rows [B, S, k, D], valid [B, S, k]) gathered per query; while training, the
-        dense-mask form (every record [B, n, D], selected [B, S, n]) of the same softmax."""
+        """(rows [B, S, k, D], valid [B, S, k]) gathered per query; in the indexer's dense
+        warm-up (and while training, with ``GATHERED_TRAINING`` off) the dense-mask form (every
+        record [B, n, D], selected [B, S, n]) of the same softmax."""
         idx = step.shared.get("topk")
         src = cache.sources[self.args.kv_source(self.layer)]
         if idx is None or src.n == 0:
             return None
         B, S, k = idx.shape
         packed = src.view()[0]
-        if step.index_losses is not None:
+        if step.dense or (step.index_losses is not None and not GATHERED_TRAINING):
             # a -1 (no record) goes to a spare column: clamped to 0, its False would land on
             # record 0 too, and of two writes to one place the last wins (on CUDA, either)
             selected = torch.zeros(B, S, src.n + 1, dtype=torch.bool, device=idx.device)

@@ -57,13 +57,18 @@ def test_train_format_cache_gives_the_packed_logits(tiny):
     assert (unquantised - packed).abs().max() > 1e-3  # FLOAT really skips the quantisers
 
 
-def test_the_training_forward_selects_the_records_inference_does(tiny):
-    """Training attends over every record with a mask of the indexer's picks (the dense-mask
-    form, for the index loss); inference gathers the picks. Early queries see fewer records
-    than top-k, so their picks end in -1s: those once landed on record 0 as False and
-    dropped it from the mask (CPU: always; CUDA: as the writes fell) — the logits differed
-    by 0.2-3.0 at every position of this random model. Same logits now (float KV: TRAIN's
-    FP4 rounding turns the two forms' float order into ~1e-3 here)."""
+@pytest.mark.parametrize("gathered", [False, True], ids=["dense-mask", "gathered"])
+def test_the_training_forward_selects_the_records_inference_does(tiny, gathered, monkeypatch):
+    """Training reads each query's picks gathered, as inference does, or (``GATHERED_TRAINING``
+    off, and the indexer's dense warm-up) every record under a mask of its picks (the
+    dense-mask form). Early queries see fewer records than top-k, so their picks end in -1s:
+    those once landed on record 0 as False and dropped it from the mask (CPU: always; CUDA:
+    as the writes fell) — the logits differed by 0.2-3.0 at every position of this random
+    model. Same logits now (float KV: TRAIN's FP4 rounding turns the two forms' float order
+    into ~1e-3 here)."""
+    import model.block as block
+
+    monkeypatch.setattr(block, "GATHERED_TRAINING", gathered)
     ids = torch.tensor([_ids(60, 5)])
     assert tiny.args.index_topk * min(r for r in tiny.args.ratios if r > 1) > 30  # early picks hold -1s
 
@@ -408,6 +413,33 @@ def test_log_spread_recall_lengths_and_like_length_batches(tiny):
     a.recall_first = "6,0"
     with pytest.raises(SystemExit, match="SHARE"):
         train_default.next_batch(a, pools, 0, tiny.args)
+
+
+def test_gathered_training_records_give_the_dense_mask_forms_losses_and_gradients(tiny, monkeypatch):
+    """A training step that reads each query's top-k records gathered gives the losses and
+    every gradient of the step that masks all records (the form it replaced), to float order
+    (float KV: with TRAIN's FP4 records a rounding flips on that order, ~4e-4 of the loss);
+    rows past the window, so the records carry the loss."""
+    import model.block as block
+
+    n = 3 * tiny.args.sliding_window
+    batch = _batch(tiny, [Example(_ids(n, 7), [False] * (n - 24) + [True] * 24),
+                          Example(_ids(n - 40, 8), [False] * (n - 64) + [True] * 24)], ["exact", "ced"])
+    out = {}
+    for gathered in (False, True):
+        monkeypatch.setattr(block, "GATHERED_TRAINING", gathered)
+        tiny.zero_grad()
+        losses = batch_loss(tiny, batch, share_prefix=False, kv=KVFormat.FLOAT)  # TRAIN's FP4 flips on float order
+        (losses.lm + losses.index).backward()
+        out[gathered] = (losses.lm.detach(), losses.index.detach(),
+                         {k: p.grad.clone() for k, p in tiny.named_parameters() if p.grad is not None})
+    tiny.zero_grad()
+    (lm0, ix0, g0), (lm1, ix1, g1) = out[False], out[True]
+    torch.testing.assert_close(lm1, lm0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ix1, ix0, rtol=1e-5, atol=1e-6)
+    assert g1.keys() == g0.keys() and any("compressor" in k for k in g0)
+    errors = {k: ((g1[k] - g0[k]).norm() / g0[k].norm().clamp_min(1e-30)).item() for k in g0}
+    assert max(errors.values()) < 1e-4, sorted(errors.items(), key=lambda e: -e[1])[:5]
 
 
 @pytest.mark.parametrize("dense", [True, False])
