@@ -121,6 +121,15 @@ def _from_bits(bits):
 
 
 @triton.jit
+def _held_expert(isel_ptr, p, ok):
+    """Slot p's expert as its place in this rank's stack (0 for another rank's, id -1, whose
+    weight is never read) and ``ok`` where this rank holds it, all False where not (a block &
+    a scalar is a mask Triton's interpreter refuses)."""
+    e = tl.load(isel_ptr + p)
+    return tl.maximum(e, 0), tl.where(e >= 0, ok, False)
+
+
+@triton.jit
 def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
     """The SwiGLU of the w1 / w3 products, each first rounded to the activation dtype as the
     GEMMs' outputs are, with the training clamps."""
@@ -329,9 +338,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
         if p < NK:
             _chain(PDL)
             t = p // K
-            e = tl.load(isel_ptr + p)
-            w_ok = tl.where(e >= 0, i_ok, False)  # (a block & a scalar: a mask Triton's interpreter refuses)
-            e = tl.maximum(e, 0)
+            e, w_ok = _held_expert(isel_ptr, p, i_ok)
             gw = tl.load(wsel_ptr + p)
             m = w_ok[:, None] & d_ok[None, :]
             if FMT == "plain":
@@ -358,9 +365,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
         _chain(PDL)
         if p < NK:  # a routed slot: expert isel[p] of token p // K
             t = p // K
-            e = tl.load(isel_ptr + p)
-            w_ok = tl.where(e >= 0, i_ok, False)
-            e = tl.maximum(e, 0)
+            e, w_ok = _held_expert(isel_ptr, p, i_ok)
             gw = tl.load(wsel_ptr + p)
             a_ptr = w1_ptr + e * I * D
             b_ptr = w3_ptr + e * I * D
@@ -409,9 +414,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
     for j in tl.static_range(K + 1):  # the K routed slots in order, then the shared expert
         if j < K:
             p = t * K + j
-            e = tl.load(isel_ptr + p)
-            row_ok = tl.where(e >= 0, o_ok, False)
-            e = tl.maximum(e, 0)
+            e, row_ok = _held_expert(isel_ptr, p, o_ok)
             w_ptr = w2_ptr + e * D * I
             IN = I
         else:
@@ -478,9 +481,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
         i = tl.arange(0, BLOCK_I)
         hm = live[:, None] & (i < I)[None, :]
         if FMT == "plain":
-            w = tl.load(tl.where(routed[:, None, None], w2_ptr + rows[:, :, None] * I + i[None, None, :],
-                                 s2_ptr + o[None, :, None] * SI + i[None, None, :]),
-                        mask=read & (i[None, None, :] < width), other=0.0)
+            w = _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI)
             _chain(PDL)
             acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
         else:
@@ -491,10 +492,8 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
         for i0 in tl.range(0, I, BLOCK_I, num_stages=STAGES):
             i = i0 + tl.arange(0, BLOCK_I)
             hm = live[:, None] & (i < I)[None, :]
-            if FMT == "plain":  # [S, BLOCK_O, BLOCK_I]
-                w_ptr = tl.where(routed[:, None, None], w2_ptr + rows[:, :, None] * I + i[None, None, :],
-                                 s2_ptr + o[None, :, None] * SI + i[None, None, :])
-                w = tl.load(w_ptr, mask=read & (i[None, None, :] < width), other=0.0)
+            if FMT == "plain":
+                w = _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI)
                 acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
             else:
                 w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I, S_FMT, SR,
@@ -505,6 +504,16 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
     for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
         total += tl.sum(tl.where((j == s)[:, None], acc, 0.0), 0)
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)
+
+
+@triton.jit
+def _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI):
+    """Every slot's float w2 rows for channels ``i`` [S, BLOCK_O, len(i)]: a routed slot's
+    ``rows`` of the stack [E, D, I], the shared slot's rows ``o`` of s2 [D, SI]; 0 where not
+    ``read`` or past the slot's ``width``."""
+    ptr = tl.where(routed[:, None, None], w2_ptr + rows[:, :, None] * I + i[None, None, :],
+                   s2_ptr + o[None, :, None] * SI + i[None, None, :])
+    return tl.load(ptr, mask=read & (i[None, None, :] < width), other=0.0)
 
 
 @triton.jit
@@ -730,8 +739,8 @@ def stored(routed: tuple, scales: tuple | None, shared: tuple, dtype: torch.dtyp
         fmt, block = shared[0].fmt, shared[0].scale_block()
         assert all(isinstance(s, Packed) and s.decodable() and s.fmt == fmt and s.scale_block() == block
                    for s in shared), "the shared expert's weights decoded alike"
-        SI = shared[0].shape[0]
-        assert SI <= I and shared[0].shape == shared[1].shape == (SI, D) and shared[2].shape == (D, SI)
+        SI = shared[0].shape[0]  # moe_decode holds it to at most I
+        assert shared[0].shape == shared[1].shape == (SI, D) and shared[2].shape == (D, SI)
         kind = dict(S_FMT=fmt, SR=block[0], SC=block[1])
         up.update(kind, s1_sc=_bytes(shared[0].scale), s3_sc=_bytes(shared[1].scale))
         down.update(kind, s2_sc=_bytes(shared[2].scale))
