@@ -4,7 +4,9 @@
         gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,stages,topk]  (gemv, compare: the
         fast path against torch only; down: the MoE's down sum slot by slot against every slot at once,
         then the latter's tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps;
-        stages: the up and down kernels' channel loops pipelined over 1-4 stages)
+        stages: the up and down kernels' channel loops pipelined over 1-4 stages; gate: the gate's two
+        launches alone at the preset's whole expert count, whatever --experts says; up-loop: the up
+        kernel's channel loop, rows, width, warps and stages, experts cycled)
         [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them)
         [--experts N] (at most N routed experts: `--preset v41-flash --experts 32` for its width)
         [--ranks N] (the MoE kinds on rank 0's part of an expert-parallel MoE over N ranks: a
@@ -139,7 +141,7 @@ def main() -> None:
     p.add_argument("--ranks", type=int, default=1,
                    help="the MoE kinds on rank 0's part over this many ranks (its expert range, its shared channels)")
     a = p.parse_args()
-    args = ModelArgs.preset(a.preset)
+    args = whole = ModelArgs.preset(a.preset)
     if a.experts:
         args = args.replace(n_routed_experts=min(a.experts, args.n_routed_experts))
     with open(a.out, "a") as out:
@@ -246,7 +248,19 @@ def main() -> None:
                                            for o in matvec.gemv(xs, *ws, groups=gr)])
                 sweep(matvec, {"TILE_BYTES": [8192, 16384, 32768], "GEMV_WARPS": [4, 8], "MIN_PROGRAMS": [128, 256]},
                       cycled(matvec.gemv), emit, "gemv (a layer's six calls)", check=first)
-        if {"moe", "grouped", "compare", "down", "up", "stages"} & set(only):  # compare: the two forms' times alone
+        if "gate" in only:  # the router alone at the preset's whole width: its weight is read whole every step
+            g = torch.Generator().manual_seed(5)
+            E, D = whole.n_routed_experts, whole.hidden_size
+            gate_w = (torch.randn(E, D, generator=g) * D ** -0.5).to(DEVICE)
+            xs = [torch.randn(a.batch, D, generator=g).to(DEVICE, torch.bfloat16) for _ in range(CALLS)]
+            next_x, bias = cycling(xs), torch.zeros(E, device=DEVICE)
+            routing = dict(top_k=whole.num_experts_per_tok, scoring=whole.scoring_func, temp=whole.gate_temp,
+                           norm=whole.norm_topk_prob, scale=whole.routed_scaling_factor)
+            gate = lambda: moe.route(next_x(), gate_w, bias, {}, **routing)  # noqa: E731
+            emit({"kernel": "gate-shapes", "experts": E, "hidden": D, "weight_bytes": gate_w.numel() * 4})
+            sweep(moe, {"GATE_ROWS": [16, 32, 64, 512], "GATE_BLOCK_D": [128, 256], "GATE_SPLITS": [16, 32, 64]},
+                  gate, emit, "moe-gate", check=lambda: moe.route(xs[0], gate_w, bias, {}, **routing)[1])
+        if {"moe", "grouped", "compare", "down", "up", "up-loop", "stages"} & set(only):  # compare: the two forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE, a.ranks)
             if a.fp4:
                 tensors, config = fp4_experts(tensors, config)
@@ -287,6 +301,10 @@ def main() -> None:
         if "stages" in only:  # the channel loops software-pipelined (their next steps' loads issued early)
             sweep(moe, {"UP_STAGES": [1, 2, 3, 4], "DOWN_STAGES": [1, 2, 3, 4]}, cycled_moe(3), emit, "moe-stages",
                   check=by_pair)
+        if "up-loop" in only:  # the channel loop's tile (the form a wide preset's rows take)
+            sweep(moe, {"UP_EARLY": [False], "UP_SUM_LATE": [False, True], "UP_BLOCK_I": [2, 4, 8],
+                        "UP_BLOCK_D": [256, 512, 1024], "UP_WARPS": [4, 8], "UP_STAGES": [1, 3]},
+                  cycled_moe(4), emit, "moe-up-loop", check=by_pair)
         if "up" in only:  # the up kernel's rows whole (UP_EARLY: the shared expert's before the wait)
             sweep(moe, {"UP_EARLY": [False, True], "UP_EARLY_BLOCK_I": [1, 2, 4, 8], "UP_WARPS": [4, 8],
                         "UP_EARLY_TILE_BYTES": [16384, 65536]},

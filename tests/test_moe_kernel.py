@@ -78,7 +78,7 @@ def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
 
 # under the interpreter only the form without channel loops (its ``range`` over a runtime width is
 # not the interpreter's): every kernel of it runs there, and the others on the GPU
-FORMS = ["by-pair", "by-pair-slots", "by-pair-early", "by-expert"] if ON_CUDA else ["by-pair-early"]
+FORMS = ["by-pair", "by-pair-late", "by-pair-slots", "by-pair-early", "by-expert"] if ON_CUDA else ["by-pair-early"]
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +88,8 @@ def _interpretable_defaults(monkeypatch):
 
 def use_form(form: str, monkeypatch) -> None:
     """The experts' kernels by (token, slot) pair — "by-pair": the down sum slot by slot and
-    the gate's and up kernel's channel loops; "by-pair-slots": the defaults (every slot's rows
+    the gate's and up kernel's channel loops; "by-pair-late": those loops with the up kernel's
+    products summed once after its loop (``UP_SUM_LATE``); "by-pair-slots": the defaults (every slot's rows
     at once, ``DOWN_SLOTS``; the gate's and up kernel's weights asked for before the wait,
     ``GATE_EARLY`` / ``UP_EARLY``); "by-pair-early": the down sum's too (``DOWN_EARLY``, the
     form the interpreter runs whole) — or grouped by expert, whatever the token count."""
@@ -96,7 +97,8 @@ def use_form(form: str, monkeypatch) -> None:
 
     monkeypatch.setattr(kmoe, "GROUPED_TOKENS", 1 if form == "by-expert" else kernels.MOE_TOKENS + 1)
     monkeypatch.setattr(kmoe, "DOWN_SLOTS", form in ("by-pair-slots", "by-pair-early"))
-    early = {"by-pair": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
+    early = {"by-pair": False, "by-pair-late": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
+    monkeypatch.setattr(kmoe, "UP_SUM_LATE", form == "by-pair-late")
     if early is not None:
         for knob in ("GATE_EARLY", "UP_EARLY", "DOWN_EARLY"):
             monkeypatch.setattr(kmoe, knob, early)
@@ -210,14 +212,26 @@ def test_moe_kernel_normalises_a_site_input_left_to_it(form, monkeypatch):
     assert not torch.allclose(decode_call(moe, raw), want, rtol=0.05, atol=0.05 * want.abs().max().item())
 
 
-def test_moe_kernel_splits_the_gate_over_channel_chunks():
-    """512 channels: the gate's logits are summed from 4 chunks of 128."""
+@pytest.mark.parametrize("rows", [512, 2])
+def test_moe_kernel_splits_the_gate_over_channel_chunks(rows, monkeypatch):
+    """512 channels: the gate's logits are summed from 4 chunks of 128; with ``GATE_ROWS`` 2
+    each chunk's 8 experts are 4 programs' (a row written to another block's place would route
+    to other experts, a whole expert's output off)."""
+    from model.kernels import moe as kmoe
+
+    monkeypatch.setattr(kmoe, "GATE_ROWS", rows)
     moe = random_moe("sqrtsoftplus", torch.bfloat16, seed=5, hidden_size=512)
     x = torch.randn(2, 512, generator=torch.Generator().manual_seed(3)).to(DEVICE, torch.bfloat16)
     with torch.no_grad():
         out = ds.moe_step(moe, x)
+        routed = kmoe.route(x, moe.gate.weight, moe.gate.bias, {}, top_k=moe.gate.top_k, scoring="sqrtsoftplus",
+                            temp=moe.gate.args.gate_temp, norm=moe.gate.args.norm_topk_prob,
+                            scale=moe.gate.args.routed_scaling_factor)
+        weights, chosen = moe.gate(x, None)
     ref = torch_path(moe, x)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2 ** -6, atol=2 ** -6 * ref.float().abs().max().item())
+    assert torch.equal(routed[2].sort(1).values, chosen.sort(1).values)
+    torch.testing.assert_close(routed[1].sort(1).values, weights.float().sort(1).values, rtol=2 ** -7, atol=1e-6)
 
 
 @pytest.mark.skipif(not ON_CUDA, reason="the small preset's widths, on the GPU")

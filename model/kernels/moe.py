@@ -54,6 +54,11 @@ from model.kernels.streams import _collapsed
 
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
+# a gate-logits program's experts (a power of two; the rows of ``E`` past it go to further
+# programs) and its most channels a load: at `small` (64 experts) one program holds every row;
+# at V4.1-Flash's 384 experts x 5,120 channels, 32 programs of every row each left 100 of the
+# H200's 132 SMs idle (55-69 us for 7.9 MB of fp32 weight on an H100, 2026-12-05)
+GATE_ROWS, GATE_BLOCK_D = 512, 128
 # each gate-logits program (one chunk of channels) asks for its weight before its dependent
 # launch's wait. Timed on the H200 (2026-12-03, 0813500, `small`, batch 1, 128K, bench_knobs, best of two
 # alternated rounds): a step 3.716 -> 3.624 ms
@@ -92,6 +97,10 @@ SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
 # ``tl.range(num_stages=)``: the next steps' loads issued while this one's are summed), where a
 # program walks its rows in steps (V4.1-Flash's width: 20 steps of 256 channels an up program)
 UP_STAGES, DOWN_STAGES = 1, 1
+# the up kernel's channel loop adds each step's products into a rows x channels tile and sums
+# it across the channels once after the loop, where each step summed its own (a reduction
+# across the threads every step, on the path between one step's loads and the next's)
+UP_SUM_LATE = False
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
 # as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
@@ -220,16 +229,17 @@ def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS, nw_ptr, eps
                         cs_ptr=None, cpre_ptr=None, cy_ptr=None, cpost_ptr=None, ccomb_ptr=None,
                         COLLAPSE_IN: tl.constexpr = False, C_EXPAND: tl.constexpr = False, C_HC: tl.constexpr = 1,
                         PDL: tl.constexpr = False):
-    """Partial gate logits of token t over channel chunk c: part[t, c, :E] (the gate's
-    weight is read by many programs at once rather than by one). EARLY (CHUNK == BLOCK_D, one
+    """Partial gate logits of token t over channel chunk c and the BLOCK_E experts of block b:
+    part[t, c, b * BLOCK_E:][:BLOCK_E] (the gate's weight is read by many programs at once
+    rather than by one). EARLY (CHUNK == BLOCK_D, one
     load a program): the weight's chunk asked for before the dependent launch's wait. NORM
     (BLOCK_X >= D): x is an mHC site's input before its RMSNorm by ``nw``: every program takes
     the row's factor from the whole row and normalises its chunk with it; program 0 writes the
     normalised row to ``xn`` (the same bits: ``fused._rms_apply``) for the expert kernels.
     COLLAPSE_IN (with NORM; ``model.kernels.Collapsed``): x not in memory, each program makes
     the rows it reads from the site's streams (``streams._collapsed``, as the GEMV does)."""
-    t, c = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    e = tl.arange(0, BLOCK_E)
+    t, c, b = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    e = b * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = e < E
     if EARLY:
         d = c * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -243,7 +253,7 @@ def _gate_logits_kernel(x_ptr, w_ptr, part_ptr, E, D, CHUNK, SPLITS, nw_ptr, eps
         else:
             row = tl.load(x_ptr + t * D + dx, mask=dx < D, other=0.0).to(tl.float32)
         factor = _rms_factor(row, D, eps)
-        if c == 0:
+        if (c == 0) & (b == 0):
             nw = tl.load(nw_ptr + dx, mask=dx < D, other=0.0).to(tl.float32)
             _store(xn_ptr + t * D + dx, _rms_apply(row, factor, nw, BF16), dx < D, BF16)
     incoming = (cs_ptr, cpre_ptr, cy_ptr, cpost_ptr, ccomb_ptr)
@@ -320,8 +330,9 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
                CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
                w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None, FMT: tl.constexpr = "plain",
                S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
-               STAGES: tl.constexpr = 1):
-    """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. EARLY
+               STAGES: tl.constexpr = 1, LATE: tl.constexpr = False):
+    """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. LATE: the
+    channel loop's products summed across the channels once, after it (``UP_SUM_LATE``). EARLY
     (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
     before the dependent launch's wait — a routed slot's expert is known only after it.
     FMT "fp4": the routed experts' bytes and scales (``*_sc``) decoded in registers, the shared
@@ -376,8 +387,8 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             gw = 1.0
             a_ptr = s1_ptr
             b_ptr = s3_ptr
-        acc1 = tl.zeros([BLOCK_I], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_I], dtype=tl.float32)
+        tile1 = tl.zeros([BLOCK_I, BLOCK_D if LATE else 1], dtype=tl.float32)
+        tile3 = tl.zeros([BLOCK_I, BLOCK_D if LATE else 1], dtype=tl.float32)
         for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
             d = d0 + tl.arange(0, BLOCK_D)
             d_ok = d < D
@@ -385,13 +396,18 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             rows = i[:, None] * D + d[None, :]
             m = w_ok[:, None] & d_ok[None, :]
             if FMT == "plain":
-                acc1 += tl.sum(tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
-                acc3 += tl.sum(tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32) * x, 1)
+                a = tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32)
+                b = tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32)
             else:
-                acc1 += tl.sum(_expert_tile(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, w_ok, d0, D, BLOCK_D,
-                                            S_FMT, SR, SC) * x, 1)
-                acc3 += tl.sum(_expert_tile(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, w_ok, d0, D, BLOCK_D,
-                                            S_FMT, SR, SC) * x, 1)
+                a = _expert_tile(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, w_ok, d0, D, BLOCK_D, S_FMT, SR, SC)
+                b = _expert_tile(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, w_ok, d0, D, BLOCK_D, S_FMT, SR, SC)
+            if LATE:
+                tile1 += a * x
+                tile3 += b * x
+            else:
+                tile1 += tl.sum(a * x, 1, keep_dims=True)
+                tile3 += tl.sum(b * x, 1, keep_dims=True)
+        acc1, acc3 = tl.sum(tile1, 1), tl.sum(tile3, 1)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
@@ -756,6 +772,42 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(torch.uint8)
 
 
+def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, incoming: dict, *, top_k: int, scoring: str,
+          temp: float, norm: bool, scale: float, x_norm=None, first: int = 0, held: int | None = None):
+    """The gate's two launches for tokens x [N, D] (``incoming``: a ``Collapsed`` input's
+    launch arguments, x then its stand-in): -> (the rows the experts read — x, or x normalised
+    with ``x_norm`` —, the route weights [N, top_k] fp32, the chosen experts [N, top_k] as
+    places in the stack of ``held`` experts from ``first`` on, -1 for another rank's)."""
+    (N, D), E = x.shape, gate_w.shape[0]
+    held = E if held is None else held
+    gate_w, bias = gate_w.contiguous(), bias.contiguous()  # the bias read in its own dtype
+    bf16 = x.dtype == torch.bfloat16
+    weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
+    chosen = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
+    block_e = triton.next_power_of_2(E)
+    rows = min(block_e, GATE_ROWS)
+    block_d = max(16, min(GATE_BLOCK_D, 8192 // rows))
+    chunk = triton.cdiv(triton.cdiv(D, min(GATE_SPLITS, triton.cdiv(D, block_d))), block_d) * block_d
+    splits = triton.cdiv(D, chunk)
+    part = torch.empty(N, splits, E, dtype=torch.float32, device=x.device)
+    if x_norm is not None:
+        nw, eps = x_norm[0].contiguous(), float(x_norm[1])
+        assert nw.shape == (D,) and nw.dtype == x.dtype
+        xn = torch.empty(N, D, dtype=x.dtype, device=x.device)
+        normed = dict(NORM=True, BLOCK_X=triton.next_power_of_2(D), BF16=bf16, **unfused())
+    else:
+        nw, eps, xn, normed = x, 0.0, x, {}
+    _gate_logits_kernel[(N, splits, triton.cdiv(E, rows))](
+        x, gate_w, part, E, D, chunk, splits, nw, eps, xn.view(torch.int16) if bf16 else xn,  # unread without NORM
+        BLOCK_E=rows, BLOCK_D=block_d, EARLY=GATE_EARLY and chunk == block_d, num_warps=4, **normed, **incoming,
+        **chained(x))
+    _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
+                       K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
+                       SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
+                       NORM=bool(norm and top_k > 1), num_warps=4, FIRST=first, EL=held, **chained(xn))
+    return xn, weights, chosen
+
+
 def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                w2: torch.Tensor, s1, s3, s2, *, top_k: int, scoring: str, temp: float, norm: bool, scale: float,
                limit: float, out_dtype: torch.dtype = torch.float32, grouped: bool | None = None, x_norm=None,
@@ -794,31 +846,9 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         x, incoming = x.launch_args()
     else:
         x = x.contiguous()
-    gate_w, bias = gate_w.contiguous(), bias.contiguous()  # the bias read in its own dtype
+    x, weights, chosen = route(x, gate_w, bias, incoming, top_k=top_k, scoring=scoring, temp=temp, norm=norm,
+                               scale=scale, x_norm=x_norm, first=first, held=EL)
     bf16 = x.dtype == torch.bfloat16
-    weights = torch.empty(N, top_k, dtype=torch.float32, device=x.device)
-    chosen = torch.empty(N, top_k, dtype=torch.int64, device=x.device)
-    block_e = triton.next_power_of_2(E)
-    block_d = max(16, min(128, 8192 // block_e))
-    chunk = triton.cdiv(triton.cdiv(D, min(GATE_SPLITS, triton.cdiv(D, block_d))), block_d) * block_d
-    splits = triton.cdiv(D, chunk)
-    part = torch.empty(N, splits, E, dtype=torch.float32, device=x.device)
-    if x_norm is not None:
-        nw, eps = x_norm[0].contiguous(), float(x_norm[1])
-        assert nw.shape == (D,) and nw.dtype == x.dtype
-        xn = torch.empty(N, D, dtype=x.dtype, device=x.device)
-        normed = dict(NORM=True, BLOCK_X=triton.next_power_of_2(D), BF16=bf16, **unfused())
-    else:
-        nw, eps, xn, normed = x, 0.0, x, {}
-    _gate_logits_kernel[(N, splits)](x, gate_w, part, E, D, chunk, splits, nw, eps,
-                                     xn.view(torch.int16) if bf16 else xn,  # unread without NORM
-                                     BLOCK_E=block_e, BLOCK_D=block_d, EARLY=GATE_EARLY and chunk == block_d,
-                                     num_warps=4, **normed, **incoming, **chained(x))
-    x = xn  # the expert kernels read the normalised rows
-    _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
-                       K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
-                       SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
-                       NORM=bool(norm and top_k > 1), num_warps=4, FIRST=first, EL=EL, **chained(x))
     nk = N * top_k
     h = torch.empty(nk + N, I, dtype=x.dtype, device=x.device)
     h_arg = h.view(torch.int16) if bf16 else h
@@ -833,7 +863,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
-            STAGES=UP_STAGES, num_warps=UP_WARPS, **chained(x), **up)
+            STAGES=UP_STAGES, LATE=UP_SUM_LATE, num_warps=UP_WARPS, **chained(x), **up)
         if DOWN_SLOTS:
             return down_slots(h, w2, s2, chosen, out, SI, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
