@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from model.args import ModelArgs  # noqa: E402
 from model import kernels  # noqa: E402
 from model.kernels import bench as kbench, fused, matvec, moe, streams  # noqa: E402
+from model.blockfp import pack_main, pack_window  # noqa: E402
 
 CALLS = 20
 DEVICE = "cuda"
@@ -160,6 +161,20 @@ def main() -> None:
             sweep(fused, {"ATTN_BLOCKWISE": [True, False], "BLOCK_N": [16, 32], "ATTN_WARPS": [4, 8],
                           "MIN_BLOCKS_PER_SPLIT": [1, 2]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention")
+        if "attention-prefill" in only:  # a prefill chunk's queries, each a row of one split, the records shared
+            g = torch.Generator().manual_seed(6)
+            S, H, D, span = 2048, args.num_attention_heads, args.head_dim, args.sliding_window
+            N, K = 8192, args.index_topk  # a 32K context's ratio-4 records
+            pre = [torch.randn(S, H, D, generator=g).to(DEVICE, torch.bfloat16),
+                   pack_window(torch.randn(span + S, D, generator=g)).to(DEVICE),
+                   torch.arange(span + S, device=DEVICE), pack_main(torch.randn(N, D, generator=g)).to(DEVICE),
+                   torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(S)]).to(DEVICE),
+                   torch.randn(H, generator=g).to(DEVICE)]
+            emit({"kernel": "attention-prefill-shapes", "S": S, "H": H, "D": D, "span": span, "N": N, "K": K})
+            sweep(fused, {"BLOCK_H": [h for h in (16, 32, 64) if h <= max(16, H)], "ATTN_BLOCKWISE": [True],
+                          "BLOCK_N": [16, 32], "ATTN_WARPS": [4, 8], "ATTN_STAGES": [1, 2, 3]},
+                  lambda: kernels.sparse_prefill(*pre, D ** -0.5, out_dtype=torch.bfloat16), emit,
+                  "sparse_prefill")
         if "splits" in only:  # how many programs the splits aim for, by itself (it matters at batch > 1)
             sweep(fused, {"SPLIT_WAVES": [1, 2, 3, 4, 8], "ATTN_WARPS": [4, 8]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention-splits")

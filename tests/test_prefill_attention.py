@@ -199,3 +199,24 @@ def test_one_split_ends_in_the_attention_kernel_with_the_merges_bits(monkeypatch
             monkeypatch.setattr(fused, "FINAL_ONE_SPLIT", final)
             merged.append(sparse_prefill(*inputs, 512 ** -0.5, out_dtype=dtype))
         assert merged[0].dtype == dtype and torch.equal(merged[0], merged[1])
+
+
+@pytest.mark.skipif(not (ON_CUDA and triton_available()), reason="the pipelined for loop is not the interpreter's")
+@pytest.mark.parametrize("S,span,H,N,K", CASES)
+def test_pipelined_key_loop_gives_the_while_loops_bits(S, span, H, N, K, monkeypatch) -> None:
+    """``fused.ATTN_STAGES`` > 1 (the key blocks' for loop, software-pipelined): the same
+    blocks in the same order, so the same bits as the while loop, in a prefill (one split)
+    and a decode step's splits."""
+    from model.kernels import fused
+
+    inputs = prefill_case(S, span, H, N, K, device="cuda")
+    q, window, pos, records, idx, sink = inputs
+    rows = torch.stack([window[i + 1:i + 1 + span] for i in range(S)])
+    valid = torch.stack([pos[i + 1:i + 1 + span] >= 0 for i in range(S)])
+    got = {}
+    for stages in (1, 3):
+        monkeypatch.setattr(fused, "ATTN_STAGES", stages)
+        got[stages] = (sparse_prefill(*inputs, 512 ** -0.5, out_dtype=torch.bfloat16),
+                       fused.sparse_attention(q[:4], rows[:4], valid[:4], records.expand(4, -1, -1), idx[:4], sink,
+                                              512 ** -0.5))
+    assert torch.equal(got[1][0], got[3][0]) and torch.equal(got[1][1], got[3][1])
