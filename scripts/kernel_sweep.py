@@ -273,7 +273,8 @@ def main() -> None:
                            norm=whole.norm_topk_prob, scale=whole.routed_scaling_factor)
             gate = lambda: moe.route(next_x(), gate_w, bias, {}, **routing)  # noqa: E731
             emit({"kernel": "gate-shapes", "experts": E, "hidden": D, "weight_bytes": gate_w.numel() * 4})
-            sweep(moe, {"GATE_ROWS": [16, 32, 64, 512], "GATE_BLOCK_D": [128, 256], "GATE_SPLITS": [16, 32, 64]},
+            sweep(moe, {"GATE_ROWS": [16, 32, 64, 512], "GATE_BLOCK_D": [128, 256], "GATE_SPLITS": [16, 32, 64],
+                        "GATE_TOPK_WARPS": [1, 4]},
                   gate, emit, "moe-gate", check=lambda: moe.route(xs[0], gate_w, bias, {}, **routing)[1])
         if {"moe", "grouped", "compare", "down", "up", "up-loop", "stages"} & set(only):  # compare: the two forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE, a.ranks)

@@ -59,6 +59,9 @@ GATE_SPLITS = 32  # programs per token that share the gate's weight read
 # at V4.1-Flash's 384 experts x 5,120 channels, 32 programs of every row each left 100 of the
 # H200's 132 SMs idle (55-69 us for 7.9 MB of fp32 weight on an H100, 2026-12-05)
 GATE_ROWS, GATE_BLOCK_D = 512, 128
+# warps of the top-k program (a token's): each of its k picks is three reductions over the experts,
+# across the warps (shared memory and a barrier each) where there are several
+GATE_TOPK_WARPS = 4
 # each gate-logits program (one chunk of channels) asks for its weight before its dependent
 # launch's wait. Timed on the H200 (2026-12-03, 0813500, `small`, batch 1, 128K, bench_knobs, best of two
 # alternated rounds): a step 3.716 -> 3.624 ms
@@ -294,10 +297,10 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
-    c = tl.arange(0, SPLITS_P2)
-    part = tl.load(part_ptr + (t * SPLITS + c[:, None]) * E + e[None, :], mask=(c < SPLITS)[:, None] & e_ok[None, :],
-                   other=0.0)
-    logit = tl.sum(part, 0) / temp
+    logit = tl.zeros([BLOCK_E], dtype=tl.float32)
+    for c in tl.static_range(SPLITS_P2):  # the chunks' partial sums added in chunk order
+        logit += tl.load(part_ptr + (t * SPLITS + c) * E + e, mask=tl.where(c < SPLITS, e_ok, False), other=0.0)
+    logit = logit / temp
     if SCORE == 0:  # sqrt(softplus), softplus with torch's threshold of 20
         ex = tl.exp(logit)
         log1p = tl.where(ex < 1e-3, ex * (1.0 - ex * (0.5 - ex / 3.0)), tl.log(1.0 + ex))
@@ -804,7 +807,8 @@ def route(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, incoming: d
     _gate_kernel[(N,)](part, bias, weights, chosen, E, splits, float(temp), float(scale),
                        K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_E=block_e,
                        SPLITS_P2=triton.next_power_of_2(splits), SCORE=SCORING[scoring],
-                       NORM=bool(norm and top_k > 1), num_warps=4, FIRST=first, EL=held, **chained(xn))
+                       NORM=bool(norm and top_k > 1), num_warps=GATE_TOPK_WARPS, FIRST=first, EL=held,
+                       **chained(xn))
     return xn, weights, chosen
 
 
