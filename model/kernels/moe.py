@@ -395,7 +395,6 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
         for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
             d = d0 + tl.arange(0, BLOCK_D)
             d_ok = d < D
-            x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
             rows = i[:, None] * D + d[None, :]
             m = w_ok[:, None] & d_ok[None, :]
             if FMT == "plain":
@@ -404,6 +403,12 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             else:
                 a = _expert_tile(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, w_ok, d0, D, BLOCK_D, S_FMT, SR, SC)
                 b = _expert_tile(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, w_ok, d0, D, BLOCK_D, S_FMT, SR, SC)
+            # the token's channels after the weight's (their loads in flight together) and in the tile's
+            # own shape, a row each (the SM's L1 serves the repeats): loaded as a row and broadcast,
+            # x went through shared memory every step, four barriers between one step's weight loads
+            # and the next's (the sm_90 build's SASS, read on the CPU: 6 BAR.SYNC -> 1, the rest outside the loop)
+            x = tl.load(x_ptr + t * D + d[None, :] + 0 * i[:, None], mask=d_ok[None, :] & (i >= 0)[:, None],
+                        other=0.0).to(tl.float32)
             if LATE:
                 tile1 += a * x
                 tile3 += b * x
