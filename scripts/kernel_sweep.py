@@ -318,9 +318,12 @@ def main() -> None:
             sweep(moe, {"UP_STAGES": [1, 2, 3, 4], "DOWN_STAGES": [1, 2, 3, 4]}, cycled_moe(3), emit, "moe-stages",
                   check=by_pair)
         if "up-loop" in only:  # the channel loop's tile (the form a wide preset's rows take)
-            sweep(moe, {"UP_EARLY": [False], "UP_SUM_LATE": [False, True], "UP_BLOCK_I": [2, 4, 8],
-                        "UP_BLOCK_D": [256, 512, 1024], "UP_WARPS": [4, 8], "UP_STAGES": [1, 3]},
-                  cycled_moe(4), emit, "moe-up-loop", check=by_pair)
+            looped = cycled_moe(4)
+            sweep(moe, {"UP_EARLY": [False], "UP_SUM_LATE": [False, True], "UP_SCALE_WORDS": [False, True],
+                        "UP_STAGES": [1, 2, 3, 4]}, looped, emit, "moe-up-loop", check=by_pair)
+            sweep(moe, {"UP_EARLY": [False], "UP_SCALE_WORDS": [True], "UP_STAGES": [3], "UP_BLOCK_I": [2, 4, 8],
+                        "UP_BLOCK_D": [256, 512, 1024], "UP_WARPS": [4, 8]}, looped, emit, "moe-up-loop-tile",
+                  check=by_pair)
         if "up" in only:  # the up kernel's rows whole (UP_EARLY: the shared expert's before the wait)
             sweep(moe, {"UP_EARLY": [False, True], "UP_EARLY_BLOCK_I": [1, 2, 4, 8], "UP_WARPS": [4, 8],
                         "UP_EARLY_TILE_BYTES": [16384, 65536]},

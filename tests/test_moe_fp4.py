@@ -182,7 +182,7 @@ def test_a_packed_models_decode_step_runs_its_stacked_fp4_experts_as_the_loop(mo
 
 # ----------------------------------------------------------------------------- the fused kernels
 
-FORMS = ["by-pair-early", "by-pair", "by-expert"]
+FORMS = ["by-pair-early", "by-pair", "by-pair-staged", "by-expert"]
 
 
 @needs_triton

@@ -78,7 +78,7 @@ def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
 
 # under the interpreter only the form without channel loops (its ``range`` over a runtime width is
 # not the interpreter's): every kernel of it runs there, and the others on the GPU
-FORMS = ["by-pair", "by-pair-late", "by-pair-slots", "by-pair-early", "by-expert"] if ON_CUDA else ["by-pair-early"]
+FORMS = ["by-pair", "by-pair-staged", "by-pair-slots", "by-pair-early", "by-expert"] if ON_CUDA else ["by-pair-early"]
 
 
 @pytest.fixture(autouse=True)
@@ -88,8 +88,9 @@ def _interpretable_defaults(monkeypatch):
 
 def use_form(form: str, monkeypatch) -> None:
     """The experts' kernels by (token, slot) pair — "by-pair": the down sum slot by slot and
-    the gate's and up kernel's channel loops; "by-pair-late": those loops with the up kernel's
-    products summed once after its loop (``UP_SUM_LATE``); "by-pair-slots": the defaults (every slot's rows
+    the gate's and up kernel's channel loops; "by-pair-staged": those loops pipelined over three
+    stages, the up kernel's products summed once after its loop and its FP4 scales read as words
+    (``UP_STAGES``, ``DOWN_STAGES``, ``UP_SUM_LATE``, ``UP_SCALE_WORDS``); "by-pair-slots": the defaults (every slot's rows
     at once, ``DOWN_SLOTS``; the gate's and up kernel's weights asked for before the wait,
     ``GATE_EARLY`` / ``UP_EARLY``); "by-pair-early": the down sum's too (``DOWN_EARLY``, the
     form the interpreter runs whole) — or grouped by expert, whatever the token count."""
@@ -97,8 +98,11 @@ def use_form(form: str, monkeypatch) -> None:
 
     monkeypatch.setattr(kmoe, "GROUPED_TOKENS", 1 if form == "by-expert" else kernels.MOE_TOKENS + 1)
     monkeypatch.setattr(kmoe, "DOWN_SLOTS", form in ("by-pair-slots", "by-pair-early"))
-    early = {"by-pair": False, "by-pair-late": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
-    monkeypatch.setattr(kmoe, "UP_SUM_LATE", form == "by-pair-late")
+    early = {"by-pair": False, "by-pair-staged": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
+    staged = form == "by-pair-staged"
+    for knob, on, off in (("UP_SUM_LATE", True, False), ("UP_SCALE_WORDS", True, False), ("UP_STAGES", 3, 1),
+                          ("DOWN_STAGES", 3, 1)):
+        monkeypatch.setattr(kmoe, knob, on if staged else off)
     if early is not None:
         for knob in ("GATE_EARLY", "UP_EARLY", "DOWN_EARLY"):
             monkeypatch.setattr(kmoe, knob, early)

@@ -104,6 +104,9 @@ UP_STAGES, DOWN_STAGES = 1, 1
 # it across the channels once after the loop, where each step summed its own (a reduction
 # across the threads every step, on the path between one step's loads and the next's)
 UP_SUM_LATE = False
+# the loop's FP4 scale bytes read from int32 words, so that with UP_STAGES > 1 they are fetched
+# ahead with the codes (Triton pipelines loads of 4 bytes or more): off until timed
+UP_SCALE_WORDS = False
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
 # as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
@@ -168,7 +171,7 @@ def _weight_at(w_ptr, sc_ptr, row, col, mask, IN, FMT: tl.constexpr, SR: tl.cons
 
 
 @triton.jit
-def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
+def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr, SW: tl.constexpr = False):
     """Inputs [c0, c0 + BLOCK) of FP4 rows as fp32 (0 outside): ``row`` / ``row_ok`` of any
     shape [..., 1] (rows x 1, slots x rows x 1), the tile [..., BLOCK]; the weight e2m1 pairs
     [rows, IN / 2] (the even input in the low nibble) times one ue8m0 byte per 1 x 32, a
@@ -177,17 +180,24 @@ def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
     input loading its own byte took a load an input (on the H200, 2026-12-05: `small`'s down sum
     2.21 -> 1.89 ms a step, the up kernel 1.07 -> 1.02). The values ``model.checkpoint``
     dequantises, exact in fp32 (and in bf16: e2m1 times 2^k)."""
-    low, high = _fp4_pairs(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN)
+    low, high = _fp4_pairs(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN, SW)
     return tl.interleave(low, high)
 
 
 @triton.jit
-def _fp4_pairs(w_ptr, sc_ptr, row, row_ok, j, IN):
+def _fp4_pairs(w_ptr, sc_ptr, row, row_ok, j, IN, SW: tl.constexpr = False):
     """Bytes ``j`` of FP4 rows ``row`` (broadcast together, as are ``row_ok``) decoded: the
-    even inputs' values and the odd ones' (low and high nibbles), each times its 1 x 32 scale."""
+    even inputs' values and the odd ones' (low and high nibbles), each times its 1 x 32 scale.
+    SW (``sc_ptr`` 4-byte aligned): each scale byte taken from the int32 word that holds it, a
+    load Triton's pipelining can issue ahead (it leaves one-byte loads in place)."""
     ok = row_ok & (j < IN // 2)
     code = tl.load(w_ptr + row * (IN // 2) + j, mask=ok, other=0).to(tl.int32)
-    s = _ue8m0(tl.load(sc_ptr + row * tl.cdiv(IN, 32) + j // 16, mask=ok, other=0).to(tl.int32))
+    at = row * tl.cdiv(IN, 32) + j // 16
+    if SW:
+        word = tl.load(sc_ptr.to(tl.pointer_type(tl.int32)) + at // 4, mask=ok, other=0)
+        s = _ue8m0((word >> ((at % 4) * 8).to(tl.int32)) & 0xFF)
+    else:
+        s = _ue8m0(tl.load(sc_ptr + at, mask=ok, other=0).to(tl.int32))
     return _e2m1(code & 0xF) * s, _e2m1(code >> 4) * s
 
 
@@ -333,9 +343,10 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
                CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
                w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None, FMT: tl.constexpr = "plain",
                S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
-               STAGES: tl.constexpr = 1, LATE: tl.constexpr = False):
+               STAGES: tl.constexpr = 1, LATE: tl.constexpr = False, SW: tl.constexpr = False):
     """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. LATE: the
-    channel loop's products summed across the channels once, after it (``UP_SUM_LATE``). EARLY
+    channel loop's products summed across the channels once, after it (``UP_SUM_LATE``); SW: its
+    FP4 scales read as words (``_fp4_pairs``). EARLY
     (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
     before the dependent launch's wait — a routed slot's expert is known only after it.
     FMT "fp4": the routed experts' bytes and scales (``*_sc``) decoded in registers, the shared
@@ -377,49 +388,64 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
         acc3 = tl.sum(b.to(tl.float32) * x, 1)
     else:
         _chain(PDL)
+        # the routed and the shared loop apart, so that neither's body branches on the slot (a load
+        # under a branch is one Triton's pipelining leaves alone)
         if p < NK:  # a routed slot: expert isel[p] of token p // K
             t = p // K
             e, w_ok = _held_expert(isel_ptr, p, i_ok)
             gw = tl.load(wsel_ptr + p)
-            a_ptr = w1_ptr + e * I * D
-            b_ptr = w3_ptr + e * I * D
+            acc1, acc3 = _up_sums(x_ptr, w1_ptr, w3_ptr, w1_sc, w3_sc, e, t, i, w_ok, D, I, True, BLOCK_I, BLOCK_D,
+                                  FMT, "fp4", 1, 1, STAGES, LATE, SW)
         else:  # the shared expert of token p - NK
             t = p - NK
-            e = t * 0  # none: the shared expert is no stack's
-            w_ok = i < SI
             gw = 1.0
-            a_ptr = s1_ptr
-            b_ptr = s3_ptr
-        tile1 = tl.zeros([BLOCK_I, BLOCK_D if LATE else 1], dtype=tl.float32)
-        tile3 = tl.zeros([BLOCK_I, BLOCK_D if LATE else 1], dtype=tl.float32)
-        for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
-            d = d0 + tl.arange(0, BLOCK_D)
-            d_ok = d < D
-            rows = i[:, None] * D + d[None, :]
-            m = w_ok[:, None] & d_ok[None, :]
-            if FMT == "plain":
-                a = tl.load(a_ptr + rows, mask=m, other=0.0).to(tl.float32)
-                b = tl.load(b_ptr + rows, mask=m, other=0.0).to(tl.float32)
-            else:
-                a = _expert_tile(p < NK, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, w_ok, d0, D, BLOCK_D, S_FMT, SR, SC)
-                b = _expert_tile(p < NK, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, w_ok, d0, D, BLOCK_D, S_FMT, SR, SC)
-            # the token's channels after the weight's (their loads in flight together) and in the tile's
-            # own shape, a row each (the SM's L1 serves the repeats): loaded as a row and broadcast,
-            # x went through shared memory every step, four barriers between one step's weight loads
-            # and the next's (the sm_90 build's SASS, read on the CPU: 6 BAR.SYNC -> 1, the rest outside the loop)
-            x = tl.load(x_ptr + t * D + d[None, :] + 0 * i[:, None], mask=d_ok[None, :] & (i >= 0)[:, None],
-                        other=0.0).to(tl.float32)
-            if LATE:
-                tile1 += a * x
-                tile3 += b * x
-            else:
-                tile1 += tl.sum(a * x, 1, keep_dims=True)
-                tile3 += tl.sum(b * x, 1, keep_dims=True)
-        acc1, acc3 = tl.sum(tile1, 1), tl.sum(tile3, 1)
+            acc1, acc3 = _up_sums(x_ptr, s1_ptr, s3_ptr, s1_sc, s3_sc, t * 0, t, i, i < SI, D, I, False, BLOCK_I,
+                                  BLOCK_D, FMT, S_FMT, SR, SC, STAGES, LATE, False)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
     _store(h_ptr + p * I + i, h, i_ok, BF16)
+
+
+@triton.jit
+def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.constexpr, BLOCK_I: tl.constexpr,
+             BLOCK_D: tl.constexpr, FMT: tl.constexpr, S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
+             STAGES: tl.constexpr, LATE: tl.constexpr, SW: tl.constexpr):
+    """The up kernel's channel loop: rows ``i`` of two weights against token t's channels, -> the
+    two products [BLOCK_I] in fp32. ROUTED: expert e's rows of the stacks (FMT), else the shared
+    expert's (plain, or S_FMT with FP4 stacks). LATE: summed across the channels once, after it.
+    SW: the FP4 scales read as int32 words (``_fp4_pairs``)."""
+    tile1 = tl.zeros([BLOCK_I, BLOCK_D if LATE else 1], dtype=tl.float32)
+    tile3 = tl.zeros([BLOCK_I, BLOCK_D if LATE else 1], dtype=tl.float32)
+    if ROUTED and FMT == "plain":
+        a_ptr += e * I * D
+        b_ptr += e * I * D
+    for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
+        d = d0 + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        m = w_ok[:, None] & d_ok[None, :]
+        if FMT == "plain":
+            a = tl.load(a_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        elif ROUTED:
+            a = _fp4_tile(a_ptr, a_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D, SW)
+            b = _fp4_tile(b_ptr, b_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D, SW)
+        else:
+            a = _weight_at(a_ptr, a_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
+            b = _weight_at(b_ptr, b_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
+        # the token's channels after the weight's (their loads in flight together) and in the tile's
+        # own shape, a row each (the SM's L1 serves the repeats): loaded as a row and broadcast, x
+        # went through shared memory every step, four barriers between one step's weight loads and
+        # the next's (the sm_90 build's SASS, read on the CPU: 6 BAR.SYNC -> 1, outside the loop)
+        x = tl.load(x_ptr + t * D + d[None, :] + 0 * i[:, None], mask=d_ok[None, :] & (i >= 0)[:, None],
+                    other=0.0).to(tl.float32)
+        if LATE:
+            tile1 += a * x
+            tile3 += b * x
+        else:
+            tile1 += tl.sum(a * x, 1, keep_dims=True)
+            tile3 += tl.sum(b * x, 1, keep_dims=True)
+    return tl.sum(tile1, 1), tl.sum(tile3, 1)
 
 
 @triton.jit
@@ -872,7 +898,8 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
-            STAGES=UP_STAGES, LATE=UP_SUM_LATE, num_warps=UP_WARPS, **chained(x), **up)
+            STAGES=UP_STAGES, LATE=UP_SUM_LATE, num_warps=UP_WARPS, **chained(x), **up,
+            SW=UP_SCALE_WORDS and "w1_sc" in up and all(up[k].data_ptr() % 4 == 0 for k in ("w1_sc", "w3_sc")))
         if DOWN_SLOTS:
             return down_slots(h, w2, s2, chosen, out, SI, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
