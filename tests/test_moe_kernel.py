@@ -89,8 +89,8 @@ def _interpretable_defaults(monkeypatch):
 def use_form(form: str, monkeypatch) -> None:
     """The experts' kernels by (token, slot) pair — "by-pair": the down sum slot by slot and
     the gate's and up kernel's channel loops; "by-pair-staged": those loops pipelined over three
-    stages, the up kernel's products summed once after its loop and its FP4 scales read as words
-    (``UP_STAGES``, ``DOWN_STAGES``, ``UP_SUM_LATE``, ``UP_SCALE_WORDS``); "by-pair-slots": the defaults (every slot's rows
+    stages, the up kernel's products summed once after its loop, the scales read as words
+    (``UP_STAGES``, ``DOWN_STAGES``, ``UP_SUM_LATE``, ``*_SCALE_WORDS``); "by-pair-slots": the defaults (every slot's rows
     at once, ``DOWN_SLOTS``; the gate's and up kernel's weights asked for before the wait,
     ``GATE_EARLY`` / ``UP_EARLY``); "by-pair-early": the down sum's too (``DOWN_EARLY``, the
     form the interpreter runs whole) — or grouped by expert, whatever the token count."""
@@ -100,8 +100,8 @@ def use_form(form: str, monkeypatch) -> None:
     monkeypatch.setattr(kmoe, "DOWN_SLOTS", form in ("by-pair-slots", "by-pair-early"))
     early = {"by-pair": False, "by-pair-staged": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
     staged = form == "by-pair-staged"
-    for knob, on, off in (("UP_SUM_LATE", True, False), ("UP_SCALE_WORDS", True, False), ("UP_STAGES", 3, 1),
-                          ("DOWN_STAGES", 3, 1)):
+    for knob, on, off in (("UP_SUM_LATE", True, False), ("UP_SCALE_WORDS", True, False),
+                          ("DOWN_SCALE_WORDS", True, False), ("UP_STAGES", 3, 1), ("DOWN_STAGES", 3, 1)):
         monkeypatch.setattr(kmoe, knob, on if staged else off)
     if early is not None:
         for knob in ("GATE_EARLY", "UP_EARLY", "DOWN_EARLY"):

@@ -104,9 +104,10 @@ UP_STAGES, DOWN_STAGES = 1, 1
 # it across the channels once after the loop, where each step summed its own (a reduction
 # across the threads every step, on the path between one step's loads and the next's)
 UP_SUM_LATE = False
-# the loop's FP4 scale bytes read from int32 words, so that with UP_STAGES > 1 they are fetched
-# ahead with the codes (Triton pipelines loads of 4 bytes or more): off until timed
-UP_SCALE_WORDS = False
+# the channel loops' scale bytes (the FP4 stacks', the packed shared expert's) read from int32 words,
+# so that with UP_STAGES / DOWN_STAGES > 1 they are fetched ahead with the codes (Triton pipelines
+# loads of 4 bytes or more; a one-byte load stays where it is, and each step waits on it): off until timed
+UP_SCALE_WORDS = DOWN_SCALE_WORDS = False
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
 # as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
@@ -156,17 +157,19 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
-def _weight_at(w_ptr, sc_ptr, row, col, mask, IN, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
+def _weight_at(w_ptr, sc_ptr, row, col, mask, IN, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
+               SW: tl.constexpr = False):
     """Elements (``row``, ``col``) of a weight of IN inputs a row as fp32 (0 where masked), for
     indices of any shape (the kernels' tiles: rows x inputs, their transpose): FMT "plain" floats
     [rows, IN]; "fp8" e4m3 bytes [rows, IN] times one ue8m0 byte per SR x SC block — the values
-    ``model.checkpoint`` dequantises, exact in fp32 (and in bf16: e4m3 times 2^k)."""
+    ``model.checkpoint`` dequantises, exact in fp32 (and in bf16: e4m3 times 2^k). SW: the scale
+    bytes read from their int32 words (``_fp4_pairs``)."""
     if FMT == "plain":
         w = tl.load(w_ptr + row * IN + col, mask=mask, other=0.0).to(tl.float32)
     else:
         q = tl.load(w_ptr + row * IN + col, mask=mask, other=0)
-        sb = tl.load(sc_ptr + (row // SR) * tl.cdiv(IN, SC) + col // SC, mask=mask, other=0)
-        w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _ue8m0(sb.to(tl.int32))
+        w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _scale_at(sc_ptr, (row // SR) * tl.cdiv(IN, SC) + col // SC,
+                                                                          mask, SW)
     return w
 
 
@@ -192,13 +195,18 @@ def _fp4_pairs(w_ptr, sc_ptr, row, row_ok, j, IN, SW: tl.constexpr = False):
     load Triton's pipelining can issue ahead (it leaves one-byte loads in place)."""
     ok = row_ok & (j < IN // 2)
     code = tl.load(w_ptr + row * (IN // 2) + j, mask=ok, other=0).to(tl.int32)
-    at = row * tl.cdiv(IN, 32) + j // 16
+    s = _scale_at(sc_ptr, row * tl.cdiv(IN, 32) + j // 16, ok, SW)
+    return _e2m1(code & 0xF) * s, _e2m1(code >> 4) * s
+
+
+@triton.jit
+def _scale_at(sc_ptr, at, ok, SW: tl.constexpr):
+    """The ue8m0 scale bytes ``at`` as fp32 powers of two (0 where not ``ok``); SW (``sc_ptr``
+    4-byte aligned): each from the int32 word that holds it."""
     if SW:
         word = tl.load(sc_ptr.to(tl.pointer_type(tl.int32)) + at // 4, mask=ok, other=0)
-        s = _ue8m0((word >> ((at % 4) * 8).to(tl.int32)) & 0xFF)
-    else:
-        s = _ue8m0(tl.load(sc_ptr + at, mask=ok, other=0).to(tl.int32))
-    return _e2m1(code & 0xF) * s, _e2m1(code >> 4) * s
+        return _ue8m0((word >> ((at % 4) * 8).to(tl.int32)) & 0xFF)
+    return _ue8m0(tl.load(sc_ptr + at, mask=ok, other=0).to(tl.int32))
 
 
 @triton.jit
@@ -400,7 +408,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             t = p - NK
             gw = 1.0
             acc1, acc3 = _up_sums(x_ptr, s1_ptr, s3_ptr, s1_sc, s3_sc, t * 0, t, i, i < SI, D, I, False, BLOCK_I,
-                                  BLOCK_D, FMT, S_FMT, SR, SC, STAGES, LATE, False)
+                                  BLOCK_D, FMT, S_FMT, SR, SC, STAGES, LATE, SW)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
@@ -431,8 +439,8 @@ def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.co
             a = _fp4_tile(a_ptr, a_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D, SW)
             b = _fp4_tile(b_ptr, b_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D, SW)
         else:
-            a = _weight_at(a_ptr, a_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
-            b = _weight_at(b_ptr, b_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
+            a = _weight_at(a_ptr, a_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC, SW)
+            b = _weight_at(b_ptr, b_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC, SW)
         # the token's channels after the weight's (their loads in flight together) and in the tile's
         # own shape, a row each (the SM's L1 serves the repeats): loaded as a row and broadcast, x
         # went through shared memory every step, four barriers between one step's weight loads and
@@ -498,7 +506,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
                        PDL: tl.constexpr = False, w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain",
                        S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
-                       STAGES: tl.constexpr = 1):
+                       STAGES: tl.constexpr = 1, SW: tl.constexpr = False):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
@@ -509,7 +517,8 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
     kernel, two launches back: this kernel is scheduled only once every program of the up
     kernel between has passed its own wait, which returns when the gate has finished and its
     writes are visible; the ids are read past the SM's L1 (``.cg``) all the same.
-    A slot of another rank's expert (id -1) reads no weight; the shared expert's w2 is [D, SI]."""
+    A slot of another rank's expert (id -1) reads no weight; the shared expert's w2 is [D, SI].
+    SW: the loop's scale bytes read as int32 words (``DOWN_SCALE_WORDS``)."""
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
@@ -547,7 +556,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                 acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
             else:
                 w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I, S_FMT, SR,
-                                     SC)
+                                     SC, SW)
                 acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, i0, I, BLOCK_I, BF16)
     acc = _round(acc, BF16)
     total = tl.zeros([BLOCK_O], dtype=tl.float32)
@@ -568,14 +577,14 @@ def _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI):
 
 @triton.jit
 def _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I: tl.constexpr,
-                 S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
+                 S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr, SW: tl.constexpr = False):
     """The down sum's packed tiles of channels [i0, i0 + BLOCK_I): the ``mine`` slots' ``rows``
     of the FP4 w2 stack [S, BLOCK_O, BLOCK_I] (0 for the others: the shared slot, another
     rank's expert) and the shared expert's rows ``o`` of s2 [D, SI] (S_FMT) [BLOCK_O, BLOCK_I],
-    each decoded once rather than both formats for every slot."""
-    w = _fp4_tile(w2_ptr, w2_sc, rows[:, :, None], (mine[:, None] & o_ok[None, :])[:, :, None], i0, I, BLOCK_I)
+    each decoded once rather than both formats for every slot. SW: their scales read as words."""
+    w = _fp4_tile(w2_ptr, w2_sc, rows[:, :, None], (mine[:, None] & o_ok[None, :])[:, :, None], i0, I, BLOCK_I, SW)
     i = i0 + tl.arange(0, BLOCK_I)
-    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC)
+    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC, SW)
     return w, ws
 
 
@@ -760,7 +769,8 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
     _down_slots_kernel[(N, triton.cdiv(D, block_o))](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I, SI,
         K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=early, STAGES=DOWN_STAGES, num_warps=warps, **unfused(), **chained(h), **packed)
+        EARLY=early, STAGES=DOWN_STAGES, num_warps=warps, **unfused(), **chained(h), **packed,
+        SW=DOWN_SCALE_WORDS and not early and _words(packed))
     return out
 
 
@@ -799,6 +809,12 @@ def stored(routed: tuple, scales: tuple | None, shared: tuple, dtype: torch.dtyp
         assert all(t.dtype == dtype for t in shared)
     return (*(_bytes(t) for t in routed), *(_bytes(t) if t.element_size() == 1 else t.contiguous() for t in shared),
             up, down)
+
+
+def _words(packed: dict) -> bool:
+    """Whether a launch's scale bytes (``packed``: :func:`stored`'s up or down arguments) can be
+    read as int32 words: FP4 stacks, every scale tensor at a 4-byte address."""
+    return packed.get("FMT") == "fp4" and all(v.data_ptr() % 4 == 0 for k, v in packed.items() if k.endswith("_sc"))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -899,7 +915,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
             STAGES=UP_STAGES, LATE=UP_SUM_LATE, num_warps=UP_WARPS, **chained(x), **up,
-            SW=UP_SCALE_WORDS and "w1_sc" in up and all(up[k].data_ptr() % 4 == 0 for k in ("w1_sc", "w3_sc")))
+            SW=UP_SCALE_WORDS and _words(up))
         if DOWN_SLOTS:
             return down_slots(h, w2, s2, chosen, out, SI, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
