@@ -315,8 +315,8 @@ def main() -> None:
                 moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-early", check=by_pair))
         if "stages" in only:  # the channel loops software-pipelined (their next steps' loads issued early)
-            sweep(moe, {"DOWN_SCALE_WORDS": [False, True], "DOWN_STAGES": [1, 2, 3, 4]}, cycled_moe(3), emit,
-                  "moe-down-stages", check=by_pair)
+            sweep(moe, {"DOWN_PAIRS": [False, True], "DOWN_SCALE_WORDS": [False, True], "DOWN_STAGES": [1, 2, 3, 4]},
+                  cycled_moe(3), emit, "moe-down-stages", check=by_pair)
             sweep(moe, {"UP_SCALE_WORDS": [True], "DOWN_SCALE_WORDS": [True], "UP_STAGES": [1, 3],
                         "DOWN_STAGES": [1, 3]}, cycled_moe(3), emit, "moe-stages", check=by_pair)
         if "up-loop" in only:  # the channel loop's tile (the form a wide preset's rows take)

@@ -212,6 +212,40 @@ def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weig
         assert torch.equal(got, want)
 
 
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_down_sum_on_each_bytes_channels_apart_is_the_interleaved_sum(dtype, monkeypatch):
+    """``DOWN_PAIRS`` (the FP4 down sum's loop on the even and odd channels apart, pipelined over
+    three stages, scales as words): the interleaved loop's output to the summation order; the
+    launches asked for it."""
+    from model.kernels import moe as kmoe
+
+    interpretable(monkeypatch)
+    use_form("by-pair-slots", monkeypatch)
+    packed = packed_moe(dtype, seed=9)
+    x = (torch.randn(3, TINY.hidden_size, generator=torch.Generator().manual_seed(4)) * 5).to(DEVICE, dtype)
+    real, asked = kmoe._down_slots_kernel, []
+
+    class Spy:  # the kernel's launches, their PAIRS and SW recorded
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                asked.append((kw.get("PAIRS"), kw.get("SW")))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(kmoe, "_down_slots_kernel", Spy())
+    got = {}
+    for pairs in (False, True):
+        monkeypatch.setattr(kmoe, "DOWN_PAIRS", pairs)
+        monkeypatch.setattr(kmoe, "DOWN_SCALE_WORDS", pairs)
+        monkeypatch.setattr(kmoe, "DOWN_STAGES", 3 if pairs else 1)
+        with torch.no_grad():
+            got[pairs] = ds.moe_step(packed, x)
+    assert asked == [(False, False), (True, True)]
+    assert_close(got[True], got[False], TOL[dtype] * (10 if dtype == torch.float32 else 1))
+    assert got[True].float().abs().max() > 0
+
+
 def packed_parts(dtype: torch.dtype, size: int, seed: int = 0) -> tuple[MoE, list[MoE]]:
     """A whole packed MoE (:func:`packed_moe`) and the parts its ``size`` ranks hold of it
     (``model.loading.local_state``: a range of the experts' stored bytes, a share of the shared

@@ -108,6 +108,11 @@ UP_SUM_LATE = False
 # so that with UP_STAGES / DOWN_STAGES > 1 they are fetched ahead with the codes (Triton pipelines
 # loads of 4 bytes or more; a one-byte load stays where it is, and each step waits on it): off until timed
 UP_SCALE_WORDS = DOWN_SCALE_WORDS = False
+# the FP4 down sum's loop on each byte's even and odd channels apart (``_slots_pairs``: the h rows
+# split, the codes' tile never interleaved; its sums in another order than the plain kernel's). The
+# sm_90 build (`v41-flash`'s tile, 16 x 256 x 8 warps): 704 instructions against 768, 22 BAR.SYNC
+# against 26, 20 SHFL against 40. Off until timed
+DOWN_PAIRS = False
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
 # as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
@@ -506,7 +511,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
                        PDL: tl.constexpr = False, w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain",
                        S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
-                       STAGES: tl.constexpr = 1, SW: tl.constexpr = False):
+                       STAGES: tl.constexpr = 1, SW: tl.constexpr = False, PAIRS: tl.constexpr = False):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
@@ -554,6 +559,9 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
             if FMT == "plain":
                 w = _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI)
                 acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
+            elif PAIRS:
+                acc += _slots_pairs(w2_ptr, w2_sc, s2_ptr, s2_sc, h_ptr, rows, mine, pair, j, K, live, o, o_ok, i0, I,
+                                    SI, BLOCK_I, S_FMT, SR, SC, BF16, SW)
             else:
                 w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I, S_FMT, SR,
                                      SC, SW)
@@ -586,6 +594,25 @@ def _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, B
     i = i0 + tl.arange(0, BLOCK_I)
     ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC, SW)
     return w, ws
+
+
+@triton.jit
+def _slots_pairs(w2_ptr, w2_sc, s2_ptr, s2_sc, h_ptr, rows, mine, pair, j, K: tl.constexpr, live, o, o_ok, i0, I, SI,
+                 BLOCK_I: tl.constexpr, S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr, BF16: tl.constexpr,
+                 SW: tl.constexpr):
+    """``_slots_sums`` of ``_slots_tiles``' channels with each FP4 byte's two nibbles kept apart:
+    the h rows read whole and split into their even and odd channels, so the codes' tile is
+    never interleaved."""
+    jj = i0 // 2 + tl.arange(0, BLOCK_I // 2)
+    low, high = _fp4_pairs(w2_ptr, w2_sc, rows[:, :, None], (mine[:, None] & o_ok[None, :])[:, :, None],
+                           jj[None, None, :], I, SW)
+    i = i0 + tl.arange(0, BLOCK_I)
+    h = _slot_rows(h_ptr, pair, i, live[:, None] & (i < I)[None, :], I, BF16)
+    he, ho = tl.split(tl.reshape(h, [h.shape[0], BLOCK_I // 2, 2]))
+    routed = tl.sum(low * he[:, None, :] + high * ho[:, None, :], 2)
+    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC, SW)
+    shared = tl.sum(ws * tl.sum(tl.where((j == K)[:, None], h, 0.0), 0)[None, :], 1)
+    return tl.where((j == K)[:, None], shared[None, :], routed)
 
 
 @triton.jit
@@ -770,7 +797,7 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I, SI,
         K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
         EARLY=early, STAGES=DOWN_STAGES, num_warps=warps, **unfused(), **chained(h), **packed,
-        SW=DOWN_SCALE_WORDS and not early and _words(packed))
+        SW=DOWN_SCALE_WORDS and not early and _words(packed), PAIRS=DOWN_PAIRS and packed.get("FMT") == "fp4")
     return out
 
 
