@@ -7,11 +7,13 @@ Owns ``moe_decode`` (what ``model.moe.MoE.forward`` computes for text tokens):
   weights, in partial sums over channel chunks: one program reading the whole weight took
   53 us a layer on the H200) and ``_gate_kernel``, one program per token: the partial sums
   added in chunk order, the score function, top-k on score + bias (ties to the lower expert id),
-  the chosen scores normalised and scaled;
+  the chosen scores normalised and scaled (``route`` launches the two: at 384 experts the logits
+  split over blocks of experts as well as channel chunks, ``GATE_ROWS``);
 - ``_up_kernel``, one program per (token, slot) pair and block of intermediate channels,
   the shared expert as one more slot of weight 1: ``w1`` and ``w3`` rows against the token,
   rounded to the activation dtype as the GEMM's output is, the SwiGLU with the training
-  clamps, times the gate weight, rounded again as ``MoE`` rounds before ``w2``;
+  clamps, times the gate weight, rounded again as ``MoE`` rounds before ``w2`` (inputs wider
+  than one tile take the channel loop, ``_up_sums``, a routed and a shared form);
 - ``_down_kernel``, one program per token and block of output channels: each slot's ``w2``
   product rounded to the activation dtype, summed in slot order in fp32, then the shared
   expert's added (``MoE``'s order), so a step is deterministic; ``_down_slots_kernel`` (with
