@@ -1,12 +1,11 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
-        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,stages,topk]  (gemv, compare: the
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,up-loop,gate,attention-prefill,topk]  (gemv, compare: the
         fast path against torch only; down: the MoE's down sum slot by slot against every slot at once,
         then the latter's tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps;
-        stages: the up and down kernels' channel loops pipelined over 1-4 stages; gate: the gate's two
-        launches alone at the preset's whole expert count, whatever --experts says; up-loop: the up
-        kernel's channel loop, rows, width, warps and stages, experts cycled)
+        gate: the gate's two launches alone at the preset's whole expert count, whatever --experts
+        says; up-loop: the up kernel's channel loop's rows, width and warps, experts cycled)
         [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them)
         [--experts N] (at most N routed experts: `--preset v41-flash --experts 32` for its width)
         [--ranks N] (the MoE kinds on rank 0's part of an expert-parallel MoE over N ranks: a
@@ -276,7 +275,7 @@ def main() -> None:
             sweep(moe, {"GATE_ROWS": [16, 32, 64, 512], "GATE_BLOCK_D": [128, 256], "GATE_SPLITS": [16, 32, 64],
                         "GATE_TOPK_WARPS": [1, 4]},
                   gate, emit, "moe-gate", check=lambda: moe.route(xs[0], gate_w, bias, {}, **routing)[1])
-        if {"moe", "grouped", "compare", "down", "up", "up-loop", "stages"} & set(only):  # compare: the two forms' times alone
+        if {"moe", "grouped", "compare", "down", "up", "up-loop"} & set(only):  # compare: the two forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE, a.ranks)
             if a.fp4:
                 tensors, config = fp4_experts(tensors, config)
@@ -314,18 +313,9 @@ def main() -> None:
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: a.fp4 or sweep(
                 moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-early", check=by_pair))
-        if "stages" in only:  # the channel loops software-pipelined (their next steps' loads issued early)
-            sweep(moe, {"DOWN_PAIRS": [False, True], "DOWN_SCALE_WORDS": [False, True], "DOWN_STAGES": [1, 2, 3, 4]},
-                  cycled_moe(3), emit, "moe-down-stages", check=by_pair)
-            sweep(moe, {"UP_SCALE_WORDS": [True], "DOWN_SCALE_WORDS": [True], "UP_STAGES": [1, 3],
-                        "DOWN_STAGES": [1, 3]}, cycled_moe(3), emit, "moe-stages", check=by_pair)
         if "up-loop" in only:  # the channel loop's tile (the form a wide preset's rows take)
-            looped = cycled_moe(4)
-            sweep(moe, {"UP_EARLY": [False], "UP_SUM_LATE": [False, True], "UP_SCALE_WORDS": [False, True],
-                        "UP_STAGES": [1, 2, 3, 4]}, looped, emit, "moe-up-loop", check=by_pair)
-            sweep(moe, {"UP_EARLY": [False], "UP_SCALE_WORDS": [True], "UP_STAGES": [3], "UP_BLOCK_I": [2, 4, 8],
-                        "UP_BLOCK_D": [256, 512, 1024], "UP_WARPS": [4, 8]}, looped, emit, "moe-up-loop-tile",
-                  check=by_pair)
+            sweep(moe, {"UP_EARLY": [False], "UP_BLOCK_I": [2, 4, 8], "UP_BLOCK_D": [256, 512, 1024],
+                        "UP_WARPS": [4, 8]}, cycled_moe(4), emit, "moe-up-loop", check=by_pair)
         if "up" in only:  # the up kernel's rows whole (UP_EARLY: the shared expert's before the wait)
             sweep(moe, {"UP_EARLY": [False, True], "UP_EARLY_BLOCK_I": [1, 2, 4, 8], "UP_WARPS": [4, 8],
                         "UP_EARLY_TILE_BYTES": [16384, 65536]},

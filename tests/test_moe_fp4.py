@@ -182,7 +182,7 @@ def test_a_packed_models_decode_step_runs_its_stacked_fp4_experts_as_the_loop(mo
 
 # ----------------------------------------------------------------------------- the fused kernels
 
-FORMS = ["by-pair-early", "by-pair", "by-pair-staged", "by-expert"]
+FORMS = ["by-pair-early", "by-pair", "by-expert"]
 
 
 @needs_triton
@@ -210,40 +210,6 @@ def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weig
         torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=rtol * want.float().abs().max().item())
     else:
         assert torch.equal(got, want)
-
-
-@needs_triton
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_down_sum_on_each_bytes_channels_apart_is_the_interleaved_sum(dtype, monkeypatch):
-    """``DOWN_PAIRS`` (the FP4 down sum's loop on the even and odd channels apart, pipelined over
-    three stages, scales as words): the interleaved loop's output to the summation order; the
-    launches asked for it."""
-    from model.kernels import moe as kmoe
-
-    interpretable(monkeypatch)
-    use_form("by-pair-slots", monkeypatch)
-    packed = packed_moe(dtype, seed=9)
-    x = (torch.randn(3, TINY.hidden_size, generator=torch.Generator().manual_seed(4)) * 5).to(DEVICE, dtype)
-    real, asked = kmoe._down_slots_kernel, []
-
-    class Spy:  # the kernel's launches, their PAIRS and SW recorded
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                asked.append((kw.get("PAIRS"), kw.get("SW")))
-                return real[grid](*args, **kw)
-            return launch
-
-    monkeypatch.setattr(kmoe, "_down_slots_kernel", Spy())
-    got = {}
-    for pairs in (False, True):
-        monkeypatch.setattr(kmoe, "DOWN_PAIRS", pairs)
-        monkeypatch.setattr(kmoe, "DOWN_SCALE_WORDS", pairs)
-        monkeypatch.setattr(kmoe, "DOWN_STAGES", 3 if pairs else 1)
-        with torch.no_grad():
-            got[pairs] = ds.moe_step(packed, x)
-    assert asked == [(False, False), (True, True)]
-    assert_close(got[True], got[False], TOL[dtype] * (10 if dtype == torch.float32 else 1))
-    assert got[True].float().abs().max() > 0
 
 
 def packed_parts(dtype: torch.dtype, size: int, seed: int = 0) -> tuple[MoE, list[MoE]]:
@@ -373,15 +339,14 @@ def fp4_launches() -> list[dict]:
     grouped = {"K": 6, "K_P2": 8, "BLOCK_N": 16, "BF16": True, "DOT": "tf32", **packed}
     return [
         *(moe_launch("_up_kernel", typed("_up_kernel", up_typed),
-                     {**by_pair, "BLOCK_I": bi, "BLOCK_D": bd, "CLAMP": True, "EARLY": early, "STAGES": stages},
+                     {**by_pair, "BLOCK_I": bi, "BLOCK_D": bd, "CLAMP": True, "EARLY": early},
                      {**pdl, "num_warps": 4})
-          for early, bi, bd, stages in ((True, 2, 2048, 1), (False, 4, 256, 1), (False, 4, 256, 3))),
+          for early, bi, bd in ((True, 2, 2048), (False, 4, 256))),
         *(moe_launch("_down_slots_kernel", typed("_down_slots_kernel", down_typed),
-                     {**by_pair, "S_P2": 8, "BLOCK_O": bo, "BLOCK_I": bi, "OUT_BF16": True, "EARLY": early,
-                      "STAGES": stages}, {**pdl, "num_warps": warps})
-          for early, bo, bi, warps, stages in (
-              (True, 4, 1024, 8, 1),
-              *((False, kmoe.SLOTS_FP4_BLOCK_O, kmoe.SLOTS_FP4_BLOCK_I, kmoe.SLOTS_FP4_WARPS, n) for n in (1, 3)))),
+                     {**by_pair, "S_P2": 8, "BLOCK_O": bo, "BLOCK_I": bi, "OUT_BF16": True, "EARLY": early},
+                     {**pdl, "num_warps": warps})
+          for early, bo, bi, warps in (
+              (True, 4, 1024, 8), (False, kmoe.SLOTS_FP4_BLOCK_O, kmoe.SLOTS_FP4_BLOCK_I, kmoe.SLOTS_FP4_WARPS))),
         moe_launch("_down_kernel", typed("_down_kernel", down_typed),
                    {**by_pair, "BLOCK_O": 4, "BLOCK_I": 512, "OUT_BF16": True}, {**pdl, "num_warps": 8}),
         moe_launch("_up_grouped_kernel", typed("_up_grouped_kernel", up_typed),
@@ -395,8 +360,7 @@ def fp4_launches() -> list[dict]:
                     reason="needs Triton installed; on a GPU the kernels themselves run in the tests above")
 def test_fp4_moe_kernels_compile_for_hopper(tmp_path):
     """Triton's GPU compiler for sm_90 on the CPU: the FP4 forms of the up and down kernels by
-    pair (early and looped, the loops also software-pipelined over 3 stages: ``UP_STAGES``,
-    ``DOWN_STAGES``) and grouped, whose both branches (a routed slot's FP4, the shared
+    pair (early and looped) and grouped, whose both branches (a routed slot's FP4, the shared
     expert's FP8) the interpreter never types together."""
     r = compile_for_hopper(fp4_launches(), tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -78,7 +78,7 @@ def decode_call(moe: MoE, x: torch.Tensor, **kw) -> torch.Tensor:
 
 # under the interpreter only the form without channel loops (its ``range`` over a runtime width is
 # not the interpreter's): every kernel of it runs there, and the others on the GPU
-FORMS = ["by-pair", "by-pair-staged", "by-pair-slots", "by-pair-early", "by-expert"] if ON_CUDA else ["by-pair-early"]
+FORMS = ["by-pair", "by-pair-slots", "by-pair-early", "by-expert"] if ON_CUDA else ["by-pair-early"]
 
 
 @pytest.fixture(autouse=True)
@@ -88,21 +88,15 @@ def _interpretable_defaults(monkeypatch):
 
 def use_form(form: str, monkeypatch) -> None:
     """The experts' kernels by (token, slot) pair — "by-pair": the down sum slot by slot and
-    the gate's and up kernel's channel loops; "by-pair-staged": those loops, the down sum every
-    slot at once, pipelined over three stages, the up kernel's products summed once after its loop, the scales read as words
-    (``UP_STAGES``, ``DOWN_STAGES``, ``UP_SUM_LATE``, ``*_SCALE_WORDS``); "by-pair-slots": the defaults (every slot's rows
+    the gate's and up kernel's channel loops; "by-pair-slots": the defaults (every slot's rows
     at once, ``DOWN_SLOTS``; the gate's and up kernel's weights asked for before the wait,
     ``GATE_EARLY`` / ``UP_EARLY``); "by-pair-early": the down sum's too (``DOWN_EARLY``, the
     form the interpreter runs whole) — or grouped by expert, whatever the token count."""
     from model.kernels import moe as kmoe
 
     monkeypatch.setattr(kmoe, "GROUPED_TOKENS", 1 if form == "by-expert" else kernels.MOE_TOKENS + 1)
-    monkeypatch.setattr(kmoe, "DOWN_SLOTS", form in ("by-pair-slots", "by-pair-early", "by-pair-staged"))
-    early = {"by-pair": False, "by-pair-staged": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
-    staged = form == "by-pair-staged"
-    for knob, on, off in (("UP_SUM_LATE", True, False), ("UP_SCALE_WORDS", True, False),
-                          ("DOWN_SCALE_WORDS", True, False), ("UP_STAGES", 3, 1), ("DOWN_STAGES", 3, 1)):
-        monkeypatch.setattr(kmoe, knob, on if staged else off)
+    monkeypatch.setattr(kmoe, "DOWN_SLOTS", form in ("by-pair-slots", "by-pair-early"))
+    early = {"by-pair": False, "by-pair-early": True}.get(form)  # by-pair-slots: the defaults
     if early is not None:
         for knob in ("GATE_EARLY", "UP_EARLY", "DOWN_EARLY"):
             monkeypatch.setattr(kmoe, knob, early)

@@ -57,10 +57,11 @@ from model.kernels.streams import _collapsed
 SCORING = {"sqrtsoftplus": 0, "sigmoid": 1, "softmax": 2}
 GATE_SPLITS = 32  # programs per token that share the gate's weight read
 # a gate-logits program's experts (a power of two; the rows of ``E`` past it go to further
-# programs) and its most channels a load: at `small` (64 experts) one program holds every row;
-# at V4.1-Flash's 384 experts x 5,120 channels, 32 programs of every row each left 100 of the
-# H200's 132 SMs idle (55-69 us for 7.9 MB of fp32 weight on an H100, 2026-12-05)
-GATE_ROWS, GATE_BLOCK_D = 512, 128
+# programs) and its most channels a load: at V4.1-Flash's 384 experts x 5,120 channels, 32 programs
+# of every row each (512, 128) left 100 of the H200's 132 SMs idle. The gate's two launches timed alone
+# there (2026-12-06, H200, kernel_sweep.py --preset v41-flash --only gate, 48 settings): 12.1 us
+# with (512, 128), 7.0 with these (16 rows 7.4; 64 splits the same; the top-k on one warp slower)
+GATE_ROWS, GATE_BLOCK_D = 32, 256
 # warps of the top-k program (a token's): each of its k picks is three reductions over the experts,
 # across the warps (shared memory and a barrier each) where there are several
 GATE_TOPK_WARPS = 4
@@ -98,23 +99,12 @@ SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # warps 49.1, 8 x 256 x 4 45.2; the early form, each row's whole width a load, 42.9 at 1 row x 4 warps, but
 # its tile grows with I: 8 x 4,096 values a program at `v41-flash`)
 SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
-# the stages of the up kernel's channel loop and the down sum's (Triton's software pipelining,
-# ``tl.range(num_stages=)``: the next steps' loads issued while this one's are summed), where a
-# program walks its rows in steps (V4.1-Flash's width: 20 steps of 256 channels an up program)
-UP_STAGES, DOWN_STAGES = 1, 1
-# the up kernel's channel loop adds each step's products into a rows x channels tile and sums
-# it across the channels once after the loop, where each step summed its own (a reduction
-# across the threads every step, on the path between one step's loads and the next's)
-UP_SUM_LATE = False
-# the channel loops' scale bytes (the FP4 stacks', the packed shared expert's) read from int32 words,
-# so that with UP_STAGES / DOWN_STAGES > 1 they are fetched ahead with the codes (Triton pipelines
-# loads of 4 bytes or more; a one-byte load stays where it is, and each step waits on it): off until timed
-UP_SCALE_WORDS = DOWN_SCALE_WORDS = False
-# the FP4 down sum's loop on each byte's even and odd channels apart (``_slots_pairs``: the h rows
-# split, the codes' tile never interleaved; its sums in another order than the plain kernel's). The
-# sm_90 build (`v41-flash`'s tile, 16 x 256 x 8 warps): 704 instructions against 768, 22 BAR.SYNC
-# against 26, 20 SHFL against 40. Off until timed
-DOWN_PAIRS = False
+# (2026-12-06, on the H200, a whole moe_decode at `v41-flash`'s width, FP4, batch 1, 32 experts cycled from
+# HBM, kernel_sweep.py --only up-loop,stages: 278.6 us as it is. Tried in the channel loops and not kept:
+# Triton's software pipelining, 2-4 stages — up 299-302 us, down 491; the scale bytes read from their
+# int32 words so that the pipelining fetched them too — up 326 us at 1 stage, 504-515 with 2-4, down 286 and
+# 1,049-1,083; the up kernel's products summed once after its loop — 276.6 us, within the noise; the FP4
+# down sum on each byte's even and odd channels apart — 295.5 us. docs/benchmarks.md has the builds' reading)
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
 # as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
@@ -164,24 +154,22 @@ def _swiglu(acc1, acc3, limit, BF16: tl.constexpr, CLAMP: tl.constexpr):
 
 
 @triton.jit
-def _weight_at(w_ptr, sc_ptr, row, col, mask, IN, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
-               SW: tl.constexpr = False):
+def _weight_at(w_ptr, sc_ptr, row, col, mask, IN, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
     """Elements (``row``, ``col``) of a weight of IN inputs a row as fp32 (0 where masked), for
     indices of any shape (the kernels' tiles: rows x inputs, their transpose): FMT "plain" floats
     [rows, IN]; "fp8" e4m3 bytes [rows, IN] times one ue8m0 byte per SR x SC block — the values
-    ``model.checkpoint`` dequantises, exact in fp32 (and in bf16: e4m3 times 2^k). SW: the scale
-    bytes read from their int32 words (``_fp4_pairs``)."""
+    ``model.checkpoint`` dequantises, exact in fp32 (and in bf16: e4m3 times 2^k)."""
     if FMT == "plain":
         w = tl.load(w_ptr + row * IN + col, mask=mask, other=0.0).to(tl.float32)
     else:
         q = tl.load(w_ptr + row * IN + col, mask=mask, other=0)
-        w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _scale_at(sc_ptr, (row // SR) * tl.cdiv(IN, SC) + col // SC,
-                                                                          mask, SW)
+        sb = tl.load(sc_ptr + (row // SR) * tl.cdiv(IN, SC) + col // SC, mask=mask, other=0)
+        w = q.to(tl.float8e4nv, bitcast=True).to(tl.float32) * _ue8m0(sb.to(tl.int32))
     return w
 
 
 @triton.jit
-def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr, SW: tl.constexpr = False):
+def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
     """Inputs [c0, c0 + BLOCK) of FP4 rows as fp32 (0 outside): ``row`` / ``row_ok`` of any
     shape [..., 1] (rows x 1, slots x rows x 1), the tile [..., BLOCK]; the weight e2m1 pairs
     [rows, IN / 2] (the even input in the low nibble) times one ue8m0 byte per 1 x 32, a
@@ -190,30 +178,18 @@ def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr, SW: tl.co
     input loading its own byte took a load an input (on the H200, 2026-12-05: `small`'s down sum
     2.21 -> 1.89 ms a step, the up kernel 1.07 -> 1.02). The values ``model.checkpoint``
     dequantises, exact in fp32 (and in bf16: e2m1 times 2^k)."""
-    low, high = _fp4_pairs(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN, SW)
+    low, high = _fp4_pairs(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN)
     return tl.interleave(low, high)
 
 
 @triton.jit
-def _fp4_pairs(w_ptr, sc_ptr, row, row_ok, j, IN, SW: tl.constexpr = False):
+def _fp4_pairs(w_ptr, sc_ptr, row, row_ok, j, IN):
     """Bytes ``j`` of FP4 rows ``row`` (broadcast together, as are ``row_ok``) decoded: the
-    even inputs' values and the odd ones' (low and high nibbles), each times its 1 x 32 scale.
-    SW (``sc_ptr`` 4-byte aligned): each scale byte taken from the int32 word that holds it, a
-    load Triton's pipelining can issue ahead (it leaves one-byte loads in place)."""
+    even inputs' values and the odd ones' (low and high nibbles), each times its 1 x 32 scale."""
     ok = row_ok & (j < IN // 2)
     code = tl.load(w_ptr + row * (IN // 2) + j, mask=ok, other=0).to(tl.int32)
-    s = _scale_at(sc_ptr, row * tl.cdiv(IN, 32) + j // 16, ok, SW)
+    s = _ue8m0(tl.load(sc_ptr + row * tl.cdiv(IN, 32) + j // 16, mask=ok, other=0).to(tl.int32))
     return _e2m1(code & 0xF) * s, _e2m1(code >> 4) * s
-
-
-@triton.jit
-def _scale_at(sc_ptr, at, ok, SW: tl.constexpr):
-    """The ue8m0 scale bytes ``at`` as fp32 powers of two (0 where not ``ok``); SW (``sc_ptr``
-    4-byte aligned): each from the int32 word that holds it."""
-    if SW:
-        word = tl.load(sc_ptr.to(tl.pointer_type(tl.int32)) + at // 4, mask=ok, other=0)
-        return _ue8m0((word >> ((at % 4) * 8).to(tl.int32)) & 0xFF)
-    return _ue8m0(tl.load(sc_ptr + at, mask=ok, other=0).to(tl.int32))
 
 
 @triton.jit
@@ -357,11 +333,8 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
                K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
                CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
                w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None, FMT: tl.constexpr = "plain",
-               S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
-               STAGES: tl.constexpr = 1, LATE: tl.constexpr = False, SW: tl.constexpr = False):
-    """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. LATE: the
-    channel loop's products summed across the channels once, after it (``UP_SUM_LATE``); SW: its
-    FP4 scales read as words (``_fp4_pairs``). EARLY
+               S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
+    """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. EARLY
     (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
     before the dependent launch's wait — a routed slot's expert is known only after it.
     FMT "fp4": the routed experts' bytes and scales (``*_sc``) decoded in registers, the shared
@@ -410,12 +383,12 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             e, w_ok = _held_expert(isel_ptr, p, i_ok)
             gw = tl.load(wsel_ptr + p)
             acc1, acc3 = _up_sums(x_ptr, w1_ptr, w3_ptr, w1_sc, w3_sc, e, t, i, w_ok, D, I, True, BLOCK_I, BLOCK_D,
-                                  FMT, "fp4", 1, 1, STAGES, LATE, SW)
+                                  FMT, "fp4", 1, 1)
         else:  # the shared expert of token p - NK
             t = p - NK
             gw = 1.0
             acc1, acc3 = _up_sums(x_ptr, s1_ptr, s3_ptr, s1_sc, s3_sc, t * 0, t, i, i < SI, D, I, False, BLOCK_I,
-                                  BLOCK_D, FMT, S_FMT, SR, SC, STAGES, LATE, SW)
+                                  BLOCK_D, FMT, S_FMT, SR, SC)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
@@ -424,18 +397,16 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
 
 @triton.jit
 def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.constexpr, BLOCK_I: tl.constexpr,
-             BLOCK_D: tl.constexpr, FMT: tl.constexpr, S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
-             STAGES: tl.constexpr, LATE: tl.constexpr, SW: tl.constexpr):
+             BLOCK_D: tl.constexpr, FMT: tl.constexpr, S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
     """The up kernel's channel loop: rows ``i`` of two weights against token t's channels, -> the
     two products [BLOCK_I] in fp32. ROUTED: expert e's rows of the stacks (FMT), else the shared
-    expert's (plain, or S_FMT with FP4 stacks). LATE: summed across the channels once, after it.
-    SW: the FP4 scales read as int32 words (``_fp4_pairs``)."""
-    tile1 = tl.zeros([BLOCK_I, BLOCK_D if LATE else 1], dtype=tl.float32)
-    tile3 = tl.zeros([BLOCK_I, BLOCK_D if LATE else 1], dtype=tl.float32)
+    expert's (plain, or S_FMT with FP4 stacks)."""
+    acc1 = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_I], dtype=tl.float32)
     if ROUTED and FMT == "plain":
         a_ptr += e * I * D
         b_ptr += e * I * D
-    for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):
+    for d0 in tl.range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
         m = w_ok[:, None] & d_ok[None, :]
@@ -443,24 +414,20 @@ def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.co
             a = tl.load(a_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
             b = tl.load(b_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
         elif ROUTED:
-            a = _fp4_tile(a_ptr, a_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D, SW)
-            b = _fp4_tile(b_ptr, b_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D, SW)
+            a = _fp4_tile(a_ptr, a_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D)
+            b = _fp4_tile(b_ptr, b_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D)
         else:
-            a = _weight_at(a_ptr, a_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC, SW)
-            b = _weight_at(b_ptr, b_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC, SW)
+            a = _weight_at(a_ptr, a_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
+            b = _weight_at(b_ptr, b_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
         # the token's channels after the weight's (their loads in flight together) and in the tile's
         # own shape, a row each (the SM's L1 serves the repeats): loaded as a row and broadcast, x
         # went through shared memory every step, four barriers between one step's weight loads and
         # the next's (the sm_90 build's SASS, read on the CPU: 6 BAR.SYNC -> 1, outside the loop)
         x = tl.load(x_ptr + t * D + d[None, :] + 0 * i[:, None], mask=d_ok[None, :] & (i >= 0)[:, None],
                     other=0.0).to(tl.float32)
-        if LATE:
-            tile1 += a * x
-            tile3 += b * x
-        else:
-            tile1 += tl.sum(a * x, 1, keep_dims=True)
-            tile3 += tl.sum(b * x, 1, keep_dims=True)
-    return tl.sum(tile1, 1), tl.sum(tile3, 1)
+        acc1 += tl.sum(a * x, 1)
+        acc3 += tl.sum(b * x, 1)
+    return acc1, acc3
 
 
 @triton.jit
@@ -512,8 +479,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
                        PDL: tl.constexpr = False, w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain",
-                       S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
-                       STAGES: tl.constexpr = 1, SW: tl.constexpr = False, PAIRS: tl.constexpr = False):
+                       S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
@@ -524,8 +490,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
     kernel, two launches back: this kernel is scheduled only once every program of the up
     kernel between has passed its own wait, which returns when the gate has finished and its
     writes are visible; the ids are read past the SM's L1 (``.cg``) all the same.
-    A slot of another rank's expert (id -1) reads no weight; the shared expert's w2 is [D, SI].
-    SW: the loop's scale bytes read as int32 words (``DOWN_SCALE_WORDS``)."""
+    A slot of another rank's expert (id -1) reads no weight; the shared expert's w2 is [D, SI]."""
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
     o_ok = o < D
@@ -555,18 +520,15 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
             _chain(PDL)
             acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, 0, I, BLOCK_I, BF16)
     else:
-        for i0 in tl.range(0, I, BLOCK_I, num_stages=STAGES):
+        for i0 in tl.range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
             hm = live[:, None] & (i < I)[None, :]
             if FMT == "plain":
                 w = _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI)
                 acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
-            elif PAIRS:
-                acc += _slots_pairs(w2_ptr, w2_sc, s2_ptr, s2_sc, h_ptr, rows, mine, pair, j, K, live, o, o_ok, i0, I,
-                                    SI, BLOCK_I, S_FMT, SR, SC, BF16, SW)
             else:
                 w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I, S_FMT, SR,
-                                     SC, SW)
+                                     SC)
                 acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, i0, I, BLOCK_I, BF16)
     acc = _round(acc, BF16)
     total = tl.zeros([BLOCK_O], dtype=tl.float32)
@@ -587,34 +549,15 @@ def _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI):
 
 @triton.jit
 def _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I: tl.constexpr,
-                 S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr, SW: tl.constexpr = False):
+                 S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
     """The down sum's packed tiles of channels [i0, i0 + BLOCK_I): the ``mine`` slots' ``rows``
     of the FP4 w2 stack [S, BLOCK_O, BLOCK_I] (0 for the others: the shared slot, another
     rank's expert) and the shared expert's rows ``o`` of s2 [D, SI] (S_FMT) [BLOCK_O, BLOCK_I],
-    each decoded once rather than both formats for every slot. SW: their scales read as words."""
-    w = _fp4_tile(w2_ptr, w2_sc, rows[:, :, None], (mine[:, None] & o_ok[None, :])[:, :, None], i0, I, BLOCK_I, SW)
+    each decoded once rather than both formats for every slot."""
+    w = _fp4_tile(w2_ptr, w2_sc, rows[:, :, None], (mine[:, None] & o_ok[None, :])[:, :, None], i0, I, BLOCK_I)
     i = i0 + tl.arange(0, BLOCK_I)
-    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC, SW)
+    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC)
     return w, ws
-
-
-@triton.jit
-def _slots_pairs(w2_ptr, w2_sc, s2_ptr, s2_sc, h_ptr, rows, mine, pair, j, K: tl.constexpr, live, o, o_ok, i0, I, SI,
-                 BLOCK_I: tl.constexpr, S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr, BF16: tl.constexpr,
-                 SW: tl.constexpr):
-    """``_slots_sums`` of ``_slots_tiles``' channels with each FP4 byte's two nibbles kept apart:
-    the h rows read whole and split into their even and odd channels, so the codes' tile is
-    never interleaved."""
-    jj = i0 // 2 + tl.arange(0, BLOCK_I // 2)
-    low, high = _fp4_pairs(w2_ptr, w2_sc, rows[:, :, None], (mine[:, None] & o_ok[None, :])[:, :, None],
-                           jj[None, None, :], I, SW)
-    i = i0 + tl.arange(0, BLOCK_I)
-    h = _slot_rows(h_ptr, pair, i, live[:, None] & (i < I)[None, :], I, BF16)
-    he, ho = tl.split(tl.reshape(h, [h.shape[0], BLOCK_I // 2, 2]))
-    routed = tl.sum(low * he[:, None, :] + high * ho[:, None, :], 2)
-    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC, SW)
-    shared = tl.sum(ws * tl.sum(tl.where((j == K)[:, None], h, 0.0), 0)[None, :], 1)
-    return tl.where((j == K)[:, None], shared[None, :], routed)
 
 
 @triton.jit
@@ -798,8 +741,7 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
     _down_slots_kernel[(N, triton.cdiv(D, block_o))](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I, SI,
         K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=early, STAGES=DOWN_STAGES, num_warps=warps, **unfused(), **chained(h), **packed,
-        SW=DOWN_SCALE_WORDS and not early and _words(packed), PAIRS=DOWN_PAIRS and packed.get("FMT") == "fp4")
+        EARLY=early, num_warps=warps, **unfused(), **chained(h), **packed)
     return out
 
 
@@ -838,12 +780,6 @@ def stored(routed: tuple, scales: tuple | None, shared: tuple, dtype: torch.dtyp
         assert all(t.dtype == dtype for t in shared)
     return (*(_bytes(t) for t in routed), *(_bytes(t) if t.element_size() == 1 else t.contiguous() for t in shared),
             up, down)
-
-
-def _words(packed: dict) -> bool:
-    """Whether a launch's scale bytes (``packed``: :func:`stored`'s up or down arguments) can be
-    read as int32 words: FP4 stacks, every scale tensor at a 4-byte address."""
-    return packed.get("FMT") == "fp4" and all(v.data_ptr() % 4 == 0 for k, v in packed.items() if k.endswith("_sc"))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -943,8 +879,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
-            STAGES=UP_STAGES, LATE=UP_SUM_LATE, num_warps=UP_WARPS, **chained(x), **up,
-            SW=UP_SCALE_WORDS and _words(up))
+            num_warps=UP_WARPS, **chained(x), **up)
         if DOWN_SLOTS:
             return down_slots(h, w2, s2, chosen, out, SI, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
