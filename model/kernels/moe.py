@@ -100,7 +100,7 @@ SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # its tile grows with I: 8 x 4,096 values a program at `v41-flash`)
 SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
 # (2026-12-06, on the H200, a whole moe_decode at `v41-flash`'s width, FP4, batch 1, 32 experts cycled from
-# HBM, kernel_sweep.py --only up-loop,stages: 278.6 us as it is. Tried in the channel loops and not kept:
+# HBM, kernel_sweep.py --only up-loop and a `stages` sweep since removed: 278.6 us as it is. Tried in the channel loops and not kept:
 # Triton's software pipelining, 2-4 stages — up 299-302 us, down 491; the scale bytes read from their
 # int32 words so that the pipelining fetched them too — up 326 us at 1 stage, 504-515 with 2-4, down 286 and
 # 1,049-1,083; the up kernel's products summed once after its loop — 276.6 us, within the noise; the FP4
@@ -376,8 +376,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
         acc3 = tl.sum(b.to(tl.float32) * x, 1)
     else:
         _chain(PDL)
-        # the routed and the shared loop apart, so that neither's body branches on the slot (a load
-        # under a branch is one Triton's pipelining leaves alone)
+        # the routed and the shared loop apart: the slot's branch taken once, not in every step
         if p < NK:  # a routed slot: expert isel[p] of token p // K
             t = p // K
             e, w_ok = _held_expert(isel_ptr, p, i_ok)
