@@ -656,6 +656,7 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
             "recall_records": a.recall_records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "recall_form": a.recall_form, "recall_value": a.recall_value, "recall_decoys": a.recall_decoys,
+            "recall_place": a.recall_place, "open_words": a.open_words,
             "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": a.schedule,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,
