@@ -340,11 +340,18 @@ GREETINGS = [("Hello!", "Hello! How can I help?"), ("Hi", "Hi! What can I do for
 DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
 
 
-def _sequence_fact(rng: random.Random) -> tuple[str, str]:
+def _sequence_fact(rng: random.Random, wide: bool = False) -> tuple[str, str]:
+    """A day or a number and the one after it; ``wide`` (an open lexicon's records): numbers of
+    one to five digits, each length as likely, so that adding one is learnt as carrying digits
+    rather than as a table of the first hundred."""
     if rng.random() < 0.5:
         i = rng.randrange(7)
         return f"What day comes after {DAYS[i]}?", f"{DAYS[(i + 1) % 7]}."
-    n = rng.randrange(1, 99)
+    if wide:
+        digits = rng.randrange(5)
+        n = rng.randrange(10 ** digits, 10 ** (digits + 1))
+    else:
+        n = rng.randrange(1, 99)
     return f"What number comes after {n}?", f"{n + 1}."
 
 
@@ -360,7 +367,7 @@ def chat_conversation(b: Builder) -> None:
     pick = b.rng.random()
     if pick < 0.75:
         pool = _runtime_facts() if pick < 0.3 else FACTS if pick < 0.55 else GREETINGS
-        q, a = b.rng.choice(pool) if pick < 0.65 else _sequence_fact(b.rng)
+        q, a = b.rng.choice(pool) if pick < 0.65 else _sequence_fact(b.rng, b.lex.split is not None)
     else:
         q, a = _echo(b.rng, b.lex)
     b.user(q)
@@ -421,7 +428,9 @@ def read_question(b: Builder, files: dict[str, str]) -> None:
     key = b.rng.choice(["owner", "project", "meeting"])
     value = dict(line.split(": ") for line in files["notes.txt"].splitlines())[key]
     b.user(b.lex.phrase(b.rng, [f"What is the {key} in notes.txt?", f"Check notes.txt: what is the {key}?"],
-                        {"train": [f"Read notes.txt and tell me the {key}.", f"What does notes.txt say the {key} is?"],
+                        {"train": [f"Read notes.txt and tell me the {key}.", f"What does notes.txt say the {key} is?",
+                                   f"Find the {key} in notes.txt.", f"Open notes.txt: what's the {key}?",
+                                   f"Which {key} does notes.txt name?"],
                          "held-out": [f"Look up the {key} in notes.txt.", f"In notes.txt, what is given as the {key}?"]}))
     b.call(("read_file", {"path": "notes.txt"}))
     b.say(f"The {key} in notes.txt is {value}.")
@@ -431,7 +440,9 @@ def read_question(b: Builder, files: dict[str, str]) -> None:
 def list_question(b: Builder, files: dict[str, str]) -> None:
     names = sorted(p.split("/", 1)[1] for p in files if p.startswith("data/"))
     b.user(b.lex.phrase(b.rng, ["What files are in the data folder?", "List the data directory."],
-                        {"train": ["What's in the data folder?", "Show me the files in data."],
+                        {"train": ["What's in the data folder?", "Show me the files in data.",
+                                   "What does the data folder contain?", "Which files are in data?",
+                                   "Show the contents of the data folder."],
                          "held-out": ["List the files in the data folder.", "Which files does the data folder hold?"]}))
     b.call(("list_dir", {"path": "data"}))
     b.say(f"The data folder has {_plural(len(names), 'file')}: {', '.join(names)}.")
@@ -458,7 +469,8 @@ def view_question(b: Builder) -> None:
     name = f"{b.lex.word(b.rng)}.png"
     (b.workspace / name).write_bytes(shape.png)
     b.user(b.lex.phrase(b.rng, [f"What is in {name}?", f"Look at {name} and tell me how many shapes it shows."],
-                        {"train": [f"Describe {name}.", f"What does {name} show?"],
+                        {"train": [f"Describe {name}.", f"What does {name} show?", f"What can you see in {name}?",
+                                   f"Count the shapes in {name}.", f"Open {name} and describe it."],
                          "held-out": [f"Open {name}: what shapes are in it?", f"Tell me what the picture {name} contains."]}))
     b.call(("view_image", {"path": name}))
     b.say(describe(shape))
@@ -477,7 +489,8 @@ def calc_question(b: Builder) -> None:
     expr = arithmetic(b.rng)
     said = _spoken(b, expr)
     q = b.lex.phrase(b.rng, [f"What is {said}?", f"Calculate {said}.", f"Use the calculator: {said}"],
-                     {"train": [f"Compute {said}.", f"What's {said}?"],
+                     {"train": [f"Compute {said}.", f"What's {said}?", f"What does {said} come to?",
+                                f"Can you calculate {said}?", f"Please compute {said}.", f"Find {said}."],
                       "held-out": [f"How much is {said}?", f"Work out {said}."]})
     b.say(f"{expr} = {ask_calculator(b, expr, q)}.")
 
@@ -643,8 +656,10 @@ def recall_conversation(b: Builder, tokenizer: Tokenizer, recall_tokens: tuple[i
     planted = RECALL_FORMS[style.form].format(key=key, value=value)
     before = sum(line.startswith(f"{key_kind} of ") for line in lines[:lines.index(planted)])
     document = "\n".join(lines)
-    question = b.lex.phrase(rng, [f"What is the {key}?"], {"train": [f"Which {key} does the log give?"],
-                                                           "held-out": [f"Tell me the {key} from the log."]})
+    question = b.lex.phrase(rng, [f"What is the {key}?"],
+                            {"train": [f"Which {key} does the log give?", f"Find the {key} in the log.",
+                                       f"From the log above, what is the {key}?"],
+                             "held-out": [f"Tell me the {key} from the log."]})
     if rng.random() < 0.5:
         b.user(f"Here is a log.\n\n{document}\n\n{question}")
     else:

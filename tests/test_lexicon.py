@@ -150,3 +150,21 @@ def test_held_out_questions_say_operators_in_words_the_calculator_call_keeps_sym
     held_words = {w for op in corpus.SPOKEN_OPS.values() for w in op["held-out"]}
     assert said["open"] <= train_words and said["held-out"] <= held_words and not train_words & held_words
     assert len(said["held-out"]) >= 2 and said["open"] - set("+-*/"), said
+
+
+def test_open_records_ask_for_the_number_after_one_of_any_length(tokenizer):
+    """The chat question "What number comes after n?": the closed lexicon draws n below 99 as
+    the corpus always has; an open half draws one to five digits, each length alike, so the
+    answer is learnt as adding one rather than as a table of the first hundred."""
+    def numbers(words: str) -> list[int]:
+        got = []
+        for i in range(1500):
+            r = corpus.make_record(5, i, "a", tokenizer, words=words)
+            m = re.fullmatch(r"What number comes after (\d+)\?", r["messages"][1]["content"])
+            if m:
+                assert r["truth"]["answer"] == f"{int(m.group(1)) + 1}."
+                got.append(int(m.group(1)))
+        return got
+    closed, opened = numbers("closed"), numbers("open")
+    assert closed and max(closed) < 99
+    assert {len(str(n)) for n in opened} == {1, 2, 3, 4, 5}
