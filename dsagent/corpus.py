@@ -495,11 +495,11 @@ def calc_question(b: Builder) -> None:
     b.say(f"{expr} = {ask_calculator(b, expr, q)}.")
 
 
-# an operator as an open lexicon's half says it (the training half: its symbol too)
-SPOKEN_OPS = {"+": {"train": ("plus",), "held-out": ("added to",)},
-              "-": {"train": ("minus",), "held-out": ("take away",)},
-              "*": {"train": ("times", "×"), "held-out": ("multiplied by",)},
-              "/": {"train": ("divided by",), "held-out": ("over",)}}
+# an operator in words, as an open lexicon's halves say it: both halves use every word (the
+# training half also the symbol), the held-out half only in its own sentences; a word that no
+# record teaches is not something a model can learn to read from this corpus
+SPOKEN_OPS = {"+": ("plus", "added to"), "-": ("minus", "take away"),
+              "*": ("times", "×", "multiplied by"), "/": ("divided by", "over")}
 
 
 def _spoken(b: Builder, expr: str) -> str:
@@ -510,7 +510,7 @@ def _spoken(b: Builder, expr: str) -> str:
     if b.lex.split is None or m is None:
         return expr
     a, op, c = m.groups()
-    said = SPOKEN_OPS[op][b.lex.split]
+    said = SPOKEN_OPS[op]
     return f"{a} {b.rng.choice((op, *said) if b.lex.split == 'train' else said)} {c}"
 
 

@@ -13,7 +13,9 @@ The open words fall in two halves that never meet: a word belongs to ``train`` o
 records draw from ``train``; the evaluation's generalisation split from ``held-out``.
 
 The open halves also ask in their own words (``phrase``): the training half in the corpus's
-phrasings and more, the held-out half in others that training never draws.
+phrasings and more, the held-out half in sentences that training never draws — made of
+words training does use (an operator said as "multiplied by" is taught in both halves: a
+meaning no record shows is not one a model can learn from the corpus).
 
 Owns: ``Lexicon`` (``word``, ``person``, ``words``, ``phrase``) and ``split_of``. The closed lexicon
 draws exactly what ``rng.choice`` / ``rng.sample`` of its lists draw, so the records written
