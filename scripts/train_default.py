@@ -82,6 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-tokens", type=int, default=0,
                    help="instead of --long-batch rows: as many recall records of like length as fit this many "
                         "tokens (in the --recall-first phase too)")
+    p.add_argument("--short-tokens", type=int, default=0,
+                   help="a token budget for short and image steps: of the --short-batch rows drawn, as many as "
+                        "keep the rows (the --recall-rows joined to them included) times the longest one within "
+                        "it, so that a batch of long rows (the mixed conversations) fits where one of short rows "
+                        "does (0: every row drawn)")
     p.add_argument("--recall-tokens", default=f"{RECALL_TOKENS[0]},{RECALL_TOKENS[1]}",
                    help="LO,HI: length of a recall record's log (shorter makes retrieval easier to find first)")
     p.add_argument("--recall-spread", choices=("uniform", "log"), default="uniform",
@@ -355,6 +360,18 @@ def bare_recall_step(a, step: int) -> bool:
     return pool == "bare" or (pool == "both" and random.Random(f"pool:{a.seed}:{step}").random() < 0.5)
 
 
+def within_budget(rows: list, extra: int, budget: int) -> list:
+    """The first of ``rows`` that, with ``extra`` rows no longer than the longest of them
+    (the recall rows ``next_batch`` joins), keep rows x longest row within ``budget`` tokens:
+    a batch pads to its longest row. One row at least."""
+    longest = 0
+    for k, ex in enumerate(rows):
+        longest = max(longest, len(ex.ids))
+        if k and (k + 1 + extra) * longest > budget:
+            return rows[:k]
+    return rows
+
+
 def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     rng = random.Random(f"batch:{a.seed}:{step}")
     rng.random()  # the draw step_kind made
@@ -380,6 +397,8 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     else:
         rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
     extra = getattr(a, "recall_rows", 0) if not long else 0
+    if not long and getattr(a, "short_tokens", 0):
+        rows = within_budget(rows, extra if pools["long"] else 0, a.short_tokens)
     if extra and pools["long"]:
         # same system prompt as the short rows (the shared prefix stays), and none longer than
         # the longest of them where any fits (the pool is sorted): a batch pads to its longest row
@@ -551,7 +570,7 @@ def train(a) -> tuple[dict | None, str | None]:
             oom_streak += 1
             if oom_streak >= OOM_STREAK:  # the batches do not fit: stop rather than spend the budget skipping
                 stopped = (f"{OOM_STREAK} steps in a row ran out of memory (the last {list(batch.ids.shape)}): "
-                           f"fewer rows (--long-batch, --short-batch) or a token budget (--long-tokens)")
+                           f"fewer rows (--long-batch, --short-batch) or a token budget (--long-tokens, --short-tokens)")
                 log(group, f"stopping at step {counters['step']}: {stopped}")
                 break
             continue
@@ -657,7 +676,7 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "recall_form": a.recall_form, "recall_value": a.recall_value, "recall_decoys": a.recall_decoys,
             "recall_place": a.recall_place, "open_words": a.open_words,
-            "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
+            "short_tokens": a.short_tokens, "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": a.schedule,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,
             "kinds": a.kinds,

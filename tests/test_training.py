@@ -391,6 +391,21 @@ def test_log_spread_recall_lengths_and_like_length_batches(tiny):
     assert all(b.ids.shape[0] * b.ids.shape[1] <= a.long_tokens for b in batches)
     assert max(b.ids.shape[0] for b in batches) >= 3  # short records fill the budget with more rows
 
+    # --short-tokens: a short step keeps the rows that fit the budget (rows x longest row)
+    a = argparse.Namespace(seed=0, long_prob=0.0, short_batch=6, long_batch=2, long_tokens=0)
+    lengths = [len(ex.ids) for ex in pools["short"]]
+    assert 2 * min(lengths) > max(lengths)  # so six rows never fit three of the longest, and three always do
+    a.short_tokens = budget = 3 * max(lengths)
+    for step in range(8):
+        batch = train_default.next_batch(a, pools, step, tiny.args)
+        assert batch.ids.shape[0] * batch.ids.shape[1] <= budget and 3 <= batch.ids.shape[0] < 6
+    a.short_tokens = 0
+    assert all(train_default.next_batch(a, pools, step, tiny.args).ids.shape[0] == 6 for step in range(8))
+    rows = sorted(pools["short"], key=lambda ex: len(ex.ids))[:5]
+    n = len(rows[-1].ids)
+    assert train_default.within_budget(rows, 1, 3 * n) == rows[:2]  # (2 + 1) rows of at most n
+    assert train_default.within_budget(rows, 0, 1) == rows[:1]  # one row even over the budget
+
     # step_kind (also the trainer's recall-accuracy split) names the pool next_batch drew from
     a = argparse.Namespace(seed=0, long_prob=0.4, image_prob=0.3, short_batch=3, long_batch=2, long_tokens=0,
                            image_batch=5)
