@@ -28,7 +28,15 @@ def _whole(weights: str = "plain"):
     return load(DEFAULT, weights=weights)
 
 
-def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
+# A gap between the two best logits below which a sum in another order may swap them on the
+# FP8 / FP4 cache (logits of spread ~2; the default of 2026-12-06 has a gap of 0.014 at step 23
+# of the random prompt below, and two ranks picked the other token there)
+NEAR_TIE = 0.05
+
+
+def _greedy(model, ids: torch.Tensor, n: int, gaps: list | None = None) -> list[int]:
+    """``n`` greedy tokens after a CED prefill of ``ids``; ``gaps``: each step's gap between its
+    two best logits appended."""
     from model.engine import Engine
 
     engine = Engine(model, mode="ced", chunk=64)
@@ -39,8 +47,20 @@ def _greedy(model, ids: torch.Tensor, n: int) -> list[int]:
         for _ in range(n):
             token = state.last_logits.argmax(-1)
             tokens.append(int(token[0]))
+            if gaps is not None:
+                top = state.last_logits[0].float().topk(2).values
+                gaps.append(float(top[0] - top[1]))
             engine.decode(state, token)
     return tokens
+
+
+def _same_until_a_near_tie(got: list[int], want: list[int], gaps: list[float]) -> None:
+    """``got`` is ``want`` token for token, or up to a step where ``want``'s two best logits were
+    within NEAR_TIE (after which the two decode different contexts)."""
+    differ = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), None)
+    if differ is not None:
+        assert gaps[differ] < NEAR_TIE, f"step {differ}: {got[differ]} for {want[differ]}, a gap of {gaps[differ]:.4f}"
+    assert len(got) == len(want)
 
 
 def _rank(world: World, ids: torch.Tensor, weights: str, results, fused: bool = False) -> None:
@@ -100,7 +120,8 @@ def _fused_rank(world: World, ids: torch.Tensor, results) -> None:
 
 def test_two_ranks_decode_on_the_fused_path(tmp_path, monkeypatch):
     """The fused decode step over two ranks (each its heads, experts and table rows, the
-    partial sums added where the reference adds them) gives one process's greedy tokens."""
+    partial sums added where the reference adds them) gives one process's greedy tokens, up to
+    a step where one process's two best logits are within rounding of a sum in another order."""
     from model import decode_step
 
     ids = torch.randint(3, ARGS.vocab_size, (1, 150), generator=torch.Generator().manual_seed(5))
@@ -108,7 +129,8 @@ def test_two_ranks_decode_on_the_fused_path(tmp_path, monkeypatch):
     calls = []
     real = decode_step._fused_layers
     monkeypatch.setattr(decode_step, "_fused_layers", lambda *a, **k: calls.append(1) or real(*a, **k))
-    want_tokens = _greedy(_whole(), ids, 32)
+    gaps = []
+    want_tokens = _greedy(_whole(), ids, 32, gaps)
     assert calls  # the one process decoded on the fused path too
     with mp.Manager() as manager:
         results = manager.dict()
@@ -116,7 +138,8 @@ def test_two_ranks_decode_on_the_fused_path(tmp_path, monkeypatch):
         got = dict(results)
     assert got["fused0"] == got["fused1"] == len(calls) > 0
     for rank in (0, 1):
-        assert got[rank][1] == want_tokens
+        _same_until_a_near_tie(got[rank][1], want_tokens, gaps)
+    assert got[0][1] == got[1][1]  # the ranks' own sums are one sum
 
 
 def test_a_ranks_part_of_a_whole_state_dict():
