@@ -405,7 +405,7 @@ def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.co
     if ROUTED and FMT == "plain":
         a_ptr += e * I * D
         b_ptr += e * I * D
-    for d0 in tl.range(0, D, BLOCK_D):
+    for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
         m = w_ok[:, None] & d_ok[None, :]
@@ -519,7 +519,7 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
             _chain(PDL)
             acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, 0, I, BLOCK_I, BF16)
     else:
-        for i0 in tl.range(0, I, BLOCK_I):
+        for i0 in range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
             hm = live[:, None] & (i < I)[None, :]
             if FMT == "plain":
