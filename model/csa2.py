@@ -112,9 +112,9 @@ class Indexer(nn.Module):
         pos = step.positions(x.device)
         q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
         keys = src.view()[1]
-        return torch.stack([kernels.indexer_scores(q[b], w[b], keys[b].expand(q.shape[1], -1, -1),
-                                                   (pos, self.args.ratios[self.layer]), self.head_dim ** -0.5,
-                                                   weight_scale=self.n_heads ** -0.5) for b in range(q.shape[0])])
+        return torch.stack([kernels.prefill_index_scores(q[b], w[b], keys[b], pos, self.args.ratios[self.layer],
+                                                         self.head_dim ** -0.5, weight_scale=self.n_heads ** -0.5)
+                            for b in range(q.shape[0])])
 
     def select(self, s: torch.Tensor, lens: torch.Tensor, candidates: torch.Tensor | None):
         """Top-k record indices [B, S, <= k] (-1 = none) of scores ``s`` [B, S, n] for queries

@@ -210,14 +210,20 @@ class GroupedExperts(nn.Module):
         if self.fmt == "fp4":
             y = self.w1(h, ends, gate=(self.w3, route, self.limit))
         else:
-            y = (route[:, None] * swiglu(self.w1(h, ends), self.w3(h, ends), self.limit)).to(x.dtype)
+            g, u = self.w1(h, ends), self.w3(h, ends)
+            y = kernels.routed_swiglu(g, u, route, self.limit,
+                                      lambda: (route[:, None] * swiglu(g, u, self.limit)).to(x.dtype))
         out = self.w2(y, ends)
-        # back to (token, slot) order, then each token's k rows summed: no atomics, so a step's
-        # result never depends on the order threads finish in (index_add_ on CUDA would)
-        unsorted = torch.empty_like(out).index_copy_(0, order, out)
-        if self.split:  # rows past the last group: never written
-            unsorted = torch.where(mine[:, None], unsorted, 0)
-        return unsorted.view(-1, k, out.shape[-1]).float().sum(1)
+
+        def slot_sum() -> torch.Tensor:
+            # back to (token, slot) order, then each token's k rows summed: no atomics, so a step's
+            # result never depends on the order threads finish in (index_add_ on CUDA would)
+            unsorted = torch.empty_like(out).index_copy_(0, order, out)
+            if self.split:  # rows past the last group: never written
+                unsorted = torch.where(mine[:, None], unsorted, 0)
+            return unsorted.view(-1, k, out.shape[-1]).float().sum(1)
+
+        return kernels.slot_sum(out, order, k, ends, slot_sum)
 
 
 DENSE_RATIO = 4  # see MoE.runs_dense

@@ -25,6 +25,7 @@ import argparse
 import functools
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.args import ModelArgs  # noqa: E402
 from model import kernels  # noqa: E402
-from model.kernels import bench as kbench, fused, matvec, moe, streams  # noqa: E402
+from model.kernels import bench as kbench, fused, matvec, moe, prefill, streams  # noqa: E402
 from model.blockfp import pack_main, pack_window  # noqa: E402
 
 CALLS = 20
@@ -163,17 +164,21 @@ def main() -> None:
         if "attention-prefill" in only:  # a prefill chunk's queries, each a row of one split, the records shared
             g = torch.Generator().manual_seed(6)
             S, H, D, span = 2048, args.num_attention_heads, args.head_dim, args.sliding_window
-            N, K = 8192, args.index_topk  # a 32K context's ratio-4 records
+            N, K = 16384, args.index_topk  # a 32K context's ratio-2 records
             pre = [torch.randn(S, H, D, generator=g).to(DEVICE, torch.bfloat16),
                    pack_window(torch.randn(span + S, D, generator=g)).to(DEVICE),
                    torch.arange(span + S, device=DEVICE), pack_main(torch.randn(N, D, generator=g)).to(DEVICE),
                    torch.stack([torch.randperm(N, generator=g)[:K] for _ in range(S)]).to(DEVICE),
                    torch.randn(H, generator=g).to(DEVICE)]
             emit({"kernel": "attention-prefill-shapes", "S": S, "H": H, "D": D, "span": span, "N": N, "K": K})
+            run = lambda: kernels.sparse_prefill(*pre, D ** -0.5, out_dtype=torch.bfloat16)  # noqa: E731
+            # the keys decoded once a call (``model.kernels.prefill``), then the decode kernel a query a row
+            sweep(prefill, {"BLOCK_N": [16, 32, 64], "WARPS": [4, 8], "STAGES": [1, 2, 3]}, run,
+                  emit, "sparse_prefill-decoded")
+            os.environ["DSAGENT_PREFILL_KERNELS"] = "rows"
             # (BLOCK_H 32 and 64, for V4.1-Flash's 64 heads: their sm_90 builds spill 668 and 13,960 bytes)
-            sweep(fused, {"ATTN_BLOCKWISE": [True], "BLOCK_N": [16, 32], "ATTN_WARPS": [4, 8], "ATTN_STAGES": [1, 2, 3]},
-                  lambda: kernels.sparse_prefill(*pre, D ** -0.5, out_dtype=torch.bfloat16), emit,
-                  "sparse_prefill")
+            sweep(fused, {"BLOCK_N": [16], "ATTN_WARPS": [8]}, run, emit, "sparse_prefill-rows")
+            del os.environ["DSAGENT_PREFILL_KERNELS"]
         if "splits" in only:  # how many programs the splits aim for, by itself (it matters at batch > 1)
             sweep(fused, {"SPLIT_WAVES": [1, 2, 3, 4, 8], "ATTN_WARPS": [4, 8]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention-splits")

@@ -1,7 +1,7 @@
 """Count the SASS of the decode kernels at a preset's shapes, on the CPU (Triton for sm_90).
 
     TRITON_INTERPRET=1 PYTHONPATH=<triton>:. python3 scripts/sass_census.py [--preset small]
-        [--only attention,gemv,indexer,select,site,moe,moe-fp4]
+        [--only attention,prefill,gemv,indexer,select,site,moe,moe-fp4]
         [--set fused.ATTN_BLOCKWISE=False,fused.ATTN_WARPS=4]
 
 The kernels' own launch functions run once under Triton's interpreter on random inputs of a
@@ -45,6 +45,23 @@ def attention_launches(args: ModelArgs) -> None:
     at = torch.arange(W, dtype=torch.long)  # every slot live, the query after them: the model's FROM_POS form
     fused.sparse_attention(q, window, None, records, idx, sink.bfloat16(), scale, out_dtype=torch.bfloat16,
                            window_at=(at, torch.tensor([W - 1]), args.sliding_window))
+
+
+def prefill_launches(args: ModelArgs) -> None:
+    """A prefill's attention and index scores (``model.kernels.prefill``): 64 bf16 queries,
+    their window, 512 of 2,048 records each; their scores over 2,048 index keys."""
+    from model.blockfp import pack_index, pack_main, pack_window
+    from model.kernels import prefill
+
+    g = torch.Generator().manual_seed(0)
+    S, H, D, span, N = 64, args.num_attention_heads, args.head_dim, args.sliding_window, 2048
+    prefill.sparse_prefill(torch.randn(S, H, D, generator=g).bfloat16(), pack_window(torch.randn(span + S, D, generator=g)),
+                           torch.arange(span + S), pack_main(torch.randn(N, D, generator=g)),
+                           torch.stack([torch.randperm(N, generator=g)[:args.index_topk] for _ in range(S)]),
+                           torch.randn(H, generator=g), D ** -0.5, out_dtype=torch.bfloat16)
+    HI, DI = args.index_n_heads, args.index_head_dim
+    prefill.index_scores(torch.randn(S, HI, DI, generator=g).bfloat16(), torch.randn(S, HI, generator=g),
+                         pack_index(torch.randn(N, DI, generator=g)), torch.arange(S) + 2 * N - S, 2, DI ** -0.5)
 
 
 def gemv_launches(args: ModelArgs) -> None:
@@ -158,7 +175,7 @@ def committed_down(launch: dict) -> dict:
     return {**launch, "constants": {**launch["constants"], "EARLY": False, "BLOCK_I": moe.SLOTS_BLOCK_I}}
 
 
-KINDS = {"attention": attention_launches, "gemv": gemv_launches, "indexer": indexer_launches,
+KINDS = {"attention": attention_launches, "prefill": prefill_launches, "gemv": gemv_launches, "indexer": indexer_launches,
          "select": select_launches, "site": site_launches, "moe": moe_launches,
          "moe-fp4": moe_fp4_launches}
 

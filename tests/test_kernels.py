@@ -449,13 +449,11 @@ def test_sparse_attention_blockwise_keys_are_the_rows(warps, monkeypatch) -> Non
 @pytest.mark.skipif(ON_CUDA or importlib.util.find_spec("triton") is None,
                     reason="needs Triton installed; on a GPU the kernel itself compiles in the tests above")
 @pytest.mark.parametrize("blockwise", [False, True])
-@pytest.mark.parametrize("stages", [1, 3])
-def test_sparse_attention_kernel_compiles_for_hopper(blockwise, stages, tmp_path) -> None:
+def test_sparse_attention_kernel_compiles_for_hopper(blockwise, tmp_path) -> None:
     """The attention kernel at the model's decode shape (512 channels, 16 heads, a bf16 query,
     the window tested by position) for sm_90 as a dependent launch: the compiler types both
     key branches of ``_key_block`` (the interpreter runs one at a time) and builds the PTX of
-    the dependent launch, with either key decode (``ATTN_BLOCKWISE``), the key blocks' while
-    loop or the pipelined for loop (``ATTN_STAGES``), which the interpreter cannot run."""
+    the dependent launch, with either key decode (``ATTN_BLOCKWISE``)."""
     from tests.hopper import compile_for_hopper
 
     signature = {"q_ptr": "*bf16", "win_ptr": "*u8", "valid_ptr": "*i64", "rec_ptr": "*u8", "idx_ptr": "*i64",
@@ -464,9 +462,9 @@ def test_sparse_attention_kernel_compiles_for_hopper(blockwise, stages, tmp_path
                  **dict.fromkeys(("span", "nW", "NB", "s_qb", "s_qh", "s_wb", "s_wn", "s_vb", "s_rb", "s_rn", "s_ib"),
                                  "i32"),
                  **dict.fromkeys(("D", "BLOCK_H", "BLOCK_N", "Q_PARTS", "FROM_POS", "BLOCKWISE", "PDL", "FINAL", "BF16"),
-                                 "constexpr"), "out_ptr": "*fp32", "STAGES": "constexpr"}
+                                 "constexpr"), "out_ptr": "*fp32"}
     constants = {"D": 512, "BLOCK_H": 16, "BLOCK_N": 16, "Q_PARTS": 1, "FROM_POS": True, "BLOCKWISE": blockwise,
-                 "PDL": True, "FINAL": False, "BF16": False, "STAGES": stages}
+                 "PDL": True, "FINAL": False, "BF16": False}
     r = compile_for_hopper([{"module": "model.kernels.fused", "name": "_sparse_attention_kernel",
                              "signature": signature, "constants": constants,
                              "options": {"launch_pdl": True, "num_warps": 8}}], tmp_path)

@@ -22,7 +22,7 @@ from model.engine import Engine, Sampling
 from model.kernels import sparse_attention_ref, sparse_prefill, triton_available
 from model.loading import build, stand_in_token_map
 from model.quant import pack_main, pack_window
-from tests.test_kernels import assert_out_close, latents
+from tests.test_kernels import assert_out_close, assert_scores_close, latents
 
 ON_CUDA = torch.cuda.is_available()
 needs_kernel = pytest.mark.skipif(not triton_available(),
@@ -120,15 +120,53 @@ CASES = [(64, 32, 16, 300, 64), (33, 128, 4, 5, 8), (200, 128, 16, 700, 512)] if
 
 
 @needs_kernel
+@pytest.mark.parametrize("path", ["1", "rows"])
 @pytest.mark.parametrize("S,span,H,N,K", CASES)
-def test_sparse_prefill_kernel(S, span, H, N, K) -> None:
+def test_sparse_prefill_kernel(S, span, H, N, K, path, monkeypatch) -> None:
+    """Both kernel paths (``model.kernels.prefill``'s keys decoded once, and the decode
+    kernel a query a row) against the reference, a bf16 and an fp32 query."""
+    monkeypatch.setenv("DSAGENT_PREFILL_KERNELS", path)
     device = "cuda" if ON_CUDA else "cpu"
     inputs = prefill_case(S, span, H, N, K, device=device)
-    for dtype in (torch.float32, torch.bfloat16):
-        out = sparse_prefill(*inputs, 512 ** -0.5, out_dtype=dtype)
-        ref = by_rows(*inputs, 512 ** -0.5)
-        assert out.dtype == dtype
-        assert_out_close(out.float(), ref, rtol=1e-4 if dtype == torch.float32 else 1e-2)
+    ref = by_rows(*inputs, 512 ** -0.5)
+    for q in (inputs[0], inputs[0].float()):
+        for dtype in (torch.float32, torch.bfloat16):
+            out = sparse_prefill(q, *inputs[1:], 512 ** -0.5, out_dtype=dtype)
+            assert out.dtype == dtype
+            assert_out_close(out.float(), ref, rtol=1e-4 if dtype == torch.float32 else 1e-2)
+
+
+@needs_kernel
+def test_decoded_rows_hold_the_twins_values() -> None:
+    """The window entries, records and index keys turned to bf16 rows once a call: the values
+    ``unpack_window`` / ``unpack_main`` / ``unpack_index`` give, bit for bit (each exact in bf16)."""
+    from model.blockfp import pack_index, unpack_index, unpack_main, unpack_window
+    from model.kernels.prefill import decoded_rows
+
+    device = "cuda" if ON_CUDA else "cpu"
+    g = torch.Generator().manual_seed(4)
+    window, records = pack_window(latents(37, 512, g=g) * 40), pack_main(latents(21, 512, g=g) / 40)
+    got = decoded_rows(window.to(device), 512, "window")
+    assert torch.equal(got.cpu(), unpack_window(window, 512).bfloat16())
+    assert torch.equal(unpack_window(window, 512).bfloat16().float(), unpack_window(window, 512))  # exact in bf16
+    assert torch.equal(decoded_rows(records.to(device), 512, "record").cpu(), unpack_main(records, 512).bfloat16())
+    assert decoded_rows(records[:0].to(device), 512, "record").shape == (0, 512)
+    keys = pack_index(torch.randn(19, 128, generator=g) * 7)
+    assert torch.equal(decoded_rows(keys.to(device), 128, "index").cpu(), unpack_index(keys, 128).bfloat16())
+    assert torch.equal(unpack_index(keys, 128).bfloat16().float(), unpack_index(keys, 128))
+
+
+@pytest.mark.skipif(not (ON_CUDA and triton_available()), reason="the pipelined for loop is not the interpreter's")
+def test_prefill_pipelining_keeps_the_bits(monkeypatch) -> None:
+    """``prefill.STAGES``: the same blocks in the same order, so the same bits at 1 and 3."""
+    from model.kernels import prefill
+
+    inputs = prefill_case(*CASES[-1], device="cuda")
+    got = []
+    for stages in (1, 3):
+        monkeypatch.setattr(prefill, "STAGES", stages)
+        got.append(sparse_prefill(*inputs, 512 ** -0.5, out_dtype=torch.bfloat16))
+    assert torch.equal(got[0], got[1])
 
 
 @pytest.mark.skipif(not (ON_CUDA and triton_available()), reason="needs CUDA and Triton")
@@ -157,6 +195,33 @@ def test_indexer_scores_with_a_count_a_row() -> None:
     assert torch.equal(out.isneginf(), ref.isneginf())
     assert [int(n) for n in (~ref.isneginf()).sum(1)] == [min(N, (int(p) + 1) // ratio) for p in pos]
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("path", ["1", "rows"])
+@pytest.mark.parametrize("S,HI,N,ratio", [(7, 4, 40, 2), (37, 16, 150, 1), (5, 64, 70, 2)])
+def test_prefill_index_scores(S, HI, N, ratio, path, monkeypatch) -> None:
+    """A prefill's index scores (``kernels.prefill_index_scores``): a block of queries against
+    a block of keys decoded once (``model.kernels.prefill``), or each query a row, against the
+    twin; queries of a block seeing different counts, blocks of keys no query sees, a bf16
+    and an fp32 query."""
+    from model.kernels import indexer_scores_ref, prefill_index_scores
+    from model.quant import INDEX_BLOCK, fake_quant_fp4, pack_index
+
+    monkeypatch.setenv("DSAGENT_PREFILL_KERNELS", path)
+    device = "cuda" if ON_CUDA else "cpu"
+    g = torch.Generator().manual_seed(S)
+    DI = 128
+    q = fake_quant_fp4(torch.randn(S, HI, DI, generator=g), INDEX_BLOCK).to(device)
+    w = torch.randn(S, HI, generator=g).to(device)
+    keys = pack_index(torch.randn(N, DI, generator=g)).to(device)
+    pos = (torch.arange(S) * 3 + torch.randint(0, 3, (S,), generator=g)).to(device)  # the last sees < N
+    ref = indexer_scores_ref(q, w, keys.expand(S, -1, -1), (pos, ratio), DI ** -0.5, weight_scale=HI ** -0.5)
+    assert ref.isneginf().any() and (~ref.isneginf()).any()
+    for query in (q, q.bfloat16()):
+        out = prefill_index_scores(query, w, keys, pos, ratio, DI ** -0.5, weight_scale=HI ** -0.5)
+        assert out.shape == (S, N)
+        assert_scores_close(out, ref)
 
 
 @pytest.mark.parametrize("mode", ["exact", "ced"])
@@ -191,6 +256,7 @@ def test_one_split_ends_in_the_attention_kernel_with_the_merges_bits(monkeypatch
     (``fused.FINAL_ONE_SPLIT``): the same bits as its partials through the merge launch."""
     from model.kernels import fused
 
+    monkeypatch.setenv("DSAGENT_PREFILL_KERNELS", "rows")
     device = "cuda" if ON_CUDA else "cpu"
     inputs = prefill_case(9, 8, 4, 20, 5, device=device)
     for dtype in (torch.float32, torch.bfloat16):
@@ -199,24 +265,3 @@ def test_one_split_ends_in_the_attention_kernel_with_the_merges_bits(monkeypatch
             monkeypatch.setattr(fused, "FINAL_ONE_SPLIT", final)
             merged.append(sparse_prefill(*inputs, 512 ** -0.5, out_dtype=dtype))
         assert merged[0].dtype == dtype and torch.equal(merged[0], merged[1])
-
-
-@pytest.mark.skipif(not (ON_CUDA and triton_available()), reason="the pipelined for loop is not the interpreter's")
-@pytest.mark.parametrize("S,span,H,N,K", CASES)
-def test_pipelined_key_loop_gives_the_while_loops_bits(S, span, H, N, K, monkeypatch) -> None:
-    """``fused.ATTN_STAGES`` > 1 (the key blocks' for loop, software-pipelined): the same
-    blocks in the same order, so the same bits as the while loop, in a prefill (one split)
-    and a decode step's splits."""
-    from model.kernels import fused
-
-    inputs = prefill_case(S, span, H, N, K, device="cuda")
-    q, window, pos, records, idx, sink = inputs
-    rows = torch.stack([window[i + 1:i + 1 + span] for i in range(S)])
-    valid = torch.stack([pos[i + 1:i + 1 + span] >= 0 for i in range(S)])
-    got = {}
-    for stages in (1, 3):
-        monkeypatch.setattr(fused, "ATTN_STAGES", stages)
-        got[stages] = (sparse_prefill(*inputs, 512 ** -0.5, out_dtype=torch.bfloat16),
-                       fused.sparse_attention(q[:4], rows[:4], valid[:4], records.expand(4, -1, -1), idx[:4], sink,
-                                              512 ** -0.5))
-    assert torch.equal(got[1][0], got[3][0]) and torch.equal(got[1][1], got[3][1])

@@ -46,6 +46,15 @@ and, for one decode step (one query per batch row):
   a weight a float tensor or a :class:`Packed` one (FP8 / FP4 as the checkpoint stores it,
   dequantised in the kernel's registers).
 
+and, for a prefill's chunk:
+- ``sparse_prefill(q, window, window_pos, records, record_idx, sink, scale)``: a chunk's
+  attention on the cache's bytes and ``prefill_index_scores(q, weights, keys, pos, ratio, ...)``
+  its index scores (``model.kernels.prefill``: the keys decoded once a call, then a program a
+  query, or a block of queries x keys); twins: the decode-step functions above, a query a row.
+- ``routed_swiglu(gate, up, route, limit, twin)`` and ``slot_sum(out, order, k, ends, twin)``:
+  the grouped MoE's work around its GEMMs, one pass each (``model.kernels.routing``), from
+  ``ROUTING_ROWS`` rows; twins: ``model.moe``'s own torch code, passed in.
+
 and, for a prefill's rows on packed weights (``model.kernels.gemm``, where
 ``packed_gemm_runs(x, *weights)``; ``DSAGENT_PACKED_GEMM=0`` turns them off):
 - ``packed_matmul(x, w, groups=1)``: ``F.linear(x, w.dense(x.dtype))`` (a grouped projection
@@ -93,7 +102,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "Packed", "mhc_join",
            "mhc_forget", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
            "beside_on", "Beside", "engram_step", "packed_gemm_runs", "packed_matmul", "grouped_fp4",
-           "dequantised", "dequantised_fp4_stack"]
+           "dequantised", "dequantised_fp4_stack", "sparse_prefill", "prefill_index_scores", "routed_swiglu", "slot_sum"]
 
 
 def _interpreting() -> bool:
@@ -151,7 +160,15 @@ def attends_packed(t: torch.Tensor) -> bool:
     through :func:`sparse_prefill` and :func:`indexer_scores`' kernels (``model.decode_step``
     sets ``Step.packed_reads`` from this), rather than the reference's float keys;
     ``DSAGENT_PREFILL_KERNELS=0`` turns this alone off (to time the two side by side)."""
-    return enabled(t) and os.environ.get("DSAGENT_PREFILL_KERNELS", "1") != "0"
+    return enabled(t) and _prefill_form() != "0"
+
+
+def _prefill_form() -> str:
+    """``DSAGENT_PREFILL_KERNELS``: "1" (the default) a prefill's keys decoded once a call, then
+    ``model.kernels.prefill``'s kernels, and the grouped MoE's routing in ``model.kernels.routing``;
+    "rows" the form before those (the decode kernels a query a row, the routing in torch), to
+    time the two side by side; "0" the reference's float keys too."""
+    return os.environ.get("DSAGENT_PREFILL_KERNELS", "1")
 
 
 def sparse_prefill(q: torch.Tensor, window: torch.Tensor, window_pos: torch.Tensor, records: torch.Tensor | None,
@@ -164,7 +181,13 @@ def sparse_prefill(q: torch.Tensor, window: torch.Tensor, window_pos: torch.Tens
     window is rows i + 1 .. i + span — a strided view, read in place; ``records`` uint8 [N, D/2 +
     D/16], the source's FP4 records, every query's (a stride-0 view), and ``record_idx`` [S, K]
     each query's selection (-1 none); either None: no records. No [S, K, D] gather is made on
-    the kernel path. -> [S, H, D]."""
+    the kernel path: ``model.kernels.prefill`` decodes the window's and the records' rows once
+    to bf16, then attends a program a query (``DSAGENT_PREFILL_KERNELS=rows``: the decode
+    kernel instead, each query a row decoding its own keys). -> [S, H, D]."""
+    if _use_triton(q) and _prefill_form() != "rows":
+        from model.kernels import prefill
+
+        return prefill.sparse_prefill(q, window, window_pos, records, record_idx, sink, scale, out_dtype)
     S, span = q.shape[0], window.shape[0] - q.shape[0]
     rows = window.as_strided((S, span, window.shape[1]), (window.stride(0), window.stride(0), window.stride(1)),
                              window.storage_offset() + window.stride(0))
@@ -176,6 +199,22 @@ def sparse_prefill(q: torch.Tensor, window: torch.Tensor, window_pos: torch.Tens
         record_idx = torch.full((S, 0), -1, dtype=torch.long, device=q.device)
     return sparse_attention(q, rows, at >= 0, records.expand(S, -1, -1), record_idx, sink, scale,
                             splits=1 if _use_triton(q) else None, out_dtype=out_dtype)
+
+
+def prefill_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, pos: torch.Tensor, ratio: int,
+                         head_scale: float, weight_scale: float = 1.0) -> torch.Tensor:
+    """``Indexer.scores`` of S prefill queries of one sequence on the source's FP4 index keys
+    ``keys`` uint8 [N, DI / 2 + DI / 32]: q [S, HI, DI], weights [S, HI], positions ``pos`` [S]
+    (query t sees (pos[t] + 1) // ratio keys) -> [S, N] fp32, -inf where unseen. The kernel
+    path (``model.kernels.prefill``) decodes the keys once to bf16 and scores a block of
+    queries against a block of keys a program; else :func:`indexer_scores`, each query a row
+    (``DSAGENT_PREFILL_KERNELS=rows`` takes that on the GPU too)."""
+    if _use_triton(q) and _prefill_form() != "rows":
+        from model.kernels import prefill
+
+        return prefill.index_scores(q, weights, keys, pos, ratio, head_scale, weight_scale)
+    return indexer_scores(q, weights, keys.expand(q.shape[0], -1, -1), (pos, ratio), head_scale,
+                          weight_scale=weight_scale)
 
 
 def merge_turns_back(q: torch.Tensor) -> bool:
@@ -411,6 +450,40 @@ def dequantised_fp4_stack(w: torch.Tensor, s: torch.Tensor, in_features: int, dt
 
     return _guarded("dequantisation kernel", lambda t: dequant.dequantise_fp4_stack(t, s, in_features, dtype),
                     lambda t: twin(), w)
+
+
+# the fewest (token, expert) rows the routing kernels take: a MoE of `small` (bf16, one H100, 2026-12-06,
+# 20 calls, best of 5) took 1.14 ms with them against 1.91 at 4,096 tokens (24,576 rows), 0.97 against
+# 0.82 at 128 (768 rows), where three more launches from Python cost more than the passes they save
+ROUTING_ROWS = 4096
+
+
+def _routing_runs(x: torch.Tensor, *grads: torch.Tensor) -> bool:
+    return (x.shape[0] >= ROUTING_ROWS and _kernel_runs("MoE routing kernel", x, grads)
+            and _prefill_form() != "rows")
+
+
+def routed_swiglu(gate: torch.Tensor, up: torch.Tensor, route: torch.Tensor, limit: float, twin) -> torch.Tensor:
+    """``route[:, None] * swiglu(gate, up, limit)`` in gate's dtype, for the grouped MoE's rows
+    [R, I] (``model.kernels.routing``: one pass where torch makes eight) where the kernels
+    run outside autograd on ``ROUTING_ROWS`` rows or more (and ``DSAGENT_PREFILL_KERNELS`` is
+    not ``rows``, the form before it); else, or if it cannot be built (warned once), ``twin()``."""
+    if not _routing_runs(gate, gate, up, route):
+        return twin()
+    from model.kernels import routing
+
+    return _guarded("MoE routing kernel", lambda t: routing.routed_swiglu(t, up, route, limit), lambda t: twin(), gate)
+
+
+def slot_sum(out: torch.Tensor, order: torch.Tensor, k: int, ends: torch.Tensor, twin) -> torch.Tensor:
+    """Each token's k rows of ``out`` [T * k, D] (sorted by expert: ``order``; rows from the
+    last group's end on are another rank's, zeros) summed in fp32 in slot order -> [T, D]
+    (``model.kernels.routing``) where :func:`routed_swiglu`'s kernel would run; else ``twin()``."""
+    if not _routing_runs(out, out):
+        return twin()
+    from model.kernels import routing
+
+    return _guarded("MoE routing kernel", lambda t: routing.slot_sum(t, order, k, ends), lambda t: twin(), out)
 
 
 def grouped_fp4(x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor, s: torch.Tensor, twin, *,

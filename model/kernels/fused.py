@@ -76,9 +76,9 @@ ATTN_BLOCKWISE = True
 # merge launch and no fp32 partials (the merge was 7% of a prefill's device time: H100, `small`,
 # 8K CED in chunks of 2048, 2026-12-05, d76ebc4); the same bits as the merge (tests/test_prefill_attention.py)
 FINAL_ONE_SPLIT = True
-# the key blocks' loop as a for loop pipelined over this many stages (the next blocks' indices and bytes
-# loaded while this block is summed), where 1 keeps the while loop (the interpreter's form): untimed
-ATTN_STAGES = 1
+# (2026-12-06: the key blocks' loop as a for loop software-pipelined over 2 stages made a prefill's
+# attention of 2,048 queries 1,788 us against 1,430 with the while loop; one H100, `small`, kernel_sweep
+# --only attention-prefill: not kept)
 SPLIT_WAVES = 3  # programs per SM the splits aim for; matters from batch ~8 (kernel_sweep --only splits,
 # small, batch 16, 8 warps: 77.6 us a call with 1, 60.6 with 2, 59.1 with 3, 61.0 with 4; batch 4: 22.0-22.5 us for all)
 
@@ -343,7 +343,7 @@ def _sparse_attention_kernel(
     s_qb, s_qh, s_wb, s_wn, s_vb, s_rb, s_rn, s_ib,
     D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr,
     FROM_POS: tl.constexpr, BLOCKWISE: tl.constexpr = False, PDL: tl.constexpr = False,
-    FINAL: tl.constexpr = False, BF16: tl.constexpr = False, out_ptr=None, STAGES: tl.constexpr = 1,
+    FINAL: tl.constexpr = False, BF16: tl.constexpr = False, out_ptr=None,
 ):
     """Partial softmax sums of one (row, head group, split) over blocks split, split +
     SPLITS, ... of the row's ``NB`` key blocks (window, then records). The window's valid
@@ -367,20 +367,14 @@ def _sparse_attention_kernel(
     cur = 0
     if FROM_POS:
         cur = tl.load(cur_ptr)
-    if STAGES > 1:  # Triton's software pipelining: the next blocks' loads issued while this one is summed
-        for blk in tl.range(split, NB, SPLITS, num_stages=STAGES):
-            m, l, acc = _attend_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb,
-                                      s_wn, s_vb, s_rb, s_rn, s_ib, q_hi, q_mid, q_lo, m, l, acc, scale, D, BLOCK_H,
-                                      BLOCK_N, Q_PARTS, FROM_POS, BLOCKWISE)
-    else:
-        # a while loop, because a for loop over runtime bounds stops Triton 3.6's interpreter
-        # under numpy >= 2.4 (its scalars are 1-element arrays)
-        blk = split
-        while blk < NB:
-            m, l, acc = _attend_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb,
-                                      s_wn, s_vb, s_rb, s_rn, s_ib, q_hi, q_mid, q_lo, m, l, acc, scale, D, BLOCK_H,
-                                      BLOCK_N, Q_PARTS, FROM_POS, BLOCKWISE)
-            blk += SPLITS
+    # a while loop, because a for loop over runtime bounds stops Triton 3.6's interpreter
+    # under numpy >= 2.4 (its scalars are 1-element arrays)
+    blk = split
+    while blk < NB:
+        m, l, acc = _attend_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb,
+                                  s_wn, s_vb, s_rb, s_rn, s_ib, q_hi, q_mid, q_lo, m, l, acc, scale, D, BLOCK_H,
+                                  BLOCK_N, Q_PARTS, FROM_POS, BLOCKWISE)
+        blk += SPLITS
 
     if FINAL:  # the one split: the merge's sums of one term (top = m, since m starts at the sink)
         sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
@@ -484,7 +478,7 @@ def sparse_attention(q, window, window_valid, records, record_idx, sink, scale: 
         D=D, BLOCK_H=BLOCK_H, BLOCK_N=BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
         FROM_POS=window_at is not None, num_warps=ATTN_WARPS, **chained(q),
         BLOCKWISE=ATTN_BLOCKWISE and D >= 64,  # from 64 a record's 9 D / 16 bytes hold whole int32 words
-        FINAL=final, BF16=bf16, out_ptr=out.view(torch.int16) if bf16 else out, STAGES=ATTN_STAGES)
+        FINAL=final, BF16=bf16, out_ptr=out.view(torch.int16) if bf16 else out)
     if final:
         return out
     block_d = min(D, MERGE_BLOCK_D)
