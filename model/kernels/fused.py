@@ -324,15 +324,23 @@ def _attend_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N
     """The online softmax's running (max, sum, weighted values) after key block ``blk``."""
     kv, valid = _key_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N, K, b64, s_wb, s_wn,
                            s_vb, s_rb, s_rn, s_ib, D, BLOCK_N, FROM_POS, BLOCKWISE)
-    kb = kv.to(tl.bfloat16)
-    s = _parts_dot(q_hi, q_mid, q_lo, tl.trans(kb), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_PARTS)
+    return _online_step(q_hi, q_mid, q_lo, kv.to(tl.bfloat16), valid, m, l, acc, scale, BLOCK_H, BLOCK_N, Q_PARTS)
+
+
+@triton.jit
+def _online_step(q_hi, q_mid, q_lo, k, valid, m, l, acc, scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                 Q_PARTS: tl.constexpr):
+    """The online softmax's (max, sum, weighted values) after keys ``k`` [BLOCK_N, D] (bf16,
+    each exact), those not ``valid`` masked: the query in ``Q_PARTS`` bf16 parts, the
+    probabilities in three (every bit of their fp32), each dot summed in fp32."""
+    s = _parts_dot(q_hi, q_mid, q_lo, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_PARTS)
     s = tl.where(valid[None, :], s * scale, float("-inf"))
     m_new = tl.maximum(m, tl.max(s, 1))
     alpha = tl.exp(m - m_new)
     p = tl.exp(s - m_new[:, None])
     l = l * alpha + tl.sum(p, 1)
     p_hi, p_mid, p_lo = _bf16_parts(p, 3)
-    return m_new, l, _parts_dot(p_hi, p_mid, p_lo, kb, acc * alpha[:, None], 3)
+    return m_new, l, _parts_dot(p_hi, p_mid, p_lo, k, acc * alpha[:, None], 3)
 
 
 # decode-varying sizes: one compile

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_parts, _e2m1, _key_rows, _parts_dot, _store, _ue8m0
+from model.kernels.fused import _bf16_parts, _e2m1, _key_rows, _online_step, _parts_dot, _store, _ue8m0
 
 BLOCK_R = 16  # rows a decode program turns to bf16
 BLOCK_H = 16  # heads per program (tl.dot needs M >= 16)
@@ -61,20 +61,6 @@ def _decode_rows_kernel(src_ptr, out_ptr, R, s_r, FMT: tl.constexpr, D: tl.const
     _store(out_ptr + r.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :], kv, ok[:, None], True)
 
 
-@triton.jit
-def _attend(q_hi, q_mid, q_lo, k, valid, m, l, acc, scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-            Q_PARTS: tl.constexpr):
-    """The online softmax's (max, sum, weighted values) after keys ``k`` [BLOCK_N, D] (bf16)."""
-    s = _parts_dot(q_hi, q_mid, q_lo, tl.trans(k), tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32), Q_PARTS)
-    s = tl.where(valid[None, :], s * scale, float("-inf"))
-    m_new = tl.maximum(m, tl.max(s, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(s - m_new[:, None])
-    l = l * alpha + tl.sum(p, 1)
-    p_hi, p_mid, p_lo = _bf16_parts(p, 3)
-    return m_new, l, _parts_dot(p_hi, p_mid, p_lo, k, acc * alpha[:, None], 3)
-
-
 @triton.jit(do_not_specialize=["span", "N", "K"])
 def _prefill_kernel(q_ptr, kw_ptr, wpos_ptr, kr_ptr, idx_ptr, sink_ptr, out_ptr, H, span, N, K, scale,
                     s_qs, s_qh, s_is, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -95,13 +81,13 @@ def _prefill_kernel(q_ptr, kw_ptr, wpos_ptr, kr_ptr, idx_ptr, sink_ptr, out_ptr,
         row = i + 1 + n
         valid = tl.load(wpos_ptr + row, mask=n < span, other=-1) >= 0
         k = tl.load(kw_ptr + row[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _attend(q_hi, q_mid, q_lo, k, valid, m, l, acc, scale, BLOCK_H, BLOCK_N, Q_PARTS)
+        m, l, acc = _online_step(q_hi, q_mid, q_lo, k, valid, m, l, acc, scale, BLOCK_H, BLOCK_N, Q_PARTS)
     for blk in tl.range(0, tl.cdiv(K, BLOCK_N), num_stages=STAGES):
         n = blk * BLOCK_N + tl.arange(0, BLOCK_N)
         idx = tl.load(idx_ptr + i * s_is + n, mask=n < K, other=-1).to(tl.int64)
         valid = (idx >= 0) & (idx < N)  # the bound only keeps a bad index from reading out of range
         k = tl.load(kr_ptr + tl.where(valid, idx, 0)[:, None] * D + cols[None, :], mask=valid[:, None], other=0.0)
-        m, l, acc = _attend(q_hi, q_mid, q_lo, k, valid, m, l, acc, scale, BLOCK_H, BLOCK_N, Q_PARTS)
+        m, l, acc = _online_step(q_hi, q_mid, q_lo, k, valid, m, l, acc, scale, BLOCK_H, BLOCK_N, Q_PARTS)
     top = tl.maximum(m, sink)  # = m, which started at the sink: the decode kernel's merge of one split
     w = tl.exp(m - top)
     out = (acc * w[:, None]) / (l * w + tl.exp(sink - top))[:, None]
