@@ -328,6 +328,16 @@ def _attend_block(win_ptr, valid_ptr, rec_ptr, idx_ptr, cur, span, blk, nW, W, N
 
 
 @triton.jit
+def _query_heads(row_ptr, s_qh, g, H, D: tl.constexpr, BLOCK_H: tl.constexpr, Q_PARTS: tl.constexpr):
+    """Head group ``g`` of a query row: (heads, which exist, the query's bf16 parts)."""
+    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < H
+    q = tl.load(row_ptr + heads[:, None] * s_qh + tl.arange(0, D)[None, :], mask=head_ok[:, None], other=0.0)
+    q_hi, q_mid, q_lo = _bf16_parts(q.to(tl.float32), Q_PARTS)
+    return heads, head_ok, q_hi, q_mid, q_lo
+
+
+@triton.jit
 def _online_step(q_hi, q_mid, q_lo, k, valid, m, l, acc, scale, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                  Q_PARTS: tl.constexpr):
     """The online softmax's (max, sum, weighted values) after keys ``k`` [BLOCK_N, D] (bf16,
@@ -363,11 +373,8 @@ def _sparse_attention_kernel(
     _chain(PDL)
     b, g, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     b64 = b.to(tl.int64)
-    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < H
     cols = tl.arange(0, D)
-    q = tl.load(q_ptr + b64 * s_qb + heads[:, None] * s_qh + cols[None, :], mask=head_ok[:, None], other=0.0)
-    q_hi, q_mid, q_lo = _bf16_parts(q.to(tl.float32), Q_PARTS)
+    heads, head_ok, q_hi, q_mid, q_lo = _query_heads(q_ptr + b64 * s_qb, s_qh, g, H, D, BLOCK_H, Q_PARTS)
     # the running max starts at the sink logit: finite, and the sink itself is added once, when merging
     m = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
     l = tl.zeros([BLOCK_H], dtype=tl.float32)

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from model.kernels.fused import _bf16_parts, _e2m1, _key_rows, _online_step, _parts_dot, _store, _ue8m0
+from model.kernels.fused import _bf16_parts, _e2m1, _key_rows, _online_step, _parts_dot, _query_heads, _store, _ue8m0
 
 BLOCK_R = 16  # rows a decode program turns to bf16
 BLOCK_H = 16  # heads per program (tl.dot needs M >= 16)
@@ -68,12 +68,9 @@ def _prefill_kernel(q_ptr, kw_ptr, wpos_ptr, kr_ptr, idx_ptr, sink_ptr, out_ptr,
     """Query i's heads [g * BLOCK_H, ...): its window's rows of ``kw`` (bf16 [span + S, D],
     positions ``wpos``, -1 none), then its selected rows of ``kr`` (bf16 [N, D]; ``idx`` [S, K],
     -1 none), and the sink; the output stored in the query's dtype (``BF16``: bf16 bits)."""
-    i, g = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    heads = g * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < H
+    i = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, D)
-    q = tl.load(q_ptr + i * s_qs + heads[:, None] * s_qh + cols[None, :], mask=head_ok[:, None], other=0.0)
-    q_hi, q_mid, q_lo = _bf16_parts(q.to(tl.float32), Q_PARTS)
+    heads, head_ok, q_hi, q_mid, q_lo = _query_heads(q_ptr + i * s_qs, s_qh, tl.program_id(1), H, D, BLOCK_H, Q_PARTS)
     sink = tl.load(sink_ptr + heads, mask=head_ok, other=0.0).to(tl.float32)
     m, l, acc = sink, tl.zeros([BLOCK_H], dtype=tl.float32), tl.zeros([BLOCK_H, D], dtype=tl.float32)
     for blk in tl.range(0, tl.cdiv(span, BLOCK_N), num_stages=STAGES):
