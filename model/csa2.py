@@ -28,7 +28,7 @@ from model.rope import apply_rope
 
 def reads_packed(step: Step, kv: KVFormat) -> bool:
     """Whether this step's attention and indexer read the cache's bytes in place
-    (``kernels.sparse_prefill``, ``kernels.indexer_scores``: kernel or twin by device): where
+    (``kernels.sparse_prefill``, ``kernels.prefill_index_scores``: kernel or twin by device): where
     the fast path asked for it (``Step.packed_reads``) on a packed cache, outside training;
     else the reference's float keys."""
     return (step.packed_reads and kv.packed and step.index_losses is None and step.floor is None and not step.dense
@@ -107,8 +107,8 @@ class Indexer(nn.Module):
         return s.masked_fill(~visible, float("-inf"))
 
     def packed_scores(self, x, q_res, step: Step, src: SourceKV, inv_freq, qw=None) -> torch.Tensor:
-        """:meth:`scores` read off the source's FP4 index keys in place (``kernels.indexer_scores``,
-        each query a row, the keys every row's; no [S, heads, n] products are kept)."""
+        """:meth:`scores` read off the source's FP4 index keys in place
+        (``kernels.prefill_index_scores``; no [S, heads, n] products are kept)."""
         pos = step.positions(x.device)
         q, w = qw or self.query(x, q_res, pos, inv_freq, src.kv)
         keys = src.view()[1]

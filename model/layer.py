@@ -55,7 +55,7 @@ class Step:
     index_losses: list | None = None  # when a list, index layers append their KL to attention
     graphs: object = None  # how a fast path replays this step (``model.decode_step``); the layers never read it
     # set by the fast path (``model.decode_step.begin``): several tokens of inference whose attention
-    # and indexer read the cache's bytes in place (``kernels.sparse_prefill`` / ``indexer_scores``)
+    # and indexer read the cache's bytes in place (``kernels.sparse_prefill`` / ``prefill_index_scores``)
     packed_reads: bool = False
     new: bool = False  # every KV source stops just before ``start``: a step that continues the cache
     _positions: torch.Tensor | None = field(default=None, repr=False)

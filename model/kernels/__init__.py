@@ -157,7 +157,7 @@ def sparse_attention(q: torch.Tensor, window: torch.Tensor, window_valid: torch.
 
 def attends_packed(t: torch.Tensor) -> bool:
     """Whether a step of several tokens on ``t``'s device reads the cache's bytes in place
-    through :func:`sparse_prefill` and :func:`indexer_scores`' kernels (``model.decode_step``
+    through :func:`sparse_prefill` and :func:`prefill_index_scores`' kernels (``model.decode_step``
     sets ``Step.packed_reads`` from this), rather than the reference's float keys;
     ``DSAGENT_PREFILL_KERNELS=0`` turns this alone off (to time the two side by side)."""
     return enabled(t) and _prefill_form() != "0"
