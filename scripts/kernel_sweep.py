@@ -3,7 +3,7 @@
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
         gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,up-loop,gate,attention-prefill,topk]  (gemv, compare: the
         fast path against torch only; down: the MoE's down sum slot by slot against every slot at once,
-        then the latter's tiles, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps;
+        then the latter's tiles, the former's, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps;
         gate: the gate's two launches alone at the preset's whole expert count, whatever --experts
         says; up-loop: the up kernel's channel loop's rows, width and warps, experts cycled)
         [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them)
@@ -314,6 +314,10 @@ def main() -> None:
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
                 moe, {f"{tile}BLOCK_O": [2, 4, 8, 16], f"{tile}BLOCK_I": [128, 256, 512, 1024], f"{tile}WARPS": [4, 8]},
                 cycled, emit, "moe-down-slots", check=by_pair))
+            # the slot-by-slot form's tiles (the faster form at V4.1-Flash's width on FP4 experts, 2026-12-06)
+            with_settings(moe, {"DOWN_SLOTS": False}, lambda: sweep(
+                moe, {"DOWN_BLOCK_O": [2, 4, 8, 16], "DOWN_BLOCK_I": [128, 256, 512, 1024], "DOWN_WARPS": [4, 8]},
+                cycled, emit, "moe-down-by-slot", check=by_pair))
             # the ids and whole tile asked for before the wait (DOWN_EARLY: BLOCK_I is the whole width; bf16 only)
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: a.fp4 or sweep(
                 moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},

@@ -212,6 +212,31 @@ def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weig
         assert torch.equal(got, want)
 
 
+@needs_triton
+@pytest.mark.parametrize("max_i", [64, 4096], ids=["wide", "narrow"])
+def test_wide_fp4_experts_sum_the_down_projection_slot_by_slot(max_i, monkeypatch):
+    """FP4 experts wider than ``DOWN_SLOTS_FP4_MAX_I`` intermediate channels (V4.1-Flash's) take
+    the down sum slot by slot, narrower ones (`small`'s) every slot's rows in one tile, where the
+    plain experts take the one tile either way; each the plain kernels' sums on the dequantised
+    weights within the MoE kernel tests' tolerance."""
+    from model.kernels import moe as kmoe
+
+    interpretable(monkeypatch)
+    use_form("by-pair-slots", monkeypatch)
+    monkeypatch.setattr(kmoe, "DOWN_SLOTS_FP4_MAX_I", max_i)
+    formats = []
+    real = kmoe.down_slots
+    monkeypatch.setattr(kmoe, "down_slots", lambda *a, **k: formats.append(k.get("FMT", "plain")) or real(*a, **k))
+    packed = packed_moe(torch.float32, seed=7)
+    dense = dequantised(packed, torch.float32)
+    x = (torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(8)) * 20).to(DEVICE)
+    with torch.no_grad():
+        got, want = ds.moe_step(packed, x), ds.moe_step(dense, x)
+    assert formats == (["plain"] if max_i < TINY.moe_intermediate_size else ["fp4", "plain"])
+    assert not kernels._FAILED
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def packed_parts(dtype: torch.dtype, size: int, seed: int = 0) -> tuple[MoE, list[MoE]]:
     """A whole packed MoE (:func:`packed_moe`) and the parts its ``size`` ranks hold of it
     (``model.loading.local_state``: a range of the experts' stored bytes, a share of the shared

@@ -99,6 +99,13 @@ SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
 # warps 49.1, 8 x 256 x 4 45.2; the early form, each row's whole width a load, 42.9 at 1 row x 4 warps, but
 # its tile grows with I: 8 x 4,096 values a program at `v41-flash`)
 SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
+# FP4 experts of more intermediate channels than this sum the down projection slot by slot
+# (``_down_kernel``) whatever DOWN_SLOTS says. A whole moe_decode by pair, batch 1, experts cycled
+# from HBM (kernel_sweep.py --fp4 --only down, one H100, 2026-12-06): at V4.1-Flash's width (5,120 x
+# 2,304) 223.6 us slot by slot against 277.6 with every slot's rows in one tile (a second run 222.2 /
+# 276.0); at `small`'s (2,048 x 768) 50.2 against 46.0, and a packed `small` decode step at 4K 3.60
+# ms against 3.48 (bench_knobs, three alternated rounds)
+DOWN_SLOTS_FP4_MAX_I = 1024
 # (2026-12-06, on the H200, a whole moe_decode at `v41-flash`'s width, FP4, batch 1, 32 experts cycled from
 # HBM, kernel_sweep.py --only up-loop and a `stages` sweep since removed: 278.6 us as it is. Tried in the channel loops and not kept:
 # Triton's software pipelining, 2-4 stages — up 299-302 us, down 491; the scale bytes read from their
@@ -879,7 +886,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
             num_warps=UP_WARPS, **chained(x), **up)
-        if DOWN_SLOTS:
+        if DOWN_SLOTS and not (down.get("FMT") == "fp4" and I > DOWN_SLOTS_FP4_MAX_I):
             return down_slots(h, w2, s2, chosen, out, SI, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I, SI,
