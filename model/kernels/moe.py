@@ -18,7 +18,8 @@ Owns ``moe_decode`` (what ``model.moe.MoE.forward`` computes for text tokens):
   product rounded to the activation dtype, summed in slot order in fp32, then the shared
   expert's added (``MoE``'s order), so a step is deterministic; ``_down_slots_kernel`` (with
   ``DOWN_SLOTS``, the default since timed) the same sum with every slot's rows loaded in one tile
-  (launched by ``down_slots``, which the tests call on their own rows).
+  (launched by ``down_slots``, which the tests call on their own rows) — but FP4 experts wider
+  than ``DOWN_SLOTS_FP4_MAX_I`` (V4.1-Flash's) take ``_down_kernel``, there the faster.
 
 From ``GROUPED_TOKENS`` tokens (a batched decode step) the experts run grouped instead: at
 batch 16 and top-6 of 64, the 96 pairs share ~51 experts, and a kernel by pair reads each
