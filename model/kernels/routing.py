@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from model.kernels.fused import _store
+from model.kernels.moe import _swiglu
 
 BLOCK_R, BLOCK_C = 16, 256  # a program's rows x channels
 
@@ -37,11 +38,8 @@ def _swiglu_kernel(g_ptr, u_ptr, route_ptr, out_ptr, R, C, limit, CLAMP: tl.cons
     at = r.to(tl.int64)[:, None] * C + c[None, :]
     g = tl.load(g_ptr + at, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    if CLAMP:
-        g = tl.minimum(g, limit)
-        u = tl.minimum(tl.maximum(u, -limit), limit)
     route = tl.load(route_ptr + r, mask=r < R, other=0.0).to(tl.float32)
-    y = route[:, None] * ((g / (1.0 + tl.exp(-g))) * u)
+    y = route[:, None] * _swiglu(g, u, limit, False, CLAMP)  # g, u already hold the rows' dtype's values
     _store(out_ptr + at, y, ok, BF16)
 
 
