@@ -105,7 +105,9 @@ SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
 # from HBM (kernel_sweep.py --fp4 --only down, one H100, 2026-12-06): at V4.1-Flash's width (5,120 x
 # 2,304) 223.6 us slot by slot against 277.6 with every slot's rows in one tile (a second run 222.2 /
 # 276.0); at `small`'s (2,048 x 768) 50.2 against 46.0, and a packed `small` decode step at 4K 3.60
-# ms against 3.48 (bench_knobs, three alternated rounds)
+# ms against 3.48 (bench_knobs, three alternated rounds). The full-width step (`v41-flash --layers 8`,
+# packed, 32K context, one H100, 2026-12-06, bench_knobs, three rounds): 4.878 ms as it is, 5.152 with
+# the one-tile form (control 1.008)
 DOWN_SLOTS_FP4_MAX_I = 1024
 # (2026-12-06, on the H200, a whole moe_decode at `v41-flash`'s width, FP4, batch 1, 32 experts cycled from
 # HBM, kernel_sweep.py --only up-loop and a `stages` sweep since removed: 278.6 us as it is. Tried in the channel loops and not kept:
