@@ -7,8 +7,8 @@ results the chat shows are left out).
 Issue 55 asks that such a chat answer at least four of the five. The default does not yet
 hold a conversation (README, *The embedded default*): on 2026-12-05 it answered the first
 question and then carried tool calls and numbers from it into every later turn (1 of 5); the
-default of run 12 (2026-12-06) answers both calculations (2 of 5), run 13's the picture too
-(3 of 5), but both name the folder's files and the told name from their training lists.
+default of run 12 (2026-12-06) answers both calculations (2 of 5), runs 13 and 15 the picture
+too (3 of 5), but each names the folder's files and the told name from its training lists.
 So the test asserts what holds — the session runs every turn, and the first answer reads
 right — and marks the rest an expected failure, with the replies, until a trained default
 meets it. Skipped when pexpect is missing.
