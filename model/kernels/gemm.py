@@ -11,13 +11,15 @@ W8A16: each program decodes its weight tile to the activations' dtype (exact: an
 value times a power of two is a bf16 value) and feeds the tensor cores with it; the sums are
 fp32 and the output is rounded once. FP4 weights against bf16 rows go through Triton's
 microscaling dot (``tl.dot_scaled``: e2m1 with a ue8m0 scale per 1 x 32 is its MXFP4), whose
-widening on sm_90 ran 1.34-1.36x our own decode at V4.1-Flash's expert shapes (below). The twins (``model.linear.Linear.dense_weight`` then
-``F.linear``; ``model.moe.GroupedLinear.dense`` then ``torch._grouped_mm``) dequantise the same
-values first, so the two agree to the summation order. Why not W8A8: V4.1's FP8 blocks are 32 x
-32, and an activation quantised per 1 x 32 would need its partial sums rescaled every 32 inputs
-(as much work on the CUDA cores as the tensor cores' own), and would round the activations this
-project's CPU reference keeps in bf16 (the official V4 kernels do quantise them to FP8 for the FP4
-experts, ARCHITECTURE.md 2.8: the way past W4A16's decode cost, with its own agreement test).
+widening on sm_90 ran 1.34-1.36x our own decode at V4.1-Flash's expert shapes (below). The
+twins (``model.linear.Linear.dense_weight`` then ``F.linear``; ``model.moe.GroupedLinear.dense``
+then ``torch._grouped_mm``) dequantise the same values first, so the two agree to the
+summation order. Why not W8A8: V4.1's FP8 blocks are 32 x 32, and an activation quantised per
+1 x 32 would need its partial sums rescaled every 32 inputs (as much work on the CUDA cores as
+the tensor cores' own), and would round the activations this project's CPU reference keeps in
+bf16. The official V4 kernels do quantise them to FP8 for the FP4 experts (ARCHITECTURE.md 2.8);
+written in Triton, three such forms ran slower than this W4A16 on sm_90
+(docs/fp4-experts-on-fp8-tensor-cores.md).
 
 A grouped GEMM's programs each take one block of one expert's rows (the ``tiles`` map, made on
 the device by :func:`expert_tiles`, so nothing is read on the host): at most cdiv(P, BLOCK_M) + E
