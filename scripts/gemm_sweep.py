@@ -1,6 +1,6 @@
 """Time the packed prefill GEMMs at V4.1-Flash's shapes, one JSON line each.
 
-    python3 scripts/gemm_sweep.py OUT.jsonl [--only tiles,paths,stacks] [--rows 8192] [--tokens 8192]
+    python3 scripts/gemm_sweep.py OUT.jsonl [--only tiles,paths,stacks,fp4-forms] [--rows 8192] [--tokens 8192]
         [--toy]  (tiny shapes and one tile a kind: a check that the script runs, e.g. on the CPU
         under TRITON_INTERPRET=1, not figures)
 
@@ -10,6 +10,8 @@
 - ``paths``: by rows, a packed weight's GEMM three ways: the registers' kernel, decoded once
   (``model.kernels.dequant``) then ``F.linear``, and ``F.linear`` on floats already there; the
   decode pass alone. ``gemm.DEQUANT_ROWS`` is where the first two cross.
+- ``fp4-forms``: the grouped FP4 stacks (as ``tiles``) in each form of the FP4 loop
+  (``gemm.FP4_LHS``, ``gemm.FP4_PREFETCH``) at a few tiles, against the default form.
 - ``stacks``: the MoE's routed experts (384, top 6) over ``--tokens`` tokens: the registers'
   grouped kernel against the stacks decoded by chunks then ``torch._grouped_mm``
   (``DSAGENT_PACKED_GEMM`` 1 / 0 through ``model.moe.GroupedLinear``).
@@ -111,6 +113,40 @@ def sweep_tiles(args, emit, device, dtype) -> None:
         emit(row)
 
 
+FP4_FORM_TILES = [(64, 128, 64, 4, 3), (64, 128, 64, 4, 2), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3),
+                  (128, 128, 64, 4, 3)]
+
+
+def sweep_fp4_forms(args, emit, device, dtype) -> None:
+    ends, route = routed_rows(args.tokens, args.experts, device)
+    tiles = [TOY["tile"]] if args.toy else FP4_FORM_TILES
+    found = gemm.FP4_LHS, gemm.FP4_PREFETCH
+    for name, n, k, paired in (("w1 with w3", args.inter, args.hidden, True), ("w2", args.hidden, args.inter, False)):
+        w, v = fp4_stack(args.experts, n, k, device, 1), fp4_stack(args.experts, n, k, device, 2)
+        x = (torch.randn(int(ends[-1]), k, device=device) * 0.1).to(torch.bfloat16)  # the FP4 loop's forms: bf16 rows
+        flops = 2 * x.shape[0] * n * k * (2 if paired else 1)
+
+        def run(tile):
+            return gemm.grouped_fp4(x, ends, w.weight, w.scale, paired=(v.weight, v.scale) if paired else None,
+                                    route=route if paired else None, limit=10.0 if paired else 0.0, tile=tile)
+
+        gemm.FP4_LHS, gemm.FP4_PREFETCH = False, False
+        ref = run(tiles[0])
+        for lhs in (False, True):
+            for prefetch in (False, True):
+                gemm.FP4_LHS, gemm.FP4_PREFETCH = lhs, prefetch
+                row = {"kind": "fp4-forms", "name": name, "rows": x.shape[0], "lhs": lhs, "prefetch": prefetch}
+                for tile in tiles:
+                    try:
+                        y = run(tile)
+                        row[str(tile)] = {"tflops": flops / seconds(lambda: run(tile), device) / 1e12,
+                                          "rel_err": rel_err(y, ref)}
+                    except Exception as e:  # a form that does not build at a tile (registers, shared memory)
+                        row[str(tile)] = f"{type(e).__name__}: {str(e)[:120]}"
+                emit(row)
+        gemm.FP4_LHS, gemm.FP4_PREFETCH = found
+
+
 def sweep_paths(args, emit, device, dtype) -> None:
     for fmt in ("fp8", "fp4"):
         for n, k in args.shapes:
@@ -159,7 +195,7 @@ def main(argv=None) -> None:
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # fp32: the interpreter's
-    toy = args.toy or device == "cpu"
+    toy = args.toy = args.toy or device == "cpu"
     args.shapes = TOY["shapes"] if toy else SHAPES
     args.dense_tiles = [TOY["tile"]] if toy else DENSE_TILES
     args.grouped_tiles = [TOY["tile"]] if toy else GROUPED_TILES
@@ -177,7 +213,7 @@ def main(argv=None) -> None:
 
         emit({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "matmul_tflops": matmul_tflops(64 if toy else 8192, dtype, device)})
-        sweeps = {"tiles": sweep_tiles, "paths": sweep_paths, "stacks": sweep_stacks}
+        sweeps = {"tiles": sweep_tiles, "paths": sweep_paths, "stacks": sweep_stacks, "fp4-forms": sweep_fp4_forms}
         for name in args.only.split(","):
             sweeps[name](args, emit, device, dtype)
 
