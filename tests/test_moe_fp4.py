@@ -237,6 +237,30 @@ def test_wide_fp4_experts_sum_the_down_projection_slot_by_slot(max_i, monkeypatc
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("up, down", [(True, False), (False, True), (True, True)], ids=["up", "down", "both"])
+def test_the_fp4_loops_loading_a_step_ahead_give_the_same_sums(up, down, monkeypatch):
+    """``moe.UP_PREFETCH`` / ``DOWN_PREFETCH`` (each step's FP4 bytes loaded during the step
+    before): the up kernel's channel loop and the slot-by-slot down sum, four steps a row here,
+    give the bits they give without, and the plain kernels' sums on the dequantised weights."""
+    from model.kernels import moe as kmoe
+
+    interpretable(monkeypatch)
+    use_form("by-pair-slots", monkeypatch)
+    for name, value in (("UP_EARLY", False), ("UP_BLOCK_D", 32), ("DOWN_BLOCK_I", 32), ("DOWN_SLOTS_FP4_MAX_I", 0)):
+        monkeypatch.setattr(kmoe, name, value)  # the loops a wide preset takes, several steps long at TINY
+    packed = packed_moe(torch.float32, seed=9)
+    x = (torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(10)) * 20).to(DEVICE)
+    with torch.no_grad():
+        before = ds.moe_step(packed, x)
+        monkeypatch.setattr(kmoe, "UP_PREFETCH", up)
+        monkeypatch.setattr(kmoe, "DOWN_PREFETCH", down)
+        after = ds.moe_step(packed, x)
+        want = ds.moe_step(dequantised(packed, torch.float32), x)
+    assert not kernels._FAILED
+    assert torch.equal(after, before)
+    torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
 def packed_parts(dtype: torch.dtype, size: int, seed: int = 0) -> tuple[MoE, list[MoE]]:
     """A whole packed MoE (:func:`packed_moe`) and the parts its ``size`` ranks hold of it
     (``model.loading.local_state``: a range of the experts' stored bytes, a share of the shared
