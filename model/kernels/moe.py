@@ -193,8 +193,7 @@ def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
     input loading its own byte took a load an input (on the H200, 2026-12-05: `small`'s down sum
     2.21 -> 1.89 ms a step, the up kernel 1.07 -> 1.02). The values ``model.checkpoint``
     dequantises, exact in fp32 (and in bf16: e2m1 times 2^k)."""
-    low, high = _fp4_pairs(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN)
-    return tl.interleave(low, high)
+    return _fp4_tile_of(*_fp4_tile_raw(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK))
 
 
 @triton.jit
@@ -221,7 +220,7 @@ def _fp4_decoded(code, sb):
 
 @triton.jit
 def _fp4_tile_raw(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
-    """:func:`_fp4_tile`'s loads alone (a tile to decode later by :func:`_fp4_tile_of`)."""
+    """:func:`_fp4_tile`'s loads (to decode now or a step later by :func:`_fp4_tile_of`)."""
     return _fp4_raw(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN)
 
 
