@@ -237,6 +237,7 @@ def test_wide_fp4_experts_sum_the_down_projection_slot_by_slot(max_i, monkeypatc
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
+@needs_triton
 @pytest.mark.parametrize("up, down", [(True, False), (False, True), (True, True)], ids=["up", "down", "both"])
 def test_the_fp4_loops_loading_a_step_ahead_give_the_same_sums(up, down, monkeypatch):
     """``moe.UP_PREFETCH`` / ``DOWN_PREFETCH`` (each step's FP4 bytes loaded during the step
