@@ -111,21 +111,26 @@ def _fp4_sums(x_at, row_ok, w_at, s_at, v_at, vs_at, n, n_ok, K, PAIRED: tl.cons
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:
         bw, sw = _fp4_bytes(w_at, s_at, n, n_ok, 0, K, BLOCK_K)
-        bv, sv = _fp4_bytes(v_at, vs_at, n, n_ok & PAIRED, 0, K, BLOCK_K)
+        if PAIRED:
+            bv, sv = _fp4_bytes(v_at, vs_at, n, n_ok, 0, K, BLOCK_K)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_at + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
         if PREFETCH:
             bw_next, sw_next = _fp4_bytes(w_at, s_at, n, n_ok, k0 + BLOCK_K, K, BLOCK_K)
-            bv_next, sv_next = _fp4_bytes(v_at, vs_at, n, n_ok & PAIRED, k0 + BLOCK_K, K, BLOCK_K)
+            if PAIRED:
+                bv_next, sv_next = _fp4_bytes(v_at, vs_at, n, n_ok, k0 + BLOCK_K, K, BLOCK_K)
         else:
             bw, sw = _fp4_bytes(w_at, s_at, n, n_ok, k0, K, BLOCK_K)
-            bv, sv = _fp4_bytes(v_at, vs_at, n, n_ok & PAIRED, k0, K, BLOCK_K)
+            if PAIRED:
+                bv, sv = _fp4_bytes(v_at, vs_at, n, n_ok, k0, K, BLOCK_K)
         acc = _fp4_dot(x, bw, sw, acc, LHS)
         if PAIRED:
             acc3 = _fp4_dot(x, bv, sv, acc3, LHS)
         if PREFETCH:
-            bw, sw, bv, sv = bw_next, sw_next, bv_next, sv_next
+            bw, sw = bw_next, sw_next
+            if PAIRED:
+                bv, sv = bv_next, sv_next
     if LHS:
         acc = tl.trans(acc)
         acc3 = tl.trans(acc3)
