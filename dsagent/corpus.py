@@ -287,6 +287,68 @@ def value_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
     return focus_example(record, tokenizer, args, [record["truth"]["value"]], laid_out)
 
 
+WORKSPACE_WORDS = {"notes", "todo", "logs", "run", "log", "data"}  # make_files' fixed paths, in every record
+
+
+def copy_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
+                 laid_out: Example | None = None) -> Example | None:
+    """``record`` as ``training_example`` lays it out, trained only on the tokens of its replies
+    that copy a name or a number from earlier in the conversation: a word of the record's
+    lexicon (``Lexicon.drew``) that an earlier message holds and neither the system prompt nor
+    the workspace's fixed paths (``WORKSPACE_WORDS``) do, or a run of two or more digits an earlier message holds. The copy is the skill a new name
+    asks for (issue 53: `hazel.csv` answered as `harbor.csv`, "Elena" as "Mira"), and in a
+    whole reply a few tokens among the template's words. None where no reply copies.
+    ``laid_out``: the record's ``training_example`` where the caller has it."""
+    ex = laid_out or training_example(record, tokenizer, args)
+    lex = lexicon(record["truth"].get("words", "closed"))
+    messages = record["messages"]
+    fixed = set(re.findall(r"[A-Za-z]+", json.dumps(messages[0]).lower())) | WORKSPACE_WORDS
+    runs = _runs(ex.trained)
+    answered = [k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("stop", "eos") == "eos"]
+    if len(runs) != len(answered):  # the encoding's replies are the record's, one for one
+        raise ValueError(f"record {record['id']}: {len(runs)} trained runs for {len(answered)} replies")
+    scored: set[int] = set()
+    for (first, end), k in zip(runs, answered):
+        before = " ".join(_message_text(m) for m in messages[1:k])
+        words = {w.lower() for w in re.findall(r"[A-Za-z]+", before)}
+        copies = [rf"(?<![A-Za-z]){re.escape(w)}(?![A-Za-z])" for w in sorted(words)
+                  if w not in fixed and lex.drew(w)]
+        copies += [rf"(?<!\d){n}(?!\d)" for n in sorted(set(re.findall(r"\d{2,}", before)))]
+        if copies:
+            scored |= _spelling(tokenizer, ex.ids, range(first, end), copies, re.IGNORECASE)
+    if not scored:
+        return None
+    return Example(ids := list(ex.ids), [i in scored for i in range(len(ids))], ex.images)
+
+
+def _runs(mask) -> list[tuple[int, int]]:
+    """The [first, end) runs of True in ``mask``."""
+    out, first = [], None
+    for i, t in enumerate([*mask, False]):
+        if t and first is None:
+            first = i
+        elif not t and first is not None:
+            out.append((first, i))
+            first = None
+    return out
+
+
+def _message_text(m: dict[str, Any]) -> str:
+    """What a message says: its text (blocks' text too) and its tool calls' arguments."""
+    content = m.get("content") or ""
+    text = content if isinstance(content, str) else " ".join(b.get("text", "") for b in content)
+    return " ".join([text, *(c["function"]["arguments"] for c in m.get("tool_calls", ()))])
+
+
+def _spelling(tokenizer: Tokenizer, ids, positions: range, patterns: list[str], flags: int = 0) -> set[int]:
+    """The positions among ``positions`` whose tokens spell a match of one of ``patterns`` in the
+    text they decode to (a token also holding a character beside the match counts)."""
+    span = list(positions)
+    text = [tokenizer.decode([int(ids[i]) for i in span[:k]]) for k in range(len(span) + 1)]
+    spans = [(m.start(), m.end()) for p in patterns for m in re.finditer(p, text[-1], flags)]
+    return {span[k] for k in range(len(span)) for lo, hi in spans if len(text[k]) < hi and len(text[k + 1]) > lo}
+
+
 def form_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs) -> Example:
     """An image record trained on the words of its reply that name the shapes' kind and
     count alone (not their colour, which a model learns first)."""

@@ -17,7 +17,7 @@ phrasings and more, the held-out half in sentences that training never draws —
 words training does use (an operator said as "multiplied by" is taught in both halves: a
 meaning no record shows is not one a model can learn from the corpus).
 
-Owns: ``Lexicon`` (``word``, ``person``, ``words``, ``phrase``) and ``split_of``. The closed lexicon
+Owns: ``Lexicon`` (``word``, ``person``, ``words``, ``phrase``, ``drew``) and ``split_of``. The closed lexicon
 draws exactly what ``rng.choice`` / ``rng.sample`` of its lists draw, so the records written
 before open lexicons existed stay byte for byte what they were. Does not own: the lists
 themselves and which lexicon a record draws from (``dsagent.corpus``: ``lexicon``), nor
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+import re
 from collections.abc import Iterable, Sequence
 
 ONSETS = "bdfgklmnprstvz"
@@ -34,6 +35,7 @@ VOWELS = "aeiou"
 CODAS = ("", "", "", "n", "r", "l", "s")  # most syllables open
 SPLITS = ("train", "held-out")
 LEXICONS = ("closed", "open", "held-out")  # open: the train half; held-out: the other
+_GENERATED = re.compile(f"(?:[{ONSETS}][{VOWELS}][{''.join(filter(None, CODAS))}]?){{2,3}}")  # what word() makes
 
 
 def split_of(word: str) -> str:
@@ -59,6 +61,14 @@ class Lexicon:
                         for _ in range(rng.randint(2, 3)))
             if w not in self._taken and split_of(w) == self.split:
                 return w
+
+    def drew(self, word: str) -> bool:
+        """Whether ``word`` (any case) is one this lexicon draws: a word or name of the closed
+        lists, or a generated word of this open half."""
+        w = word.lower()
+        if self.split is None:
+            return w in self._taken
+        return w not in self._taken and _GENERATED.fullmatch(w) is not None and split_of(w) == self.split
 
     def person(self, rng: random.Random) -> str:
         """A given name, capitalised."""

@@ -154,6 +154,7 @@ class Example:
     images: list[tuple[int, object]] = field(default_factory=list)  # (span start, decoded PIL image)
     replies: list[int] = field(default_factory=list)  # where each assistant reply starts
     prompts: list[int] = field(default_factory=list)  # where each prompt after a reply starts
+    weight: float = 1.0  # how many times its trained tokens count in a batch's loss
 
     def __post_init__(self) -> None:
         if not self.replies or not self.prompts:  # the mask's rising and falling edges
@@ -169,6 +170,7 @@ class Batch:
     floor: torch.Tensor  # [B, L] long: the first window position per row and layer (-1 = none)
     images: list[tuple[int, int, object]]  # (row, span start, PIL image)
     modes: list[str]
+    weights: torch.Tensor | None = None  # [B] float: each row's Example.weight (None: all 1)
 
     @property
     def trained_tokens(self) -> int:
@@ -205,7 +207,9 @@ def make_batch(examples: list[Example], modes: list[str], *, window: int, decode
         trained[:max(first, 1)] = False  # position 0 has no prediction
         mask[b, : len(ex.ids)] = trained
         images += [(b, start, img) for start, img in ex.images]
-    return Batch(ids, mask, torch.tensor(floors, dtype=torch.long), images, list(modes))
+    weights = [ex.weight for ex in examples]
+    return Batch(ids, mask, torch.tensor(floors, dtype=torch.long), images, list(modes),
+                 None if all(w == 1.0 for w in weights) else torch.tensor(weights, dtype=torch.float32))
 
 
 def batch_for(args, examples: list[Example], modes: list[str], rng: random.Random) -> Batch:
@@ -250,9 +254,12 @@ def batch_loss(model: Transformer, batch: Batch, *, chunk: int = 1024, dense: bo
                kv: KVFormat = KVFormat.TRAIN, share_prefix: bool = True,
                prefix_chunk: int | None = None) -> StepLosses:
     """Cross-entropy on the batch's trained tokens plus the indexer KL, through the serving code
-    path, in chunks of ``chunk`` tokens (``prefix_chunk`` for the shared one-row prefix)."""
+    path, in chunks of ``chunk`` tokens (``prefix_chunk`` for the shared one-row prefix). A row of
+    ``batch.weights`` w counts its tokens' cross-entropy w times in the sum that the trained
+    token count divides."""
     device = model.device
     ids, mask = batch.ids.to(device), batch.loss_mask.to(device)
+    weights = None if batch.weights is None else batch.weights.to(device)
     B, T = ids.shape
     embeds, image_mask = _image_embeds(model, batch, ids)
     prefix = common_prefix(batch) if share_prefix else 0
@@ -280,7 +287,11 @@ def batch_loss(model: Transformer, batch: Batch, *, chunk: int = 1024, dense: bo
         if sel[:, :n].any():
             hidden = model.final_hidden(streams[:, :n], pre[:, :n])[sel[:, :n]]
             logits = model.head(hidden).float()
-            ce_sum = ce_sum + F.cross_entropy(logits, tgt[sel[:, :n]], reduction="sum")
+            if weights is None:
+                ce_sum = ce_sum + F.cross_entropy(logits, tgt[sel[:, :n]], reduction="sum")
+            else:
+                per_row = weights[rows, None].expand(-1, n)[sel[:, :n]]
+                ce_sum = ce_sum + (F.cross_entropy(logits, tgt[sel[:, :n]], reduction="none") * per_row).sum()
             correct += int((logits.argmax(-1) == tgt[sel[:, :n]]).sum())
         start = end
     tokens = int(mask.sum())

@@ -43,8 +43,8 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RecallStyle,  # noqa: E402
-                            add_recall_style_arguments, bare_record, make_record, training_example, value_example,
-                            words_for)
+                            add_recall_style_arguments, bare_record, copy_example, make_record, training_example,
+                            value_example, words_for)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -57,6 +57,7 @@ from model.training import (REPLAY_MODES, Example, ExpertLoads, add_weight_qat, 
 
 SCHEDULE = "aabbbccdee"  # record i has kind SCHEDULE[i % 10]: tools, images and sessions weigh most
 SCHEDULE_KINDS = "abcde"
+COPY_KINDS = "abef"  # the kinds whose replies copy names and numbers from the conversation (--copy-rows)
 # another schedule is asked for with --schedule: the default's records stay as they are, and
 # e.g. "aabbbccdeeff" adds the corpus's mixed conversations (f), two records in twelve
 REPLAY_WEIGHTS = (0.4, 0.4, 0.2)  # exact, ced, resume
@@ -111,6 +112,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "and trained as --recall-value-only says, none longer than the step's longest row where "
                         "any fits: the lookup learnt in the same gradient as the other kinds rather than in "
                         "steps of its own, which the other kinds' steps undo")
+    p.add_argument("--copy-rows", type=int, default=0,
+                   help="rows added to every short (and image) step, as --recall-rows are, of the chat, tool and "
+                        "conversation records trained on the tokens of their replies that copy a name or a "
+                        "number from earlier in the conversation alone (dsagent.corpus.copy_example): the "
+                        "copy a new name asks for, not diluted by the template's words around it")
+    p.add_argument("--copy-weight", type=float, default=1.0,
+                   help="how many times a --copy-rows row's tokens count in the step's loss (a row's few copied "
+                        "tokens are otherwise a few per cent of a step's trained tokens)")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
@@ -192,7 +201,8 @@ def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int
 def _example(job: tuple[int, int, str]) -> tuple[int, str, Example, Example | None, Example | None]:
     """Record ``i`` (of ``kind``) as an example, and for a recall record also its bare form (the same
     conversation without the ~2.3K-token system prompt, see ``--recall-first``) and, when
-    trained on the value alone, itself so trained (see ``--recall-rows``)."""
+    trained on the value alone, itself so trained (see ``--recall-rows``); for a chat, tool or
+    conversation record, itself trained on its copies alone (see ``--copy-rows``), or None."""
     seed, i, kind = job
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _STYLE,
                          words_for(seed, i, _OPEN_WORDS))
@@ -201,6 +211,9 @@ def _example(job: tuple[int, int, str]) -> tuple[int, str, Example, Example | No
     if kind == "d":
         bare = _compact((value_example if _VALUE_ONLY else training_example)(bare_record(record), _TOK, _ARGS))
         valued = _compact(value_example(record, _TOK, _ARGS, laid_out=whole)) if _VALUE_ONLY else None
+    elif kind in COPY_KINDS:
+        valued = copy_example(record, _TOK, _ARGS, laid_out=whole)
+        valued = valued and _compact(valued)
     return i, kind, _compact(whole), bare, valued
 
 
@@ -224,10 +237,11 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     without the system prompt (``value_only``: trained on the value's tokens alone), "short"
     every other kind, "image" the image conversations (also in "short"), and with
     ``value_only`` "valued": the recall records with the system prompt trained on the value
-    alone (for --recall-rows). ``recall_records``: at least that many recall records in all
+    alone (for --recall-rows), "copied" the chat, tool and conversation records trained on their
+    copies alone (for --copy-rows). ``recall_records``: at least that many recall records in all
     (over the processes), the extra ones the records after the first ``n`` that the schedule makes
     recall records — so a pool of recall rows can be too large to learn by heart."""
-    pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": []}
+    pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": [], "copied": []}
     mine = [i for i in range(n) if i // len(schedule) % world == rank]
     if "d" in kinds and "d" in schedule:
         recall_at = [i for i in range(len(schedule)) if schedule[i] == "d"]
@@ -251,10 +265,10 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
         if bare is not None:
             pools["bare"].append(bare)
         if valued is not None:
-            pools["valued"].append(valued)
+            pools["valued" if kind == "d" else "copied"].append(valued)
     if workers > 1:
         pool.close()
-    for name in ("long", "bare", "valued"):
+    for name in ("long", "bare", "valued", "copied"):
         pools[name].sort(key=lambda ex: len(ex.ids))  # stable: the order stays deterministic
     return pools
 
@@ -396,15 +410,17 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
         rows = [pool[top - rng.randrange(2 * n) % (top + 1)] for _ in range(n)]
     else:
         rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
-    extra = getattr(a, "recall_rows", 0) if not long else 0
+    joined = [] if long else [(pools["valued"] or pools["long"], getattr(a, "recall_rows", 0)),
+                              (pools.get("copied", []), getattr(a, "copy_rows", 0))]
+    joined = [(pool, n) for pool, n in joined if n and pool]
     if not long and getattr(a, "short_tokens", 0):
-        rows = within_budget(rows, extra if pools["long"] else 0, a.short_tokens)
-    if extra and pools["long"]:
+        rows = within_budget(rows, sum(n for _, n in joined), a.short_tokens)
+    longest = max(len(ex.ids) for ex in rows)
+    for pool, n in joined:
         # same system prompt as the short rows (the shared prefix stays), and none longer than
         # the longest of them where any fits (the pool is sorted): a batch pads to its longest row
-        recall = pools["valued"] or pools["long"]
-        fits = bisect.bisect_right(recall, max(len(ex.ids) for ex in rows), key=lambda ex: len(ex.ids))
-        rows += [recall[rng.randrange(max(fits, 1))] for _ in range(extra)]
+        fits = bisect.bisect_right(pool, longest, key=lambda ex: len(ex.ids))
+        rows += [pool[rng.randrange(max(fits, 1))] for _ in range(n)]
     modes = rng.choices(REPLAY_MODES, weights=replay_weights(a), k=len(rows))
     return batch_for(model_args, rows, modes, rng)
 
@@ -523,6 +539,8 @@ def train(a) -> tuple[dict | None, str | None]:
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
                           RecallStyle.of(a), a.schedule, a.open_words)
+    for ex in pools["copied"]:
+        ex.weight = a.copy_weight
     log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
                f"({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
@@ -679,6 +697,7 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
             "short_tokens": a.short_tokens, "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": a.schedule,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,
+            "copy_rows": a.copy_rows, "copy_weight": a.copy_weight,
             "kinds": a.kinds,
             "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
             "replay_weights": dict(zip(REPLAY_MODES, replay_weights(a))), "steps": counters["step"],

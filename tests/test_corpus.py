@@ -318,6 +318,27 @@ def test_focus_example_trains_whole_words_of_the_last_reply_alone():
         corpus_gen.focus_example(record, tok, args, [value[1:]])  # inside the value: not a whole word
 
 
+def test_copy_example_trains_the_names_and_numbers_a_reply_copies_alone():
+    """copy_example scores the reply tokens that spell a lexicon word or a number an earlier
+    message holds — the listed files, the numbers put to the calculator — and nothing of the
+    template around them, the system prompt's words or the workspace's fixed paths."""
+    from model.args import ModelArgs
+
+    tok, args = Tokenizer.bundled(), ModelArgs.preset("tiny")
+    record = corpus_gen.make_record(5, 11, "f", tok, words="open")
+    ex = corpus_gen.copy_example(record, tok, args)
+    whole = corpus_gen.training_example(record, tok, args)
+    assert list(ex.ids) == list(whole.ids) and all(w for s, w in zip(ex.trained, whole.trained) if s)
+    runs = [tok.decode([ex.ids[i] for i in range(a, b)]).strip(" ,") for a, b in corpus_gen._runs(ex.trained)]
+    listed = sorted(p.removeprefix("data/").split(".")[0] for p in record["truth"]["files"] if p.startswith("data/"))
+    assert runs == listed  # " besusvo", " falus", ...: not "data", "files" nor the colour told
+    calc = corpus_gen.copy_example(corpus_gen.make_record(5, 4, "b", tok, words="open"), tok, args)
+    said = [tok.decode([calc.ids[i] for i in range(a, b)]).strip() for a, b in corpus_gen._runs(calc.trained)]
+    assert said == ["92", "22", "92", "22", "114"]  # the call's operands, then the reply's and the result
+    chat = corpus_gen.make_record(5, 1, "a", tok, words="open")
+    assert corpus_gen.copy_example(chat, tok, args) is None  # a reply that copies nothing
+
+
 def test_corpus_and_training_scripts_import_without_the_session_store():
     """The GPU machine has no zstandard or sqlite-utils: the corpus generator and the
     training / probe scripts must not pull in the session store (they did, through the agent's

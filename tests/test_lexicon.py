@@ -53,6 +53,19 @@ def _names(record: dict) -> set[str]:
     return {w.lower() for w in re.findall(r"[A-Za-z]+", text)}
 
 
+def test_a_lexicon_knows_the_words_it_draws():
+    """``drew``: what a half generates is its own and not the other's nor the closed lists';
+    the closed lexicon's are its words and names in any case."""
+    rng = random.Random(6)
+    opened, held, closed = (corpus.lexicon(n) for n in ("open", "held-out", "closed"))
+    for w in [opened.word(rng) for _ in range(300)] + [opened.person(rng) for _ in range(50)]:
+        assert opened.drew(w) and not held.drew(w) and not closed.drew(w), w
+    for w in [held.word(rng) for _ in range(300)]:
+        assert held.drew(w) and not opened.drew(w), w
+    assert closed.drew("falcon") and closed.drew("MIRA") and not opened.drew("falcon") and not held.drew("Mira")
+    assert not opened.drew("strength") and not opened.drew("ba")  # not of the syllables' shape
+
+
 def test_records_of_held_out_words_name_nothing_of_the_lists(tokenizer):
     """Every kind drawn with the held-out half: its truth says so, its files, owners, pets,
     people and keys are open words of that half, and none of the closed lists' appear; the

@@ -173,6 +173,27 @@ def test_shared_prefix_leaves_the_loss_unchanged(tiny):
     assert abs(float(shared.index) - float(separate.index)) < 0.02 * float(separate.index)
 
 
+def test_a_row_weight_counts_its_tokens_that_many_times(tiny):
+    """Example.weight: the batch's loss sums each row's cross-entropy times its weight over
+    the trained token count — each row's part (the others weighted 0) recombines to it."""
+    rows = [Example(_ids(90, 30 + i), [False] * 60 + [True] * 30) for i in range(2)]
+
+    def loss(*weights):
+        for ex, w in zip(rows, weights):
+            ex.weight = w
+        batch = _batch(tiny, rows, ["exact", "exact"])
+        with torch.no_grad():
+            return batch, batch_loss(tiny, batch)
+
+    plain_batch, plain = loss(1.0, 1.0)
+    weighted_batch, weighted = loss(1.0, 3.0)
+    first, second = float(loss(1.0, 0.0)[1].lm), float(loss(0.0, 1.0)[1].lm)
+    assert plain_batch.weights is None and weighted_batch.weights.tolist() == [1.0, 3.0]
+    assert weighted.tokens == plain.tokens == 60 and first > 0 and second > 0
+    torch.testing.assert_close(float(plain.lm), first + second, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(float(weighted.lm), first + 3 * second, rtol=1e-5, atol=1e-6)
+
+
 def test_every_parameter_learns(tiny):
     model = build(tiny.args, seed=1)
     model.hasher = tiny.hasher
@@ -248,6 +269,30 @@ def test_trainer_batches_come_from_the_corpus_as_the_agent_logs_it(tiny):
     first, again = train_default.next_batch(a, pools, 5, tiny.args), train_default.next_batch(a, pools, 5, tiny.args)
     assert torch.equal(first.ids, again.ids) and torch.equal(first.floor, again.floor) and first.modes == again.modes
     assert first.ids.shape[0] in (2, 3) and first.trained_tokens > 0
+
+
+def test_copy_rows_join_every_short_step(tiny):
+    """--copy-rows: the chat, tool and conversation records trained on their copies alone
+    ("copied", dsagent.corpus.copy_example) join each short step, none longer than its
+    longest row; a step drawn without them is the step it was."""
+    import argparse
+
+    import train_default
+
+    pools = train_default.make_examples(40, 2, tiny.args, workers=1, kinds="abf", schedule="abf", open_words=1.0)
+    whole = {tuple(ex.ids.tolist()): ex.trained for ex in pools["short"]}
+    assert 0 < len(pools["copied"]) < len(pools["short"])  # some chats copy nothing
+    for ex in pools["copied"]:  # a record's own ids, trained on a part of its replies
+        mask = whole[tuple(ex.ids.tolist())]
+        assert 0 < ex.trained.sum() < mask.sum() and not (ex.trained & ~mask).any()
+    a = argparse.Namespace(seed=0, long_prob=0.0, short_batch=3, long_batch=2, long_tokens=0, copy_rows=2)
+    plain = argparse.Namespace(**{**vars(a), "copy_rows": 0})
+    joined, alone = train_default.next_batch(a, pools, 3, tiny.args), train_default.next_batch(plain, pools, 3, tiny.args)
+    assert joined.ids.shape[0] == 5 and alone.ids.shape[0] == 3
+    assert torch.equal(joined.ids[:3, :alone.ids.shape[1]], alone.ids)  # the step's own rows unchanged
+    copied = {tuple(ex.ids.tolist()) for ex in pools["copied"]}
+    for row in joined.ids[3:]:
+        assert tuple(row[row != tiny.args.pad_token_id].tolist()) in copied
 
 
 def test_data_parallel_shares_hold_every_kind(tiny):
