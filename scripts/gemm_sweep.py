@@ -1,6 +1,6 @@
 """Time the packed prefill GEMMs at V4.1-Flash's shapes, one JSON line each.
 
-    python3 scripts/gemm_sweep.py OUT.jsonl [--only tiles,paths,stacks,fp4-forms] [--rows 8192] [--tokens 8192]
+    python3 scripts/gemm_sweep.py OUT.jsonl [--only tiles,paths,stacks] [--rows 8192] [--tokens 8192]
         [--toy]  (tiny shapes and one tile a kind: a check that the script runs, e.g. on the CPU
         under TRITON_INTERPRET=1, not figures)
 
@@ -10,8 +10,6 @@
 - ``paths``: by rows, a packed weight's GEMM three ways: the registers' kernel, decoded once
   (``model.kernels.dequant``) then ``F.linear``, and ``F.linear`` on floats already there; the
   decode pass alone. ``gemm.DEQUANT_ROWS`` is where the first two cross.
-- ``fp4-forms``: the grouped FP4 stacks (as ``tiles``) in each form of the FP4 loop
-  (``gemm.FP4_LHS``, ``gemm.FP4_PREFETCH``) at a few tiles, against the default form.
 - ``stacks``: the MoE's routed experts (384, top 6) over ``--tokens`` tokens: the registers'
   grouped kernel against the stacks decoded by chunks then ``torch._grouped_mm``
   (``DSAGENT_PACKED_GEMM`` 1 / 0 through ``model.moe.GroupedLinear``).
@@ -43,7 +41,8 @@ SHAPES = [(1280, 5120), (32768, 1280), (5120, 8192), (2304, 5120), (5120, 2304)]
 DENSE_TILES = [(128, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4),
                (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)]
 GROUPED_TILES = [(64, 128, 64, 4, 3), (64, 128, 128, 4, 3), (128, 128, 64, 4, 3), (64, 64, 64, 4, 3),
-                 (128, 256, 64, 8, 3), (64, 256, 64, 4, 3), (64, 128, 64, 8, 3)]
+                 (128, 256, 64, 8, 3), (64, 256, 64, 4, 3), (64, 128, 64, 8, 3), (128, 128, 64, 8, 3),
+                 (128, 128, 64, 8, 4)]
 ROWS = (16, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 EXPERTS, TOP, INTER, HIDDEN = 384, 6, 2304, 5120
 TOY = {"shapes": [(96, 64), (64, 128)], "tile": (32, 32, 32, 4, 1), "rows": (8, 40), "experts": 4, "inter": 64,
@@ -113,40 +112,6 @@ def sweep_tiles(args, emit, device, dtype) -> None:
         emit(row)
 
 
-FP4_FORM_TILES = [(64, 128, 64, 4, 3), (64, 128, 64, 4, 2), (128, 128, 64, 8, 3), (64, 128, 128, 4, 3),
-                  (128, 128, 64, 4, 3)]
-
-
-def sweep_fp4_forms(args, emit, device, dtype) -> None:
-    ends, route = routed_rows(args.tokens, args.experts, device)
-    tiles = [TOY["tile"]] if args.toy else FP4_FORM_TILES
-    found = gemm.FP4_LHS, gemm.FP4_PREFETCH
-    for name, n, k, paired in (("w1 with w3", args.inter, args.hidden, True), ("w2", args.hidden, args.inter, False)):
-        w, v = fp4_stack(args.experts, n, k, device, 1), fp4_stack(args.experts, n, k, device, 2)
-        x = (torch.randn(int(ends[-1]), k, device=device) * 0.1).to(torch.bfloat16)  # the FP4 loop's forms: bf16 rows
-        flops = 2 * x.shape[0] * n * k * (2 if paired else 1)
-
-        def run(tile):
-            return gemm.grouped_fp4(x, ends, w.weight, w.scale, paired=(v.weight, v.scale) if paired else None,
-                                    route=route if paired else None, limit=10.0 if paired else 0.0, tile=tile)
-
-        gemm.FP4_LHS, gemm.FP4_PREFETCH = False, False
-        ref = run(tiles[0])
-        for lhs in (False, True):
-            for prefetch in (False, True):
-                gemm.FP4_LHS, gemm.FP4_PREFETCH = lhs, prefetch
-                row = {"kind": "fp4-forms", "name": name, "rows": x.shape[0], "lhs": lhs, "prefetch": prefetch}
-                for tile in tiles:
-                    try:
-                        y = run(tile)
-                        row[str(tile)] = {"tflops": flops / seconds(lambda: run(tile), device) / 1e12,
-                                          "rel_err": rel_err(y, ref)}
-                    except Exception as e:  # a form that does not build at a tile (registers, shared memory)
-                        row[str(tile)] = f"{type(e).__name__}: {str(e)[:120]}"
-                emit(row)
-        gemm.FP4_LHS, gemm.FP4_PREFETCH = found
-
-
 def sweep_paths(args, emit, device, dtype) -> None:
     for fmt in ("fp8", "fp4"):
         for n, k in args.shapes:
@@ -213,7 +178,7 @@ def main(argv=None) -> None:
 
         emit({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
               "matmul_tflops": matmul_tflops(64 if toy else 8192, dtype, device)})
-        sweeps = {"tiles": sweep_tiles, "paths": sweep_paths, "stacks": sweep_stacks, "fp4-forms": sweep_fp4_forms}
+        sweeps = {"tiles": sweep_tiles, "paths": sweep_paths, "stacks": sweep_stacks}
         for name in args.only.split(","):
             sweeps[name](args, emit, device, dtype)
 

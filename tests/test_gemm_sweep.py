@@ -29,19 +29,3 @@ def test_the_sweep_runs_its_three_parts_at_toy_shapes(tmp_path, monkeypatch):
     assert tiles and all(t["rel_err"] < 1e-2 and t["tflops"] > 0 for t in tiles)
     assert all(r["decode_equal"] for r in rows if r.get("kind") == "paths")
     assert rows[-1]["up_rel_err"] < 1e-2
-
-
-@needs_triton
-def test_the_fp4_forms_sweep_times_every_form_against_the_default(tmp_path):
-    spec = importlib.util.spec_from_file_location("gemm_sweep", SCRIPT)
-    sweep = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sweep)
-    out = tmp_path / "forms.jsonl"
-    sweep.main([str(out), "--toy", "--only", "fp4-forms"])
-    rows = [json.loads(line) for line in out.read_text().splitlines()][1:]
-    assert [(r["name"], r["lhs"], r["prefetch"]) for r in rows] == [
-        (name, lhs, prefetch) for name in ("w1 with w3", "w2") for lhs in (False, True) for prefetch in (False, True)]
-    timed = [v for r in rows for v in r.values() if isinstance(v, dict)]
-    assert len(timed) == 8 and all(t["rel_err"] < 1e-2 and t["tflops"] > 0 for t in timed)
-    from model.kernels import gemm
-    assert (gemm.FP4_LHS, gemm.FP4_PREFETCH) == (False, False)  # left as it found them

@@ -238,11 +238,10 @@ def test_wide_fp4_experts_sum_the_down_projection_slot_by_slot(max_i, monkeypatc
 
 
 @needs_triton
-@pytest.mark.parametrize("up, down", [(True, False), (False, True), (True, True)], ids=["up", "down", "both"])
-def test_the_fp4_loops_loading_a_step_ahead_give_the_same_sums(up, down, monkeypatch):
-    """``moe.UP_PREFETCH`` / ``DOWN_PREFETCH`` (each step's FP4 bytes loaded during the step
-    before): the up kernel's channel loop and the slot-by-slot down sum, four steps a row here,
-    give the bits they give without, and the plain kernels' sums on the dequantised weights."""
+def test_the_fp4_loops_of_many_steps_give_the_plain_sums(monkeypatch):
+    """The up kernel's channel loop and the slot-by-slot down sum (each step's FP4 bytes loaded
+    during the step before), four steps a row here, give the plain kernels' sums on the
+    dequantised weights."""
     from model.kernels import moe as kmoe
 
     interpretable(monkeypatch)
@@ -252,14 +251,10 @@ def test_the_fp4_loops_loading_a_step_ahead_give_the_same_sums(up, down, monkeyp
     packed = packed_moe(torch.float32, seed=9)
     x = (torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(10)) * 20).to(DEVICE)
     with torch.no_grad():
-        before = ds.moe_step(packed, x)
-        monkeypatch.setattr(kmoe, "UP_PREFETCH", up)
-        monkeypatch.setattr(kmoe, "DOWN_PREFETCH", down)
-        after = ds.moe_step(packed, x)
+        got = ds.moe_step(packed, x)
         want = ds.moe_step(dequantised(packed, torch.float32), x)
     assert not kernels._FAILED
-    assert torch.equal(after, before)
-    torch.testing.assert_close(after, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 def packed_parts(dtype: torch.dtype, size: int, seed: int = 0) -> tuple[MoE, list[MoE]]:

@@ -175,31 +175,6 @@ def test_the_paired_fp4_gemm_is_the_route_weighted_swiglu(dtype, limit):
 
 
 @needs_triton
-@pytest.mark.parametrize("lhs, prefetch", [(True, False), (False, True), (True, True)],
-                         ids=["weight on the left", "a step ahead", "both"])
-def test_the_fp4_loops_other_forms_give_its_sums(lhs, prefetch, monkeypatch):
-    """``gemm.FP4_LHS`` / ``FP4_PREFETCH`` (the forms to time against the default): bf16 rows,
-    experts alone and paired with the SwiGLU, each to the exact sums as the default form is."""
-    from model.kernels import gemm
-
-    monkeypatch.setattr(gemm, "FP4_LHS", lhs)
-    monkeypatch.setattr(gemm, "FP4_PREFETCH", prefetch)
-    moe = packed_moe(torch.float32)
-    w1, w3 = moe.grouped.w1, moe.grouped.w3
-    counts = [5, 0, 37, 1, 0, 0, 20, 9]
-    x, ends = sorted_rows(counts, TINY.hidden_size, seed=12, dtype=torch.bfloat16, extra=3)
-    mine = int(ends[-1])
-    alone = gemm.grouped_fp4(x, ends, w1.weight, w1.scale, tile=tile())
-    assert rel_err(alone[:mine], grouped_exact(x, ends, w1.dense(0, 8, torch.float32))[:mine]) < REL[torch.bfloat16]
-    route = torch.rand(x.shape[0], generator=torch.Generator().manual_seed(13)).to(DEVICE)
-    y = gemm.grouped_fp4(x, ends, w1.weight, w1.scale, paired=(w3.weight, w3.scale), route=route, limit=0.5,
-                         tile=tile())
-    g = grouped_exact(x, ends, w1.dense(0, 8, torch.float32)).to(torch.bfloat16)
-    u = grouped_exact(x, ends, w3.dense(0, 8, torch.float32)).to(torch.bfloat16)
-    assert rel_err(y[:mine], (route[:, None] * swiglu(g, u, 0.5))[:mine]) < 2 * REL[torch.bfloat16]
-
-
-@needs_triton
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 def test_a_packed_moe_runs_its_routed_experts_through_the_kernels_as_the_loop(dtype, monkeypatch):
     """A tiny MoE with FP4 routed experts and an FP8 shared one, 48 tokens: the grouped path
@@ -321,15 +296,11 @@ def gemm_launch(fmt: str, grouped: bool, paired: bool, tile: tuple) -> dict:
 def test_the_packed_gemms_compile_for_hopper(tmp_path):
     """Triton's GPU compiler on the CPU for sm_90: the dense FP8 and FP4 forms (and FP8 at the
     few rows' tile) and the grouped FP4 forms (alone, paired with its SwiGLU) at the default
-    tiles, and the FP4 loop's other forms (``gemm.FP4_LHS`` / ``FP4_PREFETCH``)."""
+    tiles."""
     from model.kernels import gemm
 
     launches = [gemm_launch("fp8", False, False, gemm.DENSE_TILE), gemm_launch("fp4", False, False, gemm.DENSE_TILE),
                 gemm_launch("fp8", False, False, gemm.FEW_ROWS_TILE),
                 gemm_launch("fp4", True, False, gemm.GROUPED_TILE), gemm_launch("fp4", True, True, gemm.PAIRED_TILE)]
-    for lhs, prefetch in ((True, False), (False, True), (True, True)):  # the forms to time against it
-        launch = gemm_launch("fp4", True, True, gemm.PAIRED_TILE)
-        launch["constants"].update(FP4_LHS=lhs, FP4_PREFETCH=prefetch)
-        launches.append(launch)
     r = compile_for_hopper(launches, tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]

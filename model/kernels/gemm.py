@@ -48,12 +48,6 @@ from model.kernels.packed import Packed
 # (198 at 128 x 256 x 64, 8 warps); our decode at its best tiles 141 and 151 the same day
 DENSE_TILE = (128, 128, 64, 4, 3)
 GROUPED_TILE = PAIRED_TILE = (64, 128, 64, 4, 3)  # alone; w1 with w3
-# two forms of the FP4 loop to time against it (``_fp4_sums``; untimed, so off): the weight as the
-# dot's left operand (its sm_90 build otherwise transposes the accumulator to and from the wgmma's
-# layout every step, and waits for each wgmma), and each step's bytes and scales loaded a step
-# ahead (otherwise the scales are a plain load each step that the dot waits for): read in the
-# kernel's TTGIR, built on the CPU for sm_90, 2026-12-06. `scripts/gemm_sweep.py --only fp4-forms`
-FP4_LHS, FP4_PREFETCH = False, False
 FEW_ROWS, FEW_ROWS_TILE = 16, (16, 32, 128, 4, 3)
 DEQUANT_ROWS = 64
 
@@ -80,60 +74,30 @@ def _fp4_bytes(w_at, s_at, n, n_ok, k0, K, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _fp4_dot(x, b, s, acc, LHS: tl.constexpr):
+def _fp4_dot(x, b, s, acc):
     """``acc + x @ W^T`` for bf16 ``x`` and an FP4 tile as its bytes and 1 x 32 scale bytes
     (:func:`_fp4_bytes`): Triton's microscaling dot (e2m1 with ue8m0 per 32, the even input in
     the low nibble, as the checkpoint packs them), which on sm_90 widens the weight to bf16 in
     registers for the bf16 tensor cores — the same exact values and fp32 sums as decoding it
-    here, 1.3x the rate (below). Scales are finite (byte 255 is never packed), so no NaN checks.
-    LHS: the transpose, ``acc^T + W @ x^T`` with ``acc`` [len(n), rows] — the weight as the
-    dot's left operand, which is how sm_90 runs it anyway (its build transposes the
-    accumulator there and back every step otherwise)."""
-    if LHS:
-        out = tl.dot_scaled(b, s, "e2m1", tl.trans(x), None, "bf16", acc, fast_math=True)
-    else:
-        out = tl.dot_scaled(x, None, "bf16", tl.trans(b), s, "e2m1", acc, fast_math=True)
-    return out
+    here, 1.3x the rate (below). Scales are finite (byte 255 is never packed), so no NaN checks."""
+    return tl.dot_scaled(x, None, "bf16", tl.trans(b), s, "e2m1", acc, fast_math=True)
 
 
 @triton.jit
-def _fp4_sums(x_at, row_ok, w_at, s_at, v_at, vs_at, n, n_ok, K, PAIRED: tl.constexpr, LHS: tl.constexpr,
-              PREFETCH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _fp4_sums(x_at, row_ok, w_at, s_at, v_at, vs_at, n, n_ok, K, PAIRED: tl.constexpr,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The FP4 channel loop of ``_gemm_kernel`` on bf16 rows: x @ W^T (and x @ V^T, PAIRED) as
-    [BLOCK_M, BLOCK_N] fp32. PREFETCH: each step's weight bytes and scales loaded one step
-    ahead (a register double buffer), where otherwise the scales' 2-byte rows are a plain load
-    each step that the dot waits for (Triton's pipelining copies only the bytes ahead)."""
-    if LHS:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if PREFETCH:
-        bw, sw = _fp4_bytes(w_at, s_at, n, n_ok, 0, K, BLOCK_K)
-        if PAIRED:
-            bv, sv = _fp4_bytes(v_at, vs_at, n, n_ok, 0, K, BLOCK_K)
+    [BLOCK_M, BLOCK_N] fp32."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_at + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
-        if PREFETCH:
-            bw_next, sw_next = _fp4_bytes(w_at, s_at, n, n_ok, k0 + BLOCK_K, K, BLOCK_K)
-            if PAIRED:
-                bv_next, sv_next = _fp4_bytes(v_at, vs_at, n, n_ok, k0 + BLOCK_K, K, BLOCK_K)
-        else:
-            bw, sw = _fp4_bytes(w_at, s_at, n, n_ok, k0, K, BLOCK_K)
-            if PAIRED:
-                bv, sv = _fp4_bytes(v_at, vs_at, n, n_ok, k0, K, BLOCK_K)
-        acc = _fp4_dot(x, bw, sw, acc, LHS)
+        bw, sw = _fp4_bytes(w_at, s_at, n, n_ok, k0, K, BLOCK_K)
+        acc = _fp4_dot(x, bw, sw, acc)
         if PAIRED:
-            acc3 = _fp4_dot(x, bv, sv, acc3, LHS)
-        if PREFETCH:
-            bw, sw = bw_next, sw_next
-            if PAIRED:
-                bv, sv = bv_next, sv_next
-    if LHS:
-        acc = tl.trans(acc)
-        acc3 = tl.trans(acc3)
+            bv, sv = _fp4_bytes(v_at, vs_at, n, n_ok, k0, K, BLOCK_K)
+            acc3 = _fp4_dot(x, bv, sv, acc3)
     return acc, acc3
 
 
@@ -149,8 +113,7 @@ def _dot(a, b, acc):
 def _gemm_kernel(x_ptr, w_ptr, w_sc, v_ptr, v_sc, route_ptr, out_ptr, tiles_ptr, ends_ptr, M, N, K, limit,
                  W_STRIDE, S_STRIDE, X_STRIDE, GROUP_N, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
                  GROUPED: tl.constexpr, PAIRED: tl.constexpr, CLAMP: tl.constexpr, BF16: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 FP4_LHS: tl.constexpr = False, FP4_PREFETCH: tl.constexpr = False):
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[rows, n] = x[rows] @ W[n]^T for one block of rows x BLOCK_N outputs; grouped: the
     block's expert's weight (stack stride W_STRIDE elements, S_STRIDE scales); paired: the
     route weight times the SwiGLU of the products with W and V. x's rows are X_STRIDE apart,
@@ -174,8 +137,7 @@ def _gemm_kernel(x_ptr, w_ptr, w_sc, v_ptr, v_sc, route_ptr, out_ptr, tiles_ptr,
         v_at, vs_at = v_ptr + g.to(tl.int64) * W_STRIDE, v_sc + g.to(tl.int64) * S_STRIDE
         x_at = x_ptr + rows[:, None].to(tl.int64) * X_STRIDE + (tl.program_id(1) * BLOCK_N) // GROUP_N * K
         if FMT == "fp4" and BF16:
-            acc, acc3 = _fp4_sums(x_at, row_ok, w_at, s_at, v_at, vs_at, n, n_ok, K, PAIRED, FP4_LHS, FP4_PREFETCH,
-                                  BLOCK_M, BLOCK_N, BLOCK_K)
+            acc, acc3 = _fp4_sums(x_at, row_ok, w_at, s_at, v_at, vs_at, n, n_ok, K, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -211,7 +173,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, fmt: str, block: 
         tiles if grouped else dummy, ends if grouped else dummy, M, n_out, K, float(limit),
         w[0].numel() if grouped else 0, s[0].numel() if grouped else 0, x.stride(0), n_out // groups,
         FMT=fmt, SR=block[0], SC=block[1], GROUPED=grouped, PAIRED=paired, CLAMP=limit > 0, BF16=bf16,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, FP4_LHS=FP4_LHS, FP4_PREFETCH=FP4_PREFETCH,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     return out
 

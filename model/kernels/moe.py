@@ -109,11 +109,11 @@ SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
 # packed, 32K context, one H100, 2026-12-06, bench_knobs, three rounds): 4.878 ms as it is, 5.152 with
 # the one-tile form (control 1.008)
 DOWN_SLOTS_FP4_MAX_I = 1024
-# the FP4 up kernel's channel loop (V4.1-Flash's width) and the slot-by-slot down sum, each step's weight
-# bytes asked for during the step before (a register double buffer, where Triton's pipelining through
-# shared memory ran slower, below): each program then has two steps' loads in flight. Untimed (no GPU
-# left on 2026-12-06), so off; `scripts/gpu_bench.py ... --knobs moe.UP_PREFETCH,moe.DOWN_PREFETCH` times them
-UP_PREFETCH, DOWN_PREFETCH = False, False
+# The slot-by-slot FP4 down sum (``_down_kernel``) asks for each step's weight bytes during the step before
+# (a register double buffer, where Triton's pipelining through shared memory ran slower, below): two
+# steps' loads in flight a program. The full-width step (`v41-flash --layers 8`, packed, 32K context,
+# one H100, 2026-12-06, bench_knobs, three rounds): 4.751 ms with it, 4.860 without (control 1.001).
+# The same in the up kernel's channel loop ran slower, 5.119 ms, and is not kept
 # (2026-12-06, on the H200, a whole moe_decode at `v41-flash`'s width, FP4, batch 1, 32 experts cycled from
 # HBM, kernel_sweep.py --only up-loop and a `stages` sweep since removed: 278.6 us as it is. Tried in the channel loops and not kept:
 # Triton's software pipelining, 2-4 stages — up 299-302 us, down 491; the scale bytes read from their
@@ -372,8 +372,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
                K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
                CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
                w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None, FMT: tl.constexpr = "plain",
-               S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1,
-               PREFETCH: tl.constexpr = False):
+               S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
     """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. EARLY
     (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
     before the dependent launch's wait — a routed slot's expert is known only after it.
@@ -422,7 +421,7 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             e, w_ok = _held_expert(isel_ptr, p, i_ok)
             gw = tl.load(wsel_ptr + p)
             acc1, acc3 = _up_sums(x_ptr, w1_ptr, w3_ptr, w1_sc, w3_sc, e, t, i, w_ok, D, I, True, BLOCK_I, BLOCK_D,
-                                  FMT, "fp4", 1, 1, PREFETCH)
+                                  FMT, "fp4", 1, 1)
         else:  # the shared expert of token p - NK
             t = p - NK
             gw = 1.0
@@ -436,21 +435,15 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
 
 @triton.jit
 def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.constexpr, BLOCK_I: tl.constexpr,
-             BLOCK_D: tl.constexpr, FMT: tl.constexpr, S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
-             PREFETCH: tl.constexpr = False):
+             BLOCK_D: tl.constexpr, FMT: tl.constexpr, S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
     """The up kernel's channel loop: rows ``i`` of two weights against token t's channels, -> the
     two products [BLOCK_I] in fp32. ROUTED: expert e's rows of the stacks (FMT), else the shared
-    expert's (plain, or S_FMT with FP4 stacks). PREFETCH (``UP_PREFETCH``): a routed FP4 step's
-    bytes loaded during the step before, the same sums."""
+    expert's (plain, or S_FMT with FP4 stacks)."""
     acc1 = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_I], dtype=tl.float32)
     if ROUTED and FMT == "plain":
         a_ptr += e * I * D
         b_ptr += e * I * D
-    AHEAD: tl.constexpr = PREFETCH and ROUTED and FMT == "fp4"
-    if AHEAD:  # the first step's bytes; each step asks for the next one's before it decodes its own
-        ra, rsa = _fp4_tile_raw(a_ptr, a_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], 0, D, BLOCK_D)
-        rb, rsb = _fp4_tile_raw(b_ptr, b_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], 0, D, BLOCK_D)
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
@@ -458,13 +451,6 @@ def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.co
         if FMT == "plain":
             a = tl.load(a_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
             b = tl.load(b_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-        elif AHEAD:
-            na, nsa = _fp4_tile_raw(a_ptr, a_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0 + BLOCK_D, D,
-                                    BLOCK_D)
-            nb, nsb = _fp4_tile_raw(b_ptr, b_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0 + BLOCK_D, D,
-                                    BLOCK_D)
-            a, b = _fp4_tile_of(ra, rsa), _fp4_tile_of(rb, rsb)
-            ra, rsa, rb, rsb = na, nsa, nb, nsb
         elif ROUTED:
             a = _fp4_tile(a_ptr, a_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D)
             b = _fp4_tile(b_ptr, b_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D)
@@ -487,10 +473,10 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                  K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr,
                  OUT_BF16: tl.constexpr, PDL: tl.constexpr = False, w2_sc=None, s2_sc=None,
                  FMT: tl.constexpr = "plain", S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1,
-                 SC: tl.constexpr = 1, PREFETCH: tl.constexpr = False):
+                 SC: tl.constexpr = 1):
     """Token t's output channels ``o``: each slot's w2 product (a slot of another rank's
-    expert, id -1, reads no weight: zero), then the shared expert's [D, SI] part. PREFETCH
-    (``DOWN_PREFETCH``): a routed FP4 slot's step's bytes loaded during the step before."""
+    expert, id -1, reads no weight: zero), then the shared expert's [D, SI] part. A routed FP4
+    slot's step's bytes are loaded during the step before."""
     _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -508,7 +494,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
             w_ptr = s2_ptr
             IN = SI
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-        if PREFETCH and FMT == "fp4" and j < K:  # the slot's first step's bytes; each step asks for the next's
+        if FMT == "fp4" and j < K:  # the slot's first step's bytes; each step asks for the next's
             rw, rs = _fp4_tile_raw(w2_ptr, w2_sc, e * D + o[:, None], row_ok[:, None], 0, I, BLOCK_I)
         for i0 in range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
@@ -520,12 +506,10 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
             m = row_ok[:, None] & (i < IN)[None, :]
             if FMT == "plain":
                 w = tl.load(w_ptr + o[:, None] * IN + i[None, :], mask=m, other=0.0)
-            elif PREFETCH and j < K:
+            elif j < K:
                 nw, ns = _fp4_tile_raw(w2_ptr, w2_sc, e * D + o[:, None], row_ok[:, None], i0 + BLOCK_I, I, BLOCK_I)
                 w = _fp4_tile_of(rw, rs)
                 rw, rs = nw, ns
-            elif j < K:
-                w = _fp4_tile(w2_ptr, w2_sc, e * D + o[:, None], row_ok[:, None], i0, I, BLOCK_I)
             else:
                 w = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], m, SI, S_FMT, SR, SC)
             acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
@@ -938,12 +922,12 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
-            PREFETCH=UP_PREFETCH, num_warps=UP_WARPS, **chained(x), **up)
+            num_warps=UP_WARPS, **chained(x), **up)
         if DOWN_SLOTS and not (down.get("FMT") == "fp4" and I > DOWN_SLOTS_FP4_MAX_I):
             return down_slots(h, w2, s2, chosen, out, SI, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I, SI,
-            K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, PREFETCH=DOWN_PREFETCH,
+            K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
             num_warps=DOWN_WARPS, **chained(x), **down)
         return out
     rows = dict(K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=max(16, triton.next_power_of_2(N)), BF16=bf16,
