@@ -92,9 +92,10 @@ class Runtime:
                          weights=settings.weights, engram=settings.engram, **options)
             tokenizer = Tokenizer.of(model)
             leads = world is not None and world.size > 1 and world.rank == 0
-            engine = (Leader(model, world, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context)
-                      if leads else
-                      Engine(model, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context))
+            # threads asked for (--threads, DSAGENT_THREADS, config): that count throughout, decoding too
+            run = dict(mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context,
+                       **({"decode_threads": None} if settings.threads else {}))
+            engine = Leader(model, world, **run) if leads else Engine(model, **run)
         except BaseException:
             if ranks is not None:
                 ranks.stop()

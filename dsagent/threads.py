@@ -132,7 +132,7 @@ def measure(model, counts: list[int], ctx: int, steps: int, rounds: int, busy: i
     from model.bench import prompt_ids
     from model.engine import Engine, Sampling
 
-    engine, ids = Engine(model, mode="ced"), prompt_ids(model, ctx)
+    engine, ids = Engine(model, mode="ced", decode_threads=None), prompt_ids(model, ctx)  # each count throughout
     before = torch.get_num_threads()
     prefill = {n: [] for n in counts}
     decode = {n: [] for n in counts}

@@ -107,3 +107,19 @@ def test_bad_threads_exit_2(seen, monkeypatch, args, env):
         monkeypatch.setenv("DSAGENT_THREADS", env)
     r = CliRunner().invoke(cli.app, ["run", "hi", *args])
     assert r.exit_code == 2 and not seen, r.output
+
+
+def test_a_thread_count_asked_for_holds_while_decoding_too():
+    """Left to it, the runtime's engine decodes the embedded default on one thread
+    (model.engine.DECODE_ONE_THREAD_MAX_HIDDEN); with --threads / DSAGENT_THREADS / config
+    given, that count throughout."""
+    import torch
+
+    from dsagent.runtime import Runtime, Settings
+
+    before = torch.get_num_threads()
+    try:
+        assert Runtime.load(Settings()).engine.decode_threads == 1
+        assert Runtime.load(Settings(threads=2)).engine.decode_threads is None
+    finally:
+        torch.set_num_threads(before)
