@@ -51,6 +51,7 @@ from dsagent.lexicon import LEXICONS, Lexicon
 from dsagent.prompt import DEFAULT_SYSTEM
 from model.args import ModelArgs
 from model.chat import Conversation
+from model.draft_training import reply_spans
 from model.tokenizer import Tokenizer
 from model.training import Example
 from model.vision import decode_image, expand_spans, image_sha256, plan_image, span_length
@@ -303,7 +304,7 @@ def copy_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
     lex = lexicon(record["truth"].get("words", "closed"))
     messages = record["messages"]
     fixed = set(re.findall(r"[A-Za-z]+", json.dumps(messages[0]).lower())) | WORKSPACE_WORDS
-    runs = _runs(ex.trained)
+    runs = reply_spans(ex.trained)
     answered = [k for k, m in enumerate(messages) if m["role"] == "assistant" and m.get("stop", "eos") == "eos"]
     if len(runs) != len(answered):  # the encoding's replies are the record's, one for one
         raise ValueError(f"record {record['id']}: {len(runs)} trained runs for {len(answered)} replies")
@@ -319,18 +320,6 @@ def copy_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
     if not scored:
         return None
     return Example(ids := list(ex.ids), [i in scored for i in range(len(ids))], ex.images)
-
-
-def _runs(mask) -> list[tuple[int, int]]:
-    """The [first, end) runs of True in ``mask``."""
-    out, first = [], None
-    for i, t in enumerate([*mask, False]):
-        if t and first is None:
-            first = i
-        elif not t and first is not None:
-            out.append((first, i))
-            first = None
-    return out
 
 
 def _message_text(m: dict[str, Any]) -> str:

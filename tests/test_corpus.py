@@ -323,17 +323,18 @@ def test_copy_example_trains_the_names_and_numbers_a_reply_copies_alone():
     message holds — the listed files, the numbers put to the calculator — and nothing of the
     template around them, the system prompt's words or the workspace's fixed paths."""
     from model.args import ModelArgs
+    from model.draft_training import reply_spans
 
     tok, args = Tokenizer.bundled(), ModelArgs.preset("tiny")
     record = corpus_gen.make_record(5, 11, "f", tok, words="open")
     ex = corpus_gen.copy_example(record, tok, args)
     whole = corpus_gen.training_example(record, tok, args)
     assert list(ex.ids) == list(whole.ids) and all(w for s, w in zip(ex.trained, whole.trained) if s)
-    runs = [tok.decode([ex.ids[i] for i in range(a, b)]).strip(" ,") for a, b in corpus_gen._runs(ex.trained)]
+    runs = [tok.decode([ex.ids[i] for i in range(a, b)]).strip(" ,") for a, b in reply_spans(ex.trained)]
     listed = sorted(p.removeprefix("data/").split(".")[0] for p in record["truth"]["files"] if p.startswith("data/"))
     assert runs == listed  # " besusvo", " falus", ...: not "data", "files" nor the colour told
     calc = corpus_gen.copy_example(corpus_gen.make_record(5, 4, "b", tok, words="open"), tok, args)
-    said = [tok.decode([calc.ids[i] for i in range(a, b)]).strip() for a, b in corpus_gen._runs(calc.trained)]
+    said = [tok.decode([calc.ids[i] for i in range(a, b)]).strip() for a, b in reply_spans(calc.trained)]
     assert said == ["92", "22", "92", "22", "114"]  # the call's operands, then the reply's and the result
     chat = corpus_gen.make_record(5, 1, "a", tok, words="open")
     assert corpus_gen.copy_example(chat, tok, args) is None  # a reply that copies nothing
