@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsagent.threads import apply_threads
+from dsagent.threads import apply_threads, settle_threads
 
 if TYPE_CHECKING:
     import torch
@@ -91,11 +91,11 @@ class Runtime:
             model = load(source, device=settings.device, dtype=dtype, seed=settings.seed, progress=progress,
                          weights=settings.weights, engram=settings.engram, **options)
             tokenizer = Tokenizer.of(model)
+            settle_threads(model, settings.threads)
             leads = world is not None and world.size > 1 and world.rank == 0
-            # threads asked for (--threads, DSAGENT_THREADS, config): that count throughout, decoding too
-            run = dict(mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context,
-                       **({"decode_threads": None} if settings.threads else {}))
-            engine = Leader(model, world, **run) if leads else Engine(model, **run)
+            engine = (Leader(model, world, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context)
+                      if leads else
+                      Engine(model, mode=settings.prefill, chunk=settings.chunk, max_context=settings.max_context))
         except BaseException:
             if ranks is not None:
                 ranks.stop()

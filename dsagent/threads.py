@@ -3,7 +3,8 @@
 Owns: counting the CPUs a process may run on (its affinity mask, then a cgroup CPU quota:
 v2 ``cpu.max`` or v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us``, on the process's own
 cgroup and every ancestor) and handing torch that count, or the one asked for
-(``--threads`` / ``DSAGENT_THREADS`` / ``threads`` in config.toml); and `measure`, what
+(``--threads`` / ``DSAGENT_THREADS`` / ``threads`` in config.toml), or one for a narrow model
+on the CPU (``settle_threads``); and `measure`, what
 ``dsagent bench threads`` prints: prefill and decode times at several thread counts beside
 busy-loop processes. Does not own reading the setting (``dsagent.settings``).
 
@@ -110,6 +111,29 @@ def apply_threads(requested: int | None) -> int:
     return n
 
 
+# A model this narrow or narrower computes on one CPU thread unless a count is asked for: its
+# forwards are many small ops, which more threads speed up little and which stall whenever another
+# process holds one of the cores. This 2-CPU machine, 2026-12-06 (docs/benchmarks.md, Threads):
+# the embedded default (hidden 128) decodes 38.8 ms a token at 2 threads and at 1, beside one busy
+# loop 134 against 41; `small` cut to 8 layers (hidden 2,048) 172 against 146, beside a busy loop
+# 360 against 178; the real five-question `dsagent chat` beside a busy loop 583 s at 2 threads
+# (its 2,204-token first prefill alone 54.6 s) against 17.5 at 1. The cost, idle: that chat 12.7 s
+# at 2 threads against 15.3 at 1, a 2,048-token prefill 1.45 s against 2.46. Wider models on the
+# CPU were not measured and keep the CPUs' count.
+ONE_THREAD_MAX_HIDDEN = 2048
+
+
+def settle_threads(model, requested: int | None) -> int:
+    """After the model is loaded: one thread for a CPU model up to ONE_THREAD_MAX_HIDDEN wide
+    unless ``requested``; returns torch's count."""
+    import torch
+
+    narrow = model.args.hidden_size <= ONE_THREAD_MAX_HIDDEN
+    if requested is None and narrow and torch.device(model.device).type == "cpu":
+        torch.set_num_threads(1)
+    return torch.get_num_threads()
+
+
 def co_load(n: int) -> list[subprocess.Popen]:
     """``n`` busy-loop processes, each keeping one CPU busy until stopped (`stop_co_load`)."""
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
@@ -132,7 +156,7 @@ def measure(model, counts: list[int], ctx: int, steps: int, rounds: int, busy: i
     from model.bench import prompt_ids
     from model.engine import Engine, Sampling
 
-    engine, ids = Engine(model, mode="ced", decode_threads=None), prompt_ids(model, ctx)  # each count throughout
+    engine, ids = Engine(model, mode="ced"), prompt_ids(model, ctx)
     before = torch.get_num_threads()
     prefill = {n: [] for n in counts}
     decode = {n: [] for n in counts}

@@ -461,10 +461,6 @@ class Speculator:
             raise ValueError("speculative generation runs one sequence; use Engine.generate for batches")
         if params.max_new_tokens <= 0 or state.length >= self.engine.max_context:
             return
-        with self.engine.decoding():
-            yield from self._generate(state, params, history)
-
-    def _generate(self, state: State, params: Sampling, history: Sequence[int] | torch.Tensor) -> Iterator[int]:
         token = int(self.engine.sample(state, params)[0])
         yield token
         emitted = 1

@@ -15,7 +15,6 @@ Knows nothing of tokenization, chat formats or storage: ids in, ids and bytes ou
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -56,17 +55,6 @@ def score_budget(device) -> int:
 
 class ContextLimitError(ValueError):
     """The prompt would not fit in the configured context."""
-
-
-# A CPU decode runs on one thread where the model is this narrow or narrower: its steps are many
-# small ops, which a second thread does not speed up and which stall whenever another process
-# holds one of the cores. One row, CED, this 2-CPU machine (`dsagent bench threads`, 2026-12-06):
-# the embedded default (hidden 128) 38.8 ms a token at 2 threads and at 1, beside one busy loop 134
-# against 41; `small` cut to 8 layers (hidden 2,048) 172 against 146, beside a busy loop 360 against
-# 178. A prefill keeps the count set (1.7x faster at 2 threads than at 1 for the default, 2,048
-# tokens, idle). Wider models on the CPU were not measured and keep the count set.
-DECODE_ONE_THREAD_MAX_HIDDEN = 2048
-AUTO = "auto"
 
 
 @dataclass
@@ -123,15 +111,9 @@ def _cat_tail(old, new, keep: int):
 
 class Engine:
     def __init__(self, model: Transformer, *, mode: str = "ced", chunk: int | None = None,
-                 max_context: int | None = None, decode_threads: int | str | None = AUTO):
-        """``decode_threads``: torch's thread count while :meth:`generate` runs (None: the count
-        set; ``AUTO``: one on the CPU for models up to DECODE_ONE_THREAD_MAX_HIDDEN wide, else None)."""
+                 max_context: int | None = None):
         if mode not in ("ced", "exact"):
             raise ValueError(f"prefill mode must be 'ced' or 'exact', not {mode!r}")
-        if decode_threads == AUTO:
-            narrow = model.args.hidden_size <= DECODE_ONE_THREAD_MAX_HIDDEN
-            decode_threads = 1 if torch.device(model.device).type == "cpu" and narrow else None
-        self.decode_threads = decode_threads
         self.model, self.args = model, model.args
         self.mode = mode if model.args.supports_ced else "exact"
         self.chunk = chunk or default_chunk(model.device)
@@ -262,29 +244,14 @@ class Engine:
     def generate(self, state: State, params: Sampling) -> Iterator[int]:
         """Stream sampled ids (batch row 0) from the current state until a stop id or the limit.
         A stop id is yielded but not fed back (the caller decides whether to consume it)."""
-        with self.decoding():
-            for i in range(params.max_new_tokens):
-                if state.length >= self.max_context:
-                    return
-                token = self.sample(state, params)
-                yield int(token[0])
-                if int(token[0]) in params.stop_ids or i == params.max_new_tokens - 1:
-                    return
-                self.decode(state, token)
-
-    @contextlib.contextmanager
-    def decoding(self):
-        """torch at ``decode_threads`` threads inside, at its own count again after (a generator
-        holding it: until it ends or is closed)."""
-        before = torch.get_num_threads()
-        if self.decode_threads is None or self.decode_threads == before:
-            yield
-            return
-        torch.set_num_threads(self.decode_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
+        for i in range(params.max_new_tokens):
+            if state.length >= self.max_context:
+                return
+            token = self.sample(state, params)
+            yield int(token[0])
+            if int(token[0]) in params.stop_ids or i == params.max_new_tokens - 1:
+                return
+            self.decode(state, token)
 
     # ------------------------------------------------------------------ session state
     def export_global(self, state: State) -> tuple[dict[str, torch.Tensor], dict]:

@@ -261,38 +261,3 @@ def test_chunks_shrink_where_the_index_scores_would_pass_their_budget(model) -> 
     assert engine.chunk_at(10 ** 7) == engine_mod.MIN_CHUNK
     sizes = [c.shape[1] for c, _, _ in engine._chunks(ids_of(1000), None, None, start=4000)]
     assert sizes == [256, 256, 256, 232]
-
-
-def test_a_narrow_model_decodes_on_one_thread_on_the_cpu(model, monkeypatch):
-    """DECODE_ONE_THREAD_MAX_HIDDEN: generate runs torch at one thread (the same ids as at the
-    count set) and leaves the count as it found it, also when closed early; a count given
-    (None: the one set) or a wider model keeps the count throughout."""
-    import model.engine as engine_module
-
-    seen = []
-    real_decode = Engine.decode
-    monkeypatch.setattr(Engine, "decode", lambda self, s, t: (seen.append(torch.get_num_threads()), real_decode(self, s, t))[1])
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        ids, params = ids_of(40), Sampling(max_new_tokens=6)
-        auto, kept = Engine(model), Engine(model, decode_threads=None)
-        assert auto.decode_threads == 1 and kept.decode_threads is None
-        runs = []
-        for engine in (auto, kept):
-            state = engine.new_state()
-            engine.prefill(state, ids)
-            runs.append(list(engine.generate(state, params)))
-            assert torch.get_num_threads() == 2
-        assert runs[0] == runs[1] and seen == [1] * 5 + [2] * 5
-        state = auto.new_state()
-        auto.prefill(state, ids)
-        stream = auto.generate(state, params)
-        next(stream), next(stream)
-        assert torch.get_num_threads() == 1
-        stream.close()  # a reply cut off: the count comes back
-        assert torch.get_num_threads() == 2
-        monkeypatch.setattr(engine_module, "DECODE_ONE_THREAD_MAX_HIDDEN", model.args.hidden_size - 1)
-        assert Engine(model).decode_threads is None  # wider than the measured models
-    finally:
-        torch.set_num_threads(before)

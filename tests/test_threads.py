@@ -109,17 +109,22 @@ def test_bad_threads_exit_2(seen, monkeypatch, args, env):
     assert r.exit_code == 2 and not seen, r.output
 
 
-def test_a_thread_count_asked_for_holds_while_decoding_too():
-    """Left to it, the runtime's engine decodes the embedded default on one thread
-    (model.engine.DECODE_ONE_THREAD_MAX_HIDDEN); with --threads / DSAGENT_THREADS / config
-    given, that count throughout."""
+def test_a_narrow_model_computes_on_one_thread_unless_a_count_is_asked_for(monkeypatch):
+    """settle_threads: the embedded default on the CPU, left to it, on one thread; a count
+    asked for (--threads / DSAGENT_THREADS / config) holds; a model wider than
+    ONE_THREAD_MAX_HIDDEN keeps the CPUs' count."""
     import torch
 
     from dsagent.runtime import Runtime, Settings
 
     before = torch.get_num_threads()
+    monkeypatch.setattr(threads, "available_cpus", lambda: 2)
     try:
-        assert Runtime.load(Settings()).engine.decode_threads == 1
-        assert Runtime.load(Settings(threads=2)).engine.decode_threads is None
+        rt = Runtime.load(Settings())
+        assert torch.get_num_threads() == 1
+        assert Runtime.load(Settings(threads=2)) and torch.get_num_threads() == 2
+        threads.apply_threads(None)
+        monkeypatch.setattr(threads, "ONE_THREAD_MAX_HIDDEN", rt.model.args.hidden_size - 1)
+        assert threads.settle_threads(rt.model, None) == 2
     finally:
         torch.set_num_threads(before)
