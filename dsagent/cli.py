@@ -123,7 +123,7 @@ GPUS = typer.Option(1, "--gpus", min=1, metavar="N",
                          "over gloo); this one drives the others.")
 THREADS = typer.Option(None, "--threads", min=1, metavar="N",
                        help="torch's compute threads (default: the CPUs this process may use, from its affinity "
-                            "and cgroup quota).")
+                            "and cgroup quota; one for a model up to 2,048 wide on the CPU, as the embedded default).")
 SPECULATIVE = typer.Option(None, "--speculative/--no-speculative",
                            help="DSpark speculative decoding (default: on where it pays, the CPU; off by itself when "
                                 "the checkpoint has no draft stages).")
@@ -373,11 +373,12 @@ def _doctor_checks() -> dict:
 
 
 def _threads_detail() -> str:
-    from dsagent.threads import affinity_cpus, available_cpus, quota_cpus
+    from dsagent.threads import ONE_THREAD_MAX_HIDDEN, affinity_cpus, available_cpus, quota_cpus
 
     quota = quota_cpus()
     limit = f"cgroup quota {quota:g} CPUs" if quota is not None else "no cgroup quota"
-    return f"{available_cpus()} by default ({affinity_cpus()} CPUs in this process's affinity, {limit})"
+    return (f"{available_cpus()} by default ({affinity_cpus()} CPUs in this process's affinity, {limit}); "
+            f"1 for a model up to {ONE_THREAD_MAX_HIDDEN} wide on the CPU, as the embedded default")
 
 
 def _store_detail() -> str:
