@@ -319,7 +319,7 @@ def copy_example(record: dict[str, Any], tokenizer: Tokenizer, args: ModelArgs,
             scored |= _spelling(tokenizer, ex.ids, range(first, end), copies, re.IGNORECASE)
     if not scored:
         return None
-    return Example(ids := list(ex.ids), [i in scored for i in range(len(ids))], ex.images)
+    return Example(ex.ids, [i in scored for i in range(len(ex.ids))], ex.images)  # the same ids, not a copy
 
 
 def _message_text(m: dict[str, Any]) -> str:

@@ -211,10 +211,11 @@ def _example(job: tuple[int, int, str]) -> tuple[int, str, Example, Example | No
     if kind == "d":
         bare = _compact((value_example if _VALUE_ONLY else training_example)(bare_record(record), _TOK, _ARGS))
         valued = _compact(value_example(record, _TOK, _ARGS, laid_out=whole)) if _VALUE_ONLY else None
-    elif kind in COPY_KINDS:
+    whole = _compact(whole)
+    if kind in COPY_KINDS:  # whole's ids array shared, a mask of its own
         valued = copy_example(record, _TOK, _ARGS, laid_out=whole)
         valued = valued and _compact(valued)
-    return i, kind, _compact(whole), bare, valued
+    return i, kind, whole, bare, valued
 
 
 def _compact(ex: Example) -> Example:

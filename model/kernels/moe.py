@@ -927,8 +927,8 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
             return down_slots(h, w2, s2, chosen, out, SI, **down)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I, SI,
-            K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16,
-            num_warps=DOWN_WARPS, **chained(x), **down)
+            K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS,
+            **chained(x), **down)
         return out
     rows = dict(K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=max(16, triton.next_power_of_2(N)), BF16=bf16,
                 DOT="tf32" if bf16 else "ieee")
