@@ -43,8 +43,8 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RecallStyle,  # noqa: E402
-                            add_recall_style_arguments, bare_record, copy_example, make_record, training_example,
-                            value_example, words_for)
+                            add_recall_style_arguments, bare_record, copy_example, echo_example, echo_record,
+                            make_record, training_example, value_example, words_for)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -120,6 +120,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--copy-weight", type=float, default=1.0,
                    help="how many times a --copy-rows row's tokens count in the step's loss (a row's few copied "
                         "tokens are otherwise a few per cent of a step's trained tokens)")
+    p.add_argument("--echo-rows", type=int, default=0,
+                   help="rows joined to every short step (as --recall-rows): requests to repeat a text of random "
+                        "letters, open words, file names and numbers (dsagent.corpus.echo_record), trained on the "
+                        "copy alone — the copying of names a model cannot know, which the corpus's own records "
+                        "leave to a few tokens a reply")
+    p.add_argument("--echo-records", type=int, default=20000, help="the pool --echo-rows draws from")
+    p.add_argument("--echo-weight", type=float, default=1.0,
+                   help="how many times an --echo-rows row's tokens count in the step's loss (see --copy-weight)")
     p.add_argument("--image-prob", type=float, default=0.0,
                    help="share of steps that train on image conversations alone (the ViT learns slowly "
                         "from the mixed batches)")
@@ -204,6 +212,8 @@ def _example(job: tuple[int, int, str]) -> tuple[int, str, Example, Example | No
     trained on the value alone, itself so trained (see ``--recall-rows``); for a chat, tool or
     conversation record, itself trained on its copies alone (see ``--copy-rows``), or None."""
     seed, i, kind = job
+    if kind == "echo":
+        return i, kind, None, None, _compact(echo_example(echo_record(seed, i), _TOK, _ARGS))
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _STYLE,
                          words_for(seed, i, _OPEN_WORDS))
     whole = training_example(record, _TOK, _ARGS)
@@ -230,7 +240,7 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False,
                   tokenizer: Tokenizer | None = None, recall_records: int = 0,
                   recall_style: RecallStyle = RecallStyle(), schedule: str = SCHEDULE,
-                  open_words: float = 0.0) -> dict[str, list[Example]]:
+                  open_words: float = 0.0, echo_records: int = 0) -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, record i of kind
     ``schedule[i % len(schedule)]``, or, in a data-parallel run, this process's share:
     whole rounds of the schedule, so every process holds every kind.
@@ -239,10 +249,12 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     every other kind, "image" the image conversations (also in "short"), and with
     ``value_only`` "valued": the recall records with the system prompt trained on the value
     alone (for --recall-rows), "copied" the chat, tool and conversation records trained on their
-    copies alone (for --copy-rows). ``recall_records``: at least that many recall records in all
+    copies alone (for --copy-rows), "echoed" ``echo_records`` echo drills in all (over the processes, for
+    --echo-rows). ``recall_records``: at least that many recall records in all
     (over the processes), the extra ones the records after the first ``n`` that the schedule makes
     recall records — so a pool of recall rows can be too large to learn by heart."""
-    pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": [], "copied": []}
+    pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": [], "copied": [],
+                                       "echoed": []}
     mine = [i for i in range(n) if i // len(schedule) % world == rank]
     if "d" in kinds and "d" in schedule:
         recall_at = [i for i in range(len(schedule)) if schedule[i] == "d"]
@@ -251,6 +263,7 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
         first = -(-n // len(schedule))  # the first whole round after the first n records
         mine += [r * len(schedule) + j for r in range(first, first + rounds) if r % world == rank for j in recall_at]
     jobs = [(seed, i, schedule[i % len(schedule)]) for i in mine if schedule[i % len(schedule)] in kinds]
+    jobs += [(seed, i, "echo") for i in range(echo_records) if i % world == rank]
     if workers <= 1:
         _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_style, open_words)
         results = map(_example, jobs)
@@ -260,6 +273,9 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
                                             open_words))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare, valued in results:
+        if kind == "echo":
+            pools["echoed"].append(valued)
+            continue
         pools["long" if kind == "d" else "short"].append(ex)
         if kind == "c":
             pools["image"].append(ex)  # also in "short"
@@ -269,7 +285,7 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
             pools["valued" if kind == "d" else "copied"].append(valued)
     if workers > 1:
         pool.close()
-    for name in ("long", "bare", "valued", "copied"):
+    for name in ("long", "bare", "valued", "copied", "echoed"):
         pools[name].sort(key=lambda ex: len(ex.ids))  # stable: the order stays deterministic
     return pools
 
@@ -412,7 +428,8 @@ def next_batch(a, pools, step: int, model_args, rank: int = 0, world: int = 1):
     else:
         rows = [pool[rng.randrange(len(pool))] for _ in range(n)]
     joined = [] if long else [(pools["valued"] or pools["long"], getattr(a, "recall_rows", 0)),
-                              (pools.get("copied", []), getattr(a, "copy_rows", 0))]
+                              (pools.get("copied", []), getattr(a, "copy_rows", 0)),
+                              (pools.get("echoed", []), getattr(a, "echo_rows", 0))]
     joined = [(pool, n) for pool, n in joined if n and pool]
     if not long and getattr(a, "short_tokens", 0):
         rows = within_budget(rows, sum(n for _, n in joined), a.short_tokens)
@@ -539,11 +556,14 @@ def train(a) -> tuple[dict | None, str | None]:
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
-                          RecallStyle.of(a), a.schedule, a.open_words)
+                          RecallStyle.of(a), a.schedule, a.open_words, a.echo_records if a.echo_rows else 0)
     for ex in pools["copied"]:
         ex.weight = a.copy_weight
-    log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records per process "
-               f"({group.world}) in {time.time() - t0:.0f} s")
+    for ex in pools["echoed"]:
+        ex.weight = a.echo_weight
+    log(group, f"corpus: {len(pools['short'])} short + {len(pools['long'])} recall records"
+               + (f" + {len(pools['echoed'])} echo drills" if pools["echoed"] else "")
+               + f" per process ({group.world}) in {time.time() - t0:.0f} s")
     loads = ExpertLoads(model)
     budget = a.minutes * 60
     group.barrier()  # every process has its corpus: start the clock together
@@ -698,7 +718,8 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
             "short_tokens": a.short_tokens, "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": a.schedule,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,
-            "copy_rows": a.copy_rows, "copy_weight": a.copy_weight,
+            "copy_rows": a.copy_rows, "copy_weight": a.copy_weight, "echo_rows": a.echo_rows,
+            "echo_records": a.echo_records, "echo_weight": a.echo_weight,
             "kinds": a.kinds,
             "tower_lr": a.tower_lr, "lr": a.lr, "decay": a.decay,
             "replay_weights": dict(zip(REPLAY_MODES, replay_weights(a))), "steps": counters["step"],

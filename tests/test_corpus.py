@@ -340,6 +340,31 @@ def test_copy_example_trains_the_names_and_numbers_a_reply_copies_alone():
     assert corpus_gen.copy_example(chat, tok, args) is None  # a reply that copies nothing
 
 
+def test_echo_drills_ask_to_repeat_what_no_vocabulary_holds_and_train_the_copy_alone():
+    """echo_record: the system prompt, a request to repeat a text and the reply that repeats it,
+    the same for a seed and index; the text's words are never the open vocabulary's held-out
+    half (the evaluation's); echo_example trains exactly the reply's tokens that spell it."""
+    from dsagent.lexicon import split_of
+    from model.args import ModelArgs
+    from model.draft_training import reply_spans
+
+    tok, args = Tokenizer.bundled(), ModelArgs.preset("tiny")
+    records = [corpus_gen.echo_record(3, i) for i in range(300)]
+    assert corpus_gen.echo_record(3, 7) == records[7] and corpus_gen.echo_record(4, 7) != records[7]
+    held_out = corpus_gen.lexicon("held-out")
+    words = [w for r in records for w in re.findall(r"[A-Za-z]+", r["truth"]["answer"])]
+    assert len(set(words)) > 250 and not any(held_out.drew(w) for w in words)
+    assert {split_of(w.lower()) for w in words} == {"train", "held-out"}  # random strings fall in both hashes,
+    # but none is a word the held-out half generates
+    for r in records[:20]:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles == ["system", "user", "assistant"] and r["messages"][2]["content"] == r["truth"]["answer"]
+        assert r["truth"]["answer"] in r["messages"][1]["content"]
+        ex = corpus_gen.echo_example(r, tok, args)
+        (a, b), = reply_spans(ex.trained)
+        assert tok.decode([int(ex.ids[i]) for i in range(a, b)]).strip() == r["truth"]["answer"]
+
+
 def test_corpus_and_training_scripts_import_without_the_session_store():
     """The GPU machine has no zstandard or sqlite-utils: the corpus generator and the
     training / probe scripts must not pull in the session store (they did, through the agent's

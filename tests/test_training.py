@@ -295,6 +295,27 @@ def test_copy_rows_join_every_short_step(tiny):
         assert tuple(row[row != tiny.args.pad_token_id].tolist()) in copied
 
 
+def test_echo_rows_join_every_short_step(tiny):
+    """--echo-rows: echo drills (dsagent.corpus.echo_record) trained on their copy alone join
+    each short step, split among the processes of a data-parallel run."""
+    import argparse
+
+    import train_default
+
+    pools = train_default.make_examples(10, 2, tiny.args, workers=1, kinds="ab", schedule="ab", echo_records=12)
+    shares = [train_default.make_examples(10, 2, tiny.args, workers=1, rank=r, world=2, kinds="ab", schedule="ab",
+                                          echo_records=12)["echoed"] for r in range(2)]
+    drills = {tuple(ex.ids.tolist()) for ex in pools["echoed"]}
+    assert len(drills) == 12 and {tuple(ex.ids.tolist()) for s in shares for ex in s} == drills
+    assert [len(s) for s in shares] == [6, 6] and not train_default.make_examples(10, 2, tiny.args, workers=1)["echoed"]
+    assert all(0 < ex.trained.sum() < 40 for ex in pools["echoed"])
+    a = argparse.Namespace(seed=0, long_prob=0.0, short_batch=3, long_batch=2, long_tokens=0, echo_rows=2)
+    joined = train_default.next_batch(a, pools, 3, tiny.args)
+    assert joined.ids.shape[0] == 5
+    for row in joined.ids[3:]:
+        assert tuple(row[row != tiny.args.pad_token_id].tolist()) in drills
+
+
 def test_data_parallel_shares_hold_every_kind(tiny):
     """Each process of a data-parallel run gets whole rounds of the schedule (recall too)."""
     import train_default
