@@ -372,7 +372,7 @@ def test_corpus_and_training_scripts_import_without_the_session_store():
     root = Path(__file__).resolve().parents[1]
     code = ("import sys; sys.modules['zstandard'] = None; sys.modules['sqlite_utils'] = None; "
             f"sys.path.insert(0, {str(root / 'scripts')!r}); "
-            "import dsagent.corpus, train_default, recall_probe, retrieval_drill, image_drill; "
+            "import dsagent.corpus, train_default, recall_probe, retrieval_drill, image_drill, copy_drill; "
             "assert 'sessions' not in sys.modules, 'the session store was imported'")
     run = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]

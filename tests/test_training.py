@@ -897,3 +897,24 @@ def test_trainer_stops_a_run_and_a_rerun_finishes_the_budget(tmp_path, capsys):
     assert info["steps"] == 2 and "resumed at step 1" in capsys.readouterr().out
     assert len(info["reruns"]) == 1 and info["lr"] == 0.002
     assert load(str(tmp_path / "run" / "model")).args.vocab_size == 1024
+
+
+def test_copy_drill_trains_bare_echo_drills_and_saves_a_checkpoint(tmp_path):
+    """scripts/copy_drill.py: echo drills without the system prompt, trained on the copy alone;
+    its probes are texts of the evaluation's held-out words, random letters and digits, scored
+    on their own kind of token; --save writes a loadable checkpoint and its TRAINING.json."""
+    import copy_drill
+
+    from dsagent.corpus import lexicon
+
+    tok, args = Tokenizer.bundled(), load("tiny", seed=3).args
+    ex = copy_drill.drill_example(11, 0, tok, args)
+    assert len(ex.ids) < 120 and 0 < sum(ex.trained) < 40  # no system prompt; the copy alone
+    held = copy_drill.probe_examples("held_out_words", 4, tok, args)
+    for row in held:
+        said = tok.decode([t for t, m in zip(row.ids, row.trained) if m]).split()
+        assert len(said) == 2 and all(lexicon("held-out").drew(w) for w in said)
+    copy_drill.main(["--init", "tiny", "--steps", "2", "--batch", "2", "--probe", "2", "--save", str(tmp_path / "m")])
+    info = json.loads((tmp_path / "m" / "TRAINING.json").read_text())
+    assert info["steps"] == 2 and info["rows"] == 4 and set(info["probe_after"]) == set(copy_drill.PROBES)
+    assert load(str(tmp_path / "m")).args.hidden_size == args.hidden_size
