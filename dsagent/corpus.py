@@ -414,16 +414,19 @@ def _sequence_fact(rng: random.Random, wide: bool = False) -> tuple[str, str]:
     return f"What number comes after {n}?", f"{n + 1}."
 
 
+ECHO_ASKS = (  # the corpus's echo requests are the first three
+    "Repeat after me: {}", "Say exactly this: {}", "Copy this: {}", "Echo this back: {}",
+    "Please repeat: {}", "Type this back to me: {}", "Write exactly: {}", "Say it back: {}")
+
+
 def _echo(rng: random.Random, lex: Lexicon) -> tuple[str, str]:
     """Repeat a text exactly: the copying that quoting names, numbers and expressions needs."""
     parts = [secret(rng), str(rng.randint(1, 99999)), lex.word(rng), lex.person(rng), arithmetic(rng),
              f"{lex.word(rng)}.{rng.choice(['txt', 'csv', 'py'])}"]
     text = " ".join(rng.sample(parts, rng.randint(1, 3)))
-    return rng.choice([f"Repeat after me: {text}", f"Say exactly this: {text}", f"Copy this: {text}"]), text
+    return rng.choice(ECHO_ASKS[:3]).format(text), text
 
 
-ECHO_ASKS = ("Repeat after me: {}", "Say exactly this: {}", "Copy this: {}", "Echo this back: {}",
-             "Please repeat: {}", "Type this back to me: {}", "Write exactly: {}", "Say it back: {}")
 _LETTERS = "abcdefghijklmnopqrstuvwxyz"
 
 

@@ -2,6 +2,7 @@
 
     python3 scripts/copy_drill.py [--init model/assets/default] [--steps 300] [--batch 32] [--lr 1e-3]
                                   [--device cpu] [--minutes M] [--seed 11] [--probe 16] [--save DIR]
+                                  [--mix ROWS] [--mix-kinds abef]
 
 Trains on echo drills alone (``dsagent.corpus.echo_record``: "Repeat after me: …" and the
 reply that repeats it; random letter strings, open words of the training half, file names,
@@ -14,7 +15,14 @@ seed, a number of 6-8 digits — as the accuracy of their letter or digit tokens
 
 Why: the default of 2026-12-06 repeated 0.84 of such a number's digit tokens and 0.04 of the
 held-out words' letter tokens (its names learnt by heart, its recall values digits alone),
-which is the held-out split's failure to copy a name it never saw (issue 53). ``--save DIR``
+which is the held-out split's failure to copy a name it never saw (issue 53).
+
+``--mix ROWS`` adds that many bare corpus records a step (kinds ``--mix-kinds``, four in five in
+open words, their whole replies trained; the drills and these two losses of equal weight), so
+that the drill does not overwrite the corpus's skills: 330 steps of drills alone (2026-12-06)
+taught the copy and left a model that echoed where it was asked anything else. The probe then
+also scores ``--probe`` held-out records of those kinds (seed 7919, held-out words), teacher-forced.
+``--save DIR``
 writes the result as an official checkpoint with a TRAINING.json, for train_default.py
 ``--init`` to bring the corpus's skills back on (with ``--echo-rows`` keeping the drill up).
 """
@@ -35,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from dsagent.corpus import (CORPUS_VERSION, ECHO_ASKS, THINKING_MODE, TRAIN_ROLES, bare_record,  # noqa: E402
-                            echo_example, echo_record, focus_example, lexicon)
+                            echo_example, echo_record, focus_example, lexicon, make_record, training_example,
+                            words_for)
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (Example, add_weight_qat, batch_for, batch_loss, quantised_weights,  # noqa: E402
@@ -56,6 +65,15 @@ def drill_example(seed: int, index: int, tokenizer: Tokenizer, args) -> Example:
     return echo_example(bare_record(echo_record(seed, index)), tokenizer, args)
 
 
+def mix_example(seed: int, index: int, kinds: str, tokenizer: Tokenizer, args, words: str | None = None) -> Example:
+    """Corpus record ``index`` of ``seed`` (its kind ``kinds[index % len(kinds)]``), bare, its whole
+    replies trained; its names from the open vocabulary's training half four times in five, or
+    from ``words``."""
+    kind = kinds[index % len(kinds)]
+    record = make_record(seed, index, kind, tokenizer, words=words or words_for(seed, index, 0.8))
+    return training_example(bare_record(record), tokenizer, args)
+
+
 def probe_examples(kind: str, n: int, tokenizer: Tokenizer, args) -> list[Example]:
     """``n`` echo requests of a ``PROBES`` kind, as the drill lays them out."""
     rng, rows = random.Random(f"{PROBE_SEED}:{kind}"), []
@@ -68,10 +86,20 @@ def probe_examples(kind: str, n: int, tokenizer: Tokenizer, args) -> list[Exampl
     return rows
 
 
-def probe(model, tokenizer: Tokenizer, n: int) -> dict[str, float]:
-    """Teacher-forced accuracy of each probe kind's letter tokens (digit tokens for ``digits``)."""
-    return {kind: split_accuracy(model, tokenizer, probe_examples(kind, n, tokenizer, model.args))[
+def probe(model, tokenizer: Tokenizer, n: int, mix_kinds: str = "") -> dict[str, float]:
+    """Teacher-forced accuracy of each probe kind's letter tokens (digit tokens for ``digits``),
+    and with ``mix_kinds`` of ``n`` held-out bare records of those kinds' replies (``held_out_replies``)."""
+    out = {kind: split_accuracy(model, tokenizer, probe_examples(kind, n, tokenizer, model.args))[
         "digits" if kind == "digits" else "letters"] for kind in PROBES}
+    if mix_kinds:
+        rows = [mix_example(PROBE_SEED, i, mix_kinds, tokenizer, model.args, "held-out") for i in range(n)]
+        training = model.training
+        model.eval()
+        with torch.no_grad(), quantised_weights(model):
+            losses = batch_loss(model, batch_for(model.args, rows, ["exact"] * n, random.Random(0)), share_prefix=False)
+        model.train(training)
+        out["held_out_replies"] = round(losses.correct / losses.tokens, 3)
+    return out
 
 
 def main(argv=None) -> None:
@@ -85,6 +113,9 @@ def main(argv=None) -> None:
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop after this many minutes of training (at least one step) and save what was trained")
     p.add_argument("--probe", type=int, default=16, metavar="N", help="texts of each probe kind")
+    p.add_argument("--mix", type=int, default=0, metavar="ROWS",
+                   help="bare corpus records a step beside the drills, their whole replies trained")
+    p.add_argument("--mix-kinds", default="abef", help="the corpus kinds --mix draws (c's pictures are slow on a CPU)")
     p.add_argument("--save", type=Path, help="write the trained model here (official checkpoint + TRAINING.json)")
     a = p.parse_args(argv)
     torch.manual_seed(0)
@@ -94,35 +125,43 @@ def main(argv=None) -> None:
     args, tokenizer = model.args, Tokenizer.of(model)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    rng, began, window, steps_run = random.Random(a.seed), time.time(), [0, 0], 0
-    first = probe(model, tokenizer, a.probe)
+    rng, began, window, steps_run = random.Random(a.seed), time.time(), [0, 0, 0, 0], 0
+    mix_kinds = a.mix_kinds if a.mix else ""
+    first = probe(model, tokenizer, a.probe, mix_kinds)
     print(json.dumps({"step": 0, **first}), flush=True)
     for step in range(1, a.steps + 1):
         if a.minutes and step > 1 and time.time() - began >= a.minutes * 60:
             print(f"stopping at step {step - 1} of {a.steps} after {time.time() - began:.0f} s (--minutes)", flush=True)
             break
-        rows = [drill_example(a.seed, (step - 1) * a.batch + k, tokenizer, args) for k in range(a.batch)]
-        batch = batch_for(args, rows, ["exact"] * len(rows), rng)
+        groups = [[drill_example(a.seed, (step - 1) * a.batch + k, tokenizer, args) for k in range(a.batch)]]
+        if a.mix:
+            groups.append([mix_example(a.seed, (step - 1) * a.mix + k, a.mix_kinds, tokenizer, args)
+                           for k in range(a.mix)])
         opt.zero_grad(set_to_none=True)
         with quantised_weights(model):
-            losses = batch_loss(model, batch, share_prefix=False)
-            losses.total.backward()
+            for g, rows in enumerate(groups):  # each group's mean loss, of equal weight
+                losses = batch_loss(model, batch_for(args, rows, ["exact"] * len(rows), rng), share_prefix=False)
+                losses.total.backward()
+                window[2 * g] += losses.correct
+                window[2 * g + 1] += losses.tokens
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         steps_run = step
-        window = [window[0] + losses.correct, window[1] + losses.tokens]
         if step % 25 == 0:
             line = {"step": step, "seconds": round(time.time() - began), "train_acc": round(window[0] / window[1], 3)}
-            print(json.dumps(line | (probe(model, tokenizer, a.probe) if step % 100 == 0 else {})), flush=True)
-            window = [0, 0]
-    last = probe(model, tokenizer, a.probe)
+            if a.mix:
+                line["mix_acc"] = round(window[2] / window[3], 3)
+            print(json.dumps(line | (probe(model, tokenizer, a.probe, mix_kinds) if step % 100 == 0 else {})),
+                  flush=True)
+            window = [0, 0, 0, 0]
+    last = probe(model, tokenizer, a.probe, mix_kinds)
     print(json.dumps({"step": steps_run, "probe": last}), flush=True)
     if a.save:
         write_trained(model, a.save)
         info = {"command": "python3 scripts/copy_drill.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
                 "init": str(a.init), "drill_seed": a.seed, "corpus_version": CORPUS_VERSION, "steps": steps_run,
-                "rows": steps_run * a.batch, "lr": a.lr, "seconds": round(time.time() - began, 1),
+                "rows": steps_run * a.batch, "mix": a.mix, "mix_kinds": mix_kinds, "lr": a.lr, "seconds": round(time.time() - began, 1),
                 "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else str(a.device),
                 "probe_before": first, "probe_after": last}
         (a.save / "TRAINING.json").write_text(json.dumps(info, indent=1) + "\n")
