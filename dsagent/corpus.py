@@ -468,12 +468,16 @@ def echo_record(seed: int, index: int) -> dict[str, Any]:
     its corpus's names were few enough to learn by heart, its recall values digits alone.
     Not a record of the corpus (``make_record``): a trainer draws these beside it."""
     rng = random.Random(f"dsagent-echo:{CORPUS_VERSION}:{seed}:{index}")
+    return echo_request(rng, echo_text(rng), f"{seed}-{index:07d}-echo")
+
+
+def echo_request(rng: random.Random, text: str, rid: str = "echo") -> dict[str, Any]:
+    """A record of the system prompt, a request (one of ECHO_ASKS) to repeat ``text`` and the reply."""
     b = Builder(rng, lex=lexicon("open"))
-    text = echo_text(rng)
     b.user(rng.choice(ECHO_ASKS).format(text))
     b.say(text)
     b.truth = {"answer": text, "words": "open"}
-    return b.record(f"{seed}-{index:07d}-echo", "a")
+    return b.record(rid, "a")
 
 
 def chat_conversation(b: Builder) -> None:

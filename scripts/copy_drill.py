@@ -25,9 +25,9 @@ behind the system prompt: 321 steps of 24 drills and 8 such records (2026-12-06)
 drills alone did and scored 0.958 on those replies (the default 0.933), and 18/50 on the
 evaluation's held-out split (the default 39/50) — the skills are to be kept where the agent
 uses them, with the system prompt (``train_default.py --echo-rows``).
-``--save DIR``
-writes the result as an official checkpoint with a TRAINING.json, for train_default.py
-``--init`` to bring the corpus's skills back on (with ``--echo-rows`` keeping the drill up).
+
+``--save DIR`` writes the result as an official checkpoint with a TRAINING.json, for
+train_default.py ``--init``; ``--steps 0 --init DIR`` probes a checkpoint and trains nothing.
 """
 from __future__ import annotations
 
@@ -45,9 +45,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dsagent.corpus import (CORPUS_VERSION, ECHO_ASKS, THINKING_MODE, TRAIN_ROLES, bare_record,  # noqa: E402
-                            echo_example, echo_record, focus_example, lexicon, make_record, training_example,
-                            words_for)
+from dsagent.corpus import (CORPUS_VERSION, bare_record, echo_example, echo_record, echo_request,  # noqa: E402
+                            lexicon, make_record, training_example, words_for)
 from model import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
 from model.training import (Example, add_weight_qat, batch_for, batch_loss, quantised_weights,  # noqa: E402
@@ -79,14 +78,8 @@ def mix_example(seed: int, index: int, kinds: str, tokenizer: Tokenizer, args, w
 
 def probe_examples(kind: str, n: int, tokenizer: Tokenizer, args) -> list[Example]:
     """``n`` echo requests of a ``PROBES`` kind, as the drill lays them out."""
-    rng, rows = random.Random(f"{PROBE_SEED}:{kind}"), []
-    for _ in range(n):
-        text = PROBES[kind](rng)
-        record = {"id": kind, "thinking_mode": THINKING_MODE, "train_mask_roles": TRAIN_ROLES, "images": {},
-                  "truth": {}, "messages": [{"role": "user", "content": rng.choice(ECHO_ASKS).format(text)},
-                                            {"role": "assistant", "content": text}]}
-        rows.append(focus_example(record, tokenizer, args, [text]))
-    return rows
+    rng = random.Random(f"{PROBE_SEED}:{kind}")
+    return [echo_example(bare_record(echo_request(rng, PROBES[kind](rng), kind)), tokenizer, args) for _ in range(n)]
 
 
 def probe(model, tokenizer: Tokenizer, n: int, mix_kinds: str = "") -> dict[str, float]:
