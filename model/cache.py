@@ -120,14 +120,17 @@ class SourceKV:
             "rollback deeper than the projection history"
         return self.recall(wanted)
 
-    def _grow(self, need: int) -> None:
+    def _grow(self, need: int, fresh: bool = False) -> None:
         """Room for ``need`` records: a quarter more than now at least. A decode step reads the
         whole buffers (its index scores and top-k run over them, so a CUDA graph can hold
-        them), so they stay close to their count; each growth is a copy and a recapture."""
+        them), so they stay close to their count; each growth is a copy and a recapture.
+        ``fresh``: new buffers of ``need`` records even where these hold them — records that
+        carry gradients (training) are never written into a buffer that autograd may have
+        saved, as a gather over :meth:`view` does."""
         cap = self.records.shape[1]
-        if need <= cap:
+        if need <= cap and not fresh:
             return
-        new = max(need, cap + cap // 4)
+        new = need if fresh else max(need, cap + cap // 4)
         for name in ("records", "index"):
             old = getattr(self, name)
             grown = old.new_zeros(old.shape[0], new, old.shape[2])
@@ -137,7 +140,7 @@ class SourceKV:
     def append(self, records: torch.Tensor, index: torch.Tensor) -> None:
         """Append rows made by the format's ``pack_main`` / ``pack_index`` ([B, G, 288] / [B, G, 68] packed)."""
         g = records.shape[1]
-        self._grow(self.n + g)
+        self._grow(self.n + g, fresh=records.requires_grad or index.requires_grad or self.records.requires_grad)
         self.records[:, self.n: self.n + g] = records
         self.index[:, self.n: self.n + g] = index
         self.n += g

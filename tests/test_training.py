@@ -918,3 +918,47 @@ def test_copy_drill_trains_bare_echo_drills_and_saves_a_checkpoint(tmp_path):
     info = json.loads((tmp_path / "m" / "TRAINING.json").read_text())
     assert info["steps"] == 2 and info["rows"] == 4 and set(info["probe_after"]) == set(copy_drill.PROBES)
     assert load(str(tmp_path / "m")).args.hidden_size == args.hidden_size
+
+
+
+def test_a_chunk_that_fits_the_grown_record_buffers_keeps_the_backward_valid(tiny):
+    """A record buffer grows by a quarter, so a short chunk (the shared prefix's end) can leave
+    room for the next: that chunk's append must not write into a buffer an earlier chunk's
+    attention saved for its backward (a run of 2026-12-06 stopped on that error, a recall row
+    of 8,287 tokens in chunks ending 4,096, 8,192, 8,249, 8,287). Same chunk ends here at a
+    smaller scale. (Other chunk ends give other gradients on a random model, up to 60% apart
+    on a compressor: no whole-row reference for these.)"""
+    n = 300
+    batch = _batch(tiny, [Example(_ids(n, 7), [False] * 262 + [True] * (n - 262))], ["exact"])
+    assert common_prefix(batch) == 261  # ends 128, 256, 261, 300: 261 grows the buffers past 300
+    tiny.zero_grad()
+    loss = batch_loss(tiny, batch, chunk=64, prefix_chunk=128)
+    loss.lm.backward()
+    for layer in tiny.args.kv_source_layer_ids:
+        grad = tiny.layers[layer].attn.compressor.wkv.weight.grad
+        assert grad is not None and grad.abs().sum() > 0, layer
+    tiny.zero_grad()
+    with torch.no_grad():
+        whole = batch_loss(tiny, batch, chunk=n, share_prefix=False)
+    torch.testing.assert_close(float(loss.lm), float(whole.lm), rtol=1e-4, atol=0)
+
+
+def test_records_with_gradients_go_to_fresh_buffers_and_plain_ones_to_the_spare_room():
+    """SourceKV.append: a view taken before an append of records that carry gradients is never
+    written to (autograd checks the buffer's version); without gradients the buffers keep their
+    spare quarter, so decode steps and their CUDA graphs keep the same buffers."""
+    from model.cache import SourceKV
+    src = SourceKV(1, 1, 8, 4, "cpu", kv=KVFormat.TRAIN)
+    grown = torch.ones(1, 20, 8, requires_grad=True)
+    src.append(grown * 1.0, torch.zeros(1, 20, 4))
+    seen, version = src.view()[0], src.records._version
+    assert src.records.shape[1] == 20
+    src.append(grown[:, :3] * 2.0, torch.zeros(1, 3, 4))
+    assert seen._version == version and src.n == 23 and src.records.shape[1] == 23
+    assert torch.equal(src.view()[0][0, 20:], torch.full((3, 8), 2.0))
+    plain = SourceKV(1, 1, 8, 4, "cpu", kv=KVFormat.TRAIN)
+    plain.append(torch.ones(1, 17, 8), torch.zeros(1, 17, 4))
+    buffer = plain.records
+    assert buffer.shape[1] == 20  # 16 grown by a quarter
+    plain.append(torch.ones(1, 3, 8), torch.zeros(1, 3, 4))
+    assert plain.records is buffer and plain.n == 20
