@@ -8,7 +8,8 @@ Issue 55 asks that such a chat answer at least four of the five. The default doe
 hold a conversation (README, *The embedded default*): on 2026-12-05 it answered the first
 question and then carried tool calls and numbers from it into every later turn (1 of 5); the
 default of run 12 (2026-12-06) answers both calculations (2 of 5), runs 13 and 15 the picture
-too (3 of 5), but each names the folder's files and the told name from its training lists.
+too (3 of 5), but each names the folder's files and the told name from its training lists;
+run 20's gives the told name back and one of the three files, and misreads the picture (3 of 5).
 So the test asserts what holds — the session runs every turn, and the first answer reads
 right — and marks the rest an expected failure, with the replies, until a trained default
 meets it. Skipped when pexpect is missing.
