@@ -6,7 +6,10 @@ Writes DIR/state/ (resumable training state: fp32 weights, AdamW moments, counte
 safetensors + JSON; rerunning with the same --out continues from it) every
 --save-minutes and at the end, then DIR/model/ (the official FP8/FP4 checkpoint, the
 tokenizer (the bundled one, or --init's), and TRAINING.json with the command, seed, corpus version, steps,
-tokens and losses). Copy DIR/model to model/assets/default to ship it.
+tokens and losses). Copy DIR/model to model/assets/default to ship it. A run that stops early
+(OOM_STREAK steps in a row out of memory, or a step that fails with any other error) still
+writes DIR/state/ and DIR/model/ of the steps done, with the reason in TRAINING.json, and
+exits with status 1.
 
 What it trains (model.training): QAT weights and KV exactly as served; each row
 simulates exact prefill, CED bounded replay or a resume from disk; the indexer learns
@@ -33,6 +36,7 @@ import random
 import shlex
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -62,6 +66,7 @@ COPY_KINDS = "abef"  # the kinds whose replies copy names and numbers from the c
 # e.g. "aabbbccdeeff" adds the corpus's mixed conversations (f), two records in twelve
 REPLAY_WEIGHTS = (0.4, 0.4, 0.2)  # exact, ced, resume
 OOM_STREAK = 10  # steps out of memory in a row that end a run (checkpoint written, exit status 1)
+DONE, SKIPPED, FAILED = 1.0, 0.0, -1.0  # a step's outcome, agreed by the processes (Group.step_outcome)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -484,10 +489,11 @@ class Group:
         """``t`` reduced over the processes, in place."""
         return self._collective(t, lambda x: dist.all_reduce(x, op=op)) if self.world > 1 else t
 
-    def all_ok(self, ok: bool) -> bool:
-        """Whether every process finished its step (one that ran out of memory skips it for all)."""
-        flag = torch.tensor([1.0 if ok else 0.0], device=self.device)
-        return bool(self.sum(flag, dist.ReduceOp.MIN).item())
+    def step_outcome(self, outcome: float) -> float:
+        """The worst of every process's step: DONE, SKIPPED (out of memory: skipped by all) or
+        FAILED (any other error: the run stops in every process)."""
+        flag = torch.tensor([outcome], device=self.device)
+        return float(self.sum(flag, dist.ReduceOp.MIN).item())
 
     def barrier(self) -> None:
         if self.world > 1:
@@ -591,17 +597,27 @@ def train(a) -> tuple[dict | None, str | None]:
             g["lr"] = learning_rate(a, step, progress) * g["scale"]
         batch = next_batch(a, pools, step, args, group.rank, group.world)
         opt.zero_grad(set_to_none=True)
-        ok = True
+        outcome, failure = DONE, None
         try:
             with quantised_weights(model):  # every QAT weight quantised once per step, stacked
                 losses = batch_loss(model, batch, chunk=a.chunk, prefix_chunk=a.prefix_chunk,
                                     dense=progress < a.dense_fraction, share_prefix=a.share_prefix)
                 losses.total.backward()
         except torch.cuda.OutOfMemoryError:
-            ok = False
+            outcome = SKIPPED
             opt.zero_grad(set_to_none=True)
             torch.cuda.empty_cache()
-        if not group.all_ok(ok):
+        except RuntimeError as e:  # the run stops with the steps done so far written, not lost
+            traceback.print_exc()
+            outcome = FAILED
+            failure = f"step {step} {list(batch.ids.shape)} failed: {type(e).__name__}: {str(e).splitlines()[0][:300]}"
+            opt.zero_grad(set_to_none=True)
+        outcome = group.step_outcome(outcome)
+        if outcome == FAILED:
+            stopped = failure or "a step of another process failed"
+            log(group, f"stopping at step {counters['step']}: {stopped}")
+            break
+        if outcome == SKIPPED:
             opt.zero_grad(set_to_none=True)
             counters["step"] += 1
             counters["skipped"] = counters.get("skipped", 0) + 1

@@ -823,6 +823,33 @@ def test_trainer_ends_a_run_whose_steps_keep_running_out_of_memory(tmp_path, cap
     assert f"stopping at step {1 + train_default.OOM_STREAK}" in capsys.readouterr().out
 
 
+
+def test_trainer_writes_the_steps_done_when_a_step_fails(tmp_path, capsys, monkeypatch):
+    """Any other error of a step (an autograd error, say: a run of 2026-12-06 lost ~590 steps of
+    seven minutes to one) ends the run as OOM_STREAK does — the checkpoint of the steps done and
+    TRAINING.json written, the step and the error in it, exit status 1 — instead of a traceback
+    that writes nothing."""
+    import train_default
+
+    real, calls = train_default.batch_loss, []
+
+    def fails_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("stand-in: one of the variables needed for gradient computation has been modified")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train_default, "batch_loss", fails_third)
+    with pytest.raises(SystemExit, match="step 2 .* failed: RuntimeError: stand-in: one of the variables"):
+        train_default.main(["--out", str(tmp_path / "run"), "--device", "cpu", "--records", "4", "--workers", "1",
+                            "--kinds", "a", "--short-batch", "1", "--log-every", "1", "--long-prob", "0",
+                            "--max-steps", "100"])
+    info = json.loads((tmp_path / "run" / "model" / "TRAINING.json").read_text())
+    assert info["steps"] == 2 and "RuntimeError: stand-in" in info["stopped"] and len(calls) == 3
+    assert load(str(tmp_path / "run" / "model")).args.hidden_size == load("tiny").args.hidden_size
+    captured = capsys.readouterr()
+    assert "stopping at step 2: step 2" in captured.out and "Traceback" in captured.err
+
 def _out_of_memory_worker(rank: int, port: int, out: str) -> None:
     import train_default
 
