@@ -380,7 +380,9 @@ def _mean_grads_worker(rank: int, port: int, out: str, device: str = "cpu", via_
     group.mean_grads([a, b, c])
     w = torch.full((2,), float(rank), device=group.device)  # rank 0's weights reach every process
     group.same_weights(_Weights(w))
-    torch.save({"a": a.grad.cpu(), "b": b.grad.cpu(), "c": c.grad, "ok": group.all_ok(rank == 0),
+    skipped = group.step_outcome(train_default.DONE if rank == 0 else train_default.SKIPPED)
+    failed = group.step_outcome(train_default.FAILED if rank == 0 else train_default.SKIPPED)
+    torch.save({"a": a.grad.cpu(), "b": b.grad.cpu(), "c": c.grad, "outcomes": (skipped, failed),
                 "w": w.cpu(), "device": group.device, "via_host": group.via_host}, f"{out}.{rank}")
     group.close()
 
@@ -388,12 +390,15 @@ def _mean_grads_worker(rank: int, port: int, out: str, device: str = "cpu", via_
 def _spawn_mean_grads(tmp_path, device: str = "cpu", via_host: bool = False) -> list[dict]:
     import torch.multiprocessing as tmp
 
+    import train_default
+
     port = _free_port()
     tmp.spawn(_mean_grads_worker, args=(port, str(tmp_path / "g"), device, via_host), nprocs=2)
     got = [torch.load(tmp_path / f"g.{rank}") for rank in range(2)]
     for g in got:
         assert torch.equal(g["a"], torch.full((3,), 1.5)) and torch.equal(g["b"], torch.full((3,), 2.0))
-        assert g["c"] is None and g["ok"] is False and torch.equal(g["w"], torch.zeros(2))
+        assert g["c"] is None and torch.equal(g["w"], torch.zeros(2))
+        assert g["outcomes"] == (train_default.SKIPPED, train_default.FAILED)  # each step's worst, in every process
     return got
 
 
