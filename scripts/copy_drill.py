@@ -157,7 +157,8 @@ def main(argv=None) -> None:
         write_trained(model, a.save)
         info = {"command": "python3 scripts/copy_drill.py " + " ".join(shlex.quote(x) for x in sys.argv[1:]),
                 "init": str(a.init), "drill_seed": a.seed, "corpus_version": CORPUS_VERSION, "steps": steps_run,
-                "rows": steps_run * a.batch, "mix": a.mix, "mix_kinds": mix_kinds, "lr": a.lr, "seconds": round(time.time() - began, 1),
+                "rows": steps_run * a.batch, "mix": a.mix, "mix_kinds": mix_kinds, "lr": a.lr,
+                "seconds": round(time.time() - began, 1),
                 "device": torch.cuda.get_device_name() if str(a.device).startswith("cuda") else str(a.device),
                 "probe_before": first, "probe_after": last}
         (a.save / "TRAINING.json").write_text(json.dumps(info, indent=1) + "\n")

@@ -828,7 +828,6 @@ def test_trainer_ends_a_run_whose_steps_keep_running_out_of_memory(tmp_path, cap
     assert f"stopping at step {1 + train_default.OOM_STREAK}" in capsys.readouterr().out
 
 
-
 def test_trainer_writes_the_steps_done_when_a_step_fails(tmp_path, capsys, monkeypatch):
     """Any other error of a step (an autograd error, say: a run of 2026-12-06 lost ~590 steps of
     seven minutes to one) ends the run as OOM_STREAK does — the checkpoint of the steps done and
