@@ -159,7 +159,7 @@ class ChatShell:
             if text is None or (text.startswith("/") and self.command(text.strip()) == "exit"):
                 return
             if text.strip() and not text.startswith("/"):
-                self.turn(text)
+                self.turn(text.strip())  # outer whitespace is no part of a message (``preflight.prompt_text``)
 
     def turn(self, text: str) -> None:
         images, self.images = self.images, []

@@ -147,12 +147,16 @@ def check_gpus(n: int, device: str) -> None:
 def prompt_text(argument: str | None, stdin: BinaryIO | None = None, stdin_is_terminal: bool | None = None,
                 notice: Callable[[str], None] | None = None) -> str:
     """The message of `dsagent run`: piped stdin (capped) before the argument, joined by one
-    space; refused when nothing but whitespace is left."""
+    space (a line break where the piped text has lines of its own); the message's outer
+    whitespace dropped — `echo`'s newline is not part of the question, and the model never saw
+    a message end in one (the default answered `echo "What is 12 * 13?" | dsagent run` with
+    arithmetic of its own and no tool call, where the same words as an argument called the
+    calculator); refused when nothing but whitespace is left."""
     if stdin_is_terminal is None:
         stdin_is_terminal = sys.stdin is None or sys.stdin.isatty()
-    piped = "" if stdin_is_terminal else _read_capped(stdin or sys.stdin.buffer, notice)
-    text = " ".join(part for part in (piped, argument or "") if part)
-    if not text.strip():
+    piped = "" if stdin_is_terminal else _read_capped(stdin or sys.stdin.buffer, notice).strip()
+    text = ("\n" if "\n" in piped else " ").join(part for part in (piped, (argument or "").strip()) if part)
+    if not text:
         if argument is None and stdin_is_terminal:
             raise FlagError("no prompt: give the message as an argument (dsagent run \"...\") or pipe it on stdin")
         raise FlagError("the prompt is empty: give a message, or pipe text on stdin")

@@ -223,6 +223,14 @@ def test_chat_block_input_clear_and_eof(script):
         assert len(sessions) == 2 and st.messages(sessions[1].name)[1]["content"] == "a\nb"
 
 
+def test_chat_message_without_its_outer_whitespace(script):
+    script("ok", "ok2")
+    r = invoke("chat", "--session", "w", "--tool", "calculator", input='What is 2 + 3?  \n"""\n\n  a\n b\n\n"""\n')
+    assert r.exit_code == 0, r.output
+    with Store.open() as st:
+        assert [m["content"] for m in st.messages("w") if m["role"] == "user"] == ["What is 2 + 3?", "a\n b"]
+
+
 def test_chat_continue_without_sessions_starts_one(script):
     script("fresh")
     r = invoke("chat", "-c", "--tool", "calculator", input="hey\n")
@@ -447,20 +455,25 @@ def test_a_steps_map_by_layer_splits_it_at_each_down_sum():
 
 # ---------------------------------------------------------------------------- as people expect it
 def test_piped_stdin_goes_before_the_prompt(script):
-    """`cat notes.txt | dsagent run "What does this say?"` (simonw/llm's convention: one space between)."""
-    script("It says hello.")
+    """`echo hello | dsagent run "What does this say?"` (simonw/llm's convention: one space
+    between); a file of several lines keeps its lines, the question on a line of its own."""
+    script("It says hello.", "It says two things.")
     r = invoke("run", "What does this say?", "--session", "p", "--tool", "calculator", input="hello from a file\n")
     assert r.exit_code == 0, r.output
+    r = invoke("run", "And now? ", "--session", "p2", "--tool", "calculator", input="  first line\nsecond\n\n")
+    assert r.exit_code == 0, r.output
     with Store.open() as st:
-        assert st.messages("p")[1]["content"] == "hello from a file\n What does this say?"
+        assert st.messages("p")[1]["content"] == "hello from a file What does this say?"
+        assert st.messages("p2")[1]["content"] == "first line\nsecond\nAnd now?"
 
 
 def test_piped_stdin_alone_is_the_prompt(script):
+    """`echo "What is 12 * 13?" | dsagent run`: the message is the question, not its newline."""
     script("Noted.")
-    r = invoke("run", "--session", "q", "--tool", "calculator", input="only this")
+    r = invoke("run", "--session", "q", "--tool", "calculator", input="What is 12 * 13?\n")
     assert r.exit_code == 0, r.output
     with Store.open() as st:
-        assert st.messages("q")[1]["content"] == "only this"
+        assert st.messages("q")[1]["content"] == "What is 12 * 13?"
 
 
 def test_piped_stdin_past_the_cap_is_refused(never_loads):
