@@ -196,11 +196,12 @@ class Builder:
 
 def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
                 recall_tokens: tuple[int, int] = RECALL_TOKENS, recall: RecallStyle = RecallStyle(),
-                words: str = "closed") -> dict[str, Any]:
+                words: str = "closed", casual: bool = False) -> dict[str, Any]:
     """Record `index` of the corpus for `seed`, of kind a-f; a recall record's log is drawn
     from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default) and
     written in the ``recall`` style; its names from the lexicon ``words`` (LEXICONS: the
-    closed lists, or a half of the open vocabulary, which the truth then names)."""
+    closed lists, or a half of the open vocabulary, which the truth then names). ``casual``:
+    its questions typed as people type them (:func:`casual_record`), the truth saying so."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
     rid = f"{seed}-{index:07d}-{kind}"
     with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
@@ -212,7 +213,60 @@ def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
              "e": multi_turn_conversation, "f": mixed_conversation}[kind](b)
         if words != "closed":
             b.truth["words"] = words
-        return b.record(rid, kind)
+        record = b.record(rid, kind)
+    if casual:
+        casual_record(record, random.Random(f"dsagent-casual:{seed}:{index}"))
+    return record
+
+
+# -- questions as people type them -----------------------------------------------------
+
+CASUAL_MAX = 160  # longer user messages (documents, logs to recall from) are left as written
+_SPACED_OP = re.compile(r"(?<=[\d)]) (\*\*|//|[-+*/%×]) (?=[\d(])")
+
+
+def casual_text(rng: random.Random, text: str) -> str:
+    """A question as a person types it: each of three slips with even odds — the first letter
+    in lower case, no closing "?" or ".", an expression's operators without their spaces
+    (``37 * 23`` -> ``37*23``) — at least one of them where it can apply. An echo request
+    (ECHO_ASKS), a message of several lines or one over CASUAL_MAX characters is left as it
+    is: what it asks to be copied must stay as written."""
+    if "\n" in text or len(text) > CASUAL_MAX or text.startswith(tuple(a.split("{}")[0] for a in ECHO_ASKS)):
+        return text
+    slips = [
+        lambda t: t[0].lower() + t[1:] if t[:1].isupper() and t[1:2].islower() else t,
+        lambda t: t[:-1] if t[-1:] in "?." and t[-2:-1] not in " ." else t,
+        lambda t: _SPACED_OP.sub(r"\1", t),
+    ]
+    can = [slip for slip in slips if slip(text) != text]
+    if not can:
+        return text
+    chosen = [slip for slip in can if rng.random() < 0.5] or [rng.choice(can)]
+    for slip in chosen:
+        text = slip(text)
+    return text
+
+
+def casual_record(record: dict[str, Any], rng: random.Random) -> None:
+    """Every user message of ``record`` (its text, or its text blocks) through :func:`casual_text`,
+    in place; the truth gets ``"casual": True``. The replies, tool calls and truth stay: the
+    model must read ``what is 37*23`` as ``What is 37 * 23?``."""
+    for m in record["messages"]:
+        if m["role"] != "user":
+            continue
+        if isinstance(m["content"], str):
+            m["content"] = casual_text(rng, m["content"])
+        else:
+            for block in m["content"]:
+                if block.get("type") == "text":
+                    block["text"] = casual_text(rng, block["text"])
+    record["truth"]["casual"] = True
+
+
+def casual_for(seed: int, index: int, share: float) -> bool:
+    """Whether record ``index`` of a corpus with ``share`` of its records typed casually is one
+    (a draw of its own, as :func:`words_for`'s)."""
+    return share > 0 and random.Random(f"casual:{seed}:{index}").random() < share
 
 
 def words_for(seed: int, index: int, open_share: float) -> str:

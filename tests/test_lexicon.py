@@ -180,3 +180,73 @@ def test_open_records_ask_for_the_number_after_one_of_any_length(tokenizer):
     closed, opened = numbers("closed"), numbers("open")
     assert closed and max(closed) < 99
     assert {len(str(n)) for n in opened} == {1, 2, 3, 4, 5}
+
+
+# ---------------------------------------------------------------------------- typed casually
+@pytest.mark.parametrize("text, forms", [
+    ("What is 37 * 23?", {"what is 37 * 23?", "What is 37 * 23", "What is 37*23?", "what is 37 * 23",
+                          "what is 37*23?", "What is 37*23", "what is 37*23"}),
+    ("Compute (12 + 5) * 3.", {"compute (12 + 5) * 3.", "Compute (12 + 5) * 3", "Compute (12+5)*3.",
+                               "compute (12 + 5) * 3", "compute (12+5)*3.", "Compute (12+5)*3", "compute (12+5)*3"}),
+    ("My name is Kenji.", {"my name is Kenji.", "My name is Kenji", "my name is Kenji"}),
+    ("NEA-9022 is what?", {"NEA-9022 is what"}),  # an id's capitals are kept
+])
+def test_casual_text_makes_every_slip_and_nothing_else(text, forms):
+    made = {corpus.casual_text(random.Random(k), text) for k in range(200)}
+    assert made == forms  # each slip alone and together, never the text itself
+
+
+@pytest.mark.parametrize("text", [
+    "Repeat after me: Kenji 37 * 23.", "Copy this: a + b?",  # what an echo request asks to be copied
+    "Read these lines:\nWhat is 37 * 23?", "What is " + "1 + " * 60 + "1?",  # several lines, too long
+    "OK", "ok",  # nothing to slip
+])
+def test_casual_text_leaves_what_must_stay(text):
+    assert all(corpus.casual_text(random.Random(k), text) == text for k in range(50))
+
+
+def _texts(message) -> list[str]:
+    content = message["content"]
+    return [content] if isinstance(content, str) else [b["text"] for b in content if b.get("type") == "text"]
+
+
+def _bare(text: str) -> str:
+    return text.lower().replace(" ", "").rstrip("?.")
+
+
+@pytest.mark.parametrize("kind", ["a", "b", "c", "e", "f"])
+def test_a_casual_record_changes_its_questions_alone(tokenizer, kind):
+    changed = 0
+    for i in range(4):
+        plain = corpus.make_record(21, i, kind, tokenizer)
+        typed = corpus.make_record(21, i, kind, tokenizer, casual=True)
+        assert typed["truth"].pop("casual") is True and typed["truth"] == plain["truth"]
+        assert len(typed["messages"]) == len(plain["messages"])
+        for p, t in zip(plain["messages"], typed["messages"]):
+            if p["role"] != "user":
+                assert t == p
+                continue
+            for was, now in zip(_texts(p), _texts(t), strict=True):
+                assert _bare(now) == _bare(was)
+                changed += now != was
+    assert changed > 0
+    drawn = [corpus.casual_for(4, i, 0.5) for i in range(40)]
+    assert 5 < sum(drawn) < 35 and not any(corpus.casual_for(4, i, 0.0) for i in range(40))
+
+
+def test_the_trainer_and_the_evaluation_take_casual_questions(tokenizer):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    import train_default
+    from model.args import ModelArgs
+
+    assert train_default.parse_args(["--out", "x", "--casual", "0.2"]).casual == 0.2
+    args = ModelArgs.preset("tiny")
+    typed = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", casual=1.0)
+    plain = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
+    assert [list(e.ids) for e in typed["short"]] != [list(e.ids) for e in plain["short"]]
+    cases, before = (make_cases(tokenizer, n=3, skills=["b"], casual=c) for c in (True, False))
+    assert [c.expected for c in cases] == [c.expected for c in before]
+    assert [c.prompt for c in cases] != [c.prompt for c in before]

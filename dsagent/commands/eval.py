@@ -59,6 +59,8 @@ def eval_command(
                               help="Where the cases' names, files and keys come from: closed (the corpus's "
                                    "word lists) or held-out (generated words of the open vocabulary's half "
                                    "that training never draws from: the generalisation split)."),
+    casual: bool = typer.Option(False, "--casual", help="Every question typed as people type them: lower case "
+                                "first, no closing ? or ., 37*23 for 37 * 23 (echo requests as written)."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
@@ -84,7 +86,7 @@ def eval_command(
             try:
                 result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
                                   max_new_tokens=max_new_tokens, recall_tokens=lengths, recall_place=recall_place,
-                                  words=words, progress=progress)
+                                  words=words, casual=casual, progress=progress)
             except EvalConfigError as e:
                 raise FlagError(str(e)) from None
     if as_json:
@@ -116,6 +118,7 @@ def result_table(result) -> Table:
     logs = "" if tuple(result.recall_tokens) == RECALL_TOKENS else ", recall logs {}-{} tokens".format(*result.recall_tokens)
     logs += "" if result.recall_place == "first" else f", recall keys placed {result.recall_place}"
     logs += "" if result.words == "closed" else f", {result.words} words"
+    logs += ", typed casually" if result.casual else ""
     t = Table(title=f"held-out skills (seed {result.seed}{logs}), correct/n")
     t.add_column("skill")
     for mode in result.modes:
