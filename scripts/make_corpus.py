@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import (CORPUS_VERSION, DEFAULT_KINDS, KINDS, THINKING_MODE, encode_record, make_record,  # noqa: E402
-                            words_for)
+                            casual_for, words_for)
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SHARD_RECORDS = 1000
@@ -39,10 +39,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--open-words", type=float, default=0.0, metavar="SHARE",
                    help="share of records whose names, files and keys are generated words of the open "
                         "vocabulary's training half (dsagent.lexicon), not the corpus's word lists")
+    p.add_argument("--casual", type=float, default=0.0, metavar="SHARE",
+                   help="share of records whose questions are typed as people type them "
+                        "(dsagent.corpus.casual_text), the truth saying so")
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
-    if not 0.0 <= args.open_words <= 1.0:
-        p.error("--open-words takes a share in [0, 1]")
+    for flag, share in (("--open-words", args.open_words), ("--casual", args.casual)):
+        if not 0.0 <= share <= 1.0:
+            p.error(f"{flag} takes a share in [0, 1]")
     unknown = [k for k in args.kinds if k not in KINDS]
     if unknown or not args.kinds or args.n < 1:
         p.error(f"--kinds takes a comma-separated subset of {','.join(KINDS)} and --n must be >= 1")
@@ -54,7 +58,7 @@ def token_stats(counts: list[int]) -> dict[str, int]:
             "mean": round(sum(counts) / len(counts)), "total": sum(counts)}
 
 
-def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: float = 0.0) -> dict:
+def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: float = 0.0, casual: float = 0.0) -> dict:
     """Write shards and the manifest; returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.bundled()
@@ -65,7 +69,8 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: flo
         shards.append(f"corpus-{len(shards):05d}.jsonl")
         with open(out / shards[-1], "w", encoding="utf-8") as f:
             for i in range(start, min(n, start + SHARD_RECORDS)):
-                record = make_record(seed, i, kinds[i % len(kinds)], tokenizer, words=words_for(seed, i, open_words))
+                record = make_record(seed, i, kinds[i % len(kinds)], tokenizer, words=words_for(seed, i, open_words),
+                                     casual=casual_for(seed, i, casual))
                 conv, mask = encode_record(record, tokenizer)
                 tokens[record["kind"]].append(len(conv.ids))
                 trained[record["kind"]] += sum(mask)
@@ -74,16 +79,19 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: flo
                 "counts": {KINDS[k]: len(tokens[k]) for k in kinds},
                 "tokens": {KINDS[k]: {**token_stats(tokens[k]), "trained": trained[k]} for k in kinds if tokens[k]},
                 "shards": shards, "command": f"python3 scripts/make_corpus.py --out DIR --n {n} --seed {seed} "
-                                             f"--kinds {','.join(kinds)}" + (f" --open-words {open_words}" if open_words else "")}
+                                             f"--kinds {','.join(kinds)}" + (f" --open-words {open_words}" if open_words else "")
+                                             + (f" --casual {casual}" if casual else "")}
     if open_words:
         manifest["open_words"] = open_words
+    if casual:
+        manifest["casual"] = casual
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return manifest
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, args.open_words)
+    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, args.open_words, args.casual)
     print(json.dumps({"out": str(args.out), "counts": manifest["counts"]}))
 
 

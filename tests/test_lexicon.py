@@ -234,7 +234,7 @@ def test_a_casual_record_changes_its_questions_alone(tokenizer, kind):
     assert 5 < sum(drawn) < 35 and not any(corpus.casual_for(4, i, 0.0) for i in range(40))
 
 
-def test_the_trainer_and_the_evaluation_take_casual_questions(tokenizer):
+def test_the_trainer_the_corpus_writer_and_the_evaluation_take_casual_questions(tokenizer, tmp_path):
     import sys
     from pathlib import Path
 
@@ -242,7 +242,11 @@ def test_the_trainer_and_the_evaluation_take_casual_questions(tokenizer):
     import train_default
     from model.args import ModelArgs
 
+    import make_corpus
+
     assert train_default.parse_args(["--out", "x", "--casual", "0.2"]).casual == 0.2
+    with pytest.raises(SystemExit):
+        make_corpus.parse_args(["--out", "x", "--n", "1", "--casual", "1.5"])
     args = ModelArgs.preset("tiny")
     typed = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", casual=1.0)
     plain = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
@@ -250,3 +254,8 @@ def test_the_trainer_and_the_evaluation_take_casual_questions(tokenizer):
     cases, before = (make_cases(tokenizer, n=3, skills=["b"], casual=c) for c in (True, False))
     assert [c.expected for c in cases] == [c.expected for c in before]
     assert [c.prompt for c in cases] != [c.prompt for c in before]
+    make_corpus.main(["--out", str(tmp_path), "--n", "12", "--seed", "4", "--kinds", "b,e", "--casual", "0.5"])
+    records = [json.loads(line) for line in (tmp_path / "corpus-00000.jsonl").read_text().splitlines()]
+    typed = [bool(r["truth"].get("casual")) for r in records]
+    assert typed == [corpus.casual_for(4, i, 0.5) for i in range(12)] and set(typed) == {True, False}
+    assert json.loads((tmp_path / "manifest.json").read_text())["casual"] == 0.5
