@@ -231,7 +231,7 @@ def casual_text(rng: random.Random, text: str) -> str:
     (``37 * 23`` -> ``37*23``) — at least one of them where it can apply. An echo request
     (ECHO_ASKS), a message of several lines or one over CASUAL_MAX characters is left as it
     is: what it asks to be copied must stay as written."""
-    if "\n" in text or len(text) > CASUAL_MAX or text.startswith(tuple(a.split("{}")[0] for a in ECHO_ASKS)):
+    if "\n" in text or len(text) > CASUAL_MAX or text.startswith(_ECHO_OPENINGS):
         return text
     slips = [
         lambda t: t[0].lower() + t[1:] if t[:1].isupper() and t[1:2].islower() else t,
@@ -471,6 +471,7 @@ def _sequence_fact(rng: random.Random, wide: bool = False) -> tuple[str, str]:
 ECHO_ASKS = (  # the corpus's echo requests are the first three
     "Repeat after me: {}", "Say exactly this: {}", "Copy this: {}", "Echo this back: {}",
     "Please repeat: {}", "Type this back to me: {}", "Write exactly: {}", "Say it back: {}")
+_ECHO_OPENINGS = tuple(ask.split("{}")[0] for ask in ECHO_ASKS)  # what casual_text leaves as written
 
 
 def _echo(rng: random.Random, lex: Lexicon) -> tuple[str, str]:

@@ -596,7 +596,6 @@ def run_eval(runtime: Runtime, *, n: int = 10, seed: int = HELD_OUT_SEED, skills
         result = evaluate(generator, cases, modes, progress=progress)
     finally:
         generator.close()
-    result.seed, result.recall_tokens, result.recall_place, result.words = (seed, tuple(recall_tokens), recall_place,
-                                                                            words)
-    result.casual = casual
+    result.seed, result.recall_tokens, result.recall_place, result.words, result.casual = (
+        seed, tuple(recall_tokens), recall_place, words, casual)
     return result
