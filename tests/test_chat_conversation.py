@@ -9,7 +9,8 @@ hold a conversation (README, *The embedded default*): on 2026-12-05 it answered 
 question and then carried tool calls and numbers from it into every later turn (1 of 5); the
 default of run 12 (2026-12-06) answers both calculations (2 of 5), runs 13 and 15 the picture
 too (3 of 5), but each names the folder's files and the told name from its training lists;
-run 20's gives the told name back and one of the three files, and misreads the picture (3 of 5).
+run 20's gives the told name back and one of the three files, and misreads the picture (3 of 5);
+run 21's (2026-12-07) the same with two of the files (3 of 5).
 So the test asserts what holds — the session runs every turn, and the first answer reads
 right — and marks the rest an expected failure, with the replies, until a trained default
 meets it. Skipped when pexpect is missing.
