@@ -55,7 +55,7 @@ class Compressor(nn.Module):
             return None, src.covered
         if self.wgate is None:
             return self.norm(self.wkv(x)), src.covered
-        new_kv, new_gate = F.linear(x.float(), self.wkv.weight.float()), F.linear(x.float(), self.wgate.weight.float())
+        new_kv, new_gate = kernels.fp32_linear(x, self.wkv.weight), kernels.fp32_linear(x, self.wgate.weight)
         src.remember(new_kv, new_gate, src.done)
         kv, gate = torch.cat([src.pending_kv, new_kv], dim=1), torch.cat([src.pending_gate, new_gate], dim=1)
         usable = kv.shape[1] // self.ratio * self.ratio

@@ -37,7 +37,7 @@ class Gate(nn.Module):
 
     def forward(self, x: torch.Tensor, image_mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert indices [N, k]) for flat tokens x [N, D]."""
-        logits = F.linear(x.float(), self.weight.float()) / self.args.gate_temp
+        logits = kernels.fp32_linear(x, self.weight) / self.args.gate_temp
         scores = _score(logits, self.args.scoring_func)
         bias = self.bias if image_mask is None else torch.where(image_mask[:, None], self.bias_vl, self.bias)
         indices = (scores + bias).topk(self.top_k, dim=-1).indices

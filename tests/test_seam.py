@@ -20,7 +20,7 @@ REFERENCE = ("model/model.py", "model/block.py", "model/moe.py", "model/csa2.py"
              "model/engram.py")
 MATH_OPS = {"rms_norm", "rope", "hc_site", "hc_collapse", "hc_expand", "engram_gate", "ngram_hash", "topk_rows",
             "sparse_prefill", "indexer_scores", "prefill_index_scores", "grouped_fp4", "dequantised_fp4_stack",
-            "routed_swiglu", "slot_sum"}
+            "routed_swiglu", "slot_sum", "fp32_linear"}
 FORBIDDEN_MODULES = ("model.decode_step", "model.graphs")
 
 

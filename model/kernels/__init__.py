@@ -46,6 +46,10 @@ and, for one decode step (one query per batch row):
   a weight a float tensor or a :class:`Packed` one (FP8 / FP4 as the checkpoint stores it,
   dequantised in the kernel's registers).
 
+``fp32_linear(x, w)``: ``F.linear(x.float(), w.float())``, the router's and the compressor's
+fp32 products (and the mHC mixes in ``hc_site_parts``), on CUDA as bf16 GEMMs with fp32 sums
+(``model.kernels.products``: no fp32 GEMM on the CUDA path);
+
 and, for a prefill's chunk:
 - ``sparse_prefill(q, window, window_pos, records, record_idx, sink, scale)``: a chunk's
   attention on the cache's bytes and ``prefill_index_scores(q, weights, keys, pos, ratio, ...)``
@@ -89,9 +93,10 @@ import warnings
 import torch
 
 from model import blockfp
-from model.kernels import backward
+from model.kernels import backward, products
 from model.kernels.collapsed import Collapsed
 from model.kernels.packed import Packed
+from model.kernels.products import fp32_linear
 from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
                                     ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref, topk_rows_ref)
 
@@ -102,7 +107,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "Packed", "mhc_join",
            "mhc_forget", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
            "beside_on", "Beside", "engram_step", "packed_gemm_runs", "packed_matmul", "grouped_fp4",
-           "dequantised", "dequantised_fp4_stack", "sparse_prefill", "prefill_index_scores", "routed_swiglu", "slot_sum"]
+           "dequantised", "dequantised_fp4_stack", "sparse_prefill", "prefill_index_scores", "routed_swiglu", "slot_sum", "fp32_linear"]
 
 
 def _interpreting() -> bool:
@@ -672,7 +677,11 @@ def hc_site_parts(streams, pre, fn, scale, base, norm_weight, eps, norm_eps, ite
     ``hc_collapse``, ``rms_norm`` — each its own kernel or twin (the model's maths)."""
     if expand is not None:
         streams = hc_expand(expand[0], streams, expand[1], expand[2])
-    mixes = torch.nn.functional.linear(rms_norm(streams.flatten(-2), None, eps, upcast=True), fn.float())
+    flat = streams.flatten(-2)
+    if products.runs(flat, fn):  # CUDA: tensor-core GEMMs, the norm a factor after them
+        mixes = products.normed_linear(flat, fn, eps)
+    else:
+        mixes = torch.nn.functional.linear(rms_norm(flat, None, eps, upcast=True), fn.float())
     site_pre, post, comb = hc_split(mixes, scale, base, streams.shape[-2], iters, hc_eps)
     return streams, site_pre, post, comb, rms_norm(hc_collapse(streams, pre), norm_weight, norm_eps)
 
