@@ -4,16 +4,14 @@ files of a folder whose names training never used, a picture, a name told and as
 turns later, a second calculation — each scored on its reply alone (the tool calls and
 results the chat shows are left out).
 
-Issue 55 asks that such a chat answer at least four of the five. The default does not yet
-hold a conversation (README, *The embedded default*): on 2026-12-05 it answered the first
-question and then carried tool calls and numbers from it into every later turn (1 of 5); the
-default of run 12 (2026-12-06) answers both calculations (2 of 5), runs 13 and 15 the picture
-too (3 of 5), but each names the folder's files and the told name from its training lists;
-run 20's gives the told name back and one of the three files, and misreads the picture (3 of 5);
-run 21's (2026-12-07) the same with two of the files (3 of 5).
-So the test asserts what holds — the session runs every turn, and the first answer reads
-right — and marks the rest an expected failure, with the replies, until a trained default
-meets it. Skipped when pexpect is missing.
+Issue 55 asks that such a chat answer at least four of the five, and the test asserts it.
+The defaults before fell short (README, *The embedded default*): on 2026-12-05 it answered the
+first question and then carried tool calls and numbers from it into every later turn (1 of 5);
+the default of run 12 (2026-12-06) answers both calculations (2 of 5), runs 13 and 15 the
+picture too (3 of 5), but each names the folder's files and the told name from its training
+lists; runs 20 and 21 give the told name back and one or two of the three files, and misread
+the picture (3 of 5). Run 22's (2026-12-07) answers four: the calculations, the picture and the
+name; of the files it still names one right. Skipped when pexpect is missing.
 """
 import os
 import random
@@ -92,8 +90,7 @@ def test_a_chat_of_five_mixed_questions(tmp_path):
         child.close(force=True)
     assert len(replies) == 5 and all(replies), replies  # every turn answered
     assert right[0], replies  # the first question, the default's strength: the reply is read
-    if sum(right) < 4:
-        pytest.xfail(f"issue 55: {sum(right)} of 5 right; replies: {replies}")
+    assert sum(right) >= 4, (sum(right), replies)
 
 
 def test_a_turns_reply_is_read_without_the_chats_own_lines():
