@@ -94,10 +94,11 @@ def test_bf16_small_forward_runs_on_cuda():
     assert engine.decode(state, logits.argmax(-1)).shape == (2, args.vocab_size)
 
 
-def _training_step(device: str, off: tuple[str, ...] = (), noise: float = 0.0) -> tuple[float, dict]:
+def _training_step(device: str, off: tuple[str, ...] = (), noise: float = 0.0, draw: int = 0) -> tuple[float, dict]:
     """Loss and gradients (float64, on the CPU) of one QAT training step of the embedded
     default on 3 rows of random ids (below its 1,024-id vocabulary), with the ``off`` switches (DSAGENT_*) set to 0 and
-    layer 0's output streams scaled by 1 + ``noise`` · N(0, 1) (float-rounding-sized noise)."""
+    layer 0's output streams scaled by 1 + ``noise`` · N(0, 1) (float-rounding-sized noise,
+    drawn from seed ``draw``)."""
     import os
     import random
 
@@ -112,7 +113,7 @@ def _training_step(device: str, off: tuple[str, ...] = (), noise: float = 0.0) -
     try:
         model = load(DEFAULT_MODEL, device=device)
         if noise:
-            g = torch.Generator().manual_seed(0)
+            g = torch.Generator().manual_seed(draw)
             model.layers[0].register_forward_hook(lambda _m, _i, out: (
                 out[0] * (1 + noise * torch.randn(out[0].shape, generator=g)).to(out[0].device), out[1]))
         add_weight_qat(model)
@@ -154,12 +155,15 @@ def test_a_training_step_on_cuda_matches_the_cpu():
     same tensors worst (a 3-element mHC scale 4.5x its norm, two routed experts by 0.45-0.47
     — a near-tied choice that flips), and 1e-7 by 0.3%. On the trained default, not random
     weights, whose near-ties are far more common (chunking alone moved a random model's loss
-    by 2%)."""
-    cpu, cuda, noisy = _training_step("cpu"), _training_step("cuda"), _training_step("cpu", noise=1e-6)
+    by 2%). How far the noise moves them depends on the draw: on the default of run 22
+    (2026-12-07, CPU) five draws gave 0.7%, 1.9%, 4.8%, 5.1% and 4.8%; on run 21's, one draw gave
+    0.1% while CUDA's gap was 0.95% (an H100, the same day), so the floor is the median of three."""
+    cpu, cuda = _training_step("cpu"), _training_step("cuda")
+    noisy = [_training_step("cpu", noise=1e-6, draw=draw) for draw in range(3)]
     # losses 2e-3 apart at most: 1.1e-3 on the H200 with the default of 2026-12-01 (a99ee58:
     # CPU 11.1563, CUDA 11.1689; the CPU under the 1e-6 noise 11.1609, 0.4e-3 away)
-    assert abs(cpu[0] - cuda[0]) <= 2e-3 * abs(cpu[0]), (cpu[0], cuda[0], noisy[0])
-    floor = _gradient_gap(cpu[1], noisy[1])
+    assert abs(cpu[0] - cuda[0]) <= 2e-3 * abs(cpu[0]), (cpu[0], cuda[0], [n[0] for n in noisy])
+    floor = sorted(_gradient_gap(cpu[1], n[1]) for n in noisy)[1]
     assert _gradient_gap(cpu[1], cuda[1]) <= 1.5 * floor + 5e-3, floor
 
 
