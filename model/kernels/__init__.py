@@ -673,7 +673,8 @@ def mhc_forget() -> None:
 
 
 def hc_site_parts(streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand=None):
-    """:func:`hc_site` as its parts: ``hc_expand``, ``rms_norm`` and a linear layer, ``hc_split``,
+    """:func:`hc_site` as its parts: ``hc_expand``, ``rms_norm`` and a linear layer (on CUDA's bf16
+    streams ``products.normed_linear``: bf16 GEMMs, the norm a factor after them), ``hc_split``,
     ``hc_collapse``, ``rms_norm`` — each its own kernel or twin (the model's maths)."""
     if expand is not None:
         streams = hc_expand(expand[0], streams, expand[1], expand[2])
