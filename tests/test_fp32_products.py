@@ -87,7 +87,7 @@ def test_the_mixes_norm_as_a_factor_after_the_product():
     assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6 * want.abs().amax().item())
 
 
-def test_the_fp32_path_runs_off_cuda_and_in_autograd():
+def test_the_fp32_path_runs_off_cuda():
     x, w = torch.randn(3, 8).bfloat16(), torch.randn(4, 8)
     assert not products.runs(x, w)  # the CPU: the reference's own fp32 products
     assert torch.equal(products.fp32_linear(x, w), F.linear(x.float(), w.float()))
