@@ -19,7 +19,6 @@ from torch import nn
 from model import kernels
 from model.args import ModelArgs
 from model.cache import SourceKV
-from model.kernels.reference import stable_topk, top_records
 from model.layer import RMSNorm, Step
 from model.linear import Linear
 from model.quant import KVFormat
@@ -85,14 +84,14 @@ class Indexer(nn.Module):
 
     def keys(self, latent: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, kv: KVFormat) -> torch.Tensor:
         """FP4 index keys of fresh latents (from the pre-RoPE latent), stored as ``kv`` stores them."""
-        return kv.pack_index(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq))
+        return kv.pack_index(apply_rope(self.k_norm(self.wk(latent)), positions, inv_freq, in_place=True))
 
     def query(self, x, q_res, pos: torch.Tensor, inv_freq, kv: KVFormat) -> tuple[torch.Tensor, torch.Tensor]:
         """FP4 queries [B, S, h, d] and head weights [B, S, h] (reads no cache), the weights
         as ``weights_proj`` gives them: their scale, n_heads^-0.5, is the scores' (a decode
         step's kernel applies it as it reads them)."""
         B, S, _ = x.shape
-        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv_freq)
+        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv_freq, in_place=True)
         q = kv.index_query(q)
         return q, self.weights_proj(x)
 
@@ -124,7 +123,7 @@ class Indexer(nn.Module):
             candidates = candidate_blocks(s, lens, self.args.candidate_topk_blocks, self.args.candidate_block_size)
         elif self.args.uses_candidates(self.layer) and candidates is not None:
             s = s.masked_fill(~candidates, float("-inf"))
-        return top_records(s, self.args.index_topk), candidates
+        return kernels.top_records(s, self.args.index_topk), candidates
 
     def forward(self, x, q_res, step: Step, src: SourceKV, inv_freq, query=None) -> torch.Tensor | None:
         """Selected record indices [B, S, k] (-1 = none), or None when no record exists.
@@ -160,24 +159,19 @@ def _block_scores(scores: torch.Tensor, lens: torch.Tensor, block: int) -> torch
     return blocks.masked_fill(torch.arange(blocks.shape[-1], device=scores.device) == newest, float("inf"))
 
 
-def _pool_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int):
-    """The candidate pool's choice: the best ``topk_blocks`` of :func:`_block_scores`. ->
-    (the chosen blocks' scores and indices, -inf scores not kept; the number of blocks)."""
-    blocks = _block_scores(scores, lens, block)
-    values, indices = stable_topk(blocks, topk_blocks)
-    return values, indices, blocks.shape[-1]
-
-
 def candidate_blocks(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """The candidate pool (:func:`_pool_blocks`) as a mask: bool [B, S, n]."""
-    values, indices, n_blocks = _pool_blocks(scores, lens, topk_blocks, block)
-    keep = torch.zeros(*values.shape[:-1], n_blocks, dtype=torch.bool, device=scores.device)
-    keep.scatter_(-1, indices, values > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[..., :scores.shape[-1]]
+    """The candidate pool as a mask: bool [B, S, n]. The best ``topk_blocks`` of
+    :func:`_block_scores` (``kernels.top_records``: ties to the lower block, -inf never)."""
+    blocks = _block_scores(scores, lens, block)
+    n_blocks = blocks.shape[-1]
+    chosen = kernels.top_records(blocks, topk_blocks)  # -1: none; a spare column takes those
+    keep = torch.zeros(*blocks.shape[:-1], n_blocks + 1, dtype=torch.bool, device=scores.device)
+    keep.scatter_(-1, torch.where(chosen >= 0, chosen, n_blocks), True)
+    return keep[..., :n_blocks].repeat_interleave(block, dim=-1)[..., :scores.shape[-1]]
 
 
 def candidate_rows(scores: torch.Tensor, lens: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """The candidate pool (:func:`_pool_blocks`'s choice) as its records: int64 [B, S, M],
+    """The candidate pool (:func:`candidate_blocks`' choice) as its records: int64 [B, S, M],
     ascending, -1 after the last (M = ``block`` x the blocks chosen, at most ``topk_blocks``).
     A decode step scores these alone: at 128K records and a pool of 16K, an eighth of the
     indexer's and the top-k's work, and the same top-k as the mask's (ties still go to the

@@ -220,13 +220,13 @@ def _counted_prefill(model, mode: str, lengths: tuple[int, ...], monkeypatch) ->
     the candidate pool), counted by wrapping the functions that consume them."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from model import block, csa2
+    from model import block, kernels
     from model.engine import Engine
 
     from model.moe import GroupedLinear
 
     seen = {"keys": 0, "scores": 0, "wo_a_tokens": 0, "grouped": 0}
-    attend, top, output = block.Attention.attend, csa2.top_records, block.Attention.output
+    attend, top, output = block.Attention.attend, kernels.top_records, block.Attention.output
     grouped = GroupedLinear.forward
 
     def count_attend(self, q, keys, key_mask, records):
@@ -236,7 +236,8 @@ def _counted_prefill(model, mode: str, lengths: tuple[int, ...], monkeypatch) ->
         return attend(self, q, keys, key_mask, records)
 
     def count_top(s, k, *rest):
-        seen["scores"] += int(torch.isfinite(s).sum())
+        if k == model.args.index_topk:  # the records' choice, not the candidate pool's blocks
+            seen["scores"] += int(torch.isfinite(s).sum())
         return top(s, k, *rest)
 
     def count_output(self, out, pos, ropes):
@@ -249,7 +250,7 @@ def _counted_prefill(model, mode: str, lengths: tuple[int, ...], monkeypatch) ->
 
     monkeypatch.setattr(block.Attention, "attend", count_attend)
     monkeypatch.setattr(GroupedLinear, "forward", count_grouped)
-    monkeypatch.setattr(csa2, "top_records", count_top)
+    monkeypatch.setattr(kernels, "top_records", count_top)
     monkeypatch.setattr(block.Attention, "output", count_output)
     engine = Engine(model, mode=mode, chunk=96)
     state, out = engine.new_state(), []

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from model import kernels
-from model.csa2 import _pool_blocks, candidate_rows
+from model.csa2 import _block_scores, candidate_blocks, candidate_rows
 from model.kernels import topk_rows_ref, triton_available
-from model.kernels.reference import top_records
+from model.kernels.reference import stable_topk, top_records
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 needs_kernel = pytest.mark.skipif(not triton_available(),
@@ -88,11 +88,33 @@ def test_the_candidate_pool_is_the_sorted_choice(select, monkeypatch) -> None:
     monkeypatch.setenv("DSAGENT_SELECT", select)
     s = scores_case(1, 8 * 600 + 5, seed=5, levels=4, visible=[4000])[:, None]
     lens = torch.tensor([4000])
-    values, indices, n_blocks = _pool_blocks(s, lens, 256, 8)
-    first = indices.masked_fill(values == float("-inf"), n_blocks).sort(dim=-1).values * 8
+    blocks = _block_scores(s, lens, 8)
+    values, indices = stable_topk(blocks, 256)
+    first = indices.masked_fill(values == float("-inf"), blocks.shape[-1]).sort(dim=-1).values * 8
     want = (first[..., None] + torch.arange(8)).flatten(-2)
     got = candidate_rows(s.to(DEVICE), lens.to(DEVICE), 256, 8).cpu()
     assert torch.equal(got, want.masked_fill(want >= s.shape[-1], -1))
+    # the prefill's mask form keeps the same records
+    mask = candidate_blocks(s.to(DEVICE), lens.to(DEVICE), 256, 8).cpu()
+    kept = want[(want >= 0) & (want < s.shape[-1])]
+    assert mask.sum().item() == kept.numel() and mask[0, 0, kept].all()
+
+
+@pytest.mark.parametrize("select", ["1", "0"])
+def test_a_prefills_selection_is_the_sorted_choice(select, monkeypatch) -> None:
+    """kernels.top_records (the indexer's choice at prefill: through topk_rows outside autograd
+    where its kernel runs, else the reference) picks the records the sorted choice picks, -1
+    where a query sees fewer than k; with a gradient wanted, the reference's own order."""
+    monkeypatch.setenv("DSAGENT_SELECT", select)
+    s = torch.stack([scores_case(6, 3000, seed=9, levels=5, visible=[0, 7, 511, 512, 2000, 3000])] * 2)
+    want = top_records(s, 512)
+    with torch.no_grad():
+        got = kernels.top_records(s.to(DEVICE), 512).cpu()
+    assert got.shape == want.shape == (2, 6, 512)
+    assert [sorted(r) for r in got.flatten(0, 1).tolist()] == [sorted(r) for r in want.flatten(0, 1).tolist()]
+    assert (got[:, 1, 7:] == -1).all() and (got[:, 0] == -1).all()
+    with torch.enable_grad():
+        assert torch.equal(kernels.top_records(s, 512), want)
 
 
 @needs_kernel

@@ -36,6 +36,8 @@ and, for one decode step (one query per batch row):
   ``stable_topk`` (ties to the lower position, -inf never), in ascending order, -1 after
   (kernel in ``model.kernels.select``: a radix select over many programs, six launches where
   torch's sort took ~8; ``DSAGENT_SELECT=0`` sorts instead; twin ``topk_rows_ref``).
+  ``top_records(scores, k)`` -> int64 [..., <= k]: the indexer's selection of each query (the
+  reference's ``top_records``), through ``topk_rows`` outside autograd where it runs.
 
 - ``moe_decode(x, ...)`` -> [N, D] fp32 or None: ``model.moe.MoE`` on a few text tokens in
   four or five launches (``model.kernels.moe``) where ``moe_decode_runs(x)``; None if it cannot
@@ -99,13 +101,14 @@ from model.kernels.packed import Packed
 from model.kernels.products import fp32_linear
 from model.kernels.reference import (engram_gate_ref, hc_collapse_ref, hc_expand_ref, hc_split_ref, indexer_scores_ref,
                                     ngram_hash_ref, rms_norm_ref, rope_ref, sparse_attention_ref, topk_rows_ref)
+from model.kernels.reference import top_records as top_records_ref
 
 __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand", "hc_site", "hc_site_parts", "rope",
            "rms_norm", "sparse_attention", "indexer_scores", "moe_decode", "moe_decode_runs", "pack_window", "pack_main",
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "Packed", "mhc_join",
-           "mhc_forget", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
+           "mhc_forget", "top_records", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
            "beside_on", "Beside", "engram_step", "packed_gemm_runs", "packed_matmul", "grouped_fp4",
            "dequantised", "dequantised_fp4_stack", "sparse_prefill", "prefill_index_scores", "routed_swiglu", "slot_sum", "fp32_linear"]
 
@@ -243,6 +246,18 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n
 
         return fused.indexer_scores(q, weights, keys, n_visible, head_scale, rows, weight_scale)
     return indexer_scores_ref(q, weights, keys, n_visible, head_scale, rows, weight_scale)
+
+
+def top_records(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Each query's selection among index ``scores`` [..., n]: the records of its top-k scores,
+    -1 where there are fewer than k (:func:`model.kernels.reference.top_records`, whose order is
+    the scores'). Outside autograd, where :func:`topk_rows` runs its kernel, the same records in
+    ascending order: a radix select where the reference sorts every row (a prefill's chunk of
+    4,096 queries sorted its [4096, n] scores once an index layer). The attention sums over the
+    set, so only the order of its sums differs."""
+    if not torch.is_grad_enabled() and _use_triton(scores) and os.environ.get("DSAGENT_SELECT", "1") != "0":
+        return topk_rows(scores.reshape(-1, scores.shape[-1]), k).view(*scores.shape[:-1], -1)
+    return top_records_ref(scores, k)
 
 
 def topk_rows(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
@@ -543,10 +558,15 @@ def _hc_split_compiled(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Ten
     return tuple(t[:n].unflatten(0, lead) for t in _compiled_twin()(flat, scale, base, hc, iters, eps))
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """RoPE rotation by cos / sin (see :func:`rope_ref`): the kernel where :func:`enabled`,
     else the twin; bit-exact either way. With a gradient wanted, through
-    :class:`backward.Rope` (whose backward is the same rotation by -sin)."""
+    :class:`backward.Rope` (whose backward is the same rotation by -sin). ``in_place``: ``x``
+    is the caller's temporary, which the kernel may rotate in place (its rope channels alone
+    read and written, where a copy reads and writes every channel); else ``x`` is unchanged."""
+    if in_place and x.is_contiguous() and _kernel_runs("RoPE kernel", x, grads=(x,)):
+        return _guarded("RoPE kernel", lambda *a: importlib.import_module("model.kernels.rotary").rope_(*a),
+                        rope_ref, x, cos, sin)
     return _kernel_or_twin("RoPE kernel", "rotary.rope", rope_ref, x, cos, sin, grads=(x,),
                            function=backward.Rope)
 
