@@ -81,12 +81,12 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         inv = self.rope_table(ropes)
         q_res, kv_lat = self.q_norm(self.wq_a(x)), self.wkv(x)
-        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv)
+        q = apply_rope(self.wq_b(q_res).view(B, S, self.n_heads, self.head_dim), pos, inv, in_place=True)
         return q_res, q, self.window_values(kv_lat, pos, inv, fmt)
 
     def output(self, out: torch.Tensor, pos: torch.Tensor, ropes: Ropes) -> torch.Tensor:
         """The attention output [B, S, H, D] de-rotated, through the grouped ``wo_a`` and ``wo_b``."""
-        turned = apply_rope(out, pos, self.rope_table(ropes), inverse=True)
+        turned = apply_rope(out, pos, self.rope_table(ropes), inverse=True, in_place=True)
         return self.wo_b(grouped_linear(self.wo_a, turned.flatten(2), self.o_groups))
 
     def core(self, x, q_res, q, kv, pos, step: Step, cache: Cache, ropes: Ropes, index_query=None) -> torch.Tensor:
@@ -117,7 +117,7 @@ class Attention(nn.Module):
 
     def window_values(self, kv_lat: torch.Tensor, pos: torch.Tensor, inv: torch.Tensor, fmt: KVFormat) -> torch.Tensor:
         """Window entries from their K=V latent: normalised, rotated, as ``fmt`` rounds them."""
-        return fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv))
+        return fmt.window(apply_rope(self.kv_norm(kv_lat), pos, inv, in_place=True))
 
     def _window_keys(self, kv: torch.Tensor, step: Step, cache: Cache):
         """Window keys [B, cap+S, D] and the per-query mask [1 or B, S, cap+S]; writes the ring."""

@@ -40,10 +40,12 @@ def rope_inv_freq(dim: int, theta: float, yarn: dict | None = None) -> torch.Ten
 
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
-               inverse: bool = False) -> torch.Tensor:
-    """Rotate adjacent channel pairs of the trailing rope slice. x: [B, S, D] or [B, S, H, D]."""
+               inverse: bool = False, in_place: bool = False) -> torch.Tensor:
+    """Rotate adjacent channel pairs of the trailing rope slice. x: [B, S, D] or [B, S, H, D].
+    ``in_place``: x is a temporary the caller does not read again (``kernels.rope``)."""
     angles = rope_angles(positions, inv_freq)
-    return kernels.rope(x, angles.cos, angles.neg_sin if inverse else angles.sin)  # kernels.rope_ref off the fast path
+    # kernels.rope_ref off the fast path
+    return kernels.rope(x, angles.cos, angles.neg_sin if inverse else angles.sin, in_place=in_place)
 
 
 _ANGLES = threading.local()  # .memo: the angles of the layer call in progress, or None

@@ -62,6 +62,33 @@ def test_kernel_equals_twin_bit_for_bit(shape, half, dtype, inverse) -> None:
     want = rope_ref(x, cos, sin)
     assert got.dtype == x.dtype and got.shape == x.shape
     assert torch.equal(got, want), (got - want).abs().max()
+    # the in-place form: the same values, written into x's own storage
+    y = x.clone()
+    assert rotary.rope_(y, cos, sin).data_ptr() == y.data_ptr()
+    assert torch.equal(y, want), (y - want).abs().max()
+
+
+@needs_kernel
+def test_in_place_only_where_the_kernel_runs_without_a_gradient() -> None:
+    """kernels.rope(..., in_place=True) rotates x itself outside autograd; with a gradient
+    wanted (training) it leaves x as it was and returns a new tensor, the gradient the twin's."""
+    x = torch.randn(2, 5, 4, 128, device=DEVICE).to(torch.bfloat16)
+    _, cos, sin = _tables(5, 32)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    want = rope_ref(x, cos, sin)
+    y = x.clone()
+    with torch.no_grad():
+        got = rope(y, cos, sin, in_place=True)
+    assert got.data_ptr() == y.data_ptr() and torch.equal(got, want)
+    z = x.float().requires_grad_(True)
+    before = z.detach().clone()
+    out = rope(z, cos, sin, in_place=True)
+    assert out.data_ptr() != z.data_ptr() and torch.equal(z.detach(), before)
+    g = torch.randn(out.shape, device=DEVICE)
+    out.backward(g)
+    twin = before.clone().requires_grad_(True)
+    rope_ref(twin, cos, sin).backward(g)
+    torch.testing.assert_close(z.grad, twin.grad, rtol=1e-6, atol=1e-6)
 
 
 @needs_kernel
