@@ -15,6 +15,7 @@ Knows nothing of tokenization, chat formats or storage: ids in, ids and bytes ou
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -29,19 +30,29 @@ if TYPE_CHECKING:
     from model.model import Transformer
 
 
-# a prefill's chunk: tokens run at once (``Engine.chunk``). On CUDA 4096: `small` on an H100
-# (2026-12-05) prefilled 8K tokens exact / CED at 4.6K / 10.1K tokens/s in chunks of 1024,
-# 11.1K / 20.7K of 2048, 14.5K / 27.3K of 4096 and the same of 8192 (the launches of a layer
-# are paid once a chunk); on the CPU 512, as before.
-CUDA_CHUNK, CPU_CHUNK, MIN_CHUNK = 4096, 512, 256
+# a prefill's chunk: tokens run at once (``Engine.chunk``). On CUDA 8192: `small` on an H200
+# (2026-12-07) prefilled 32K tokens exact / CED at 13.6K / 25.4K tokens/s in chunks of 2048,
+# 27.1K / 47.8K of 4096, 31.1K / 65.2K of 8192 and 31.3K / 67.5K of 16384, and 128K at 19.2K /
+# 48.2K of 4096, 20.1K / 53.2K of 8192 (the launches of a layer are paid once a chunk, and the
+# host's time between them shows where chunks are small); on the CPU 512, as before.
+CUDA_CHUNK, CPU_CHUNK, MIN_CHUNK = 8192, 512, 256
 # bytes a (query, record) pair of a chunk's index scores takes at its peak (the scores, the
-# candidate pool's mask, the top-k's sort): an exact prefill of 128K tokens in chunks of 2048
-# peaked 11.3 GB above the weights on the H100, ~42 B a pair
-SCORE_BYTES_PER = 48
+# candidate pool's mask, the top-k): sorted (torch's sort, the CPU's top-k), an exact prefill
+# of 128K tokens in chunks of 2048 peaked 11.3 GB above the weights on the H100, ~42 B a pair;
+# by the select kernel (CUDA), exact prefills of 32K in chunks of 8192 / 16384 peaked 3.6 / 7.1
+# GB above the weights on the H200 (2026-12-07), ~13 B a pair, the cache included
+SCORE_BYTES_PER, SELECT_BYTES_PER = 48, 16
 
 
 def default_chunk(device) -> int:
     return CUDA_CHUNK if torch.device(device).type == "cuda" else CPU_CHUNK
+
+
+def score_bytes(device) -> int:
+    """:data:`SELECT_BYTES_PER` where a prefill's top-k runs the select kernel (CUDA, unless
+    ``DSAGENT_SELECT`` is ``0``: ``model.kernels.top_records``), else :data:`SCORE_BYTES_PER`."""
+    selects = torch.device(device).type == "cuda" and os.environ.get("DSAGENT_SELECT", "1") != "0"
+    return SELECT_BYTES_PER if selects else SCORE_BYTES_PER
 
 
 def score_budget(device) -> int:
@@ -117,7 +128,7 @@ class Engine:
         self.model, self.args = model, model.args
         self.mode = mode if model.args.supports_ced else "exact"
         self.chunk = chunk or default_chunk(model.device)
-        self.score_budget = score_budget(model.device)
+        self.score_budget, self.score_bytes = score_budget(model.device), score_bytes(model.device)
         self.max_context = max_context or model.args.max_position_embeddings
 
     # ------------------------------------------------------------------ state
@@ -163,11 +174,11 @@ class Engine:
     def chunk_at(self, position: int) -> int:
         """Tokens the chunk starting at ``position`` runs at once: ``chunk``, halved (to no
         fewer than ``MIN_CHUNK``) while its queries' index scores over every record they may
-        see would pass ``score_budget`` (``SCORE_BYTES_PER`` bytes a query and record), so
-        memory stays bounded at long contexts."""
+        see would pass ``score_budget`` (``score_bytes`` a query and record), so memory stays
+        bounded at long contexts."""
         size = self.chunk
         ratio = min((r for r in self.args.ratios if r), default=0)
-        while ratio and size > MIN_CHUNK and size * (position + size) // ratio * SCORE_BYTES_PER > self.score_budget:
+        while ratio and size > MIN_CHUNK and size * (position + size) // ratio * self.score_bytes > self.score_budget:
             size //= 2
         return size
 

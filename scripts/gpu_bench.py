@@ -47,7 +47,7 @@ def main() -> None:
     p.add_argument("--profile", default="", help="contexts at which a decode step is profiled by kernel")
     p.add_argument("--prefill-profile", default="", help="contexts at which a CED and an exact prefill are profiled")
     p.add_argument("--chunk", type=int, default=None,
-                   help="prefill chunk of --prefill and --prefill-profile (default: the engine's, 4096 on CUDA)")
+                   help="prefill chunk of --prefill and --prefill-profile (default: the engine's, 8192 on CUDA)")
     p.add_argument("--profile-batch", default="1", help="batch sizes of --profile")
     p.add_argument("--timeline", default="",
                    help="a file for the chained profile's kernels in order: a JSON line a profile, [[start µs, end µs, "

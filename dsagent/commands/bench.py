@@ -142,7 +142,7 @@ def _dtype(device: str):
 def prefill(preset: Optional[str] = PRESET, model: Optional[str] = MODEL, ctx: int = CTX,
             device: str = DEVICE, as_json: bool = JSON,
             chunk: Optional[int] = typer.Option(None, "--chunk", min=1, help="Tokens a prefill runs at once "
-                                                                              "(default: 4096 on CUDA, 512 on the CPU)."),
+                                                                              "(default: 8192 on CUDA, 512 on the CPU)."),
             parts: bool = typer.Option(True, "--parts/--no-parts", help="Time each part of the model in one "
                                                                         "more run of each mode."),
             weights: str = WEIGHTS, layers: Optional[int] = LAYERS, engram_rows: Optional[int] = ENGRAM_ROWS) -> None:
