@@ -19,8 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = ("model/model.py", "model/block.py", "model/moe.py", "model/csa2.py", "model/layer.py", "model/rope.py",
              "model/engram.py")
 MATH_OPS = {"rms_norm", "rope", "hc_site", "hc_collapse", "hc_expand", "engram_gate", "ngram_hash", "topk_rows",
-            "sparse_prefill", "indexer_scores", "prefill_index_scores", "grouped_fp4", "dequantised_fp4_stack",
-            "routed_swiglu", "slot_sum", "fp32_linear"}
+            "top_records", "sparse_prefill", "indexer_scores", "prefill_index_scores", "grouped_fp4",
+            "dequantised_fp4_stack", "routed_swiglu", "slot_sum", "fp32_linear"}
 FORBIDDEN_MODULES = ("model.decode_step", "model.graphs")
 
 
