@@ -113,7 +113,8 @@ from model.vision import expand_spans, image_inputs
 from sessions import Store
 
 HELD_OUT_SEED = 7919
-TRAIN_SEEDS = (31, 34, 60, 74, 80, 82, 84, 90, 92, 94, 96, 97, 103, 137, 139, 151, 157)  # the corpus seeds the embedded default learnt from (model/assets/default/TRAINING.json)
+# the corpus seeds the embedded default learnt from (model/assets/default/TRAINING.json)
+TRAIN_SEEDS = (31, 34, 60, 74, 80, 82, 84, 90, 92, 94, 96, 97, 103, 137, 139, 151, 157, 163)
 MODES = ("exact", "ced", "float-kv", "resume", "prefix")
 SPECULATIVE = "speculative"  # asked for by name: CED with DSpark (a checkpoint with draft stages)
 KNOWN_MODES = MODES + (SPECULATIVE,)
