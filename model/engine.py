@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from model import decode_step
+from model import decode_step, kernels
 from model.cache import Cache
 from model.layer import Step
 from model.quant import KVFormat
@@ -49,9 +49,11 @@ def default_chunk(device) -> int:
 
 
 def score_bytes(device) -> int:
-    """:data:`SELECT_BYTES_PER` where a prefill's top-k runs the select kernel (CUDA, unless
-    ``DSAGENT_SELECT`` is ``0``: ``model.kernels.top_records``), else :data:`SCORE_BYTES_PER`."""
-    selects = torch.device(device).type == "cuda" and os.environ.get("DSAGENT_SELECT", "1") != "0"
+    """:data:`SELECT_BYTES_PER` where a prefill's top-k runs the select kernel (CUDA with
+    Triton, unless ``DSAGENT_SELECT`` is ``0``: ``model.kernels.top_records``), else
+    :data:`SCORE_BYTES_PER`."""
+    selects = (torch.device(device).type == "cuda" and kernels.triton_available()
+               and os.environ.get("DSAGENT_SELECT", "1") != "0")
     return SELECT_BYTES_PER if selects else SCORE_BYTES_PER
 
 
