@@ -15,7 +15,6 @@ Knows nothing of tokenization, chat formats or storage: ids in, ids and bytes ou
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterator
 
@@ -49,12 +48,9 @@ def default_chunk(device) -> int:
 
 
 def score_bytes(device) -> int:
-    """:data:`SELECT_BYTES_PER` where a prefill's top-k runs the select kernel (CUDA with
-    Triton, unless ``DSAGENT_SELECT`` is ``0``: ``model.kernels.top_records``), else
-    :data:`SCORE_BYTES_PER`."""
-    selects = (torch.device(device).type == "cuda" and kernels.triton_available()
-               and os.environ.get("DSAGENT_SELECT", "1") != "0")
-    return SELECT_BYTES_PER if selects else SCORE_BYTES_PER
+    """:data:`SELECT_BYTES_PER` where a prefill's top-k runs the select kernel
+    (``model.kernels.selects``), else :data:`SCORE_BYTES_PER`."""
+    return SELECT_BYTES_PER if kernels.selects(torch.device(device)) else SCORE_BYTES_PER
 
 
 def score_budget(device) -> int:

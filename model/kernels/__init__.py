@@ -108,7 +108,7 @@ __all__ = ["triton_available", "enabled", "hc_split", "hc_collapse", "hc_expand"
            "pack_index", "fake_quant_fp8", "fake_quant_fp4", "hc_split_ref", "hc_collapse_ref", "hc_expand_ref",
            "rope_ref", "rms_norm_ref", "sparse_attention_ref", "indexer_scores_ref", "engram_gate",
            "engram_gate_ref", "ngram_hash", "ngram_hash_ref", "gemv", "gemv_runs", "gemv_ref", "Packed", "mhc_join",
-           "mhc_forget", "top_records", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
+           "mhc_forget", "selects", "top_records", "topk_rows", "topk_rows_ref", "window_entry", "compress_step", "resolve",
            "beside_on", "Beside", "engram_step", "packed_gemm_runs", "packed_matmul", "grouped_fp4",
            "dequantised", "dequantised_fp4_stack", "sparse_prefill", "prefill_index_scores", "routed_swiglu", "slot_sum", "fp32_linear"]
 
@@ -248,6 +248,13 @@ def indexer_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, n
     return indexer_scores_ref(q, weights, keys, n_visible, head_scale, rows, weight_scale)
 
 
+def selects(device: torch.device) -> bool:
+    """Whether a top-k on ``device`` runs the select kernel (:func:`topk_rows`; at prefill
+    :func:`top_records` outside autograd): Triton runs there and ``DSAGENT_SELECT`` is not ``0``."""
+    return ((device.type == "cuda" or _interpreting()) and triton_available()
+            and os.environ.get("DSAGENT_SELECT", "1") != "0")
+
+
 def top_records(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Each query's selection among index ``scores`` [..., n]: the records of its top-k scores,
     -1 where there are fewer than k (:func:`model.kernels.reference.top_records`, whose order is
@@ -255,7 +262,7 @@ def top_records(scores: torch.Tensor, k: int) -> torch.Tensor:
     ascending order: a radix select where the reference sorts every row (a prefill's chunk of
     4,096 queries sorted its [4096, n] scores once an index layer). The attention sums over the
     set, so only the order of its sums differs."""
-    if not torch.is_grad_enabled() and _use_triton(scores) and os.environ.get("DSAGENT_SELECT", "1") != "0":
+    if not torch.is_grad_enabled() and selects(scores.device):
         return topk_rows(scores.reshape(-1, scores.shape[-1]), k).view(*scores.shape[:-1], -1)
     return top_records_ref(scores, k)
 
@@ -263,7 +270,7 @@ def top_records(scores: torch.Tensor, k: int) -> torch.Tensor:
 def topk_rows(scores: torch.Tensor, k: int, rows: torch.Tensor | None = None, width: int | None = None) -> torch.Tensor:
     """Each row's top-k positions of ``scores`` [R, n] (or ``rows``' entries there) in
     ascending order, -1 after, up to ``width``; see :func:`model.kernels.reference.topk_rows_ref`."""
-    if _use_triton(scores) and os.environ.get("DSAGENT_SELECT", "1") != "0":
+    if selects(scores.device):
         from model.kernels import select
 
         return select.topk_rows(scores, k, rows, width)
@@ -564,9 +571,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, in_place: bool =
     :class:`backward.Rope` (whose backward is the same rotation by -sin). ``in_place``: ``x``
     is the caller's temporary, which the kernel may rotate in place (its rope channels alone
     read and written, where a copy reads and writes every channel); else ``x`` is unchanged."""
-    if in_place and x.is_contiguous() and _kernel_runs("RoPE kernel", x, grads=(x,)):
-        return _guarded("RoPE kernel", lambda *a: importlib.import_module("model.kernels.rotary").rope_(*a),
-                        rope_ref, x, cos, sin)
+    if in_place and x.is_contiguous() and not _wants_grad(x):
+        return _kernel_or_twin("RoPE kernel", "rotary.rope_", rope_ref, x, cos, sin, grads=())
     return _kernel_or_twin("RoPE kernel", "rotary.rope", rope_ref, x, cos, sin, grads=(x,),
                            function=backward.Rope)
 
