@@ -186,26 +186,34 @@ FORMS = ["by-pair-early", "by-pair", "by-expert"]
 
 
 @needs_triton
+@pytest.mark.parametrize("rows", [True, False], ids=["rows", "tiles"])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weights(dtype, form, monkeypatch):
+def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weights(dtype, form, rows, monkeypatch):
     """A packed MoE's decode step takes the fused kernels on its FP4 stacks and FP8 shared
-    expert: the bits of the plain kernels on the dequantised weights (see the docstring above;
-    on a GPU within the MoE kernel tests' tolerance), by pair (the early loads, and the loops
-    with the down sum slot by slot) and grouped by expert; inputs that hit the clamps."""
+    expert: by pair the row kernels (``FP4_ROWS``: each row's 32-input blocks summed and scaled
+    apart, so within the MoE kernel tests' tolerance of the plain kernels on the dequantised
+    weights) or the tiles the plain kernels load (early loads, and the loops with the down sum
+    slot by slot), and grouped by expert — the tiles' forms the plain kernels' bits (see the
+    docstring above; on a GPU within the tolerance); inputs that hit the clamps."""
+    from model.kernels import moe as kmoe
+
     interpretable(monkeypatch)
     use_form(form, monkeypatch)
+    monkeypatch.setattr(kmoe, "FP4_ROWS", rows)
     packed = packed_moe(dtype, seed=5)
     dense = dequantised(packed, dtype)
     x = (torch.randn(3, TINY.hidden_size, generator=torch.Generator().manual_seed(6)) * 20).to(DEVICE, dtype)
-    calls = []
-    real = kernels.moe_decode
+    calls, by_rows = [], []
+    real, real_rows = kernels.moe_decode, kmoe.fp4_rows
     monkeypatch.setattr(kernels, "moe_decode", lambda *a, **k: calls.append(k["scales"] is not None) or real(*a, **k))
+    monkeypatch.setattr(kmoe, "fp4_rows", lambda *a, **k: by_rows.append(1) or real_rows(*a, **k))
     with torch.no_grad():
         assert ds.moe_runs_fused(packed, x)
         got, want = ds.moe_step(packed, x), ds.moe_step(dense, x)
     assert calls == [True, False] and not kernels._FAILED
-    if ON_CUDA:
+    assert len(by_rows) == (rows and form != "by-expert")
+    if ON_CUDA or by_rows:  # the row kernels sum each row in another order than the plain kernels
         rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
         torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=rtol * want.float().abs().max().item())
     else:
@@ -224,6 +232,7 @@ def test_wide_fp4_experts_sum_the_down_projection_slot_by_slot(max_i, monkeypatc
     interpretable(monkeypatch)
     use_form("by-pair-slots", monkeypatch)
     monkeypatch.setattr(kmoe, "DOWN_SLOTS_FP4_MAX_I", max_i)
+    monkeypatch.setattr(kmoe, "FP4_ROWS", False)
     formats = []
     real = kmoe.down_slots
     monkeypatch.setattr(kmoe, "down_slots", lambda *a, **k: formats.append(k.get("FMT", "plain")) or real(*a, **k))
@@ -246,7 +255,8 @@ def test_the_fp4_loops_of_many_steps_give_the_plain_sums(monkeypatch):
 
     interpretable(monkeypatch)
     use_form("by-pair-slots", monkeypatch)
-    for name, value in (("UP_EARLY", False), ("UP_BLOCK_D", 32), ("DOWN_BLOCK_I", 32), ("DOWN_SLOTS_FP4_MAX_I", 0)):
+    for name, value in (("UP_EARLY", False), ("UP_BLOCK_D", 32), ("DOWN_BLOCK_I", 32), ("DOWN_SLOTS_FP4_MAX_I", 0),
+                        ("FP4_ROWS", False)):
         monkeypatch.setattr(kmoe, name, value)  # the loops a wide preset takes, several steps long at TINY
     packed = packed_moe(torch.float32, seed=9)
     x = (torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(10)) * 20).to(DEVICE)
@@ -255,6 +265,28 @@ def test_the_fp4_loops_of_many_steps_give_the_plain_sums(monkeypatch):
         want = ds.moe_step(dequantised(packed, torch.float32), x)
     assert not kernels._FAILED
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_fp4_row_kernels_over_several_steps_give_the_plain_sums(dtype, monkeypatch):
+    """The row kernels with two steps a row (32 bytes a step of TINY's 64) and one row a program
+    give the plain kernels' sums on the dequantised weights, a token's slots summed in order."""
+    from model.kernels import moe as kmoe
+
+    interpretable(monkeypatch)
+    use_form("by-pair", monkeypatch)
+    for name, value in (("FP4_ROWS", True), ("ROWS_UP_B", 32), ("ROWS_DOWN_B", 32), ("ROWS_UP_I", 1),
+                        ("ROWS_DOWN_O", 1)):
+        monkeypatch.setattr(kmoe, name, value)
+    packed = packed_moe(dtype, seed=11)
+    x = (torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(12)) * 20).to(DEVICE, dtype)
+    with torch.no_grad():
+        got = ds.moe_step(packed, x)
+        want = ds.moe_step(dequantised(packed, dtype), x)
+    assert not kernels._FAILED
+    rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=rtol * want.float().abs().max().item())
 
 
 def packed_parts(dtype: torch.dtype, size: int, seed: int = 0) -> tuple[MoE, list[MoE]]:
@@ -394,6 +426,13 @@ def fp4_launches() -> list[dict]:
               (True, 4, 1024, 8), (False, kmoe.SLOTS_FP4_BLOCK_O, kmoe.SLOTS_FP4_BLOCK_I, kmoe.SLOTS_FP4_WARPS))),
         moe_launch("_down_kernel", typed("_down_kernel", down_typed),
                    {**by_pair, "BLOCK_O": 4, "BLOCK_I": 512, "OUT_BF16": True}, {**pdl, "num_warps": 8}),
+        moe_launch("_up_rows_kernel", typed("_up_rows_kernel", {**up_typed, "xw_ptr": "*i32"}),
+                   {**by_pair, "BLOCK_I": kmoe.ROWS_UP_I, "BLOCK_B": kmoe.ROWS_UP_B, "S_BLOCK_D": 256, "CLAMP": True},
+                   {**pdl, "num_warps": kmoe.ROWS_UP_WARPS}),
+        moe_launch("_down_rows_kernel", typed("_down_rows_kernel", {**down_typed, "hw_ptr": "*i32"}),
+                   {**packed, "BF16": True, "BLOCK_O": kmoe.ROWS_DOWN_O, "BLOCK_B": kmoe.ROWS_DOWN_B,
+                    "S_BLOCK_I": 512},
+                   {**pdl, "num_warps": kmoe.ROWS_DOWN_WARPS}),
         moe_launch("_up_grouped_kernel", typed("_up_grouped_kernel", up_typed),
                    {**grouped, "BLOCK_I": 32, "BLOCK_D": 128, "CLAMP": True}, {**pdl, "num_warps": 4}),
         moe_launch("_down_grouped_kernel", typed("_down_grouped_kernel", down_typed),

@@ -134,6 +134,17 @@ DOWN_EARLY = False
 # builds without the GPU's 16-byte specialisation; 40 as the GPU builds it, 88b7232)
 # +3.6%; the gate's top-k made by the last gate-logits program of each token (an arrival count),
 # one launch a layer fewer, +0.2% / -1.6% / +0.7% in three runs: no gain. Neither kept
+# FP4 routed experts by pair take the row kernels (``_up_rows_kernel``, ``_down_rows_kernel``, then
+# ``_sum_slots_kernel``): each thread's 16 bytes of a row (32 inputs, one scale) one load, their products
+# summed in the thread and scaled once, the row's sum across threads once after the loop. At V4.1-Flash's
+# width (one H100, 2026-12-07, batch 1, 6 of 32 experts cycled from HBM, the kernels alone, a probe):
+# the routed up 49.8 us for 75 MB (1.51 TB/s) and down 28.2 us for 37.6 MB (1.33 TB/s), where the
+# tree's up and down kernels took 122 us (0.83 TB/s) and 109 us (0.47 TB/s) under the profiler —
+# bound by their instructions (SM busy 66%, 82% of their loads served by L1: each byte's scale and the
+# row of inputs gathered per element, the sums reduced across threads every step)
+FP4_ROWS = True
+ROWS_UP_I, ROWS_UP_B, ROWS_UP_WARPS = 4, 512, 2  # rows of w1 (and of w3) a program, bytes a row a step
+ROWS_DOWN_O, ROWS_DOWN_B, ROWS_DOWN_WARPS = 16, 128, 4
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
 # per expert and block of rows, the tokens' block through tensor cores; untuned guesses
 GROUPED_TOKENS = 4
@@ -735,6 +746,100 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
 
 
 @triton.jit
+def _fp4_rows_dot(w_ptr, sc_ptr, row, row_ok, xw_ptr, xf_ptr, NB, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                  BF16: tl.constexpr):
+    """Rows ``row`` [BLOCK_R] of an FP4 weight of NB bytes a row (2 NB inputs, NB a multiple of 16)
+    against one row of inputs -> [BLOCK_R] fp32. The bytes in tiles [BLOCK_R, BLOCK_B / 16, 16]:
+    each 16 bytes (32 inputs, one ue8m0 scale) one thread's load, their 32 products summed in the
+    thread and times their scale once, the row's blocks summed once after the loop. The inputs are
+    bf16 pairs read as int32 words at ``xw`` (BF16: the even input in the low half) or fp32 at ``xf``.
+    Exact products (e2m1 times bf16), summed in fp32 in another order than the plain kernels'."""
+    blk = tl.arange(0, BLOCK_B // 16)
+    q = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_R, BLOCK_B // 16], dtype=tl.float32)
+    for b0 in range(0, NB, BLOCK_B):
+        j = b0 + blk[:, None] * 16 + q[None, :]  # [blocks, 16] bytes
+        j_ok = j < NB
+        code = tl.load(w_ptr + row[:, None, None] * NB + j[None, :, :], mask=row_ok[:, None, None] & j_ok[None, :, :],
+                       other=0).to(tl.int32)
+        b = b0 // 16 + blk
+        sb = tl.load(sc_ptr + row[:, None] * (NB // 16) + b[None, :], mask=row_ok[:, None] & (b < NB // 16)[None, :],
+                     other=0).to(tl.int32)
+        if BF16:
+            xw = tl.load(xw_ptr + j, mask=j_ok, other=0)
+            xe = (xw << 16).to(tl.float32, bitcast=True)
+            xo = (xw & -65536).to(tl.float32, bitcast=True)
+        else:
+            xe = tl.load(xf_ptr + 2 * j, mask=j_ok, other=0.0)
+            xo = tl.load(xf_ptr + 2 * j + 1, mask=j_ok, other=0.0)
+        part = tl.sum(_e2m1(code & 0xF) * xe[None, :, :] + _e2m1(code >> 4) * xo[None, :, :], 2)
+        acc += part * _ue8m0(sb)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
+def _up_rows_kernel(x_ptr, xw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, SI, limit,
+                    K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_B: tl.constexpr, S_BLOCK_D: tl.constexpr,
+                    BF16: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr = False, w1_sc=None, w3_sc=None,
+                    s1_sc=None, s3_sc=None, FMT: tl.constexpr = "fp4", S_FMT: tl.constexpr = "plain",
+                    SR: tl.constexpr = 1, SC: tl.constexpr = 1):
+    """``_up_kernel``'s program (p, i-block) on FP4 routed experts: a routed slot's w1 / w3 rows by
+    :func:`_fp4_rows_dot` against its token (``xw``: the rows' bf16 pairs as int32 words), the shared
+    expert's (p >= NK) by ``_up_sums`` as there; then the same SwiGLU, route weight and roundings."""
+    _chain(PDL)
+    p = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    i_ok = i < I
+    if p < NK:
+        t = p // K
+        e, w_ok = _held_expert(isel_ptr, p, i_ok)
+        gw = tl.load(wsel_ptr + p)
+        rows = e.to(tl.int64) * I + i
+        acc1 = _fp4_rows_dot(w1_ptr, w1_sc, rows, w_ok, xw_ptr + t * (D // 2), x_ptr + t * D, D // 2, BLOCK_I,
+                             BLOCK_B, BF16)
+        acc3 = _fp4_rows_dot(w3_ptr, w3_sc, rows, w_ok, xw_ptr + t * (D // 2), x_ptr + t * D, D // 2, BLOCK_I,
+                             BLOCK_B, BF16)
+    else:
+        t = p - NK
+        gw = 1.0
+        acc1, acc3 = _up_sums(x_ptr, s1_ptr, s3_ptr, s1_sc, s3_sc, t * 0, t, i, i < SI, D, I, False, BLOCK_I,
+                              S_BLOCK_D, FMT, S_FMT, SR, SC)
+    h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
+    if p < NK:
+        h = gw * h
+    _store(h_ptr + p * I + i, h, i_ok, BF16)
+
+
+@triton.jit
+def _down_rows_kernel(h_ptr, hw_ptr, w2_ptr, s2_ptr, isel_ptr, part_ptr, NK, D, I, SI, BLOCK_O: tl.constexpr,
+                      BLOCK_B: tl.constexpr, S_BLOCK_I: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False,
+                      w2_sc=None, s2_sc=None, FMT: tl.constexpr = "fp4", S_FMT: tl.constexpr = "plain",
+                      SR: tl.constexpr = 1, SC: tl.constexpr = 1):
+    """Program (p, o-block): pair p's w2 product, rounded to the activation dtype, to row p of
+    ``part`` (``_down_grouped_kernel``'s rows, for ``_sum_slots_kernel``): a routed slot's FP4 rows
+    by :func:`_fp4_rows_dot` against its h row (``hw``: its bf16 pairs as int32 words), nothing for
+    another rank's expert (id -1); the shared expert's (p >= NK) [D, SI] channel by channel block."""
+    _chain(PDL)
+    p = tl.program_id(0).to(tl.int64)
+    o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
+    o_ok = o < D
+    if p < NK:
+        e = tl.load(isel_ptr + p)
+        if e >= 0:
+            acc = _fp4_rows_dot(w2_ptr, w2_sc, e * D + o, o_ok, hw_ptr + p * (I // 2), h_ptr + p * I, I // 2, BLOCK_O,
+                                BLOCK_B, BF16)
+            tl.store(part_ptr + p * D + o, _round(acc, BF16), mask=o_ok)
+    else:
+        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+        for i0 in range(0, SI, S_BLOCK_I):
+            i = i0 + tl.arange(0, S_BLOCK_I)
+            h = _slot_rows(h_ptr, tl.full([1], 0, tl.int64) + p, i, (i < SI)[None, :], I, BF16)
+            w = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC)
+            acc += tl.sum(w * h, 1)
+        tl.store(part_ptr + p * D + o, _round(acc, BF16), mask=o_ok)
+
+
+@triton.jit
 def _sum_slots_kernel(part_ptr, isel_ptr, out_ptr, NK, D, K: tl.constexpr, BLOCK: tl.constexpr,
                       OUT_BF16: tl.constexpr, PDL: tl.constexpr = False):
     """Token t's output: its K slots' products in slot order (a slot of another rank's
@@ -785,6 +890,30 @@ def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torc
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I, SI,
         K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
         EARLY=early, num_warps=warps, **unfused(), **chained(h), **packed)
+    return out
+
+
+def fp4_rows(x, w1, w3, w2, s1, s3, s2, weights, chosen, h, out, limit: float, up: dict, down: dict) -> torch.Tensor:
+    """The experts of N tokens by pair on FP4 routed experts (:func:`stored`'s forms): the row
+    kernels' up (SwiGLU into h [N * K + N, I]), each pair's down product to its own row, and
+    ``_sum_slots_kernel``'s sum in slot order into ``out`` [N, D]."""
+    (N, K), D, I = chosen.shape, x.shape[1], h.shape[1]
+    SI, nk, bf16 = s1.shape[0], N * K, x.dtype == torch.bfloat16
+    assert D % 32 == 0 and I % 32 == 0, f"FP4 rows of {D} and {I} inputs: whole 32-input scale blocks"
+    words = (lambda t: t.view(torch.int32)) if bf16 else (lambda t: t)  # bf16 rows read as pairs
+    h_arg = h.view(torch.int16) if bf16 else h
+    _up_rows_kernel[(nk + N, triton.cdiv(I, ROWS_UP_I))](
+        x, words(x), w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, limit, K=K, BLOCK_I=ROWS_UP_I,
+        BLOCK_B=ROWS_UP_B, S_BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=ROWS_UP_WARPS,
+        **chained(x), **up)
+    part = torch.empty(nk + N, D, dtype=torch.float32, device=x.device)
+    _down_rows_kernel[(nk + N, triton.cdiv(D, ROWS_DOWN_O))](
+        h_arg, words(h), w2, s2, chosen, part, nk, D, I, SI, BLOCK_O=ROWS_DOWN_O, BLOCK_B=ROWS_DOWN_B,
+        S_BLOCK_I=DOWN_BLOCK_I, BF16=bf16, num_warps=ROWS_DOWN_WARPS, **chained(x), **down)
+    out_bf16 = out.dtype == torch.bfloat16
+    _sum_slots_kernel[(N, triton.cdiv(D, SUM_BLOCK))](part, chosen, out.view(torch.int16) if out_bf16 else out, nk, D,
+                                                      K=K, BLOCK=SUM_BLOCK, OUT_BF16=out_bf16, num_warps=4,
+                                                      **chained(part))
     return out
 
 
@@ -917,6 +1046,8 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     out_arg = out.view(torch.int16) if out_bf16 else out
     if grouped is None:
         grouped = N >= GROUPED_TOKENS
+    if not grouped and FP4_ROWS and up.get("FMT") == "fp4":
+        return fp4_rows(x, w1, w3, w2, s1, s3, s2, weights, chosen, h, out, float(limit), up, down)
     if not grouped:
         early, block_i, block_d = up_tile(D, x.element_size())
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
