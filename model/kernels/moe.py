@@ -754,6 +754,7 @@ def _fp4_rows_dot(w_ptr, sc_ptr, row, row_ok, xw_ptr, xf_ptr, NB, BLOCK_R: tl.co
     thread and times their scale once, the row's blocks summed once after the loop. The inputs are
     bf16 pairs read as int32 words at ``xw`` (BF16: the even input in the low half) or fp32 at ``xf``.
     Exact products (e2m1 times bf16), summed in fp32 in another order than the plain kernels'."""
+    NB = tl.multiple_of(NB, 16)  # so each thread's 16 bytes are one aligned load, and summed in the thread
     blk = tl.arange(0, BLOCK_B // 16)
     q = tl.arange(0, 16)
     acc = tl.zeros([BLOCK_R, BLOCK_B // 16], dtype=tl.float32)
@@ -778,14 +779,47 @@ def _fp4_rows_dot(w_ptr, sc_ptr, row, row_ok, xw_ptr, xf_ptr, NB, BLOCK_R: tl.co
 
 
 @triton.jit
+def _shared_rows_dot(w_ptr, sc_ptr, row, row_ok, x_ptr, IN, BLOCK_R: tl.constexpr, BLOCK_B: tl.constexpr,
+                     BF16: tl.constexpr, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
+    """:func:`_fp4_rows_dot` for the shared expert's rows ``row`` [BLOCK_R] of IN inputs (a multiple
+    of 16): FMT "fp8" e4m3 bytes times one ue8m0 byte per SR x SC block (SC a multiple of 16: each
+    thread's 16 bytes one scale) or floats ("plain"); the inputs at ``x`` bf16 bits (BF16) or fp32.
+    The same tiles as the routed rows', so a kernel holding both keeps their registers."""
+    IN = tl.multiple_of(IN, 16)
+    blk = tl.arange(0, BLOCK_B // 16)
+    q = tl.arange(0, 16)
+    acc = tl.zeros([BLOCK_R, BLOCK_B // 16], dtype=tl.float32)
+    for c0 in range(0, IN, BLOCK_B):
+        c = c0 + blk[:, None] * 16 + q[None, :]  # [blocks, 16] inputs
+        c_ok = c < IN
+        m = row_ok[:, None, None] & c_ok[None, :, :]
+        if BF16:
+            x = _from_bits(tl.load(x_ptr + c, mask=c_ok, other=0))
+        else:
+            x = tl.load(x_ptr + c, mask=c_ok, other=0.0)
+        if FMT == "plain":
+            w = tl.load(w_ptr + row[:, None, None] * IN + c[None, :, :], mask=m, other=0.0).to(tl.float32)
+            acc += tl.sum(w * x[None, :, :], 2)
+        else:
+            q8 = tl.load(w_ptr + row[:, None, None] * IN + c[None, :, :], mask=m, other=0)
+            w = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            b = c0 + blk * 16
+            sb = tl.load(sc_ptr + (row // SR)[:, None] * tl.cdiv(IN, SC) + (b // SC)[None, :],
+                         mask=row_ok[:, None] & (b < IN)[None, :], other=0).to(tl.int32)
+            acc += tl.sum(w * x[None, :, :], 2) * _ue8m0(sb)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
 def _up_rows_kernel(x_ptr, xw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, SI, limit,
-                    K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_B: tl.constexpr, S_BLOCK_D: tl.constexpr,
+                    K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_B: tl.constexpr,
                     BF16: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr = False, w1_sc=None, w3_sc=None,
                     s1_sc=None, s3_sc=None, FMT: tl.constexpr = "fp4", S_FMT: tl.constexpr = "plain",
                     SR: tl.constexpr = 1, SC: tl.constexpr = 1):
     """``_up_kernel``'s program (p, i-block) on FP4 routed experts: a routed slot's w1 / w3 rows by
     :func:`_fp4_rows_dot` against its token (``xw``: the rows' bf16 pairs as int32 words), the shared
-    expert's (p >= NK) by ``_up_sums`` as there; then the same SwiGLU, route weight and roundings."""
+    expert's (p >= NK) by :func:`_shared_rows_dot` (``x``: bf16 bits in BF16); then the same SwiGLU,
+    route weight and roundings."""
     _chain(PDL)
     p = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
@@ -802,8 +836,8 @@ def _up_rows_kernel(x_ptr, xw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, ise
     else:
         t = p - NK
         gw = 1.0
-        acc1, acc3 = _up_sums(x_ptr, s1_ptr, s3_ptr, s1_sc, s3_sc, t * 0, t, i, i < SI, D, I, False, BLOCK_I,
-                              S_BLOCK_D, FMT, S_FMT, SR, SC)
+        acc1 = _shared_rows_dot(s1_ptr, s1_sc, i, i < SI, x_ptr + t * D, D, BLOCK_I, BLOCK_B, BF16, S_FMT, SR, SC)
+        acc3 = _shared_rows_dot(s3_ptr, s3_sc, i, i < SI, x_ptr + t * D, D, BLOCK_I, BLOCK_B, BF16, S_FMT, SR, SC)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
@@ -812,13 +846,13 @@ def _up_rows_kernel(x_ptr, xw_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, ise
 
 @triton.jit
 def _down_rows_kernel(h_ptr, hw_ptr, w2_ptr, s2_ptr, isel_ptr, part_ptr, NK, D, I, SI, BLOCK_O: tl.constexpr,
-                      BLOCK_B: tl.constexpr, S_BLOCK_I: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False,
+                      BLOCK_B: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr = False,
                       w2_sc=None, s2_sc=None, FMT: tl.constexpr = "fp4", S_FMT: tl.constexpr = "plain",
                       SR: tl.constexpr = 1, SC: tl.constexpr = 1):
     """Program (p, o-block): pair p's w2 product, rounded to the activation dtype, to row p of
     ``part`` (``_down_grouped_kernel``'s rows, for ``_sum_slots_kernel``): a routed slot's FP4 rows
     by :func:`_fp4_rows_dot` against its h row (``hw``: its bf16 pairs as int32 words), nothing for
-    another rank's expert (id -1); the shared expert's (p >= NK) [D, SI] channel by channel block."""
+    another rank's expert (id -1); the shared expert's (p >= NK) [D, SI] by :func:`_shared_rows_dot`."""
     _chain(PDL)
     p = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -830,12 +864,7 @@ def _down_rows_kernel(h_ptr, hw_ptr, w2_ptr, s2_ptr, isel_ptr, part_ptr, NK, D, 
                                 BLOCK_B, BF16)
             tl.store(part_ptr + p * D + o, _round(acc, BF16), mask=o_ok)
     else:
-        acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-        for i0 in range(0, SI, S_BLOCK_I):
-            i = i0 + tl.arange(0, S_BLOCK_I)
-            h = _slot_rows(h_ptr, tl.full([1], 0, tl.int64) + p, i, (i < SI)[None, :], I, BF16)
-            w = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC)
-            acc += tl.sum(w * h, 1)
+        acc = _shared_rows_dot(s2_ptr, s2_sc, o, o_ok, h_ptr + p * I, SI, BLOCK_O, BLOCK_B, BF16, S_FMT, SR, SC)
         tl.store(part_ptr + p * D + o, _round(acc, BF16), mask=o_ok)
 
 
@@ -900,16 +929,17 @@ def fp4_rows(x, w1, w3, w2, s1, s3, s2, weights, chosen, h, out, limit: float, u
     (N, K), D, I = chosen.shape, x.shape[1], h.shape[1]
     SI, nk, bf16 = s1.shape[0], N * K, x.dtype == torch.bfloat16
     assert D % 32 == 0 and I % 32 == 0, f"FP4 rows of {D} and {I} inputs: whole 32-input scale blocks"
+    assert SI % 16 == 0 and up.get("SC", 16) % 16 == 0, "the shared expert's rows in whole 16-input chunks of one scale"
     words = (lambda t: t.view(torch.int32)) if bf16 else (lambda t: t)  # bf16 rows read as pairs
     h_arg = h.view(torch.int16) if bf16 else h
     _up_rows_kernel[(nk + N, triton.cdiv(I, ROWS_UP_I))](
-        x, words(x), w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, limit, K=K, BLOCK_I=ROWS_UP_I,
-        BLOCK_B=ROWS_UP_B, S_BLOCK_D=UP_BLOCK_D, BF16=bf16, CLAMP=limit > 0, num_warps=ROWS_UP_WARPS,
+        x.view(torch.int16) if bf16 else x, words(x), w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, limit, K=K, BLOCK_I=ROWS_UP_I,
+        BLOCK_B=ROWS_UP_B, BF16=bf16, CLAMP=limit > 0, num_warps=ROWS_UP_WARPS,
         **chained(x), **up)
     part = torch.empty(nk + N, D, dtype=torch.float32, device=x.device)
     _down_rows_kernel[(nk + N, triton.cdiv(D, ROWS_DOWN_O))](
         h_arg, words(h), w2, s2, chosen, part, nk, D, I, SI, BLOCK_O=ROWS_DOWN_O, BLOCK_B=ROWS_DOWN_B,
-        S_BLOCK_I=DOWN_BLOCK_I, BF16=bf16, num_warps=ROWS_DOWN_WARPS, **chained(x), **down)
+        BF16=bf16, num_warps=ROWS_DOWN_WARPS, **chained(x), **down)
     out_bf16 = out.dtype == torch.bfloat16
     _sum_slots_kernel[(N, triton.cdiv(D, SUM_BLOCK))](part, chosen, out.view(torch.int16) if out_bf16 else out, nk, D,
                                                       K=K, BLOCK=SUM_BLOCK, OUT_BF16=out_bf16, num_warps=4,
