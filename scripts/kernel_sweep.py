@@ -1,12 +1,14 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
-        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,up-loop,gate,attention-prefill,topk]  (gemv, compare: the
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,up-loop,rows,gate,attention-prefill,topk]  (gemv, compare: the
         fast path against torch only; down: the MoE's down sum slot by slot against every slot at once,
         then the latter's tiles, the former's, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps;
         gate: the gate's two launches alone at the preset's whole expert count, whatever --experts
-        says; up-loop: the up kernel's channel loop's rows, width and warps, experts cycled)
-        [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them)
+        says; up-loop: the up kernel's channel loop's rows, width and warps, experts cycled; rows: with
+        --fp4, the row kernels' rows, bytes a step and warps, experts cycled)
+        [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them:
+        by pair the row kernels, so down, up and up-loop time the plain kernels only without it)
         [--experts N] (at most N routed experts: `--preset v41-flash --experts 32` for its width)
         [--ranks N] (the MoE kinds on rank 0's part of an expert-parallel MoE over N ranks: a
         range of E / N experts, I / N of the shared expert's channels, routing over all E)
@@ -280,7 +282,7 @@ def main() -> None:
             sweep(moe, {"GATE_ROWS": [16, 32, 64, 512], "GATE_BLOCK_D": [128, 256], "GATE_SPLITS": [16, 32, 64],
                         "GATE_TOPK_WARPS": [1, 4]},
                   gate, emit, "moe-gate", check=lambda: moe.route(xs[0], gate_w, bias, {}, **routing)[1])
-        if {"moe", "grouped", "compare", "down", "up", "up-loop"} & set(only):  # compare: the two forms' times alone
+        if {"moe", "grouped", "compare", "down", "up", "up-loop", "rows"} & set(only):  # compare: the two forms' times alone
             tensors, config = moe_inputs(args, a.batch, DEVICE, a.ranks)
             if a.fp4:
                 tensors, config = fp4_experts(tensors, config)
@@ -310,18 +312,22 @@ def main() -> None:
                   "at_once_us": round(with_settings(moe, {"DOWN_SLOTS": True}, lambda: graphed_us(cycled)), 2),
                   "max_abs_diff": (with_settings(moe, {"DOWN_SLOTS": False}, by_pair)
                                    - with_settings(moe, {"DOWN_SLOTS": True}, by_pair)).abs().max().item()})
-            tile = "SLOTS_FP4_" if a.fp4 else "SLOTS_"  # FP4 experts take tiles of their own
             with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
-                moe, {f"{tile}BLOCK_O": [2, 4, 8, 16], f"{tile}BLOCK_I": [128, 256, 512, 1024], f"{tile}WARPS": [4, 8]},
+                moe, {"SLOTS_BLOCK_O": [2, 4, 8, 16], "SLOTS_BLOCK_I": [128, 256, 512, 1024], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-slots", check=by_pair))
-            # the slot-by-slot form's tiles (the faster form at V4.1-Flash's width on FP4 experts, 2026-12-06)
+            # the slot-by-slot form's tiles
             with_settings(moe, {"DOWN_SLOTS": False}, lambda: sweep(
                 moe, {"DOWN_BLOCK_O": [2, 4, 8, 16], "DOWN_BLOCK_I": [128, 256, 512, 1024], "DOWN_WARPS": [4, 8]},
                 cycled, emit, "moe-down-by-slot", check=by_pair))
             # the ids and whole tile asked for before the wait (DOWN_EARLY: BLOCK_I is the whole width; bf16 only)
-            with_settings(moe, {"DOWN_SLOTS": True}, lambda: a.fp4 or sweep(
+            with_settings(moe, {"DOWN_SLOTS": True}, lambda: sweep(
                 moe, {"DOWN_EARLY": [False, True], "SLOTS_BLOCK_O": [1, 2, 4], "SLOTS_WARPS": [4, 8]},
                 cycled, emit, "moe-down-early", check=by_pair))
+        if "rows" in only:  # FP4 experts by pair (--fp4): the row kernels' tiles, each kernel apart
+            sweep(moe, {"ROWS_UP_I": [2, 4, 8], "ROWS_UP_B": [256, 512, 1024], "ROWS_UP_WARPS": [1, 2, 4]},
+                  cycled_moe(5), emit, "moe-rows-up", check=by_pair)
+            sweep(moe, {"ROWS_DOWN_O": [4, 8, 16, 32], "ROWS_DOWN_B": [64, 128, 256], "ROWS_DOWN_WARPS": [2, 4, 8]},
+                  cycled_moe(6), emit, "moe-rows-down", check=by_pair)
         if "up-loop" in only:  # the channel loop's tile (the form a wide preset's rows take)
             sweep(moe, {"UP_EARLY": [False], "UP_BLOCK_I": [2, 4, 8], "UP_BLOCK_D": [256, 512, 1024],
                         "UP_WARPS": [4, 8]}, cycled_moe(4), emit, "moe-up-loop", check=by_pair)

@@ -27,11 +27,16 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=40, help="layers a step (the preset's)")
     p.add_argument("--show", default="", help="spans of the first line whose kernels to list (layer - 1)")
     p.add_argument("--profile", type=int, default=0, help="which line of the file (one a profile)")
+    p.add_argument("--boundary", default="",
+                   help="the kernel that ends a layer (default: the MoE's last, _down_slots_kernel, or "
+                        "_sum_slots_kernel where the step has no down-slots kernel: FP4 experts by pair)")
     a = p.parse_args()
     with open(a.timeline) as f:
         line = f.readlines()[a.profile]
     spans = [tuple(s) for s in json.loads(line)["spans"]]
-    out = layer_map(spans, layers=a.layers)
+    names = {s[2] for s in spans}
+    boundary = a.boundary or ("_down_slots_kernel" if "_down_slots_kernel" in names else "_sum_slots_kernel")
+    out = layer_map(spans, boundary=boundary, layers=a.layers)
     shown = {int(i): [[n[:60], us] for n, us in out["kernels"][int(i)]] for i in filter(None, a.show.split(","))}
     print("{\n \"layer_us\": [\n  " + ",\n  ".join(json.dumps(step) for step in out["layer_us"]) + "],\n"
           + " \"kernels\": " + json.dumps(shown, indent=1) + "\n}")

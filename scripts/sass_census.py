@@ -146,7 +146,8 @@ def moe_launches(args: ModelArgs) -> None:
 
 def moe_fp4_launches(args: ModelArgs) -> None:
     """:func:`moe_launches` on a packed model's experts: the routed ones FP4 as stored (bytes
-    and 1 x 32 scales), the shared one FP8 (128 x 128 scales)."""
+    and 1 x 32 scales), the shared one FP8 (128 x 128 scales) — the gate's launches, then the row
+    kernels and the slots' sum."""
     from model.kernels import moe
 
     g = torch.Generator().manual_seed(0)
@@ -156,14 +157,9 @@ def moe_fp4_launches(args: ModelArgs) -> None:
         return (torch.randn(*shape, generator=g) * shape[-1] ** -0.5).bfloat16()
 
     experts, scales = kbench.packed_experts((w(E, I, D), w(E, I, D), w(E, D, I)), (w(I, D), w(I, D), w(D, I)))
-    early = moe.DOWN_EARLY
-    moe.DOWN_EARLY = True
-    try:
-        moe.moe_decode(w(1, D), w(E, D), torch.zeros(E), *experts,
-                       top_k=args.num_experts_per_tok, scoring="sqrtsoftplus", temp=1.0, norm=True, scale=1.0,
-                       limit=10.0, out_dtype=torch.bfloat16, x_norm=(w(D), 1e-6), scales=scales)
-    finally:
-        moe.DOWN_EARLY = early
+    moe.moe_decode(w(1, D), w(E, D), torch.zeros(E), *experts,
+                   top_k=args.num_experts_per_tok, scoring="sqrtsoftplus", temp=1.0, norm=True, scale=1.0,
+                   limit=10.0, out_dtype=torch.bfloat16, x_norm=(w(D), 1e-6), scales=scales)
 
 
 def committed_down(launch: dict) -> dict:

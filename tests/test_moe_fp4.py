@@ -186,21 +186,18 @@ FORMS = ["by-pair-early", "by-pair", "by-expert"]
 
 
 @needs_triton
-@pytest.mark.parametrize("rows", [True, False], ids=["rows", "tiles"])
 @pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weights(dtype, form, rows, monkeypatch):
+def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weights(dtype, form, monkeypatch):
     """A packed MoE's decode step takes the fused kernels on its FP4 stacks and FP8 shared
-    expert: by pair the row kernels (``FP4_ROWS``: each row's 32-input blocks summed and scaled
-    apart, so within the MoE kernel tests' tolerance of the plain kernels on the dequantised
-    weights) or the tiles the plain kernels load (early loads, and the loops with the down sum
-    slot by slot), and grouped by expert — the tiles' forms the plain kernels' bits (see the
-    docstring above; on a GPU within the tolerance); inputs that hit the clamps."""
+    expert: by pair the row kernels (each row's 32-input blocks summed and scaled apart, so
+    within the MoE kernel tests' tolerance of the plain kernels on the dequantised weights),
+    grouped by expert the tiles the plain kernels load, decoded — their bits (see the docstring
+    above; on a GPU within the tolerance); inputs that hit the clamps."""
     from model.kernels import moe as kmoe
 
     interpretable(monkeypatch)
     use_form(form, monkeypatch)
-    monkeypatch.setattr(kmoe, "FP4_ROWS", rows)
     packed = packed_moe(dtype, seed=5)
     dense = dequantised(packed, dtype)
     x = (torch.randn(3, TINY.hidden_size, generator=torch.Generator().manual_seed(6)) * 20).to(DEVICE, dtype)
@@ -212,59 +209,12 @@ def test_fused_moe_on_fp4_experts_is_the_plain_kernels_on_their_dequantised_weig
         assert ds.moe_runs_fused(packed, x)
         got, want = ds.moe_step(packed, x), ds.moe_step(dense, x)
     assert calls == [True, False] and not kernels._FAILED
-    assert len(by_rows) == (rows and form != "by-expert")
+    assert len(by_rows) == (form != "by-expert")
     if ON_CUDA or by_rows:  # the row kernels sum each row in another order than the plain kernels
         rtol = 1e-5 if dtype == torch.float32 else 2 ** -6
         torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=rtol * want.float().abs().max().item())
     else:
         assert torch.equal(got, want)
-
-
-@needs_triton
-@pytest.mark.parametrize("max_i", [64, 4096], ids=["wide", "narrow"])
-def test_wide_fp4_experts_sum_the_down_projection_slot_by_slot(max_i, monkeypatch):
-    """FP4 experts wider than ``DOWN_SLOTS_FP4_MAX_I`` intermediate channels (V4.1-Flash's) take
-    the down sum slot by slot, narrower ones (`small`'s) every slot's rows in one tile, where the
-    plain experts take the one tile either way; each the plain kernels' sums on the dequantised
-    weights within the MoE kernel tests' tolerance."""
-    from model.kernels import moe as kmoe
-
-    interpretable(monkeypatch)
-    use_form("by-pair-slots", monkeypatch)
-    monkeypatch.setattr(kmoe, "DOWN_SLOTS_FP4_MAX_I", max_i)
-    monkeypatch.setattr(kmoe, "FP4_ROWS", False)
-    formats = []
-    real = kmoe.down_slots
-    monkeypatch.setattr(kmoe, "down_slots", lambda *a, **k: formats.append(k.get("FMT", "plain")) or real(*a, **k))
-    packed = packed_moe(torch.float32, seed=7)
-    dense = dequantised(packed, torch.float32)
-    x = (torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(8)) * 20).to(DEVICE)
-    with torch.no_grad():
-        got, want = ds.moe_step(packed, x), ds.moe_step(dense, x)
-    assert formats == (["plain"] if max_i < TINY.moe_intermediate_size else ["fp4", "plain"])
-    assert not kernels._FAILED
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
-
-
-@needs_triton
-def test_the_fp4_loops_of_many_steps_give_the_plain_sums(monkeypatch):
-    """The up kernel's channel loop and the slot-by-slot down sum (each step's FP4 bytes loaded
-    during the step before), four steps a row here, give the plain kernels' sums on the
-    dequantised weights."""
-    from model.kernels import moe as kmoe
-
-    interpretable(monkeypatch)
-    use_form("by-pair-slots", monkeypatch)
-    for name, value in (("UP_EARLY", False), ("UP_BLOCK_D", 32), ("DOWN_BLOCK_I", 32), ("DOWN_SLOTS_FP4_MAX_I", 0),
-                        ("FP4_ROWS", False)):
-        monkeypatch.setattr(kmoe, name, value)  # the loops a wide preset takes, several steps long at TINY
-    packed = packed_moe(torch.float32, seed=9)
-    x = (torch.randn(2, TINY.hidden_size, generator=torch.Generator().manual_seed(10)) * 20).to(DEVICE)
-    with torch.no_grad():
-        got = ds.moe_step(packed, x)
-        want = ds.moe_step(dequantised(packed, torch.float32), x)
-    assert not kernels._FAILED
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
 
 
 @needs_triton
@@ -276,7 +226,7 @@ def test_the_fp4_row_kernels_over_several_steps_give_the_plain_sums(dtype, monke
 
     interpretable(monkeypatch)
     use_form("by-pair", monkeypatch)
-    for name, value in (("FP4_ROWS", True), ("ROWS_UP_B", 32), ("ROWS_DOWN_B", 32), ("ROWS_UP_I", 1),
+    for name, value in (("ROWS_UP_B", 32), ("ROWS_DOWN_B", 32), ("ROWS_UP_I", 1),
                         ("ROWS_DOWN_O", 1)):
         monkeypatch.setattr(kmoe, name, value)
     packed = packed_moe(dtype, seed=11)
@@ -414,24 +364,23 @@ def fp4_launches() -> list[dict]:
 
     by_pair = {"K": 6, "BF16": True, **packed}
     grouped = {"K": 6, "K_P2": 8, "BLOCK_N": 16, "BF16": True, "DOT": "tf32", **packed}
-    return [
-        *(moe_launch("_up_kernel", typed("_up_kernel", up_typed),
-                     {**by_pair, "BLOCK_I": bi, "BLOCK_D": bd, "CLAMP": True, "EARLY": early},
-                     {**pdl, "num_warps": 4})
-          for early, bi, bd in ((True, 2, 2048), (False, 4, 256))),
-        *(moe_launch("_down_slots_kernel", typed("_down_slots_kernel", down_typed),
-                     {**by_pair, "S_P2": 8, "BLOCK_O": bo, "BLOCK_I": bi, "OUT_BF16": True, "EARLY": early},
-                     {**pdl, "num_warps": warps})
-          for early, bo, bi, warps in (
-              (True, 4, 1024, 8), (False, kmoe.SLOTS_FP4_BLOCK_O, kmoe.SLOTS_FP4_BLOCK_I, kmoe.SLOTS_FP4_WARPS))),
-        moe_launch("_down_kernel", typed("_down_kernel", down_typed),
-                   {**by_pair, "BLOCK_O": 4, "BLOCK_I": 512, "OUT_BF16": True}, {**pdl, "num_warps": 8}),
+
+    def aligned(launch: dict) -> dict:
+        """The launch as a GPU specialises it: tensors at 16-byte addresses, widths multiples of 16
+        (so the row kernels' 16 bytes a thread are one load, as the GPU builds them)."""
+        return {**launch, "aligned": [n for n, t in launch["signature"].items()
+                                      if t.startswith("*") or n in ("D", "I", "SI")]}
+
+    rows = [
         moe_launch("_up_rows_kernel", typed("_up_rows_kernel", {**up_typed, "x_ptr": "*i16", "xw_ptr": "*i32"}),
                    {**by_pair, "BLOCK_I": kmoe.ROWS_UP_I, "BLOCK_B": kmoe.ROWS_UP_B, "CLAMP": True},
                    {**pdl, "num_warps": kmoe.ROWS_UP_WARPS}),
         moe_launch("_down_rows_kernel", typed("_down_rows_kernel", {**down_typed, "hw_ptr": "*i32"}),
                    {**packed, "BF16": True, "BLOCK_O": kmoe.ROWS_DOWN_O, "BLOCK_B": kmoe.ROWS_DOWN_B},
                    {**pdl, "num_warps": kmoe.ROWS_DOWN_WARPS}),
+    ]
+    return [
+        *map(aligned, rows),
         moe_launch("_up_grouped_kernel", typed("_up_grouped_kernel", up_typed),
                    {**grouped, "BLOCK_I": 32, "BLOCK_D": 128, "CLAMP": True}, {**pdl, "num_warps": 4}),
         moe_launch("_down_grouped_kernel", typed("_down_grouped_kernel", down_typed),
@@ -443,7 +392,7 @@ def fp4_launches() -> list[dict]:
                     reason="needs Triton installed; on a GPU the kernels themselves run in the tests above")
 def test_fp4_moe_kernels_compile_for_hopper(tmp_path):
     """Triton's GPU compiler for sm_90 on the CPU: the FP4 forms of the up and down kernels by
-    pair (early and looped) and grouped, whose both branches (a routed slot's FP4, the shared
+    pair (the row kernels) and grouped, whose both branches (a routed slot's FP4, the shared
     expert's FP8) the interpreter never types together."""
     r = compile_for_hopper(fp4_launches(), tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

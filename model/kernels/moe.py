@@ -18,8 +18,7 @@ Owns ``moe_decode`` (what ``model.moe.MoE.forward`` computes for text tokens):
   product rounded to the activation dtype, summed in slot order in fp32, then the shared
   expert's added (``MoE``'s order), so a step is deterministic; ``_down_slots_kernel`` (with
   ``DOWN_SLOTS``, the default since timed) the same sum with every slot's rows loaded in one tile
-  (launched by ``down_slots``, which the tests call on their own rows) — but FP4 experts wider
-  than ``DOWN_SLOTS_FP4_MAX_I`` (V4.1-Flash's) take ``_down_kernel``, there the faster.
+  (launched by ``down_slots``, which the tests call on their own rows).
 
 From ``GROUPED_TOKENS`` tokens (a batched decode step) the experts run grouped instead: at
 batch 16 and top-6 of 64, the 96 pairs share ~51 experts, and a kernel by pair reads each
@@ -29,9 +28,11 @@ in one tensor-core product, and write each pair's rows; ``_sum_slots_kernel`` su
 slots in the same order as ``_down_kernel``. Five launches instead of four.
 
 FP4 routed experts (a packed model's, stacked as stored) and its FP8 shared expert are read as
-bytes and scales and decoded in registers (``_fp4_tile``, each row's bytes one wide load;
-``_weight_at`` for the FP8) to the tile the plain kernels load, then computed alike
-(``moe_decode``'s ``scales``).
+bytes and scales (``moe_decode``'s ``scales``). By pair they take the row kernels
+(``fp4_rows``: ``_up_rows_kernel``, ``_down_rows_kernel`` writing each pair's product to its own
+row, ``_sum_slots_kernel``): each thread's 16 bytes of a row one load, decoded and summed in
+registers, scaled once a 32-input block. Grouped, each tile is decoded to the one the plain
+kernels load (``_expert_tile``; ``_weight_at`` for the FP8) and computed alike.
 
 One rank of an expert-parallel MoE (``moe_decode``'s ``first``) holds a range of the experts
 and a share of the shared expert's intermediate channels (SI of I): the gate still routes over
@@ -93,33 +94,9 @@ DOWN_BLOCK_O, DOWN_BLOCK_I, DOWN_WARPS = 4, 512, 8
 # tiles within ~1.5 us of the sweep's best (8, 256, 8), inside its noise
 DOWN_SLOTS = True
 SLOTS_BLOCK_O, SLOTS_BLOCK_I, SLOTS_WARPS = 4, 256, 8
-# the same on FP4 routed experts (an FP8 shared one): 4x the rows, so that a thread holds as many of
-# the weight's bytes in flight as the bf16 tile (a tile's fp32 values are 4x as many). Timed on the
-# H200 (2026-12-05, `small`, batch 1, experts cycled from HBM, kernel_sweep.py --only down --fp4): a
-# whole moe_decode 71.9 us with the bf16 tile, 43.7 with this one (the best of 32 tiles; 2 x 1024 x 4
-# warps 49.1, 8 x 256 x 4 45.2; the early form, each row's whole width a load, 42.9 at 1 row x 4 warps, but
-# its tile grows with I: 8 x 4,096 values a program at `v41-flash`)
-SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS = 16, 256, 8
-# FP4 experts of more intermediate channels than this sum the down projection slot by slot
-# (``_down_kernel``) whatever DOWN_SLOTS says. A whole moe_decode by pair, batch 1, experts cycled
-# from HBM (kernel_sweep.py --fp4 --only down, one H100, 2026-12-06): at V4.1-Flash's width (5,120 x
-# 2,304) 223.6 us slot by slot against 277.6 with every slot's rows in one tile (a second run 222.2 /
-# 276.0); at `small`'s (2,048 x 768) 50.2 against 46.0, and a packed `small` decode step at 4K 3.60
-# ms against 3.48 (bench_knobs, three alternated rounds). The full-width step (`v41-flash --layers 8`,
-# packed, 32K context, one H100, 2026-12-06, bench_knobs, three rounds): 4.878 ms as it is, 5.152 with
-# the one-tile form (control 1.008)
-DOWN_SLOTS_FP4_MAX_I = 1024
-# The slot-by-slot FP4 down sum (``_down_kernel``) asks for each step's weight bytes during the step before
-# (a register double buffer, where Triton's pipelining through shared memory ran slower, below): two
-# steps' loads in flight a program. The full-width step (`v41-flash --layers 8`, packed, 32K context,
-# one H100, 2026-12-06, bench_knobs, three rounds): 4.751 ms with it, 4.860 without (control 1.001).
-# The same in the up kernel's channel loop ran slower, 5.119 ms, and is not kept
-# (2026-12-06, on the H200, a whole moe_decode at `v41-flash`'s width, FP4, batch 1, 32 experts cycled from
-# HBM, kernel_sweep.py --only up-loop and a `stages` sweep since removed: 278.6 us as it is. Tried in the channel loops and not kept:
-# Triton's software pipelining, 2-4 stages — up 299-302 us, down 491; the scale bytes read from their
-# int32 words so that the pipelining fetched them too — up 326 us at 1 stage, 504-515 with 2-4, down 286 and
-# 1,049-1,083; the up kernel's products summed once after its loop — 276.6 us, within the noise; the FP4
-# down sum on each byte's even and odd channels apart — 295.5 us. docs/benchmarks.md has the builds' reading)
+# (FP4 routed experts took tiles of their own in these kernels until the row kernels below replaced
+# them: 16 x 256 x 8 warps at `small`'s width, the slot-by-slot down sum past 1,024 intermediate
+# channels, each step's bytes loaded during the step before; docs/benchmarks.md has their figures)
 # the down sum's experts' ids and whole weight tile asked for before its dependent launch's wait,
 # as the GEMV (0b5cbd1) asks for its weights. Off: slower on the H200 (2026-12-03, 0813500, timed as
 # GATE_EARLY: 3.716 -> 3.785 ms alone, 3.569 -> 3.651 beside the other two) — its programs, launched
@@ -135,16 +112,21 @@ DOWN_EARLY = False
 # +3.6%; the gate's top-k made by the last gate-logits program of each token (an arrival count),
 # one launch a layer fewer, +0.2% / -1.6% / +0.7% in three runs: no gain. Neither kept
 # FP4 routed experts by pair take the row kernels (``_up_rows_kernel``, ``_down_rows_kernel``, then
-# ``_sum_slots_kernel``): each thread's 16 bytes of a row (32 inputs, one scale) one load, their products
-# summed in the thread and scaled once, the row's sum across threads once after the loop. At V4.1-Flash's
-# width (one H100, 2026-12-07, batch 1, 6 of 32 experts cycled from HBM, the kernels alone, a probe):
-# the routed up 49.8 us for 75 MB (1.51 TB/s) and down 28.2 us for 37.6 MB (1.33 TB/s), where the
-# tree's up and down kernels took 122 us (0.83 TB/s) and 109 us (0.47 TB/s) under the profiler —
-# bound by their instructions (SM busy 66%, 82% of their loads served by L1: each byte's scale and the
-# row of inputs gathered per element, the sums reduced across threads every step)
-FP4_ROWS = True
-ROWS_UP_I, ROWS_UP_B, ROWS_UP_WARPS = 4, 512, 2  # rows of w1 (and of w3) a program, bytes a row a step
-ROWS_DOWN_O, ROWS_DOWN_B, ROWS_DOWN_WARPS = 16, 128, 4
+# ``_sum_slots_kernel``): each thread's 16 bytes of a row (32 inputs, one scale; the shared expert's
+# FP8 likewise, 16 inputs) one load, their products summed in the thread and scaled once, the row's
+# sum across threads once after the loop. The tiles the plain kernels load, decoded (the form
+# before), were bound by their instructions at V4.1-Flash's width: under the profiler the up kernel
+# read at 0.83 TB/s and the down sum at 0.47 (SM busy 66%, 82% of their loads served by L1: each
+# byte's scale and the row of inputs gathered per element, the sums reduced across threads every
+# step). One H100, 2026-12-07, batch 1, 6 of 32 experts cycled from HBM, a whole moe_decode: 229 us
+# -> 110 at `v41-flash`'s width, 46 -> 26 at `small`'s; a full-width decode step at 32K (`v41-flash
+# --layers 8`, packed, bench_knobs, three rounds) 4.735 -> 4.000 ms with the shared expert still in
+# the old loops (control 0.999), 3.80 ms with it in rows. The tiles: rows of w1 (and of w3) a
+# program, bytes of a row a step, warps; the same for w2. The whole MoE over a sweep of 27 up and
+# 36 down tiles (same machine and inputs): up best as it is (109.3 us; the next 114.1 at 2 x 512 x
+# 1), down 102.5 us at these against 108.9 at (16, 128, 4)
+ROWS_UP_I, ROWS_UP_B, ROWS_UP_WARPS = 4, 512, 2
+ROWS_DOWN_O, ROWS_DOWN_B, ROWS_DOWN_WARPS = 8, 256, 2
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
 # per expert and block of rows, the tokens' block through tensor cores; untuned guesses
 GROUPED_TOKENS = 4
@@ -204,7 +186,8 @@ def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
     input loading its own byte took a load an input (on the H200, 2026-12-05: `small`'s down sum
     2.21 -> 1.89 ms a step, the up kernel 1.07 -> 1.02). The values ``model.checkpoint``
     dequantises, exact in fp32 (and in bf16: e2m1 times 2^k)."""
-    return _fp4_tile_of(*_fp4_tile_raw(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK))
+    low, high = _fp4_pairs(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN)
+    return tl.interleave(low, high)
 
 
 @triton.jit
@@ -230,19 +213,6 @@ def _fp4_decoded(code, sb):
 
 
 @triton.jit
-def _fp4_tile_raw(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
-    """:func:`_fp4_tile`'s loads (to decode now or a step later by :func:`_fp4_tile_of`)."""
-    return _fp4_raw(w_ptr, sc_ptr, row, row_ok, c0 // 2 + tl.arange(0, BLOCK // 2), IN)
-
-
-@triton.jit
-def _fp4_tile_of(code, sb):
-    """The tile :func:`_fp4_tile` gives, from :func:`_fp4_tile_raw`'s loads."""
-    low, high = _fp4_decoded(code, sb)
-    return tl.interleave(low, high)
-
-
-@triton.jit
 def _fp4_tile_t(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
     """``_fp4_tile``'s transpose, inputs [c0, c0 + BLOCK) down x rows across [BLOCK, R] for
     ``row`` / ``row_ok`` [1, R]: each row's bytes still one contiguous load (down the tile),
@@ -253,26 +223,17 @@ def _fp4_tile_t(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
 
 @triton.jit
 def _expert_tile(routed, w_ptr, w_sc, s_ptr, s_sc, e, O, r, r_ok, c0, IN, BLOCK: tl.constexpr, S_FMT: tl.constexpr,
-                 SR: tl.constexpr, SC: tl.constexpr, T: tl.constexpr = False, S_IN=None):
-    """Rows ``r`` x inputs [c0, c0 + BLOCK) as fp32 [len(r), BLOCK] (0 outside) of routed
-    expert e's FP4 weight [O, IN] in its stack or, where not ``routed``, of the shared
-    expert's (S_FMT, SR x SC scales; S_IN inputs a row where given, else IN); with T its
-    transpose [BLOCK, len(r)]."""
+                 SR: tl.constexpr, SC: tl.constexpr, S_IN=None):
+    """Inputs [c0, c0 + BLOCK) x rows ``r`` as fp32 [BLOCK, len(r)] (0 outside): the transpose of
+    routed expert e's FP4 weight [O, IN] in its stack or, where not ``routed``, of the shared
+    expert's (S_FMT, SR x SC scales; S_IN inputs a row where given, else IN)."""
     if S_IN is None:
         S_IN = IN
     c = c0 + tl.arange(0, BLOCK)
-    if T:
-        if routed:
-            w = _fp4_tile_t(w_ptr, w_sc, e.to(tl.int64) * O + r[None, :], r_ok[None, :], c0, IN, BLOCK)
-        else:
-            w = _weight_at(s_ptr, s_sc, r[None, :], c[:, None], r_ok[None, :] & (c < S_IN)[:, None], S_IN, S_FMT, SR,
-                           SC)
+    if routed:
+        w = _fp4_tile_t(w_ptr, w_sc, e.to(tl.int64) * O + r[None, :], r_ok[None, :], c0, IN, BLOCK)
     else:
-        if routed:
-            w = _fp4_tile(w_ptr, w_sc, e.to(tl.int64) * O + r[:, None], r_ok[:, None], c0, IN, BLOCK)
-        else:
-            w = _weight_at(s_ptr, s_sc, r[:, None], c[None, :], r_ok[:, None] & (c < S_IN)[None, :], S_IN, S_FMT, SR,
-                           SC)
+        w = _weight_at(s_ptr, s_sc, r[None, :], c[:, None], r_ok[None, :] & (c < S_IN)[:, None], S_IN, S_FMT, SR, SC)
     return w
 
 
@@ -381,14 +342,10 @@ def _gate_kernel(part_ptr, bias_ptr, wout_ptr, iout_ptr, E, SPLITS, temp, scale,
 @triton.jit
 def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr, NK, D, I, SI, limit,
                K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr, BF16: tl.constexpr,
-               CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False,
-               w1_sc=None, w3_sc=None, s1_sc=None, s3_sc=None, FMT: tl.constexpr = "plain",
-               S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
+               CLAMP: tl.constexpr, EARLY: tl.constexpr = False, PDL: tl.constexpr = False):
     """Program (p, i-block): w1 / w3 rows of slot p's expert against its token. EARLY
     (BLOCK_D >= D): each weight's rows in one load, the shared expert's (p >= NK) asked for
     before the dependent launch's wait — a routed slot's expert is known only after it.
-    FMT "fp4": the routed experts' bytes and scales (``*_sc``) decoded in registers, the shared
-    expert's as S_FMT says (``_weight_at``); the tile's shape is the plain one's.
     A slot of another rank's expert (id -1) reads no weight and writes zeros; the shared
     expert has SI <= I rows here (a rank's share of its channels), the rest of its h row zeros."""
     p = tl.program_id(0).to(tl.int64)
@@ -404,22 +361,14 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             e, w_ok = _held_expert(isel_ptr, p, i_ok)
             gw = tl.load(wsel_ptr + p)
             m = w_ok[:, None] & d_ok[None, :]
-            if FMT == "plain":
-                a = tl.load(w1_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
-                b = tl.load(w3_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
-            else:
-                a = _fp4_tile(w1_ptr, w1_sc, e * I + i[:, None], w_ok[:, None], 0, D, BLOCK_D)
-                b = _fp4_tile(w3_ptr, w3_sc, e * I + i[:, None], w_ok[:, None], 0, D, BLOCK_D)
+            a = tl.load(w1_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            b = tl.load(w3_ptr + e * I * D + rows, mask=m, other=0.0, eviction_policy="evict_first")
         else:
             t = p - NK
             gw = 1.0
             m = (i < SI)[:, None] & d_ok[None, :]
-            if FMT == "plain":
-                a = tl.load(s1_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
-                b = tl.load(s3_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
-            else:
-                a = _weight_at(s1_ptr, s1_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
-                b = _weight_at(s3_ptr, s3_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
+            a = tl.load(s1_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
+            b = tl.load(s3_ptr + rows, mask=m, other=0.0, eviction_policy="evict_first")
             _chain(PDL)
         x = tl.load(x_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
         acc1 = tl.sum(a.to(tl.float32) * x, 1)
@@ -431,13 +380,11 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
             t = p // K
             e, w_ok = _held_expert(isel_ptr, p, i_ok)
             gw = tl.load(wsel_ptr + p)
-            acc1, acc3 = _up_sums(x_ptr, w1_ptr, w3_ptr, w1_sc, w3_sc, e, t, i, w_ok, D, I, True, BLOCK_I, BLOCK_D,
-                                  FMT, "fp4", 1, 1)
+            acc1, acc3 = _up_sums(x_ptr, w1_ptr + e * I * D, w3_ptr + e * I * D, t, i, w_ok, D, BLOCK_I, BLOCK_D)
         else:  # the shared expert of token p - NK
             t = p - NK
             gw = 1.0
-            acc1, acc3 = _up_sums(x_ptr, s1_ptr, s3_ptr, s1_sc, s3_sc, t * 0, t, i, i < SI, D, I, False, BLOCK_I,
-                                  BLOCK_D, FMT, S_FMT, SR, SC)
+            acc1, acc3 = _up_sums(x_ptr, s1_ptr, s3_ptr, t, i, i < SI, D, BLOCK_I, BLOCK_D)
     h = _swiglu(acc1, acc3, limit, BF16, CLAMP)
     if p < NK:
         h = gw * h
@@ -445,29 +392,17 @@ def _up_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr, h_ptr,
 
 
 @triton.jit
-def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.constexpr, BLOCK_I: tl.constexpr,
-             BLOCK_D: tl.constexpr, FMT: tl.constexpr, S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
-    """The up kernel's channel loop: rows ``i`` of two weights against token t's channels, -> the
-    two products [BLOCK_I] in fp32. ROUTED: expert e's rows of the stacks (FMT), else the shared
-    expert's (plain, or S_FMT with FP4 stacks)."""
+def _up_sums(x_ptr, a_ptr, b_ptr, t, i, w_ok, D, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The up kernel's channel loop: rows ``i`` of two weights [rows, D] (a routed expert's in its
+    stacks, or the shared expert's) against token t's channels, -> the two products [BLOCK_I] in fp32."""
     acc1 = tl.zeros([BLOCK_I], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_I], dtype=tl.float32)
-    if ROUTED and FMT == "plain":
-        a_ptr += e * I * D
-        b_ptr += e * I * D
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         d_ok = d < D
         m = w_ok[:, None] & d_ok[None, :]
-        if FMT == "plain":
-            a = tl.load(a_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-            b = tl.load(b_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
-        elif ROUTED:
-            a = _fp4_tile(a_ptr, a_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D)
-            b = _fp4_tile(b_ptr, b_sc, e.to(tl.int64) * I + i[:, None], w_ok[:, None], d0, D, BLOCK_D)
-        else:
-            a = _weight_at(a_ptr, a_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
-            b = _weight_at(b_ptr, b_sc, i[:, None], d[None, :], m, D, S_FMT, SR, SC)
+        a = tl.load(a_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + i[:, None] * D + d[None, :], mask=m, other=0.0).to(tl.float32)
         # the token's channels after the weight's (their loads in flight together) and in the tile's
         # own shape, a row each (the SM's L1 serves the repeats): loaded as a row and broadcast, x
         # went through shared memory every step, four barriers between one step's weight loads and
@@ -482,12 +417,9 @@ def _up_sums(x_ptr, a_ptr, b_ptr, a_sc, b_sc, e, t, i, w_ok, D, I, ROUTED: tl.co
 @triton.jit
 def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                  K: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, BF16: tl.constexpr,
-                 OUT_BF16: tl.constexpr, PDL: tl.constexpr = False, w2_sc=None, s2_sc=None,
-                 FMT: tl.constexpr = "plain", S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1,
-                 SC: tl.constexpr = 1):
+                 OUT_BF16: tl.constexpr, PDL: tl.constexpr = False):
     """Token t's output channels ``o``: each slot's w2 product (a slot of another rank's
-    expert, id -1, reads no weight: zero), then the shared expert's [D, SI] part. A routed FP4
-    slot's step's bytes are loaded during the step before."""
+    expert, id -1, reads no weight: zero), then the shared expert's [D, SI] part."""
     _chain(PDL)
     t = tl.program_id(0).to(tl.int64)
     o = tl.program_id(1) * BLOCK_O + tl.arange(0, BLOCK_O)
@@ -505,8 +437,6 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
             w_ptr = s2_ptr
             IN = SI
         acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-        if FMT == "fp4" and j < K:  # the slot's first step's bytes; each step asks for the next's
-            rw, rs = _fp4_tile_raw(w2_ptr, w2_sc, e * D + o[:, None], row_ok[:, None], 0, I, BLOCK_I)
         for i0 in range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
             i_ok = i < I
@@ -515,14 +445,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
             else:
                 h = tl.load(h_ptr + p * I + i, mask=i_ok, other=0.0)
             m = row_ok[:, None] & (i < IN)[None, :]
-            if FMT == "plain":
-                w = tl.load(w_ptr + o[:, None] * IN + i[None, :], mask=m, other=0.0)
-            elif j < K:
-                nw, ns = _fp4_tile_raw(w2_ptr, w2_sc, e * D + o[:, None], row_ok[:, None], i0 + BLOCK_I, I, BLOCK_I)
-                w = _fp4_tile_of(rw, rs)
-                rw, rs = nw, ns
-            else:
-                w = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], m, SI, S_FMT, SR, SC)
+            w = tl.load(w_ptr + o[:, None] * IN + i[None, :], mask=m, other=0.0)
             acc += tl.sum(w.to(tl.float32) * h[None, :], 1)
         total += _round(acc, BF16)
     _store(out_ptr + t * D + o, total, o_ok, OUT_BF16)  # bf16: rounded as MoE's cast back rounds it
@@ -532,8 +455,7 @@ def _down_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
 def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
                        K: tl.constexpr, S_P2: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
                        BF16: tl.constexpr, OUT_BF16: tl.constexpr, EARLY: tl.constexpr = False,
-                       PDL: tl.constexpr = False, w2_sc=None, s2_sc=None, FMT: tl.constexpr = "plain",
-                       S_FMT: tl.constexpr = "plain", SR: tl.constexpr = 1, SC: tl.constexpr = 1):
+                       PDL: tl.constexpr = False):
     """``_down_kernel``'s sum with every slot's rows in one tile: each step of the channel loop
     loads the K routed slots' and the shared expert's ``BLOCK_O`` rows together (``S_P2`` >= K
     + 1 slots), where ``_down_kernel`` walks the slots one after another, a load in flight at a
@@ -565,25 +487,15 @@ def _down_slots_kernel(h_ptr, w2_ptr, s2_ptr, isel_ptr, out_ptr, NK, D, I, SI,
     if EARLY:
         i = tl.arange(0, BLOCK_I)
         hm = live[:, None] & (i < I)[None, :]
-        if FMT == "plain":
-            w = _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI)
-            _chain(PDL)
-            acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
-        else:
-            w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, 0, I, SI, BLOCK_I, S_FMT, SR, SC)
-            _chain(PDL)
-            acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, 0, I, BLOCK_I, BF16)
+        w = _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI)
+        _chain(PDL)
+        acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
     else:
         for i0 in range(0, I, BLOCK_I):
             i = i0 + tl.arange(0, BLOCK_I)
             hm = live[:, None] & (i < I)[None, :]
-            if FMT == "plain":
-                w = _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI)
-                acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
-            else:
-                w, ws = _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I, S_FMT, SR,
-                                     SC)
-                acc += _slots_sums(w, ws, h_ptr, pair, j, K, live, i0, I, BLOCK_I, BF16)
+            w = _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI)
+            acc += tl.sum(w.to(tl.float32) * _slot_rows(h_ptr, pair, i, hm, I, BF16)[:, None, :], 2)
     acc = _round(acc, BF16)
     total = tl.zeros([BLOCK_O], dtype=tl.float32)
     for s in tl.static_range(K + 1):  # slot order, the shared expert last, as _down_kernel
@@ -599,30 +511,6 @@ def _slots_plain(w2_ptr, s2_ptr, rows, o, i, routed, read, width, I, SI):
     ptr = tl.where(routed[:, None, None], w2_ptr + rows[:, :, None] * I + i[None, None, :],
                    s2_ptr + o[None, :, None] * SI + i[None, None, :])
     return tl.load(ptr, mask=read & (i[None, None, :] < width), other=0.0)
-
-
-@triton.jit
-def _slots_tiles(w2_ptr, w2_sc, s2_ptr, s2_sc, rows, mine, o, o_ok, i0, I, SI, BLOCK_I: tl.constexpr,
-                 S_FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr):
-    """The down sum's packed tiles of channels [i0, i0 + BLOCK_I): the ``mine`` slots' ``rows``
-    of the FP4 w2 stack [S, BLOCK_O, BLOCK_I] (0 for the others: the shared slot, another
-    rank's expert) and the shared expert's rows ``o`` of s2 [D, SI] (S_FMT) [BLOCK_O, BLOCK_I],
-    each decoded once rather than both formats for every slot."""
-    w = _fp4_tile(w2_ptr, w2_sc, rows[:, :, None], (mine[:, None] & o_ok[None, :])[:, :, None], i0, I, BLOCK_I)
-    i = i0 + tl.arange(0, BLOCK_I)
-    ws = _weight_at(s2_ptr, s2_sc, o[:, None], i[None, :], o_ok[:, None] & (i < SI)[None, :], SI, S_FMT, SR, SC)
-    return w, ws
-
-
-@triton.jit
-def _slots_sums(w, ws, h_ptr, pair, j, K: tl.constexpr, live, i0, I, BLOCK_I: tl.constexpr, BF16: tl.constexpr):
-    """Each slot's product [S, BLOCK_O] of ``_slots_tiles``' tiles against its h row's channels
-    [i0, i0 + BLOCK_I): the routed slots' from w, slot K's (the shared expert's) from ws — the
-    sums the plain tile gives each slot's row."""
-    i = i0 + tl.arange(0, BLOCK_I)
-    h = _slot_rows(h_ptr, pair, i, live[:, None] & (i < I)[None, :], I, BF16)
-    shared = tl.sum(ws * tl.sum(tl.where((j == K)[:, None], h, 0.0), 0)[None, :], 1)
-    return tl.where((j == K)[:, None], shared[None, :], tl.sum(w * h[:, None, :], 2))
 
 
 @triton.jit
@@ -695,10 +583,8 @@ def _up_grouped_kernel(x_ptr, w1_ptr, w3_ptr, s1_ptr, s3_ptr, wsel_ptr, isel_ptr
                 a = tl.load(a_ptr + cols, mask=m, other=0.0)
                 b = tl.load(b_ptr + cols, mask=m, other=0.0)
             else:
-                a = _expert_tile(e < E, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, i_ok, d0, D, BLOCK_D, S_FMT, SR, SC,
-                                 T=True)
-                b = _expert_tile(e < E, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, i_ok, d0, D, BLOCK_D, S_FMT, SR, SC,
-                                 T=True)
+                a = _expert_tile(e < E, w1_ptr, w1_sc, s1_ptr, s1_sc, e, I, i, i_ok, d0, D, BLOCK_D, S_FMT, SR, SC)
+                b = _expert_tile(e < E, w3_ptr, w3_sc, s3_ptr, s3_sc, e, I, i, i_ok, d0, D, BLOCK_D, S_FMT, SR, SC)
             acc1 += tl.dot(xs.to(tl.float32), a.to(tl.float32), input_precision=DOT)
             acc3 += tl.dot(xs.to(tl.float32), b.to(tl.float32), input_precision=DOT)
         h = gw[:, None] * _swiglu(acc1, acc3, limit, BF16, CLAMP)
@@ -736,7 +622,7 @@ def _down_grouped_kernel(h_ptr, w2_ptr, s2_ptr, wsel_ptr, isel_ptr, part_ptr, N,
                 w = tl.load(w_ptr + cols, mask=(i < IN)[:, None] & o_ok[None, :], other=0.0).to(tl.float32)
             else:
                 w = _expert_tile(e < E, w2_ptr, w2_sc, s2_ptr, s2_sc, e, D, o, o_ok, i0, I, BLOCK_I, S_FMT, SR, SC,
-                                 T=True, S_IN=SI)
+                                 S_IN=SI)
             if BF16:  # h's bits, exactly a bf16 value
                 h = _from_bits(tl.load(h_ptr + row[:, None] * I + i[None, :], mask=hm, other=0))
             else:
@@ -899,26 +785,21 @@ def up_tile(D: int, elem_bytes: int) -> tuple[bool, int, int]:
 
 
 def down_slots(h: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, chosen: torch.Tensor,
-               out: torch.Tensor, shared_inter: int | None = None, **packed) -> torch.Tensor:
+               out: torch.Tensor, shared_inter: int | None = None) -> torch.Tensor:
     """``_down_slots_kernel`` of N tokens into ``out`` [N, D] (fp32 or bf16): the rows of h
     [N * K + N, I] (the pairs' SwiGLU outputs, then each token's shared expert's), the routed
     experts' w2 [E, D, I] picked by ``chosen`` [N, K] (-1: another rank's expert, none), the
-    shared expert's s2 [D, SI] (``shared_inter`` SI, default I); or, with ``packed``
-    (:func:`stored`'s down arguments), their bytes."""
+    shared expert's s2 [D, SI] (``shared_inter`` SI, default I)."""
     (N, K), D, I = chosen.shape, out.shape[1], h.shape[1]
     SI = I if shared_inter is None else shared_inter
     bf16, out_bf16 = h.dtype == torch.bfloat16, out.dtype == torch.bfloat16
-    assert h.shape == (N * K + N, I) and w2.shape[1] == D and out.shape == (N, D) and 0 < SI <= I
-    assert packed or (w2.shape[1:] == (D, I) and s2.shape == (D, SI))
-    if packed.get("FMT") == "fp4":
-        (block_o, block_i, warps), early = (SLOTS_FP4_BLOCK_O, SLOTS_FP4_BLOCK_I, SLOTS_FP4_WARPS), False
-    else:
-        block_o, block_i, warps = SLOTS_BLOCK_O, triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I, SLOTS_WARPS
-        early = DOWN_EARLY
-    _down_slots_kernel[(N, triton.cdiv(D, block_o))](
+    assert h.shape == (N * K + N, I) and w2.shape[1:] == (D, I) and s2.shape == (D, SI)
+    assert out.shape == (N, D) and 0 < SI <= I
+    block_i = triton.next_power_of_2(I) if DOWN_EARLY else SLOTS_BLOCK_I
+    _down_slots_kernel[(N, triton.cdiv(D, SLOTS_BLOCK_O))](
         h.view(torch.int16) if bf16 else h, w2, s2, chosen, out.view(torch.int16) if out_bf16 else out, N * K, D, I, SI,
-        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=block_o, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
-        EARLY=early, num_warps=warps, **unfused(), **chained(h), **packed)
+        K=K, S_P2=triton.next_power_of_2(K + 1), BLOCK_O=SLOTS_BLOCK_O, BLOCK_I=block_i, BF16=bf16, OUT_BF16=out_bf16,
+        EARLY=DOWN_EARLY, num_warps=SLOTS_WARPS, **unfused(), **chained(h))
     return out
 
 
@@ -933,8 +814,8 @@ def fp4_rows(x, w1, w3, w2, s1, s3, s2, weights, chosen, h, out, limit: float, u
     words = (lambda t: t.view(torch.int32)) if bf16 else (lambda t: t)  # bf16 rows read as pairs
     h_arg = h.view(torch.int16) if bf16 else h
     _up_rows_kernel[(nk + N, triton.cdiv(I, ROWS_UP_I))](
-        x.view(torch.int16) if bf16 else x, words(x), w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, limit, K=K, BLOCK_I=ROWS_UP_I,
-        BLOCK_B=ROWS_UP_B, BF16=bf16, CLAMP=limit > 0, num_warps=ROWS_UP_WARPS,
+        x.view(torch.int16) if bf16 else x, words(x), w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, limit,
+        K=K, BLOCK_I=ROWS_UP_I, BLOCK_B=ROWS_UP_B, BF16=bf16, CLAMP=limit > 0, num_warps=ROWS_UP_WARPS,
         **chained(x), **up)
     part = torch.empty(nk + N, D, dtype=torch.float32, device=x.device)
     _down_rows_kernel[(nk + N, triton.cdiv(D, ROWS_DOWN_O))](
@@ -1076,20 +957,20 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     out_arg = out.view(torch.int16) if out_bf16 else out
     if grouped is None:
         grouped = N >= GROUPED_TOKENS
-    if not grouped and FP4_ROWS and up.get("FMT") == "fp4":
+    if not grouped and up:  # FP4 routed experts
         return fp4_rows(x, w1, w3, w2, s1, s3, s2, weights, chosen, h, out, float(limit), up, down)
     if not grouped:
         early, block_i, block_d = up_tile(D, x.element_size())
         _up_kernel[(nk + N, triton.cdiv(I, block_i))](
             x, w1, w3, s1, s3, weights, chosen, h_arg, nk, D, I, SI, float(limit),
             K=top_k, BLOCK_I=block_i, BLOCK_D=block_d, BF16=bf16, CLAMP=limit > 0, EARLY=early,
-            num_warps=UP_WARPS, **chained(x), **up)
-        if DOWN_SLOTS and not (down.get("FMT") == "fp4" and I > DOWN_SLOTS_FP4_MAX_I):
-            return down_slots(h, w2, s2, chosen, out, SI, **down)
+            num_warps=UP_WARPS, **chained(x))
+        if DOWN_SLOTS:
+            return down_slots(h, w2, s2, chosen, out, SI)
         _down_kernel[(N, triton.cdiv(D, DOWN_BLOCK_O))](
             h_arg, w2, s2, chosen, out_arg, nk, D, I, SI,
             K=top_k, BLOCK_O=DOWN_BLOCK_O, BLOCK_I=DOWN_BLOCK_I, BF16=bf16, OUT_BF16=out_bf16, num_warps=DOWN_WARPS,
-            **chained(x), **down)
+            **chained(x))
         return out
     rows = dict(K=top_k, K_P2=triton.next_power_of_2(top_k), BLOCK_N=max(16, triton.next_power_of_2(N)), BF16=bf16,
                 DOT="tf32" if bf16 else "ieee")
