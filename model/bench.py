@@ -672,10 +672,12 @@ def bench_knobs(model: Transformer, ctx: int, knobs: list[str], *, rounds: int =
             "over_all_off": {k: v / times["all_off"] for k, v in times.items() if k != "all_off"}}
 
 
-def layer_map(spans: list, boundary: str = "_down_slots_kernel", layers: int | None = None) -> dict:
+def layer_map(spans: list, boundary: str | None = None, layers: int | None = None) -> dict:
     """A decode step's map by layer, from a chained profile's kernels (``spans``: (start µs,
     end µs, name), as ``bench_profile(spans=)`` gives them): a layer ends where its last
-    kernel, ``boundary`` (the MoE's down sum), ends. -> ``layer_us``: each layer's span, from
+    kernel, ``boundary``, ends — by default the MoE's last: the down sum (``_down_slots_kernel``),
+    or where a step has none the slots' sum (``_sum_slots_kernel``: FP4 experts by pair, which
+    write each pair's product and sum them). -> ``layer_us``: each layer's span, from
     the boundary's end before it to its own (the first after a step's start takes the start's
     work too), as lists of ``layers`` (a step's; None: one list of all); ``kernels``: for each
     layer of the first full step, its kernels in order of end, each (name, advance µs: how far
@@ -683,6 +685,9 @@ def layer_map(spans: list, boundary: str = "_down_slots_kernel", layers: int | N
     layer). What the map of a `small` step of 2026-12-04 (3097e7e) was read from
     (docs/gpu-fast-path.md)."""
     spans = sorted(spans, key=lambda s: s[1])
+    if boundary is None:
+        down = any(name.startswith("_down_slots_kernel") for _, _, name in spans)
+        boundary = "_down_slots_kernel" if down else "_sum_slots_kernel"
     ends = [i for i, (_, _, name) in enumerate(spans) if name.startswith(boundary)]
     spans_us, kernels = [], []
     for a, b in zip(ends, ends[1:]):

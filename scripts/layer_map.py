@@ -34,9 +34,7 @@ def main() -> None:
     with open(a.timeline) as f:
         line = f.readlines()[a.profile]
     spans = [tuple(s) for s in json.loads(line)["spans"]]
-    names = {s[2] for s in spans}
-    boundary = a.boundary or ("_down_slots_kernel" if "_down_slots_kernel" in names else "_sum_slots_kernel")
-    out = layer_map(spans, boundary=boundary, layers=a.layers)
+    out = layer_map(spans, boundary=a.boundary or None, layers=a.layers)
     shown = {int(i): [[n[:60], us] for n, us in out["kernels"][int(i)]] for i in filter(None, a.show.split(","))}
     print("{\n \"layer_us\": [\n  " + ",\n  ".join(json.dumps(step) for step in out["layer_us"]) + "],\n"
           + " \"kernels\": " + json.dumps(shown, indent=1) + "\n}")

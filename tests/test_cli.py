@@ -451,6 +451,12 @@ def test_a_steps_map_by_layer_splits_it_at_each_down_sum():
     out = layer_map(spans, layers=2)
     assert out["layer_us"] == [[20, 20], [6]]
     assert out["kernels"] == [[("split", 4), ("gemv", 1), (down, 15)], [("attn", 15), (down, 5)]]
+    # a packed step's FP4 experts by pair: the slots' sum ends each layer, the row kernels before it
+    packed = [(s, e, "_sum_slots_kernel" if n == down else n) for s, e, n in spans]
+    packed.insert(1, (1, 3, "_down_rows_kernel"))
+    out = layer_map(packed, layers=2)
+    assert out["layer_us"] == [[20, 20], [6]]
+    assert out["kernels"][0] == [("split", 4), ("gemv", 1), ("_sum_slots_kernel", 15)]
 
 
 # ---------------------------------------------------------------------------- as people expect it
