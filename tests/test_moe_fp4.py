@@ -5,11 +5,12 @@ the per-expert loop, a packed model's decode step, and the fused decode kernels
 
 The twin's tests run everywhere. The kernels run on CUDA when present, else under
 ``TRITON_INTERPRET=1``, else skip; their builds for the H200 need Triton installed, no GPU.
-Bit for bit: FP4 (and the shared expert's FP8) values are exact in fp32 and bf16, each kernel
-decodes its tile to the shape the plain kernel loads and sums it alike, so under the
-interpreter the packed kernels give the plain kernels' bits on the dequantised weights; on a
-GPU a decoded tile's registers may be laid out otherwise than a loaded one's (not checked: no
-GPU here), and there the MoE kernel tests' tolerances are the bound. The grouped twin meets
+FP4 (and the shared expert's FP8) values are exact in fp32 and bf16. Grouped by expert each
+kernel decodes its tile to the shape the plain kernel loads and sums it alike, so under the
+interpreter it gives the plain kernels' bits on the dequantised weights (on a GPU a decoded
+tile's registers may be laid out otherwise than a loaded one's, and there the MoE kernel
+tests' tolerances are the bound); by pair the row kernels sum each row's 32-input blocks apart
+and then the blocks, another order, so the tolerances are the bound everywhere. The grouped twin meets
 each expert's rows with the same mm as the loop, bit for bit on this CPU; the tolerances of
 ``test_moe_grouped`` leave room for a BLAS that blocks a sliced operand otherwise.
 """
