@@ -670,7 +670,7 @@ def _shared_rows_dot(w_ptr, sc_ptr, row, row_ok, x_ptr, IN, BLOCK_R: tl.constexp
     """:func:`_fp4_rows_dot` for the shared expert's rows ``row`` [BLOCK_R] of IN inputs (a multiple
     of 16): FMT "fp8" e4m3 bytes times one ue8m0 byte per SR x SC block (SC a multiple of 16: each
     thread's 16 bytes one scale) or floats ("plain"); the inputs at ``x`` bf16 bits (BF16) or fp32.
-    The same tiles as the routed rows', so a kernel holding both keeps their registers."""
+    The routed rows' tiles: each thread's 16 bytes one load, summed in the thread, scaled once."""
     IN = tl.multiple_of(IN, 16)
     blk = tl.arange(0, BLOCK_B // 16)
     q = tl.arange(0, 16)
