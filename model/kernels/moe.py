@@ -957,7 +957,7 @@ def moe_decode(x: torch.Tensor, gate_w: torch.Tensor, bias: torch.Tensor, w1: to
     out_arg = out.view(torch.int16) if out_bf16 else out
     if grouped is None:
         grouped = N >= GROUPED_TOKENS
-    if not grouped and up:  # FP4 routed experts
+    if not grouped and scales is not None:  # FP4 routed experts by pair: the row kernels
         return fp4_rows(x, w1, w3, w2, s1, s3, s2, weights, chosen, h, out, float(limit), up, down)
     if not grouped:
         early, block_i, block_d = up_tile(D, x.element_size())
