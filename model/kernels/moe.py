@@ -124,7 +124,9 @@ DOWN_EARLY = False
 # the old loops (control 0.999), 3.80 ms with it in rows. The tiles: rows of w1 (and of w3) a
 # program, bytes of a row a step, warps; the same for w2. The whole MoE over a sweep of 27 up and
 # 36 down tiles (same machine and inputs): up best as it is (109.3 us; the next 114.1 at 2 x 512 x
-# 1), down 102.5 us at these against 108.9 at (16, 128, 4)
+# 1), down 102.5 us at these against 108.9 at (16, 128, 4). The inputs loaded in the weight tile's
+# shape (``_fp4_rows_dot``): the whole MoE 106.9 -> 105.1-105.7 us (one H100, 2026-12-07, the two
+# forms alternated twice, kernel_sweep.py at that width)
 ROWS_UP_I, ROWS_UP_B, ROWS_UP_WARPS = 4, 512, 2
 ROWS_DOWN_O, ROWS_DOWN_B, ROWS_DOWN_WARPS = 8, 256, 2
 # the grouped form (``GROUPED_TOKENS`` tokens or more, where tokens share experts): one program
@@ -638,7 +640,10 @@ def _fp4_rows_dot(w_ptr, sc_ptr, row, row_ok, xw_ptr, xf_ptr, NB, BLOCK_R: tl.co
     against one row of inputs -> [BLOCK_R] fp32. The bytes in tiles [BLOCK_R, BLOCK_B / 16, 16]:
     each 16 bytes (32 inputs, one ue8m0 scale) one thread's load, their 32 products summed in the
     thread and times their scale once, the row's blocks summed once after the loop. The inputs are
-    bf16 pairs read as int32 words at ``xw`` (BF16: the even input in the low half) or fp32 at ``xf``.
+    bf16 pairs read as int32 words at ``xw`` (BF16: the even input in the low half) or fp32 at ``xf``,
+    each thread its own rows' inputs (the weight tile's shape: the L1 serves the repeats), not one
+    [blocks, 16] row broadcast over the tile's rows, which went through shared memory every step
+    (sm_90: 28 barriers in the down kernel, 26 in the up kernel; so 2 and 1, none in a loop).
     Exact products (e2m1 times bf16), summed in fp32 in another order than the plain kernels'."""
     NB = tl.multiple_of(NB, 16)  # so each thread's 16 bytes are one aligned load, and summed in the thread
     blk = tl.arange(0, BLOCK_B // 16)
@@ -647,19 +652,20 @@ def _fp4_rows_dot(w_ptr, sc_ptr, row, row_ok, xw_ptr, xf_ptr, NB, BLOCK_R: tl.co
     for b0 in range(0, NB, BLOCK_B):
         j = b0 + blk[:, None] * 16 + q[None, :]  # [blocks, 16] bytes
         j_ok = j < NB
-        code = tl.load(w_ptr + row[:, None, None] * NB + j[None, :, :], mask=row_ok[:, None, None] & j_ok[None, :, :],
-                       other=0).to(tl.int32)
+        m = row_ok[:, None, None] & j_ok[None, :, :]
+        code = tl.load(w_ptr + row[:, None, None] * NB + j[None, :, :], mask=m, other=0).to(tl.int32)
         b = b0 // 16 + blk
         sb = tl.load(sc_ptr + row[:, None] * (NB // 16) + b[None, :], mask=row_ok[:, None] & (b < NB // 16)[None, :],
                      other=0).to(tl.int32)
+        jx = j[None, :, :] + 0 * row[:, None, None]  # the inputs in the weight tile's shape (see below)
         if BF16:
-            xw = tl.load(xw_ptr + j, mask=j_ok, other=0)
+            xw = tl.load(xw_ptr + jx, mask=m, other=0)
             xe = (xw << 16).to(tl.float32, bitcast=True)
             xo = (xw & -65536).to(tl.float32, bitcast=True)
         else:
-            xe = tl.load(xf_ptr + 2 * j, mask=j_ok, other=0.0)
-            xo = tl.load(xf_ptr + 2 * j + 1, mask=j_ok, other=0.0)
-        part = tl.sum(_e2m1(code & 0xF) * xe[None, :, :] + _e2m1(code >> 4) * xo[None, :, :], 2)
+            xe = tl.load(xf_ptr + 2 * jx, mask=m, other=0.0)
+            xo = tl.load(xf_ptr + 2 * jx + 1, mask=m, other=0.0)
+        part = tl.sum(_e2m1(code & 0xF) * xe + _e2m1(code >> 4) * xo, 2)
         acc += part * _ue8m0(sb)
     return tl.sum(acc, 1)
 
@@ -679,20 +685,21 @@ def _shared_rows_dot(w_ptr, sc_ptr, row, row_ok, x_ptr, IN, BLOCK_R: tl.constexp
         c = c0 + blk[:, None] * 16 + q[None, :]  # [blocks, 16] inputs
         c_ok = c < IN
         m = row_ok[:, None, None] & c_ok[None, :, :]
+        cx = c[None, :, :] + 0 * row[:, None, None]  # the inputs in the weight tile's shape
         if BF16:
-            x = _from_bits(tl.load(x_ptr + c, mask=c_ok, other=0))
+            x = _from_bits(tl.load(x_ptr + cx, mask=m, other=0))
         else:
-            x = tl.load(x_ptr + c, mask=c_ok, other=0.0)
+            x = tl.load(x_ptr + cx, mask=m, other=0.0)
         if FMT == "plain":
             w = tl.load(w_ptr + row[:, None, None] * IN + c[None, :, :], mask=m, other=0.0).to(tl.float32)
-            acc += tl.sum(w * x[None, :, :], 2)
+            acc += tl.sum(w * x, 2)
         else:
             q8 = tl.load(w_ptr + row[:, None, None] * IN + c[None, :, :], mask=m, other=0)
             w = q8.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             b = c0 + blk * 16
             sb = tl.load(sc_ptr + (row // SR)[:, None] * tl.cdiv(IN, SC) + (b // SC)[None, :],
                          mask=row_ok[:, None] & (b < IN)[None, :], other=0).to(tl.int32)
-            acc += tl.sum(w * x[None, :, :], 2) * _ue8m0(sb)
+            acc += tl.sum(w * x, 2) * _ue8m0(sb)
     return tl.sum(acc, 1)
 
 
