@@ -1,12 +1,14 @@
 """Time the decode kernels' tile settings at a preset's shapes on the GPU, one JSON line each.
 
     python3 scripts/kernel_sweep.py OUT.jsonl [--preset small] [--batch 1] [--only attention,splits,gemv,
-        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,up-loop,rows,gate,attention-prefill,topk]  (gemv, compare: the
+        gemv-sweep,moe,indexer,mhc,site,grouped,compare,down,up,up-loop,rows,gate,attention-prefill,
+        index-prefill,topk]  (gemv, compare: the
         fast path against torch only; down: the MoE's down sum slot by slot against every slot at once,
         then the latter's tiles, the former's, then with DOWN_EARLY off and on; up: UP_EARLY off and on with its rows and warps;
         gate: the gate's two launches alone at the preset's whole expert count, whatever --experts
         says; up-loop: the up kernel's channel loop's rows, width and warps, experts cycled; rows: with
-        --fp4, the row kernels' rows, bytes a step and warps, experts cycled)
+        --fp4, the row kernels' rows, bytes a step and warps, experts cycled; index-prefill: a chunk
+        of 8,192 queries' index scores at 32K and 128K, ``model.kernels.prefill``'s INDEX_* tiles)
         [--fp4] (the MoE kinds on FP4 routed experts and an FP8 shared one, as a packed model holds them:
         by pair the row kernels, so down, up and up-loop time the plain kernels only without it)
         [--experts N] (at most N routed experts: `--preset v41-flash --experts 32` for its width)
@@ -181,6 +183,22 @@ def main() -> None:
             # (BLOCK_H 32 and 64, for V4.1-Flash's 64 heads: their sm_90 builds spill 668 and 13,960 bytes)
             sweep(fused, {"BLOCK_N": [16], "ATTN_WARPS": [8]}, run, emit, "sparse_prefill-rows")
             del os.environ["DSAGENT_PREFILL_KERNELS"]
+        if "index-prefill" in only:  # a prefill chunk's index scores against a 32K and a 128K context's keys
+            from model.quant import pack_index
+
+            g = torch.Generator().manual_seed(7)
+            S, HI, DI, ratio = 8192, args.index_n_heads, args.index_head_dim, 2
+            for ctx in (32768, 131072):
+                N = ctx // ratio
+                pre = [torch.randn(S, HI, DI, generator=g).to(DEVICE, torch.bfloat16),
+                       torch.randn(S, HI, generator=g).to(DEVICE), pack_index(torch.randn(N, DI, generator=g)).to(DEVICE),
+                       torch.arange(ctx - S, ctx, device=DEVICE), ratio, DI ** -0.5, HI ** -0.5]
+                emit({"kernel": "index-prefill-shapes", "S": S, "HI": HI, "DI": DI, "N": N, "ctx": ctx})
+                run = lambda: prefill.index_scores(*pre)  # noqa: E731
+                unseen = lambda: run().clamp(min=-1e30)  # noqa: E731  (-inf - -inf would read nan)
+                sweep(prefill, {"INDEX_ROWS": [64, 128], "INDEX_BLOCK_N": [64, 128], "INDEX_LOOP": [1, 8],
+                                "INDEX_WARPS": [4, 8]}, run, emit, f"index-prefill-{ctx}", check=unseen)
+                sweep(prefill, {"INDEX_STAGES": [1, 2, 3]}, run, emit, f"index-prefill-stages-{ctx}", check=unseen)
         if "splits" in only:  # how many programs the splits aim for, by itself (it matters at batch > 1)
             sweep(fused, {"SPLIT_WAVES": [1, 2, 3, 4, 8], "ATTN_WARPS": [4, 8]},
                   lambda: fused.sparse_attention(*attn), emit, "sparse_attention-splits")

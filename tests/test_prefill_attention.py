@@ -198,17 +198,21 @@ def test_indexer_scores_with_a_count_a_row() -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("path", ["1", "rows"])
+@pytest.mark.parametrize("path,loop", [("1", None), ("1", (16, 3)), ("rows", None)])
 @pytest.mark.parametrize("S,HI,N,ratio", [(7, 4, 40, 2), (37, 16, 150, 1), (5, 64, 70, 2)])
-def test_prefill_index_scores(S, HI, N, ratio, path, monkeypatch) -> None:
+def test_prefill_index_scores(S, HI, N, ratio, path, loop, monkeypatch) -> None:
     """A prefill's index scores (``kernels.prefill_index_scores``): a block of queries against
     a block of keys decoded once (``model.kernels.prefill``), or each query a row, against the
     twin; queries of a block seeing different counts, blocks of keys no query sees, a bf16
-    and an fp32 query."""
-    from model.kernels import indexer_scores_ref, prefill_index_scores
+    and an fp32 query. ``loop``: a program's keys in steps of 16, three a program, so that a
+    program reads some steps, stores others as unseen, and ends past the last key."""
+    from model.kernels import indexer_scores_ref, prefill, prefill_index_scores
     from model.quant import INDEX_BLOCK, fake_quant_fp4, pack_index
 
     monkeypatch.setenv("DSAGENT_PREFILL_KERNELS", path)
+    if loop is not None:
+        monkeypatch.setattr(prefill, "INDEX_BLOCK_N", loop[0])
+        monkeypatch.setattr(prefill, "INDEX_LOOP", loop[1])
     device = "cuda" if ON_CUDA else "cpu"
     g = torch.Generator().manual_seed(S)
     DI = 128

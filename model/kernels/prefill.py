@@ -131,24 +131,32 @@ def sparse_prefill(q, window, window_pos, records, record_idx, sink, scale: floa
 # ----------------------------------------------------------------------------- index scores
 
 INDEX_ROWS = 64  # rows of a score program's dot: queries x heads (4 x 16 at `small`, 1 x 64 at V4.1-Flash)
-INDEX_BLOCK_N = 64  # keys a program
+INDEX_BLOCK_N = 64  # keys a step of a program's loop
+# steps a program: its queries' tile read once for INDEX_LOOP x INDEX_BLOCK_N keys. One H100, 2026-12-07,
+# `small`'s 8,192-query chunk against a 32K / 128K context's keys (kernel_sweep.py --only index-prefill,
+# bf16 queries): 3,253 -> 1,599 / 14,744 -> 7,488 us against a program a block of keys (INDEX_LOOP 1),
+# which left each program's tile loads and the launch of ~2M programs at 128K to dominate its 1 MFLOP
+INDEX_LOOP = 8
 INDEX_WARPS = 4
+INDEX_STAGES = 2  # software pipelining of the loop: the next steps' keys loaded during this one
 
 
 @triton.jit(do_not_specialize=["S", "N"])
 def _index_kernel(q_ptr, w_ptr, key_ptr, pos_ptr, out_ptr, S, N, ratio, head_scale, w_scale, s_qs, s_qh, s_ws, s_os,
                   HI: tl.constexpr, DI: tl.constexpr, BLOCK_HI: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  BLOCK_N: tl.constexpr, Q_PARTS: tl.constexpr):
-    """Scores of BLOCK_Q queries against BLOCK_N keys (bf16 [N, DI]): each query's heads'
-    dots as one [BLOCK_Q x BLOCK_HI, DI] x [DI, BLOCK_N] product, ReLU, weighted by w · w_scale
-    and summed over the heads; -inf where a query does not see the key ((position + 1) //
-    ratio keys are visible). A block no query sees is stored as -inf without reading."""
+                  BLOCK_N: tl.constexpr, LOOP: tl.constexpr, Q_PARTS: tl.constexpr, STAGES: tl.constexpr):
+    """Scores of BLOCK_Q queries against LOOP x BLOCK_N keys (bf16 [N, DI]), BLOCK_N a step:
+    each query's heads' dots as one [BLOCK_Q x BLOCK_HI, DI] x [DI, BLOCK_N] product, ReLU,
+    weighted by w · w_scale and summed over the heads; -inf where a query does not see the
+    key ((position + 1) // ratio keys are visible). The queries' tile is read once; the steps
+    past the last key any of them sees are stored as -inf without reading."""
     t = tl.program_id(0) * BLOCK_Q + tl.arange(0, BLOCK_Q)
     t_ok = t < S
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    first = tl.program_id(1) * (LOOP * BLOCK_N)
     limit = (tl.load(pos_ptr + t, mask=t_ok, other=-1) + 1) // ratio
-    visible = (n[None, :] < limit[:, None]) & (n < N)[None, :]
-    if tl.max(limit, 0) > tl.program_id(1) * BLOCK_N:
+    seen = tl.minimum(tl.max(limit, 0), N) - first  # keys from ``first`` that some query sees
+    steps = tl.minimum(tl.maximum(tl.cdiv(seen, BLOCK_N), 0), LOOP)
+    if steps > 0:
         r = tl.arange(0, BLOCK_Q * BLOCK_HI)
         tq = (tl.program_id(0) * BLOCK_Q + r // BLOCK_HI).to(tl.int64)
         h = r % BLOCK_HI
@@ -156,14 +164,21 @@ def _index_kernel(q_ptr, w_ptr, key_ptr, pos_ptr, out_ptr, S, N, ratio, head_sca
         cols = tl.arange(0, DI)
         q = tl.load(q_ptr + tq[:, None] * s_qs + h[:, None] * s_qh + cols[None, :], mask=ok[:, None], other=0.0)
         q_hi, q_mid, q_lo = _bf16_parts(q.to(tl.float32), Q_PARTS)
-        k = tl.load(key_ptr + n.to(tl.int64)[:, None] * DI + cols[None, :], mask=(n < N)[:, None], other=0.0)
-        s = _parts_dot(q_hi, q_mid, q_lo, tl.trans(k), tl.zeros([BLOCK_Q * BLOCK_HI, BLOCK_N], tl.float32), Q_PARTS)
         w = tl.load(w_ptr + tq * s_ws + h, mask=ok, other=0.0).to(tl.float32) * w_scale
-        heads = tl.reshape(tl.maximum(s, 0.0) * head_scale * w[:, None], (BLOCK_Q, BLOCK_HI, BLOCK_N))
-        score = tl.where(visible, tl.sum(heads, 1), float("-inf"))
-    else:
-        score = tl.full([BLOCK_Q, BLOCK_N], float("-inf"), tl.float32)
-    tl.store(out_ptr + t.to(tl.int64)[:, None] * s_os + n[None, :], score, mask=t_ok[:, None] & (n < N)[None, :])
+        for b in tl.range(0, steps, num_stages=STAGES):
+            n = first + b * BLOCK_N + tl.arange(0, BLOCK_N)
+            k = tl.load(key_ptr + n.to(tl.int64)[:, None] * DI + cols[None, :], mask=(n < N)[:, None], other=0.0)
+            s = _parts_dot(q_hi, q_mid, q_lo, tl.trans(k), tl.zeros([BLOCK_Q * BLOCK_HI, BLOCK_N], tl.float32),
+                           Q_PARTS)
+            heads = tl.reshape(tl.maximum(s, 0.0) * head_scale * w[:, None], (BLOCK_Q, BLOCK_HI, BLOCK_N))
+            visible = (n[None, :] < limit[:, None]) & (n < N)[None, :]
+            score = tl.where(visible, tl.sum(heads, 1), float("-inf"))
+            tl.store(out_ptr + t.to(tl.int64)[:, None] * s_os + n[None, :], score,
+                     mask=t_ok[:, None] & (n < N)[None, :])
+    for b in range(steps, LOOP):  # no query sees these keys
+        n = first + b * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(out_ptr + t.to(tl.int64)[:, None] * s_os + n[None, :],
+                 tl.full([BLOCK_Q, BLOCK_N], float("-inf"), tl.float32), mask=t_ok[:, None] & (n < N)[None, :])
 
 
 def index_scores(q, weights, keys, pos, ratio: int, head_scale: float, weight_scale: float = 1.0) -> torch.Tensor:
@@ -178,9 +193,9 @@ def index_scores(q, weights, keys, pos, ratio: int, head_scale: float, weight_sc
     block_hi = max(16, triton.next_power_of_2(HI))
     block_q = max(1, INDEX_ROWS // block_hi)
     q, weights = q.contiguous(), weights.contiguous()
-    _index_kernel[(triton.cdiv(S, block_q), triton.cdiv(N, INDEX_BLOCK_N))](
+    _index_kernel[(triton.cdiv(S, block_q), triton.cdiv(N, INDEX_LOOP * INDEX_BLOCK_N))](
         q, weights, decoded_rows(keys, DI, "index"), pos.contiguous(), out, S, N, int(ratio), float(head_scale),
         float(weight_scale), q.stride(0), q.stride(1), weights.stride(0), out.stride(0), HI=HI, DI=DI,
-        BLOCK_HI=block_hi, BLOCK_Q=block_q, BLOCK_N=INDEX_BLOCK_N, Q_PARTS=1 if q.dtype == torch.bfloat16 else 3,
-        num_warps=INDEX_WARPS)
+        BLOCK_HI=block_hi, BLOCK_Q=block_q, BLOCK_N=INDEX_BLOCK_N, LOOP=INDEX_LOOP,
+        Q_PARTS=1 if q.dtype == torch.bfloat16 else 3, STAGES=INDEX_STAGES, num_warps=INDEX_WARPS)
     return out
