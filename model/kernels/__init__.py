@@ -215,7 +215,7 @@ def prefill_index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Ten
     ``keys`` uint8 [N, DI / 2 + DI / 32]: q [S, HI, DI], weights [S, HI], positions ``pos`` [S]
     (query t sees (pos[t] + 1) // ratio keys) -> [S, N] fp32, -inf where unseen. The kernel
     path (``model.kernels.prefill``) decodes the keys once to bf16 and scores a block of
-    queries against a block of keys a program; else :func:`indexer_scores`, each query a row
+    queries against several blocks of keys a program; else :func:`indexer_scores`, each query a row
     (``DSAGENT_PREFILL_KERNELS=rows`` takes that on the GPU too)."""
     if _use_triton(q) and _prefill_form() != "rows":
         from model.kernels import prefill
