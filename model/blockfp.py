@@ -31,6 +31,9 @@ _E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 _E2M1_TIE_UP = torch.tensor([False, True, False, True, False, True, False])
 _E2M1_THRESHOLDS = torch.where(_E2M1_TIE_UP, _E2M1_MIDPOINTS,
                                torch.nextafter(_E2M1_MIDPOINTS, _E2M1_MIDPOINTS + 1))
+# every E4M3 byte's value, as the dtype's conversion gives it: decoding by this table is exact
+# and, on a CPU, ~4x faster than the conversion (2026-12-07: 50 against 206 us for a 128 x 512 window)
+_E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
 _ON_DEVICE: dict[tuple[str, torch.device], torch.Tensor] = {}
 
 
@@ -70,7 +73,18 @@ def e2m1_encode(q: torch.Tensor) -> torch.Tensor:
 
 
 def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
-    return _on("e2m1_values", _E2M1_VALUES, codes.device)[codes.long()]
+    return _looked_up("e2m1_values", _E2M1_VALUES, codes)
+
+
+def e4m3_decode(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 E4M3 bytes -> their fp32 values (``_E4M3_VALUES``)."""
+    return _looked_up("e4m3_values", _E4M3_VALUES, codes)
+
+
+def _looked_up(name: str, table: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """``table[codes]`` for uint8 codes of any shape, by an int32 index_select (a long index
+    is a conversion more)."""
+    return _on(name, table, codes.device).index_select(0, codes.reshape(-1).int()).view(codes.shape)
 
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -149,7 +163,7 @@ def pack_window(x: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_window(b: torch.Tensor, dim: int) -> torch.Tensor:
-    data = b[..., :dim].contiguous().view(torch.float8_e4m3fn).float()
+    data = e4m3_decode(b[..., :dim])
     scale = ue8m0_decode(b[..., dim:])
     return (data.reshape(*b.shape[:-1], -1, WINDOW_BLOCK) * scale.unsqueeze(-1)).reshape(*b.shape[:-1], dim)
 
@@ -164,7 +178,7 @@ def pack_main(x: torch.Tensor) -> torch.Tensor:
 
 def unpack_main(b: torch.Tensor, dim: int) -> torch.Tensor:
     values = e2m1_decode(unpack_nibbles(b[..., : dim // 2]))
-    scale = b[..., dim // 2 :].contiguous().view(torch.float8_e4m3fn).float()
+    scale = e4m3_decode(b[..., dim // 2 :])
     return (values.reshape(*b.shape[:-1], -1, RECORD_BLOCK) * scale.unsqueeze(-1)).reshape(*b.shape[:-1], dim)
 
 

@@ -214,6 +214,24 @@ def test_e2m1_ties_go_to_even_code() -> None:
     assert quant.e2m1_decode(quant.e2m1_encode(-mids)).tolist() == [-0.0, -1.0, -1.0, -2.0, -2.0, -4.0, -4.0]
 
 
+def test_the_decode_tables_give_every_code_the_conversions_value() -> None:
+    """``e4m3_decode`` / ``e2m1_decode`` read values from a table: every E4M3 byte's is the dtype
+    conversion's to the bit (NaN where it is NaN), every e2m1 code's the grid's, in any shape
+    and from a non-contiguous slice (the unpackers read the bytes that way)."""
+    from model.blockfp import _E2M1_VALUES, e2m1_decode, e4m3_decode
+
+    codes = torch.arange(256, dtype=torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()
+    got = e4m3_decode(codes)
+    assert torch.equal(got.isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    ok = ~want.isnan()
+    assert torch.equal(got[ok].view(torch.int32), want[ok].view(torch.int32))  # -0.0 kept
+    rows = torch.cat([codes.view(8, 32), codes.view(8, 32)], 1)[:, 16:48]  # a slice, not contiguous
+    assert torch.equal(e4m3_decode(rows).nan_to_num(), rows.contiguous().view(torch.float8_e4m3fn).float().nan_to_num())
+    nibbles = torch.arange(16, dtype=torch.uint8).repeat(3).view(2, 3, 8)
+    assert torch.equal(e2m1_decode(nibbles).view(torch.int32), _E2M1_VALUES[nibbles.long()].view(torch.int32))
+
+
 def test_pow2_ceil_is_exact() -> None:
     x = torch.tensor([1.0, 1.5, 2.0, 2.0 ** -126, 3.0 * 2.0 ** 100, torch.nextafter(torch.tensor(4.0),
                                                                                    torch.tensor(5.0)).item()])
