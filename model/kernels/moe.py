@@ -196,21 +196,9 @@ def _fp4_tile(w_ptr, sc_ptr, row, row_ok, c0, IN, BLOCK: tl.constexpr):
 def _fp4_pairs(w_ptr, sc_ptr, row, row_ok, j, IN):
     """Bytes ``j`` of FP4 rows ``row`` (broadcast together, as are ``row_ok``) decoded: the
     even inputs' values and the odd ones' (low and high nibbles), each times its 1 x 32 scale."""
-    return _fp4_decoded(*_fp4_raw(w_ptr, sc_ptr, row, row_ok, j, IN))
-
-
-@triton.jit
-def _fp4_raw(w_ptr, sc_ptr, row, row_ok, j, IN):
-    """Bytes ``j`` of FP4 rows ``row`` as loaded: the codes and each one's scale byte (int32)."""
     ok = row_ok & (j < IN // 2)
     code = tl.load(w_ptr + row * (IN // 2) + j, mask=ok, other=0).to(tl.int32)
-    return code, tl.load(sc_ptr + row * tl.cdiv(IN, 32) + j // 16, mask=ok, other=0).to(tl.int32)
-
-
-@triton.jit
-def _fp4_decoded(code, sb):
-    """:func:`_fp4_raw`'s bytes decoded: the low and the high nibbles' values times their scale."""
-    s = _ue8m0(sb)
+    s = _ue8m0(tl.load(sc_ptr + row * tl.cdiv(IN, 32) + j // 16, mask=ok, other=0).to(tl.int32))
     return _e2m1(code & 0xF) * s, _e2m1(code >> 4) * s
 
 
