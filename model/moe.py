@@ -120,20 +120,23 @@ class GroupedLinear(nn.Module):
         self.fmt, self.in_features = ("plain", 0) if scale is None else ("fp4", in_features)
 
     def forward(self, x: torch.Tensor, ends: torch.Tensor,
-                gate: tuple["GroupedLinear", torch.Tensor, float] | None = None) -> torch.Tensor:
+                gate: tuple["GroupedLinear", torch.Tensor, float] | None = None,
+                rows: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, in], expert e's rows at [ends[e-1], ends[e]) -> [M, out] in x's dtype. FP4 stacks:
         ``kernels.grouped_fp4`` (their bytes decoded in registers where it runs, else dequantised
         by chunks of experts, its twin); with ``gate`` = (w3, the rows' route weights [M], limit),
-        ``route * swiglu(x w^T, x w3^T, limit)``, the up projection whole."""
+        ``route * swiglu(x w^T, x w3^T, limit)``, the up projection whole, and the sorted rows
+        may be given as ``x[rows]`` (x unsorted), which the kernel reads where they lie."""
         if gate is not None:
             w3, route, limit = gate
 
             def twin() -> torch.Tensor:
-                up = swiglu(self._dequantised(x, ends), w3._dequantised(x, ends), limit)
+                h = x if rows is None else x[rows]
+                up = swiglu(self._dequantised(h, ends), w3._dequantised(h, ends), limit)
                 return (route[:, None] * up).to(x.dtype)
 
             return kernels.grouped_fp4(x, ends, self.weight, self.scale, twin, paired=(w3.weight, w3.scale),
-                                       route=route, limit=limit)
+                                       route=route, limit=limit, rows=rows)
         if self.fmt == "plain":
             return torch._grouped_mm(x, self.weight.mT, offs=ends)  # mat_b column-major: the Linear layout
         return kernels.grouped_fp4(x, ends, self.weight, self.scale, lambda: self._dequantised(x, ends))
@@ -174,7 +177,7 @@ class GroupedLinear(nn.Module):
 
 class GroupedExperts(nn.Module):
     """Every routed expert at once, with no host sync: the (token, slot) pairs sorted by
-    expert, their rows gathered once, w1/w3/w2 as grouped GEMMs, the gate weight applied
+    expert, their rows gathered once (FP4 stacks: read in place by the up projection), w1/w3/w2 as grouped GEMMs, the gate weight applied
     before w2 as in :class:`Expert`, each token's k rows summed in slot order. ``first``: the
     global index of the first expert stacked here; ``split``: a rank of several holding a range
     of them, whose pairs routed to other ranks' experts sort after the last group, which no
@@ -205,11 +208,11 @@ class GroupedExperts(nn.Module):
         experts = torch.arange(n_experts, device=x.device)
         ends = torch.searchsorted(local[order], experts, right=True, out_int32=True)
         rows = order // k
-        h = x[rows]  # (N*k, D)
         route = weights.flatten()[order]
-        if self.fmt == "fp4":
-            y = self.w1(h, ends, gate=(self.w3, route, self.limit))
+        if self.fmt == "fp4":  # the kernel reads each pair's row of x in place
+            y = self.w1(x, ends, gate=(self.w3, route, self.limit), rows=rows)
         else:
+            h = x[rows]  # (N*k, D)
             g, u = self.w1(h, ends), self.w3(h, ends)
             y = kernels.routed_swiglu(g, u, route, self.limit,
                                       lambda: (route[:, None] * swiglu(g, u, self.limit)).to(x.dtype))

@@ -172,6 +172,14 @@ def test_the_paired_fp4_gemm_is_the_route_weighted_swiglu(dtype, limit):
     assert rel_err(y, ref) < 2 * REL[dtype]
     if limit:
         assert rel_err(y, route[:, None] * swiglu(g, u, 0.0)) > 10 * REL[dtype]  # the clamp bites here
+    # the rows read in place: x[rows] of a shorter, unsorted x (a token's row for each of its slots)
+    source = rows(29, TINY.hidden_size, seed=12, dtype=dtype)
+    pick = torch.randint(0, 29, (x.shape[0],), generator=torch.Generator().manual_seed(13)).to(DEVICE)
+    gathered = gemm.grouped_fp4(source[pick], ends, w1.weight, w1.scale, paired=(w3.weight, w3.scale), route=route,
+                                limit=limit, tile=tile())
+    in_place = gemm.grouped_fp4(source, ends, w1.weight, w1.scale, paired=(w3.weight, w3.scale), route=route,
+                                limit=limit, rows=pick, tile=tile())
+    assert in_place.shape == gathered.shape and torch.equal(in_place, gathered)
 
 
 @needs_triton

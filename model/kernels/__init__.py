@@ -68,9 +68,9 @@ and, for a prefill's rows on packed weights (``model.kernels.gemm``, where
   ``gemm.DEQUANT_ROWS`` or more the weight's floats made once (``dequantised``) and torch's GEMM;
 - ``dequantised(w, dtype)`` / ``dequantised_fp4_stack(w, s, in_features, dtype, twin)``: a packed
   weight's or an FP4 expert stack's floats in one pass (``model.kernels.dequant``), the twin's bits;
-- ``grouped_fp4(x, ends, w, s, twin, paired=None, route=None, limit=0.0)``: rows sorted by
-  expert times an FP4 expert stack, or the up projection whole (w1 with w3, the SwiGLU and the
-  route weight); ``twin()`` where the kernel does not run.
+- ``grouped_fp4(x, ends, w, s, twin, paired=None, route=None, limit=0.0, rows=None)``: rows
+  sorted by expert (``x[rows]``, read in place) times an FP4 expert stack, or the up projection
+  whole (w1 with w3, the SwiGLU and the route weight); ``twin()`` where the kernel does not run.
 
 Each runs its Triton kernel (``model.kernels.fused`` unless named above) when
 :func:`triton_available` and the tensors are on CUDA (or ``TRITON_INTERPRET=1``, Triton's CPU
@@ -515,18 +515,19 @@ def slot_sum(out: torch.Tensor, order: torch.Tensor, k: int, ends: torch.Tensor,
 
 def grouped_fp4(x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor, s: torch.Tensor, twin, *,
                 paired: tuple[torch.Tensor, torch.Tensor] | None = None, route: torch.Tensor | None = None,
-                limit: float = 0.0) -> torch.Tensor:
+                limit: float = 0.0, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Rows x [P, K] sorted by expert (expert e's at [ends[e-1], ends[e])) times an FP4 expert
     stack (bytes ``w`` [E, N, K / 2], scales ``s`` [E, N, K / 32]), decoded in registers
     (``model.kernels.gemm.grouped_fp4``; with ``paired`` = (w3, its scales) and ``route``:
     ``route * swiglu(x w^T, x w3^T, limit)``) where :func:`packed_gemm_runs`; else, or if the
-    kernel cannot be built (warned once), ``twin()``: the same from dequantised experts."""
+    kernel cannot be built (warned once), ``twin()``: the same from dequantised experts. With
+    ``rows`` [P], the sorted rows are ``x[rows]``, which the kernel reads in place."""
     if not packed_gemm_runs(x):
         return twin()
     from model.kernels import gemm
 
     return _guarded("packed GEMM kernel",
-                    lambda t: gemm.grouped_fp4(t, ends, w, s, paired=paired, route=route, limit=limit),
+                    lambda t: gemm.grouped_fp4(t, ends, w, s, paired=paired, route=route, limit=limit, rows=rows),
                     lambda t: twin(), x)
 
 

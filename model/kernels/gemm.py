@@ -110,15 +110,16 @@ def _dot(a, b, acc):
 
 
 @triton.jit
-def _gemm_kernel(x_ptr, w_ptr, w_sc, v_ptr, v_sc, route_ptr, out_ptr, tiles_ptr, ends_ptr, M, N, K, limit,
-                 W_STRIDE, S_STRIDE, X_STRIDE, GROUP_N, FMT: tl.constexpr, SR: tl.constexpr, SC: tl.constexpr,
-                 GROUPED: tl.constexpr, PAIRED: tl.constexpr, CLAMP: tl.constexpr, BF16: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemm_kernel(x_ptr, w_ptr, w_sc, v_ptr, v_sc, route_ptr, out_ptr, tiles_ptr, ends_ptr, src_ptr, M, N, K,
+                 limit, W_STRIDE, S_STRIDE, X_STRIDE, GROUP_N, FMT: tl.constexpr, SR: tl.constexpr,
+                 SC: tl.constexpr, GROUPED: tl.constexpr, PAIRED: tl.constexpr, CLAMP: tl.constexpr,
+                 BF16: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """out[rows, n] = x[rows] @ W[n]^T for one block of rows x BLOCK_N outputs; grouped: the
     block's expert's weight (stack stride W_STRIDE elements, S_STRIDE scales); paired: the
-    route weight times the SwiGLU of the products with W and V. x's rows are X_STRIDE apart,
-    and outputs [g * GROUP_N, (g + 1) * GROUP_N) read its inputs [g * K, (g + 1) * K) (a
-    grouped projection; one group: GROUP_N = N)."""
+    route weight times the SwiGLU of the products with W and V; GATHER: row r's inputs are x's
+    row src[r]. x's rows are X_STRIDE apart, and outputs [g * GROUP_N, (g + 1) * GROUP_N) read
+    its inputs [g * K, (g + 1) * K) (a grouped projection; one group: GROUP_N = N)."""
     t = tl.program_id(0)
     if GROUPED:
         g = tl.load(tiles_ptr + 2 * t)
@@ -135,7 +136,10 @@ def _gemm_kernel(x_ptr, w_ptr, w_sc, v_ptr, v_sc, route_ptr, out_ptr, tiles_ptr,
         n_ok = n < N
         w_at, s_at = w_ptr + g.to(tl.int64) * W_STRIDE, w_sc + g.to(tl.int64) * S_STRIDE
         v_at, vs_at = v_ptr + g.to(tl.int64) * W_STRIDE, v_sc + g.to(tl.int64) * S_STRIDE
-        x_at = x_ptr + rows[:, None].to(tl.int64) * X_STRIDE + (tl.program_id(1) * BLOCK_N) // GROUP_N * K
+        src = rows
+        if GATHER:
+            src = tl.load(src_ptr + rows, mask=row_ok, other=0)
+        x_at = x_ptr + src[:, None].to(tl.int64) * X_STRIDE + (tl.program_id(1) * BLOCK_N) // GROUP_N * K
         if FMT == "fp4" and BF16:
             acc, acc3 = _fp4_sums(x_at, row_ok, w_at, s_at, v_at, vs_at, n, n_ok, K, PAIRED, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
@@ -157,9 +161,9 @@ def _gemm_kernel(x_ptr, w_ptr, w_sc, v_ptr, v_sc, route_ptr, out_ptr, tiles_ptr,
 
 def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, fmt: str, block: tuple[int, int], n_out: int,
             tile: tuple[int, int, int, int, int], *, grid_m: int, tiles=None, ends=None, v=None, vs=None,
-            route=None, limit: float = 0.0, groups: int = 1) -> torch.Tensor:
+            route=None, limit: float = 0.0, groups: int = 1, src=None) -> torch.Tensor:
     block_m, block_n, block_k, warps, stages = tile
-    M, K = x.shape[0], x.shape[1] // groups
+    M, K = (x.shape[0] if src is None else src.shape[0]), x.shape[1] // groups
     if groups > 1:  # a program's outputs in one group: the largest power of two of the tile's width dividing it
         block_n = min(block_n, (n_out // groups) & -(n_out // groups))
         assert block_n >= 16, f"a group of {n_out // groups} outputs"
@@ -170,10 +174,10 @@ def _launch(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, fmt: str, block: 
     _gemm_kernel[(grid_m, triton.cdiv(n_out, block_n))](
         x, w.view(torch.uint8), s.view(torch.uint8), (v if paired else w).view(torch.uint8),
         (vs if paired else s).view(torch.uint8), route if paired else dummy, out.view(torch.int16) if bf16 else out,
-        tiles if grouped else dummy, ends if grouped else dummy, M, n_out, K, float(limit),
-        w[0].numel() if grouped else 0, s[0].numel() if grouped else 0, x.stride(0), n_out // groups,
+        tiles if grouped else dummy, ends if grouped else dummy, dummy if src is None else src, M, n_out, K,
+        float(limit), w[0].numel() if grouped else 0, s[0].numel() if grouped else 0, x.stride(0), n_out // groups,
         FMT=fmt, SR=block[0], SC=block[1], GROUPED=grouped, PAIRED=paired, CLAMP=limit > 0, BF16=bf16,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        GATHER=src is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     return out
 
@@ -206,14 +210,17 @@ def expert_tiles(ends: torch.Tensor, rows: int, block_m: int) -> torch.Tensor:
 
 def grouped_fp4(x: torch.Tensor, ends: torch.Tensor, w: torch.Tensor, s: torch.Tensor, *,
                 paired: tuple[torch.Tensor, torch.Tensor] | None = None, route: torch.Tensor | None = None,
-                limit: float = 0.0, tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
+                limit: float = 0.0, rows: torch.Tensor | None = None,
+                tile: tuple[int, int, int, int, int] | None = None) -> torch.Tensor:
     """Rows x [P, K] sorted by expert (expert e's at [ends[e-1], ends[e]), rows past ends[-1]
     left unwritten) times the FP4 stack ``w`` [E, N, K / 2] with scales ``s`` [E, N, K / 32]
     -> [P, N] in x's dtype; ``paired`` (w3, its scales) with ``route`` [P] fp32: ``route *
-    swiglu(x w^T, x w3^T, limit)`` instead."""
+    swiglu(x w^T, x w3^T, limit)`` instead. With ``rows`` [P] (int), the rows are ``x[rows]``
+    of an unsorted x [T, K], read where they lie rather than gathered first."""
     tile = tile or (GROUPED_TILE if paired is None else PAIRED_TILE)
-    tiles = expert_tiles(ends, x.shape[0], tile[0])
+    n_rows = x.shape[0] if rows is None else rows.shape[0]
+    tiles = expert_tiles(ends, n_rows, tile[0])
     v, vs = paired if paired is not None else (None, None)
     return _launch(x.contiguous(), w, s, "fp4", (1, 32), w.shape[1], tile, grid_m=tiles.shape[0], tiles=tiles,
                    ends=ends.to(torch.int32), v=v, vs=vs, route=None if route is None else route.float().contiguous(),
-                   limit=limit)
+                   limit=limit, src=None if rows is None else rows.to(torch.int32).contiguous())
