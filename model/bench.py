@@ -740,7 +740,7 @@ class _LinearTimer:
     def _post(self, name: str, module, args, kwargs, out) -> None:
         end = self.clock.mark()
         products = 2 if kwargs.get("gate") is not None else 1  # FP4 experts' w1 with w3 in one launch
-        self.calls.append((name, products * gemm_flops(module, args[0]), self._open.pop(name), end))
+        self.calls.append((name, products * gemm_flops(module, args[0], kwargs.get("rows")), self._open.pop(name), end))
 
     def close(self) -> None:
         for h in self._handles:
@@ -804,10 +804,12 @@ class _PartTimer:
             h.remove()
 
 
-def gemm_flops(module: nn.Module, x: torch.Tensor) -> int:
-    """2·M·K·N of one call: the M rows of ``x`` against an [N, K] weight (each expert's own
-    [N, K] for a grouped call, whose groups together hold the M rows)."""
-    return 2 * x.numel() * module.weight.shape[-2]  # M·K = x.numel(); a packed weight's K is not its last dim
+def gemm_flops(module: nn.Module, x: torch.Tensor, rows: torch.Tensor | None = None) -> int:
+    """2·M·K·N of one call: the M rows of ``x`` (or ``x[rows]``, a grouped call's rows read in
+    place) against an [N, K] weight (each expert's own [N, K] for a grouped call, whose groups
+    together hold the M rows)."""
+    m_k = x.numel() if rows is None else rows.numel() * x.shape[-1]  # a packed weight's K is not its last dim
+    return 2 * m_k * module.weight.shape[-2]
 
 
 _KINDS = ((".shared_experts.", "shared_experts"), (".experts.", "routed_experts"), (".grouped.", "routed_experts"),
