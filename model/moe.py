@@ -181,11 +181,12 @@ class GroupedExperts(nn.Module):
     w1/w3/w2 as grouped GEMMs, the gate weight applied before w2 as in :class:`Expert`, each
     token's k rows summed in slot order. ``first``: the global index of the first expert
     stacked here; ``split``: a rank of several holding a range of them, whose pairs routed to
-    other ranks' experts sort after the last group, which no GEMM reads, and give zeros. On FP4 stacks (``fmt``) the up projection (w1 with w3, the
-    SwiGLU and the route weight) and the down projection each run one kernel on the stacks'
-    bytes where ``kernels.grouped_fp4`` can, else dequantise a chunk of experts at a time
-    (:class:`GroupedLinear`): what ``MoE._loop`` computes from the same experts, prefill
-    included, with no float image of them all."""
+    other ranks' experts sort after the last group, which no GEMM reads, and give zeros. On
+    FP4 stacks (``fmt``) the up projection (w1 with w3, the SwiGLU and the route weight) and
+    the down projection each run one kernel on the stacks' bytes where ``kernels.grouped_fp4``
+    can, else dequantise a chunk of experts at a time (:class:`GroupedLinear`): what
+    ``MoE._loop`` computes from the same experts, prefill included, with no float image of
+    them all."""
 
     def __init__(self, limit: float, first: int = 0, split: bool = False):
         super().__init__()

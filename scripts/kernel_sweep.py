@@ -191,7 +191,8 @@ def main() -> None:
             for ctx in (32768, 131072):
                 N = ctx // ratio
                 pre = [torch.randn(S, HI, DI, generator=g).to(DEVICE, torch.bfloat16),
-                       torch.randn(S, HI, generator=g).to(DEVICE), pack_index(torch.randn(N, DI, generator=g)).to(DEVICE),
+                       torch.randn(S, HI, generator=g).to(DEVICE),
+                       pack_index(torch.randn(N, DI, generator=g)).to(DEVICE),
                        torch.arange(ctx - S, ctx, device=DEVICE), ratio, DI ** -0.5, HI ** -0.5]
                 emit({"kernel": "index-prefill-shapes", "S": S, "HI": HI, "DI": DI, "N": N, "ctx": ctx})
                 run = lambda: prefill.index_scores(*pre)  # noqa: E731
