@@ -138,3 +138,26 @@ def test_decode_steps_with_the_dots_beside_keep_their_logits(monkeypatch) -> Non
 
     monkeypatch.setattr(kernels, "Collapsed", Counted)
     _same_logits_either_way(monkeypatch, streams, "DOTS_BESIDE", 3, check)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
+def test_streams_wider_than_the_limit_keep_their_dots_on_the_path(monkeypatch) -> None:
+    """Past ``streams.DOTS_BESIDE_MAX_D`` channels (where each reader's collapse of the whole
+    row spills) no site leaves its input to a reader, and the steps' logits are the same."""
+    from model.kernels import streams
+    from tests.test_graphs import _same_logits_either_way
+
+    made = []
+
+    class Counted(kernels.Collapsed):
+        def __init__(self, *args, **kw):
+            made.append(True)
+            super().__init__(*args, **kw)
+
+    def check(value, model):
+        assert not made, len(made)
+        made.clear()
+
+    monkeypatch.setattr(kernels, "Collapsed", Counted)
+    monkeypatch.setattr(streams, "DOTS_BESIDE_MAX_D", 16)  # narrower than the tiny model's streams
+    _same_logits_either_way(monkeypatch, streams, "DOTS_BESIDE", 3, check)

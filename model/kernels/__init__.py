@@ -656,9 +656,10 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
     and x is the collapse before the site's norm (made by the dots launch, channel block by
     channel block: the launch that collapsed and normalised the whole row, one program a
     token after the dots, is gone); else False and x normalised as above. With ``overlap``
-    beside too (and ``streams.DOTS_BESIDE``), the dots launch runs on the side stream before
-    the split and x is a :class:`Collapsed`, made by its consumer's launch (the site then
-    puts nothing on the current stream); a consumer that cannot takes its ``value()``.
+    beside too (and ``streams.DOTS_BESIDE``, on streams at most ``streams.DOTS_BESIDE_MAX_D``
+    wide), the dots launch runs on the side stream before the split and x is a
+    :class:`Collapsed`, made by its consumer's launch (the site then puts nothing on the
+    current stream); a consumer that cannot takes its ``value()``.
     ``name`` ("attn", "ffn"): which site, for a ``DOTS_BESIDE`` that names one."""
     mhc_join()  # the site before's split, where it ran beside: its post / comb are read here
     args = (streams, pre, fn, scale, base, norm_weight, eps, norm_eps, iters, hc_eps, expand)
@@ -673,7 +674,8 @@ def hc_site(streams: torch.Tensor, pre: torch.Tensor, fn: torch.Tensor, scale: t
         beside = (overlap and streams.is_cuda and torch.cuda.is_current_stream_capturing()
                   and os.environ.get("DSAGENT_MHC_OVERLAP", "1") != "0")
         later = norm_later and kernel.NORM_LATER
-        dots_beside = beside and later and kernel.DOTS_BESIDE in (True, name)
+        dots_beside = (beside and later and kernel.DOTS_BESIDE in (True, name)
+                       and streams.shape[-1] <= kernel.DOTS_BESIDE_MAX_D)
         site = functools.partial(kernel.hc_site, overlap=beside, norm_later=later, dots_beside=dots_beside)
         out = _guarded("mHC site kernel", site, hc_site_parts, *args)
         if isinstance(out[4], tuple):  # the dots beside: x left to its reader

@@ -117,6 +117,14 @@ FINISH_WARPS = None
 # launch for its collapse (H200, `small`, a step at 128K, bench_knobs, best of three alternated
 # rounds): 0.941 of the step (control 0.998). True: both sites; "attn" / "ffn": that site alone
 DOTS_BESIDE = True
+# ...and only on streams at most this wide: each reader program collapses the whole row (the norm
+# wants its sum of squares), in registers. At V4.1-Flash's 5,120 channels (next power of two 8,192)
+# the readers spilled: the wq_a / wkv GEMV took ~170 us a layer where it takes ~15, the gate's logits
+# ~45 where ~5. Timed as knobs (2026-12-07, one H100, bench_knobs, a step at 32K, best of three
+# alternated rounds; control 0.994 / 1.011): `v41-flash --layers 8` packed 3.768 ms beside, 2.549 with
+# both sites' dots on the step's path (attn alone beside 3.421, ffn alone 2.882); `small` (2,048
+# channels) bf16 at 128K 3.085 beside, 3.166 not
+DOTS_BESIDE_MAX_D = 2048
 
 
 @triton.jit
