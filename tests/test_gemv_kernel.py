@@ -176,9 +176,10 @@ def test_attention_projections_on_the_gemv(dtype, monkeypatch):
     real = kernels.gemv
     monkeypatch.setattr(kernels, "gemv", lambda *a, **k: calls.append(len(a) - 1) or real(*a, **k))
     with torch.no_grad():
-        fast = (*attn.project(x, pos, ropes, fmt), attn.output(out, pos, ropes))
+        # a copy each: ``output`` de-rotates its input in place
+        fast = (*attn.project(x, pos, ropes, fmt), attn.output(out.clone(), pos, ropes))
         monkeypatch.setenv("DSAGENT_GEMV", "0")
-        slow = (*attn.project(x, pos, ropes, fmt), attn.output(out, pos, ropes))
+        slow = (*attn.project(x, pos, ropes, fmt), attn.output(out.clone(), pos, ropes))
     assert sorted(calls) == [1, 1, 1, 1, 1]  # wq_a, wkv, wq_b, wo_a (grouped), wo_b: the reference's own
     for a, b in zip(fast, slow):
         close(a, b)
@@ -319,3 +320,17 @@ def gemv_launch(constants: dict, options: dict, pointers: dict | None = None) ->
     signature = {name: typed.get(name, "constexpr") for name in params}
     return {"module": "model.kernels.matvec", "name": "_gemv_kernel", "signature": signature,
             "constants": constants, "options": options}
+
+
+@needs_triton
+def test_an_input_wider_than_a_tile_is_read_in_chunks_that_divide_it():
+    """Past ``BLOCK_D_MAX`` a GEMV's input goes in the largest power-of-two chunks that divide
+    it (from 256), else in BLOCK_D_MAX ones, the last cut short; an input read whole (a norm,
+    a rotation) is one tile."""
+    from model.kernels import matvec
+
+    assert matvec.tile(129280, 5120, 1, 128)[1] == 1024
+    assert matvec.tile(5120, 8192, 1, 128)[1] == matvec.BLOCK_D_MAX
+    assert matvec.tile(64, 2 * matvec.BLOCK_D_MAX + 64, 1, 64)[1] == matvec.BLOCK_D_MAX
+    assert matvec.tile(1792, 5120, 1, 256, whole=True)[1] == 8192
+    assert matvec.tile(512, 2048, 2, 512)[1] == 2048

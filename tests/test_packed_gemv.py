@@ -89,10 +89,12 @@ def same_as_dense(x, layers: list[Linear], **options) -> None:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_last_projection_on_packed_weights_is_the_dense_ones(fmt, dtype):
     """``wo_b``'s launch (no options) at 1-4 rows; an odd output width (masked rows, a scale
-    block cut short), and an input wider than ``BLOCK_D_MAX`` (the chunks after the wait)."""
+    block cut short), and inputs wider than ``BLOCK_D_MAX`` (the chunks after the wait): one
+    that only a chunk cut short covers, one of 5 x 1,024 (V4.1-Flash's head: chunks that divide it)."""
     from model.kernels import matvec
 
-    for n, (out_f, in_f) in zip((1, 2, 3, 4), ((128, 128), (37, 320), (16, 2 * matvec.BLOCK_D_MAX + 64), (64, 256))):
+    wide = (16, 2 * matvec.BLOCK_D_MAX + 64)
+    for n, (out_f, in_f) in zip((1, 2, 3, 4, 1), ((128, 128), (37, 320), wide, (64, 256), (24, 5 * 1024))):
         same_as_dense(rows(n, in_f, seed=n, dtype=dtype), [packed(out_f, in_f, fmt, seed=10 + n)])
 
 

@@ -245,10 +245,15 @@ def _fp8_dot(q, s, xs, BLOCK_D: tl.constexpr):
 
 def tile(rows: int, width: int, elem_bytes: int, most: int, least: int = 1, whole: bool = False) -> tuple[int, int]:
     """(BLOCK_O, BLOCK_D) of a weight of ``rows`` x ``width``: the input whole up to
-    BLOCK_D_MAX channels (past that only if ``whole``); the most rows (a power of two from
-    ``least``, at most ``most``) whose tile fits TILE_BYTES while the weight still makes
-    MIN_PROGRAMS programs."""
+    BLOCK_D_MAX channels (past that only if ``whole``, else in chunks, which divide it where a
+    power of two from 256 does); the most rows (a power of two from ``least``, at most
+    ``most``) whose tile fits TILE_BYTES while the weight still makes MIN_PROGRAMS programs."""
     block_d = triton.next_power_of_2(width) if whole else min(triton.next_power_of_2(width), BLOCK_D_MAX)
+    if not whole and width > BLOCK_D_MAX and width & -width >= 256:
+        # chunks that divide the input: V4.1-Flash's head (5,120 wide) in 5 of 1,024, not 4,096 and a
+        # quarter-full 4,096 (2026-12-07, one H100, bench_knobs, a `v41-flash --layers 8` packed step at
+        # 32K, best of three alternated rounds: 2.584 -> 2.566 ms, control 1.000; the head 433 -> 414 us)
+        block_d = min(BLOCK_D_MAX, width & -width)
     b = least
     while (b * 2 <= most and b * 2 * block_d * elem_bytes <= TILE_BYTES
            and triton.cdiv(rows, b * 2) >= MIN_PROGRAMS):
