@@ -117,11 +117,9 @@ def test_readers_that_cannot_make_it_take_its_value(monkeypatch) -> None:
         assert (g is None and w is None) or torch.equal(g, w)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
-def test_decode_steps_with_the_dots_beside_keep_their_logits(monkeypatch) -> None:
-    """A model's graphed decode steps with ``streams.DOTS_BESIDE`` on (each site's launches on
-    the side stream, its input made by its readers) give the logits of the steps with it off,
-    bit for bit; on, every layer's two sites left their input to a reader."""
+def _graphed_steps_either_way(monkeypatch, check) -> None:
+    """``test_graphs._same_logits_either_way`` on ``streams.DOTS_BESIDE``, ``check(value, model,
+    made)`` after each run with ``made`` the ``Collapsed`` inputs its capture left to readers."""
     from model.kernels import streams
     from tests.test_graphs import _same_logits_either_way
 
@@ -132,12 +130,23 @@ def test_decode_steps_with_the_dots_beside_keep_their_logits(monkeypatch) -> Non
             made.append(True)
             super().__init__(*args, **kw)
 
-    def check(value, model):
-        assert (len(made) >= 2 * model.args.num_hidden_layers) == value, len(made)
+    def counted(value, model):
+        check(value, model, len(made))
         made.clear()
 
     monkeypatch.setattr(kernels, "Collapsed", Counted)
-    _same_logits_either_way(monkeypatch, streams, "DOTS_BESIDE", 3, check)
+    _same_logits_either_way(monkeypatch, streams, "DOTS_BESIDE", 3, counted)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
+def test_decode_steps_with_the_dots_beside_keep_their_logits(monkeypatch) -> None:
+    """A model's graphed decode steps with ``streams.DOTS_BESIDE`` on (each site's launches on
+    the side stream, its input made by its readers) give the logits of the steps with it off,
+    bit for bit; on, every layer's two sites left their input to a reader."""
+    def check(value, model, made):
+        assert (made >= 2 * model.args.num_hidden_layers) == value, made
+
+    _graphed_steps_either_way(monkeypatch, check)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or not kernels.triton_available(), reason="needs CUDA and Triton")
@@ -145,19 +154,9 @@ def test_streams_wider_than_the_limit_keep_their_dots_on_the_path(monkeypatch) -
     """Past ``streams.DOTS_BESIDE_MAX_D`` channels (where each reader's collapse of the whole
     row spills) no site leaves its input to a reader, and the steps' logits are the same."""
     from model.kernels import streams
-    from tests.test_graphs import _same_logits_either_way
 
-    made = []
+    def check(value, model, made):
+        assert made == 0, made
 
-    class Counted(kernels.Collapsed):
-        def __init__(self, *args, **kw):
-            made.append(True)
-            super().__init__(*args, **kw)
-
-    def check(value, model):
-        assert not made, len(made)
-        made.clear()
-
-    monkeypatch.setattr(kernels, "Collapsed", Counted)
     monkeypatch.setattr(streams, "DOTS_BESIDE_MAX_D", 16)  # narrower than the tiny model's streams
-    _same_logits_either_way(monkeypatch, streams, "DOTS_BESIDE", 3, check)
+    _graphed_steps_either_way(monkeypatch, check)
