@@ -597,6 +597,40 @@ def test_hc_split_kernel(lead, iters) -> None:
         torch.testing.assert_close(cols, torch.ones_like(cols), rtol=0, atol=1e-3)
 
 
+@pytest.mark.parametrize("hc", [1, 2, 4])
+@pytest.mark.parametrize("lead,iters", [((1, 1), 20), ((2, 5), 20), ((3, 130), 7), ((1, 7), 1)])
+def test_the_sinkhorn_on_the_host_keeps_the_bits(lead, iters, hc) -> None:
+    """``hc_split_ref``'s ``host`` loop (numpy) against its torch loop, bit for bit: mixes
+    spread wide (softmax rows near one-hot) and narrow, eps as the configs set it and larger."""
+    g = torch.Generator().manual_seed(hc * 100 + iters)
+    for spread, eps in ((1.0, 1e-6), (30.0, 1e-6), (0.01, 1e-3)):
+        mixes = torch.randn(*lead, (2 + hc) * hc, generator=g) * spread
+        scale, base = torch.rand(3, generator=g) + 0.5, torch.randn((2 + hc) * hc, generator=g)
+        torch_loop = hc_split_ref(mixes, scale, base, hc, iters, eps)
+        host_loop = hc_split_ref(mixes, scale, base, hc, iters, eps, host=True)
+        for a, b in zip(torch_loop, host_loop):
+            assert a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_a_cpu_decode_steps_mixes_take_the_host_loop(monkeypatch) -> None:
+    """On the CPU outside autograd, up to ``SINKHORN_HOST_ROWS`` tokens: the host loop; more
+    tokens, or a gradient wanted: torch's."""
+    import model.kernels as kernels
+    from model.kernels import reference
+
+    if triton_available():
+        monkeypatch.setattr(kernels, "enabled", lambda x: False)  # the twin's path, not the kernel's
+    taken = []
+    real = kernels.hc_split_ref
+    monkeypatch.setattr(kernels, "hc_split_ref", lambda *a, host=False: taken.append(host) or real(*a, host=host))
+    for tokens in (1, reference.SINKHORN_HOST_ROWS, reference.SINKHORN_HOST_ROWS + 1):
+        mixes, scale, base = (t.cpu() for t in _mixes((1, tokens)))
+        hc_split(mixes, scale, base, 4, 20, 1e-6)
+    scale.requires_grad_(True)
+    hc_split(mixes[:, :1], scale, base, 4, 20, 1e-6)
+    assert taken == [True, True, False, False]
+
+
 def test_hc_split_keeps_the_twin_when_a_gradient_is_wanted() -> None:
     """The kernel has no backward: with autograd on a parameter the twin runs (and differentiates)."""
     mixes, scale, base = _mixes((1, 3))

@@ -95,7 +95,7 @@ import warnings
 import torch
 
 from model import blockfp
-from model.kernels import backward, products
+from model.kernels import backward, products, reference
 from model.kernels.collapsed import Collapsed
 from model.kernels.packed import Packed
 from model.kernels.products import fp32_linear
@@ -535,7 +535,8 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     """(pre, post, comb) of the mHC mixes. Outside autograd: the Triton kernel where
     :func:`enabled`. With a gradient wanted on CUDA (training): the twin compiled by
     ``torch.compile`` (fused forward and backward instead of ~120 launches each way;
-    ``DSAGENT_COMPILE=0`` turns it off). Else the twin :func:`hc_split_ref`. Both fast paths
+    ``DSAGENT_COMPILE=0`` turns it off). Else the twin :func:`hc_split_ref` (on up to
+    ``reference.SINKHORN_HOST_ROWS`` CPU rows its ``host`` loop: the same bits). Both fast paths
     run on every forward, so one that cannot be built costs a warning and the twin for the
     rest of the process, not the session."""
     args = (mixes, scale, base, hc, iters, eps)
@@ -546,7 +547,10 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     if (_wants_grad(mixes, scale) and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0"
             and "compiled mHC" not in _FAILED):
         return _guarded("compiled mHC", _hc_split_compiled, hc_split_ref, *args)
-    return hc_split_ref(*args)
+    rows = mixes.numel() // mixes.shape[-1] if mixes.dim() else 0
+    host = (mixes.device.type == "cpu" and mixes.dtype == torch.float32 and not _wants_grad(mixes, scale, base)
+            and 0 < rows <= reference.SINKHORN_HOST_ROWS)
+    return hc_split_ref(*args, host=host)
 
 
 _COMPILE_ROWS = 8192

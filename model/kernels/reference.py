@@ -22,6 +22,7 @@ ring positions, or gathering anything out of a cache.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from model.blockfp import unpack_index, unpack_main, unpack_window
@@ -95,21 +96,44 @@ def indexer_scores_ref(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tenso
     return s.masked_fill(~((at >= 0) & (at < n_visible)), float("-inf"))
 
 
+# the most rows (tokens) whose Sinkhorn loop runs on the host through numpy (``hc_split_ref``'s
+# ``host``): on a decode step's 4 x 4 tiles torch's ~120 operators a site cost more in calls than in
+# sums. One CPU thread, hc 4, 20 iterations (2026-12-07): a site 287 -> 155 us at 1 row, 441 -> 285
+# at 32, 437 -> 412 at 64, 601 -> 701 at 128; the default model's decode step at 2K context 36.74 ->
+# 34.65 ms (``bench_knobs``, four alternated rounds, control 1.001)
+SINKHORN_HOST_ROWS = 64
+
+
 def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: int, iters: int,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 eps: float, host: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """mixes [..., (2 + hc) * hc] fp32 -> pre [..., hc], post [..., hc], comb [..., hc, hc]:
     pre = sigmoid + eps, post = 2 sigmoid, comb = softmax over its last axis + eps, then
     ``iters`` Sinkhorn normalisations (columns first, then rows and columns ``iters - 1``
-    more times)."""
+    more times). ``host`` (CPU tensors, no gradient): the normalisations through numpy, the
+    same fp32 sums of ``hc`` terms in order, adds and divisions, so the same bits."""
     pre = torch.sigmoid(mixes[..., :hc] * scale[0] + base[:hc]) + eps
     post = 2 * torch.sigmoid(mixes[..., hc:2 * hc] * scale[1] + base[hc:2 * hc])
     comb = (mixes[..., 2 * hc:] * scale[2] + base[2 * hc:]).unflatten(-1, (hc, hc))
     comb = comb.softmax(-1) + eps
+    if host:
+        return pre, post, _sinkhorn_on_host(comb, iters, eps)
     comb = comb / (comb.sum(-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(-1, keepdim=True) + eps)
         comb = comb / (comb.sum(-2, keepdim=True) + eps)
     return pre, post, comb
+
+
+def _sinkhorn_on_host(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """``hc_split_ref``'s normalisations of a CPU fp32 ``comb`` in numpy, in place on one copy."""
+    assert comb.device.type == "cpu" and comb.dtype == torch.float32 and not comb.requires_grad
+    c = comb.numpy().copy()
+    e = np.float32(eps)
+    c /= c.sum(-2, keepdims=True) + e
+    for _ in range(iters - 1):
+        c /= c.sum(-1, keepdims=True) + e
+        c /= c.sum(-2, keepdims=True) + e
+    return torch.from_numpy(c)
 
 
 def rope_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
