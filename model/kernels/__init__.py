@@ -547,9 +547,8 @@ def hc_split(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, hc: i
     if (_wants_grad(mixes, scale) and mixes.is_cuda and os.environ.get("DSAGENT_COMPILE", "1") != "0"
             and "compiled mHC" not in _FAILED):
         return _guarded("compiled mHC", _hc_split_compiled, hc_split_ref, *args)
-    rows = mixes.numel() // mixes.shape[-1] if mixes.dim() else 0
     host = (mixes.device.type == "cpu" and mixes.dtype == torch.float32 and not _wants_grad(mixes, scale, base)
-            and 0 < rows <= reference.SINKHORN_HOST_ROWS)
+            and 0 < mixes.numel() // mixes.shape[-1] <= reference.SINKHORN_HOST_ROWS)
     return hc_split_ref(*args, host=host)
 
 

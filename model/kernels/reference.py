@@ -125,9 +125,10 @@ def hc_split_ref(mixes: torch.Tensor, scale: torch.Tensor, base: torch.Tensor, h
 
 
 def _sinkhorn_on_host(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
-    """``hc_split_ref``'s normalisations of a CPU fp32 ``comb`` in numpy, in place on one copy."""
+    """``hc_split_ref``'s normalisations of a CPU fp32 ``comb`` (its own, made there) in numpy,
+    in place."""
     assert comb.device.type == "cpu" and comb.dtype == torch.float32 and not comb.requires_grad
-    c = comb.numpy().copy()
+    c = comb.numpy()
     e = np.float32(eps)
     c /= c.sum(-2, keepdims=True) + e
     for _ in range(iters - 1):
