@@ -95,7 +95,8 @@ class Attention(nn.Module):
         made it already."""
         packed = self._packed_window(kv, step, cache)
         if packed is None:
-            keys, key_mask = self._window_keys(kv, step, cache)
+            keys, key_mask = (self._banded_window if x.shape[1] > self.args.sliding_window
+                              else self._window_keys)(kv, step, cache)
         records = None
         if self.ratio:
             self.update_source(x, step, cache, ropes)
@@ -134,6 +135,33 @@ class Attention(nn.Module):
         keys = torch.cat([old.to(kv.dtype), kv], dim=1)  # before the write: a float ring's read is its buffer
         ring.write(kv, pos)
         return keys, mask
+
+    def _banded_window(self, kv: torch.Tensor, step: Step, cache: Cache):
+        """:meth:`_window_keys` for a chunk longer than the window W, cut in bands: the entries
+        of positions [start - W, start + S) in order (the ring's where it holds them), padded to
+        whole bands of W, as overlapping spans [B, n, 2W, D] — band i's queries, positions
+        start + [iW, (i + 1)W), see only span i's entries, positions start + [(i - 1)W, (i + 1)W)
+        — and the mask [1 or B, S, 2W] of each query over its band's span; writes the ring.
+        :meth:`attend` scores a query against 2W entries, not all cap + S of them."""
+        ring, W = cache.windows[self.layer], self.args.sliding_window
+        S, cap = kv.shape[1], ring.pos.shape[0]
+        bands = -(-S // W)
+        before = step.start - W + torch.arange(W, device=kv.device)
+        slots = before % cap
+        old, old_pos = ring.read()  # read before the write
+        old_pos = torch.where(old_pos[slots] == before, before, -1)  # replayed or stale slots hold none
+        pad = (bands + 1) * W - W - S
+        keys = torch.cat([old[:, slots].to(kv.dtype), kv, kv.new_zeros(kv.shape[0], pad, kv.shape[2])], dim=1)
+        key_pos = torch.cat([old_pos, step.positions(kv.device), old_pos.new_full((pad,), -1)])
+        spans, span_pos = keys.unfold(1, 2 * W, W).transpose(2, 3), key_pos.unfold(0, 2 * W, W)  # [B, n, 2W, D], [n, 2W]
+        pos = (step.start + torch.arange(bands * W, device=kv.device)).view(bands, W, 1)
+        mask = (span_pos[:, None] >= 0) & (span_pos[:, None] <= pos) & (span_pos[:, None] > pos - W)
+        mask = mask.view(1, bands * W, 2 * W)[:, :S]
+        if step.floor is not None:
+            floor_pos = span_pos.repeat_interleave(W, 0)[None, :S]  # [1, S, 2W]
+            mask = mask & (floor_pos >= step.floor[:, self.layer, None, None])
+        ring.write(kv, step.positions(kv.device))
+        return spans, mask
 
     def _packed_window(self, kv: torch.Tensor, step: Step, cache: Cache):
         """Where the prefill kernel attends (``model.csa2.reads_packed``): (the FP8 window
@@ -189,13 +217,20 @@ class Attention(nn.Module):
             selected = torch.zeros(B, S, src.n + 1, dtype=torch.bool, device=idx.device)
             selected.scatter_(-1, torch.where(idx >= 0, idx, src.n), True)
             return src.kv.unpack_main(packed, self.head_dim), selected[..., :src.n]
-        rows = packed.gather(1, idx.clamp_min(0).reshape(B, S * k, 1).expand(-1, -1, packed.shape[-1]))
+        # whole rows by their index in [B * n] (index_select copies rows; gather, element by element)
+        picks = (idx.clamp_min(0) + src.n * torch.arange(B, device=idx.device).view(B, 1, 1)).flatten()
+        if src.n < S * k:  # fewer records than picks (a prefill's chunk): each decoded once, then picked
+            rows = src.kv.unpack_main(packed, self.head_dim)
+            return rows.flatten(0, 1).index_select(0, picks).view(B, S, k, -1), idx >= 0
+        rows = packed.flatten(0, 1).index_select(0, picks).view(B, S * k, -1)
         return src.kv.unpack_main(rows, self.head_dim).view(B, S, k, -1), idx >= 0
 
     def attend(self, q, keys, key_mask, records) -> torch.Tensor:
-        """One softmax over window entries, selected records and the per-head sink."""
+        """One softmax over window entries, selected records and the per-head sink. ``keys``:
+        the window entries every query sees [B, J, D], or :meth:`_banded_window`'s spans [B, n,
+        2W, D], W queries a span; ``key_mask`` [1 or B, S, J or 2W] which of them each sees."""
         scale = self.head_dim ** -0.5
-        logits = [torch.einsum("bshd,bjd->bshj", q.float(), keys.float()) * scale]
+        logits = [_window_product(q.float(), keys.float(), "bshd,bjd->bshj") * scale]
         logits[0] = logits[0].masked_fill(~key_mask[:, :, None, :], float("-inf"))
         per_query = records is not None and records[0].dim() == 4
         if records is not None:
@@ -204,8 +239,8 @@ class Attention(nn.Module):
             logits.append(r.masked_fill(~valid[:, :, None, :], float("-inf")))
         sink = self.attn_sink.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1)
         probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
-        n_win = keys.shape[1]
-        out = torch.einsum("bshj,bjd->bshd", probs[..., :n_win], keys.float())
+        n_win = key_mask.shape[-1]
+        out = _window_product(probs[..., :n_win], keys.float(), "bshj,bjd->bshd")
         if records is not None:
             out = out + torch.einsum("bshk,bskd->bshd" if per_query else "bshk,bkd->bshd",
                                      probs[..., n_win:-1], records[0])
@@ -224,6 +259,18 @@ class Attention(nn.Module):
         kl = (target * (target.clamp_min(1e-12).log() - logp)).sum(-1)
         rows = visible.any(-1)
         return (kl * rows).sum() / rows.sum().clamp_min(1)
+
+
+def _window_product(a: torch.Tensor, keys: torch.Tensor, form: str) -> torch.Tensor:
+    """``einsum(form, a, keys)`` for ``a`` [B, S, H, x]; ``keys`` [B, n, 2W, D] (banded spans):
+    query rows [iW, (i + 1)W) of ``a`` with span i alone."""
+    if keys.dim() == 3:
+        return torch.einsum(form, a, keys)
+    B, S, H = a.shape[:3]
+    n, W = keys.shape[1], keys.shape[2] // 2
+    a = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, n * W - S)).view(B, n, W, H, a.shape[-1])
+    out = torch.einsum(form.replace("b", "bn"), a, keys)
+    return out.reshape(B, n * W, H, out.shape[-1])[:, :S]
 
 
 # ----------------------------------------------------------------------------- Engram
