@@ -39,6 +39,10 @@ from model.rope import Ropes, apply_rope, shared_rope_angles
 # default), or every record under a mask (the dense-mask form, which the indexer's dense warm-up
 # always takes: it selects every record)
 GATHERED_TRAINING = True
+# queries a band of a chunk's window attention (``Attention._banded_window``): each scored
+# against its band's W + b entries. A CPU prefill of the default (2,200 tokens, one thread,
+# best of 3, 2026-12-07): CED 1.47 / 1.42 / 1.35 / 1.29 s at b = 128 / 64 / 32 / 16, 8 as 16
+WINDOW_BAND = 16
 
 
 # ----------------------------------------------------------------------------- attention
@@ -95,7 +99,7 @@ class Attention(nn.Module):
         made it already."""
         packed = self._packed_window(kv, step, cache)
         if packed is None:
-            keys, key_mask = (self._banded_window if x.shape[1] > self.args.sliding_window
+            keys, key_mask = (self._banded_window if x.shape[1] > 2 * WINDOW_BAND
                               else self._window_keys)(kv, step, cache)
         records = None
         if self.ratio:
@@ -137,28 +141,30 @@ class Attention(nn.Module):
         return keys, mask
 
     def _banded_window(self, kv: torch.Tensor, step: Step, cache: Cache):
-        """:meth:`_window_keys` for a chunk longer than the window W, cut in bands: the entries
-        of positions [start - W, start + S) in order (the ring's where it holds them), padded to
-        whole bands of W, as overlapping spans [B, n, 2W, D] — band i's queries, positions
-        start + [iW, (i + 1)W), see only span i's entries, positions start + [(i - 1)W, (i + 1)W)
-        — and the mask [1 or B, S, 2W] of each query over its band's span; writes the ring.
-        :meth:`attend` scores a query against 2W entries, not all cap + S of them."""
-        ring, W = cache.windows[self.layer], self.args.sliding_window
+        """:meth:`_window_keys` for a chunk of more than two bands, cut in bands of b =
+        ``WINDOW_BAND`` queries: the entries of positions [start - W, start + S) in order (the
+        ring's where it holds them), padded to whole bands, as overlapping spans [B, n, W + b,
+        D] — band i's queries, positions start + [ib, (i + 1)b), see only span i's entries,
+        positions start + [ib - W, (i + 1)b) — and the mask [1 or B, S, W + b] of each query
+        over its band's span; writes the ring. :meth:`attend` scores a query against W + b
+        entries, not all cap + S of them."""
+        ring, W, b = cache.windows[self.layer], self.args.sliding_window, WINDOW_BAND
         S, cap = kv.shape[1], ring.pos.shape[0]
-        bands = -(-S // W)
+        bands = -(-S // b)
         before = step.start - W + torch.arange(W, device=kv.device)
         slots = before % cap
         old, old_pos = ring.read()  # read before the write
         old_pos = torch.where(old_pos[slots] == before, before, -1)  # replayed or stale slots hold none
-        pad = (bands + 1) * W - W - S
+        pad = bands * b - S
         keys = torch.cat([old[:, slots].to(kv.dtype), kv, kv.new_zeros(kv.shape[0], pad, kv.shape[2])], dim=1)
         key_pos = torch.cat([old_pos, step.positions(kv.device), old_pos.new_full((pad,), -1)])
-        spans, span_pos = keys.unfold(1, 2 * W, W).transpose(2, 3), key_pos.unfold(0, 2 * W, W)  # [B, n, 2W, D], [n, 2W]
-        pos = (step.start + torch.arange(bands * W, device=kv.device)).view(bands, W, 1)
+        spans = keys.unfold(1, W + b, b).transpose(2, 3)  # [B, n, W + b, D]
+        span_pos = key_pos.unfold(0, W + b, b)  # [n, W + b]
+        pos = (step.start + torch.arange(bands * b, device=kv.device)).view(bands, b, 1)
         mask = (span_pos[:, None] >= 0) & (span_pos[:, None] <= pos) & (span_pos[:, None] > pos - W)
-        mask = mask.view(1, bands * W, 2 * W)[:, :S]
+        mask = mask.view(1, bands * b, W + b)[:, :S]
         if step.floor is not None:
-            floor_pos = span_pos.repeat_interleave(W, 0)[None, :S]  # [1, S, 2W]
+            floor_pos = span_pos.repeat_interleave(b, 0)[None, :S]  # [1, S, W + b]
             mask = mask & (floor_pos >= step.floor[:, self.layer, None, None])
         ring.write(kv, step.positions(kv.device))
         return spans, mask
@@ -228,9 +234,10 @@ class Attention(nn.Module):
     def attend(self, q, keys, key_mask, records) -> torch.Tensor:
         """One softmax over window entries, selected records and the per-head sink. ``keys``:
         the window entries every query sees [B, J, D], or :meth:`_banded_window`'s spans [B, n,
-        2W, D], W queries a span; ``key_mask`` [1 or B, S, J or 2W] which of them each sees."""
+        W + b, D], b queries a span; ``key_mask`` [1 or B, S, J or W + b] which of them each sees."""
         scale = self.head_dim ** -0.5
-        logits = [_window_product(q.float(), keys.float(), "bshd,bjd->bshj") * scale]
+        band = keys.shape[2] - self.args.sliding_window if keys.dim() == 4 else 0
+        logits = [_window_product(q.float(), keys.float(), "bshd,bjd->bshj", band) * scale]
         logits[0] = logits[0].masked_fill(~key_mask[:, :, None, :], float("-inf"))
         per_query = records is not None and records[0].dim() == 4
         if records is not None:
@@ -240,7 +247,7 @@ class Attention(nn.Module):
         sink = self.attn_sink.float().view(1, 1, -1, 1).expand(*q.shape[:3], 1)
         probs = torch.cat(logits + [sink], dim=-1).softmax(dim=-1)
         n_win = key_mask.shape[-1]
-        out = _window_product(probs[..., :n_win], keys.float(), "bshj,bjd->bshd")
+        out = _window_product(probs[..., :n_win], keys.float(), "bshj,bjd->bshd", band)
         if records is not None:
             out = out + torch.einsum("bshk,bskd->bshd" if per_query else "bshk,bkd->bshd",
                                      probs[..., n_win:-1], records[0])
@@ -261,16 +268,17 @@ class Attention(nn.Module):
         return (kl * rows).sum() / rows.sum().clamp_min(1)
 
 
-def _window_product(a: torch.Tensor, keys: torch.Tensor, form: str) -> torch.Tensor:
-    """``einsum(form, a, keys)`` for ``a`` [B, S, H, x]; ``keys`` [B, n, 2W, D] (banded spans):
-    query rows [iW, (i + 1)W) of ``a`` with span i alone."""
+def _window_product(a: torch.Tensor, keys: torch.Tensor, form: str, band: int) -> torch.Tensor:
+    """``einsum(form, a, keys)`` for ``a`` [B, S, H, x]; with ``keys`` [B, n, W + band, D]
+    (:meth:`Attention._banded_window`'s spans), query rows [i band, (i + 1) band) of ``a``
+    with span i alone."""
     if keys.dim() == 3:
         return torch.einsum(form, a, keys)
     B, S, H = a.shape[:3]
-    n, W = keys.shape[1], keys.shape[2] // 2
-    a = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, n * W - S)).view(B, n, W, H, a.shape[-1])
+    n = keys.shape[1]
+    a = torch.nn.functional.pad(a, (0, 0, 0, 0, 0, n * band - S)).view(B, n, band, H, a.shape[-1])
     out = torch.einsum(form.replace("b", "bn"), a, keys)
-    return out.reshape(B, n * W, H, out.shape[-1])[:, :S]
+    return out.reshape(B, n * band, H, out.shape[-1])[:, :S]
 
 
 # ----------------------------------------------------------------------------- Engram

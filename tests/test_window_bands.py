@@ -1,5 +1,5 @@
-"""A chunk longer than the window attends in bands (``Attention._banded_window``): each query
-scored against its band's 2W entries instead of the whole ring plus chunk. Against the dense
+"""A chunk of more than two bands of queries attends in bands (``Attention._banded_window``): each query
+scored against its band's W + b entries instead of the whole ring plus chunk. Against the dense
 form (``_window_keys``) on the same ring: equal within float summation order, wherever the
 chunk starts, however long it is, after a rollback (replayed positions come from the chunk),
 with training's per-row floors, and through a whole prefill."""
@@ -11,6 +11,7 @@ import torch
 from dsagent.evaluate import make_cases, prompt_inputs
 from dsagent.runtime import Runtime, Settings
 from model.args import ModelArgs
+from model import block
 from model.block import Attention
 from model.cache import Cache
 from model.engine import Engine
@@ -43,7 +44,7 @@ def attention_of(a: ModelArgs, step: Step, ring_before: list[tuple[int, int]], S
     step.floor = floor
     keys, mask = (attn._banded_window if banded else attn._window_keys)(kv, step, cache)
     if banded:
-        assert keys.shape[2] == 2 * W and mask.shape[-1] == 2 * W
+        assert keys.shape[2] == W + block.WINDOW_BAND == mask.shape[-1]
     out = attn.attend(q, keys, mask, None)
     return out, cache.windows[0].read()
 
@@ -55,7 +56,9 @@ def attention_of(a: ModelArgs, step: Step, ring_before: list[tuple[int, int]], S
     (10, 4 * W - 3, [(0, 10)]),  # the ring part filled
     (30, 2 * W, [(0, 37)]),  # after a rollback to 30: positions 30-36 in the ring are replayed
 ])
-def test_bands_equal_the_dense_window(start, S, ring):
+@pytest.mark.parametrize("band", [5, W, 3 * W])
+def test_bands_equal_the_dense_window(start, S, ring, band, monkeypatch):
+    monkeypatch.setattr(block, "WINDOW_BAND", band)
     a = args()
     dense, ring_d = attention_of(a, Step(start, S), ring, S, banded=False)
     banded, ring_b = attention_of(a, Step(start, S), ring, S, banded=True)
