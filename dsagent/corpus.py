@@ -151,6 +151,7 @@ class Builder:
     images: dict[str, bytes] = field(default_factory=dict)
     truth: dict[str, Any] = field(default_factory=dict)
     calls: int = 0
+    tool_errors: bool = False  # its file question asks for a file or folder the workspace lacks
 
     def __post_init__(self) -> None:
         self.messages.append({"role": "system", "content": DEFAULT_SYSTEM, "tools": copy.deepcopy(_schemas())})
@@ -196,16 +197,18 @@ class Builder:
 
 def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
                 recall_tokens: tuple[int, int] = RECALL_TOKENS, recall: RecallStyle = RecallStyle(),
-                words: str = "closed", casual: bool = False) -> dict[str, Any]:
+                words: str = "closed", casual: bool = False, tool_errors: bool = False) -> dict[str, Any]:
     """Record `index` of the corpus for `seed`, of kind a-f; a recall record's log is drawn
     from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default) and
     written in the ``recall`` style; its names from the lexicon ``words`` (LEXICONS: the
     closed lists, or a half of the open vocabulary, which the truth then names). ``casual``:
-    its questions typed as people type them (:func:`casual_record`), the truth saying so."""
+    its questions typed as people type them (:func:`casual_record`), the truth saying so.
+    ``tool_errors``: a tool record's question (kind b), or a conversation's first file turn
+    (kind f), asks for a file or folder the workspace lacks (:func:`missing_question`)."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
     rid = f"{seed}-{index:07d}-{kind}"
     with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
-        b = Builder(rng, Path(tmp), lex=lexicon(words))
+        b = Builder(rng, Path(tmp), lex=lexicon(words), tool_errors=tool_errors)
         if kind == "d":
             recall_conversation(b, tokenizer, recall_tokens, recall)
         else:
@@ -267,6 +270,12 @@ def casual_for(seed: int, index: int, share: float) -> bool:
     """Whether record ``index`` of a corpus with ``share`` of its records typed casually is one
     (a draw of its own, as :func:`words_for`'s)."""
     return share > 0 and random.Random(f"casual:{seed}:{index}").random() < share
+
+
+def tool_errors_for(seed: int, index: int, share: float) -> bool:
+    """Whether record ``index`` of a corpus with ``share`` of its tool and conversation records
+    asking for what the workspace lacks is one (a draw of its own, as :func:`casual_for`'s)."""
+    return share > 0 and random.Random(f"tool-errors:{seed}:{index}").random() < share
 
 
 def words_for(seed: int, index: int, open_share: float) -> str:
@@ -621,6 +630,32 @@ def list_question(b: Builder, files: dict[str, str]) -> None:
     b.truth["answer"] = len(names)
 
 
+def missing_question(b: Builder, files: dict[str, str]) -> None:
+    """A question about a folder or a file the workspace lacks: the tool's own error, then a
+    reply that says it is not there (``truth["missing"]``: the path asked for)."""
+    taken = {part.split(".")[0] for path in files for part in path.split("/")}
+    name = b.lex.word(b.rng)
+    while name in taken:
+        name = b.lex.word(b.rng)
+    if b.rng.random() < 0.5:
+        b.user(b.lex.phrase(b.rng, [f"What files are in the {name} folder?", f"List the {name} directory."],
+                            {"train": [f"What's in the {name} folder?", f"Show me the files in {name}.",
+                                       f"Which files are in {name}?"],
+                             "held-out": [f"List the files in the {name} folder.",
+                                          f"Which files does the {name} folder hold?"]}))
+        b.call(("list_dir", {"path": name}))
+        b.say(f"There is no {name} folder in the workspace.")
+    else:
+        name = f"{name}.{b.rng.choice(['txt', 'md', 'csv'])}"
+        b.user(b.lex.phrase(b.rng, [f"What does {name} say?", f"Read {name} for me."],
+                            {"train": [f"Open {name}: what is in it?", f"What is written in {name}?",
+                                       f"Show me {name}."],
+                             "held-out": [f"Tell me what {name} contains.", f"Look inside {name}."]}))
+        b.call(("read_file", {"path": name}))
+        b.say(f"There is no file {name} in the workspace.")
+    b.truth["missing"] = b.truth["answer"] = name
+
+
 def shell_question(b: Builder, files: dict[str, str]) -> None:
     log = files["logs/run.log"].splitlines()
     if b.rng.random() < 0.5:
@@ -687,6 +722,9 @@ def _spoken(b: Builder, expr: str) -> str:
 
 
 def tool_conversation(b: Builder) -> None:
+    if b.tool_errors:
+        missing_question(b, make_files(b))
+        return
     pick = b.rng.random()
     if pick < 0.45:
         calc_question(b)
@@ -976,6 +1014,8 @@ def _calc_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
 def _file_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
     if "files" not in b.truth:  # one workspace a conversation, made when first asked about
         make_files(b)
+        if b.tool_errors:  # its first file question asks for what the workspace lacks
+            return _own_truth(b, missing_question, b.truth["files"])
     return _own_truth(b, b.rng.choice([read_question, list_question]), b.truth["files"])
 
 

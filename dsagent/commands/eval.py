@@ -61,6 +61,9 @@ def eval_command(
                                    "that training never draws from: the generalisation split)."),
     casual: bool = typer.Option(False, "--casual", help="Every question typed as people type them: lower case "
                                 "first, no closing ? or ., 37*23 for 37 * 23 (echo requests as written)."),
+    tool_errors: bool = typer.Option(False, "--tool-errors", help="Every tool question (b, r) and each "
+                                     "conversation's first file question (f) asks for a file or folder the "
+                                     "workspace lacks: the tool answers with an error, the reply must say so."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
@@ -86,7 +89,7 @@ def eval_command(
             try:
                 result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
                                   max_new_tokens=max_new_tokens, recall_tokens=lengths, recall_place=recall_place,
-                                  words=words, casual=casual, progress=progress)
+                                  words=words, casual=casual, tool_errors=tool_errors, progress=progress)
             except EvalConfigError as e:
                 raise FlagError(str(e)) from None
     if as_json:
@@ -119,6 +122,7 @@ def result_table(result) -> Table:
     logs += "" if result.recall_place == "first" else f", recall keys placed {result.recall_place}"
     logs += "" if result.words == "closed" else f", {result.words} words"
     logs += ", typed casually" if result.casual else ""
+    logs += ", files the workspace lacks" if result.tool_errors else ""
     t = Table(title=f"held-out skills (seed {result.seed}{logs}), correct/n")
     t.add_column("skill")
     for mode in result.modes:
