@@ -23,7 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import (CORPUS_VERSION, DEFAULT_KINDS, KINDS, THINKING_MODE, encode_record, make_record,  # noqa: E402
-                            casual_for, words_for)
+                            casual_for, tool_errors_for, words_for)
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SHARD_RECORDS = 1000
@@ -42,9 +42,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--casual", type=float, default=0.0, metavar="SHARE",
                    help="share of records whose questions are typed as people type them "
                         "(dsagent.corpus.casual_text), the truth saying so")
+    p.add_argument("--tool-errors", type=float, default=0.0, metavar="SHARE",
+                   help="share of tool records (b) and conversations (f) whose file question asks for a file "
+                        "or folder the workspace lacks (dsagent.corpus.missing_question)")
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
-    for flag, share in (("--open-words", args.open_words), ("--casual", args.casual)):
+    for flag, share in (("--open-words", args.open_words), ("--casual", args.casual),
+                        ("--tool-errors", args.tool_errors)):
         if not 0.0 <= share <= 1.0:
             p.error(f"{flag} takes a share in [0, 1]")
     unknown = [k for k in args.kinds if k not in KINDS]
@@ -58,7 +62,8 @@ def token_stats(counts: list[int]) -> dict[str, int]:
             "mean": round(sum(counts) / len(counts)), "total": sum(counts)}
 
 
-def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: float = 0.0, casual: float = 0.0) -> dict:
+def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: float = 0.0, casual: float = 0.0,
+                 tool_errors: float = 0.0) -> dict:
     """Write shards and the manifest; returns the manifest."""
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.bundled()
@@ -70,7 +75,8 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: flo
         with open(out / shards[-1], "w", encoding="utf-8") as f:
             for i in range(start, min(n, start + SHARD_RECORDS)):
                 record = make_record(seed, i, kinds[i % len(kinds)], tokenizer, words=words_for(seed, i, open_words),
-                                     casual=casual_for(seed, i, casual))
+                                     casual=casual_for(seed, i, casual),
+                                     tool_errors=tool_errors_for(seed, i, tool_errors))
                 conv, mask = encode_record(record, tokenizer)
                 tokens[record["kind"]].append(len(conv.ids))
                 trained[record["kind"]] += sum(mask)
@@ -80,18 +86,21 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: flo
                 "tokens": {KINDS[k]: {**token_stats(tokens[k]), "trained": trained[k]} for k in kinds if tokens[k]},
                 "shards": shards, "command": f"python3 scripts/make_corpus.py --out DIR --n {n} --seed {seed} "
                                              f"--kinds {','.join(kinds)}" + (f" --open-words {open_words}" if open_words else "")
-                                             + (f" --casual {casual}" if casual else "")}
+                                             + (f" --casual {casual}" if casual else "")
+                                             + (f" --tool-errors {tool_errors}" if tool_errors else "")}
     if open_words:
         manifest["open_words"] = open_words
     if casual:
         manifest["casual"] = casual
+    if tool_errors:
+        manifest["tool_errors"] = tool_errors
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return manifest
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, args.open_words, args.casual)
+    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, args.open_words, args.casual, args.tool_errors)
     print(json.dumps({"out": str(args.out), "counts": manifest["counts"]}))
 
 

@@ -64,9 +64,20 @@ def test_a_conversations_first_file_turn_asks_for_what_is_missing(tokenizer):
     assert seen >= 3
 
 
-def test_the_trainer_and_the_evaluation_take_tool_errors(tokenizer):
+def test_the_trainer_the_corpus_writer_and_the_evaluation_take_tool_errors(tokenizer, tmp_path):
+    import json
+
+    import make_corpus
     import train_default
     from model.args import ModelArgs
+
+    make_corpus.main(["--out", str(tmp_path), "--n", "12", "--seed", "4", "--kinds", "b,a", "--tool-errors", "0.5"])
+    records = [json.loads(line) for line in (tmp_path / "corpus-00000.jsonl").read_text().splitlines()]
+    asked = ["missing" in r["truth"] for r in records]
+    assert asked == [corpus.tool_errors_for(4, i, 0.5) and i % 2 == 0 for i in range(12)] and any(asked)
+    assert json.loads((tmp_path / "manifest.json").read_text())["tool_errors"] == 0.5
+    with pytest.raises(SystemExit):
+        make_corpus.parse_args(["--out", "x", "--n", "1", "--tool-errors", "2"])
 
     assert train_default.parse_args(["--out", "x", "--tool-errors", "0.1"]).tool_errors == 0.1
     args = ModelArgs.preset("tiny")
