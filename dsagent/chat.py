@@ -25,6 +25,7 @@ from rich.table import Table
 
 from dsagent.agent import Agent, AgentOptions
 from dsagent.errors import exit_code_for
+from dsagent.preflight import read_image
 from dsagent.render import Activity, StreamView, stop_note, usage_line
 from dsagent.runtime import Runtime
 from dsagent.typeahead import TypeAhead, prefill_next_input
@@ -224,7 +225,7 @@ class ChatShell:
     def cmd_image(self, arg: str) -> None:
         if not arg:
             raise ValueError("usage: /image PATH")
-        data = Path(arg).expanduser().read_bytes()
+        data = read_image(Path(arg), "/image")
         self.rt.image_span(data)  # refuses a bad image now rather than at the next turn
         self.images.append(data)
         self.err.print(f"[dim]image attached ({len(data)} bytes); it goes with your next message[/]")

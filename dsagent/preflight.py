@@ -69,17 +69,20 @@ def check_workspace(workspace: Path | None) -> None:
 def read_images(paths: list[Path] | None) -> list[bytes]:
     """The bytes of each --image; whether they are images the model can read is checked
     once it has loaded (`model.vision`), still before the store opens."""
-    out = []
-    for p in paths or []:
-        try:
-            out.append(p.expanduser().read_bytes())
-        except FileNotFoundError:
-            raise FlagError(f"no such image: {p}") from None
-        except IsADirectoryError:
-            raise FlagError(f"--image {p} is a directory, not an image file") from None
-        except OSError as e:
-            raise FlagError(f"cannot read image {p}: {e.strerror or e}") from None
-    return out
+    return [read_image(p) for p in paths or []]
+
+
+def read_image(path: Path, asked_by: str = "--image") -> bytes:
+    """The bytes of one image file named by ``asked_by`` (--image, or chat's /image); a path
+    that is missing, a directory or unreadable is a FlagError that says which."""
+    try:
+        return path.expanduser().read_bytes()
+    except FileNotFoundError:
+        raise FlagError(f"no such image: {path}") from None
+    except IsADirectoryError:
+        raise FlagError(f"{asked_by} {path} is a directory, not an image file") from None
+    except OSError as e:
+        raise FlagError(f"cannot read image {path}: {e.strerror or e}") from None
 
 
 def declared_chat_modes(checkpoint: Path) -> tuple[str, ...]:
