@@ -11,6 +11,7 @@ from dsagent import corpus
 from dsagent.evaluate import EvalConfigError, check_config, make_cases
 from dsagent.lexicon import SPLITS, Lexicon, split_of
 from model.tokenizer import Tokenizer
+from tests.corpus_shares import trainer_takes_share, written_with_share
 
 
 @pytest.fixture(scope="module")
@@ -107,26 +108,10 @@ def test_make_corpus_and_the_trainer_draw_their_share_of_open_words(tmp_path):
     """--open-words SHARE: make_corpus writes that share of its records with the open
     vocabulary's training half (named in each record's truth and in the manifest), and the
     trainer lays out the same records as the corpus would."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import make_corpus
-    import train_default
-    from model.args import ModelArgs
-
-    make_corpus.main(["--out", str(tmp_path), "--n", "12", "--seed", "4", "--kinds", "b,e", "--open-words", "0.5"])
-    records = [json.loads(line) for line in (tmp_path / "corpus-00000.jsonl").read_text().splitlines()]
+    records = written_with_share(tmp_path, "--open-words", 0.5, "b,e")
     drawn = [r["truth"].get("words", "closed") for r in records]
     assert drawn == [corpus.words_for(4, i, 0.5) for i in range(12)] and set(drawn) == {"open", "closed"}
-    assert json.loads((tmp_path / "manifest.json").read_text())["open_words"] == 0.5
-    with pytest.raises(SystemExit):
-        make_corpus.parse_args(["--out", "x", "--n", "1", "--open-words", "2"])
-    assert train_default.parse_args(["--out", "x", "--open-words", "0.3"]).open_words == 0.3
-    args = ModelArgs.preset("tiny")
-    opened = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", open_words=1.0)
-    closed = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
-    assert [list(e.ids) for e in opened["short"]] != [list(e.ids) for e in closed["short"]]
+    trainer_takes_share("--open-words", 0.3)
 
 
 def test_the_halves_ask_in_their_own_words():
@@ -235,27 +220,10 @@ def test_a_casual_record_changes_its_questions_alone(tokenizer, kind):
 
 
 def test_the_trainer_the_corpus_writer_and_the_evaluation_take_casual_questions(tokenizer, tmp_path):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-    import train_default
-    from model.args import ModelArgs
-
-    import make_corpus
-
-    assert train_default.parse_args(["--out", "x", "--casual", "0.2"]).casual == 0.2
-    with pytest.raises(SystemExit):
-        make_corpus.parse_args(["--out", "x", "--n", "1", "--casual", "1.5"])
-    args = ModelArgs.preset("tiny")
-    typed = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", casual=1.0)
-    plain = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
-    assert [list(e.ids) for e in typed["short"]] != [list(e.ids) for e in plain["short"]]
+    trainer_takes_share("--casual", 0.2)
     cases, before = (make_cases(tokenizer, n=3, skills=["b"], casual=c) for c in (True, False))
     assert [c.expected for c in cases] == [c.expected for c in before]
     assert [c.prompt for c in cases] != [c.prompt for c in before]
-    make_corpus.main(["--out", str(tmp_path), "--n", "12", "--seed", "4", "--kinds", "b,e", "--casual", "0.5"])
-    records = [json.loads(line) for line in (tmp_path / "corpus-00000.jsonl").read_text().splitlines()]
+    records = written_with_share(tmp_path, "--casual", 0.5, "b,e", refused=1.5)
     typed = [bool(r["truth"].get("casual")) for r in records]
     assert typed == [corpus.casual_for(4, i, 0.5) for i in range(12)] and set(typed) == {True, False}
-    assert json.loads((tmp_path / "manifest.json").read_text())["casual"] == 0.5

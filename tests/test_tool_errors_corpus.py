@@ -1,16 +1,12 @@
 """Records whose file question asks for what the workspace lacks (``corpus.missing_question``,
 ``make_record(..., tool_errors=True)``): the real tool's error, a reply that says the path is
 not there; the trainer's ``--tool-errors`` share and the evaluation's ``--tool-errors`` cases."""
-import sys
-from pathlib import Path
-
 import pytest
 
 from dsagent import corpus
 from dsagent.evaluate import make_cases, score
 from model.tokenizer import Tokenizer
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from tests.corpus_shares import trainer_takes_share, written_with_share
 
 
 @pytest.fixture(scope="module")
@@ -65,25 +61,10 @@ def test_a_conversations_first_file_turn_asks_for_what_is_missing(tokenizer):
 
 
 def test_the_trainer_the_corpus_writer_and_the_evaluation_take_tool_errors(tokenizer, tmp_path):
-    import json
-
-    import make_corpus
-    import train_default
-    from model.args import ModelArgs
-
-    make_corpus.main(["--out", str(tmp_path), "--n", "12", "--seed", "4", "--kinds", "b,a", "--tool-errors", "0.5"])
-    records = [json.loads(line) for line in (tmp_path / "corpus-00000.jsonl").read_text().splitlines()]
+    records = written_with_share(tmp_path, "--tool-errors", 0.5, "b,a")
     asked = ["missing" in r["truth"] for r in records]
     assert asked == [corpus.tool_errors_for(4, i, 0.5) and i % 2 == 0 for i in range(12)] and any(asked)
-    assert json.loads((tmp_path / "manifest.json").read_text())["tool_errors"] == 0.5
-    with pytest.raises(SystemExit):
-        make_corpus.parse_args(["--out", "x", "--n", "1", "--tool-errors", "2"])
-
-    assert train_default.parse_args(["--out", "x", "--tool-errors", "0.1"]).tool_errors == 0.1
-    args = ModelArgs.preset("tiny")
-    failing = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", tool_errors=1.0)
-    plain = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
-    assert [list(e.ids) for e in failing["short"]] != [list(e.ids) for e in plain["short"]]
+    trainer_takes_share("--tool-errors", 0.1)
     calls = make_cases(tokenizer, n=4, skills=["b"], tool_errors=True)
     assert all(c.truth["missing"] in c.expected for c in calls)
     replies = make_cases(tokenizer, n=4, skills=["r"], tool_errors=True)
