@@ -149,12 +149,9 @@ class Attention(nn.Module):
         over its band's span; writes the ring. :meth:`attend` scores a query against W + b
         entries, not all cap + S of them."""
         ring, W, b = cache.windows[self.layer], self.args.sliding_window, WINDOW_BAND
-        S, cap = kv.shape[1], ring.pos.shape[0]
-        bands = -(-S // b)
-        before = step.start - W + torch.arange(W, device=kv.device)
-        slots = before % cap
-        old, old_pos = ring.read()  # read before the write
-        old_pos = torch.where(old_pos[slots] == before, before, -1)  # replayed or stale slots hold none
+        S, bands = kv.shape[1], -(-kv.shape[1] // b)
+        slots, old_pos = ring.before(step.start, W)
+        old = ring.read()[0]  # read before the write
         pad = bands * b - S
         keys = torch.cat([old[:, slots].to(kv.dtype), kv, kv.new_zeros(kv.shape[0], pad, kv.shape[2])], dim=1)
         key_pos = torch.cat([old_pos, step.positions(kv.device), old_pos.new_full((pad,), -1)])
@@ -178,9 +175,7 @@ class Attention(nn.Module):
             return None
         ring, span = cache.windows[self.layer], self.args.sliding_window
         pos = step.positions(kv.device)
-        before = step.start - span + torch.arange(span, device=kv.device)
-        slots = before % ring.pos.shape[0]
-        old_pos = torch.where(ring.pos[slots] == before, before, -1)  # replayed or stale slots hold none
+        slots, old_pos = ring.before(step.start, span)
         old, new = ring.data[:, slots], cache.kv.pack_window(kv)  # the old rows read before the write
         ring.write_packed(new, pos)
         return torch.cat([old, new], dim=1), torch.cat([old_pos, pos])

@@ -43,6 +43,13 @@ class WindowRing:
         """(entries [B, cap, D] fp32, positions [cap]; -1 marks an empty slot)."""
         return self.kv.unpack_window(self.data, self.dim), self.pos
 
+    def before(self, start: int, span: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the slots of positions [start - span, start) in order, their positions; -1 where the
+        slot holds another position: replayed, stale or never written)."""
+        wanted = start - span + torch.arange(span, device=self.pos.device)
+        slots = wanted % self.pos.shape[0]
+        return slots, torch.where(self.pos[slots] == wanted, wanted, -1)
+
     def write(self, kv: torch.Tensor, positions: torch.Tensor) -> None:
         cap = self.pos.shape[0]
         self.write_packed(self.kv.pack_window(kv[:, -cap:]), positions)
