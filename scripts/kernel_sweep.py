@@ -176,8 +176,10 @@ def main() -> None:
                    torch.randn(H, generator=g).to(DEVICE)]
             emit({"kernel": "attention-prefill-shapes", "S": S, "H": H, "D": D, "span": span, "N": N, "K": K})
             run = lambda: kernels.sparse_prefill(*pre, D ** -0.5, out_dtype=torch.bfloat16)  # noqa: E731
-            # the keys decoded once a call (``model.kernels.prefill``), then the decode kernel a query a row
-            sweep(prefill, {"BLOCK_N": [16, 32, 64], "WARPS": [4, 8], "STAGES": [1, 2, 3]}, run,
+            # the keys decoded once a call (``model.kernels.prefill``; its wide form at 64 heads or more),
+            # then the decode kernel a query a row
+            warps = "WIDE_WARPS" if prefill.wide_form(H, torch.bfloat16) else "WARPS"
+            sweep(prefill, {"BLOCK_N": [16, 32, 64], warps: [4, 8], "STAGES": [1, 2, 3]}, run,
                   emit, "sparse_prefill-decoded")
             os.environ["DSAGENT_PREFILL_KERNELS"] = "rows"
             # (BLOCK_H 32 and 64, for V4.1-Flash's 64 heads: their sm_90 builds spill 668 and 13,960 bytes)

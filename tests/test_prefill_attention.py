@@ -116,7 +116,9 @@ def test_the_twin_reads_each_query_its_own_window() -> None:
     torch.testing.assert_close(no_records, by_rows(q, window, pos, inputs[3][:0], empty, sink, 512 ** -0.5))
 
 
-CASES = [(64, 32, 16, 300, 64), (33, 128, 4, 5, 8), (200, 128, 16, 700, 512)] if ON_CUDA else [(9, 8, 4, 20, 5)]
+# the last of each: 64 heads, whose bf16 query takes ``prefill``'s wide form (its fp32 one the narrow)
+CASES = ([(64, 32, 16, 300, 64), (33, 128, 4, 5, 8), (200, 128, 16, 700, 512), (70, 128, 64, 700, 512)] if ON_CUDA
+         else [(9, 8, 4, 20, 5), (5, 8, 64, 20, 40)])
 
 
 @needs_kernel
@@ -125,6 +127,9 @@ CASES = [(64, 32, 16, 300, 64), (33, 128, 4, 5, 8), (200, 128, 16, 700, 512)] if
 def test_sparse_prefill_kernel(S, span, H, N, K, path, monkeypatch) -> None:
     """Both kernel paths (``model.kernels.prefill``'s keys decoded once, and the decode
     kernel a query a row) against the reference, a bf16 and an fp32 query."""
+    from model.kernels import prefill
+
+    assert prefill.wide_form(H, torch.bfloat16) == (H >= 64) and not prefill.wide_form(H, torch.float32)
     monkeypatch.setenv("DSAGENT_PREFILL_KERNELS", path)
     device = "cuda" if ON_CUDA else "cpu"
     inputs = prefill_case(S, span, H, N, K, device=device)
