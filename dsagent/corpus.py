@@ -152,6 +152,8 @@ class Builder:
     truth: dict[str, Any] = field(default_factory=dict)
     calls: int = 0
     tool_errors: bool = False  # its file question asks for a file or folder the workspace lacks
+    folder_words: bool = False  # its folder is named by a word of its lexicon, not "data", and listed
+    folder: str = "data"  # the workspace's folder (make_files)
 
     def __post_init__(self) -> None:
         self.messages.append({"role": "system", "content": DEFAULT_SYSTEM, "tools": copy.deepcopy(_schemas())})
@@ -197,18 +199,23 @@ class Builder:
 
 def make_record(seed: int, index: int, kind: str, tokenizer: Tokenizer,
                 recall_tokens: tuple[int, int] = RECALL_TOKENS, recall: RecallStyle = RecallStyle(),
-                words: str = "closed", casual: bool = False, tool_errors: bool = False) -> dict[str, Any]:
+                words: str = "closed", casual: bool = False, tool_errors: bool = False,
+                folder_words: bool = False) -> dict[str, Any]:
     """Record `index` of the corpus for `seed`, of kind a-f; a recall record's log is drawn
     from ``recall_tokens`` (a trainer may start shorter; the evaluation keeps the default) and
     written in the ``recall`` style; its names from the lexicon ``words`` (LEXICONS: the
     closed lists, or a half of the open vocabulary, which the truth then names). ``casual``:
     its questions typed as people type them (:func:`casual_record`), the truth saying so.
     ``tool_errors``: a tool record's question (kind b), or a conversation's first file turn
-    (kind f), asks for a file or folder the workspace lacks (:func:`missing_question`)."""
+    (kind f), asks for a file or folder the workspace lacks (:func:`missing_question`).
+    ``folder_words``: the workspace's folder is named by a word of the lexicon, not ``data``
+    (:func:`make_files`), and a tool record's question (kind b), or a conversation's first file
+    turn (kind f), asks for that folder's files by its name (:func:`list_question`); the other
+    questions about it say that name too."""
     rng = random.Random(f"dsagent-corpus:{CORPUS_VERSION}:{seed}:{index}")
     rid = f"{seed}-{index:07d}-{kind}"
     with tempfile.TemporaryDirectory(prefix="corpus-ws-") as tmp:
-        b = Builder(rng, Path(tmp), lex=lexicon(words), tool_errors=tool_errors)
+        b = Builder(rng, Path(tmp), lex=lexicon(words), tool_errors=tool_errors, folder_words=folder_words)
         if kind == "d":
             recall_conversation(b, tokenizer, recall_tokens, recall)
         else:
@@ -276,6 +283,12 @@ def tool_errors_for(seed: int, index: int, share: float) -> bool:
     """Whether record ``index`` of a corpus with ``share`` of its tool and conversation records
     asking for what the workspace lacks is one (a draw of its own, as :func:`casual_for`'s)."""
     return share > 0 and random.Random(f"tool-errors:{seed}:{index}").random() < share
+
+
+def folder_words_for(seed: int, index: int, share: float) -> bool:
+    """Whether record ``index`` of a corpus with ``share`` of its workspaces' folders named by a
+    word of the lexicon is one (a draw of its own, as :func:`casual_for`'s)."""
+    return share > 0 and random.Random(f"folder-words:{seed}:{index}").random() < share
 
 
 def words_for(seed: int, index: int, open_share: float) -> str:
@@ -584,7 +597,8 @@ def ask_calculator(b: Builder, expr: str, question: str) -> str:
 
 
 def make_files(b: Builder) -> dict[str, str]:
-    """A small workspace: notes, a todo list, a log and a data folder; returns their text."""
+    """A small workspace: notes, a todo list, a log and a folder of files (``data``, or with
+    ``b.folder_words`` a word of the lexicon, ``truth["folder"]``); returns their text."""
     rng, root, lex = b.rng, b.workspace, b.lex
     owner, project, day = lex.person(rng), lex.word(rng), rng.choice(DAYS)
     todo = [f"- [ ] {w} the {v}" for w, v in zip(rng.sample(["fix", "test", "write", "check", "clean"], 3),
@@ -592,8 +606,13 @@ def make_files(b: Builder) -> dict[str, str]:
     log = [f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR'])} step {i} {lex.word(rng)}" for i in range(rng.randint(3, 12))]
     files = {"notes.txt": f"owner: {owner}\nproject: {project}\nmeeting: {day}\n",
              "todo.md": "\n".join(todo) + "\n", "logs/run.log": "\n".join(log) + "\n"}
+    if b.folder_words:
+        b.folder = lex.word(rng)
+        while b.folder in WORKSPACE_WORDS or b.folder == project:
+            b.folder = lex.word(rng)
+        b.truth["folder"] = b.folder
     for name in lex.words(rng, rng.randint(1, 4)):
-        files[f"data/{name}.{rng.choice(['txt', 'csv', 'py'])}"] = f"{name} {rng.randint(1, 999)}\n"
+        files[f"{b.folder}/{name}.{rng.choice(['txt', 'csv', 'py'])}"] = f"{name} {rng.randint(1, 999)}\n"
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text, encoding="utf-8")
@@ -619,14 +638,15 @@ def read_question(b: Builder, files: dict[str, str]) -> None:
 
 
 def list_question(b: Builder, files: dict[str, str]) -> None:
-    names = sorted(p.split("/", 1)[1] for p in files if p.startswith("data/"))
-    b.user(b.lex.phrase(b.rng, ["What files are in the data folder?", "List the data directory."],
-                        {"train": ["What's in the data folder?", "Show me the files in data.",
-                                   "What does the data folder contain?", "Which files are in data?",
-                                   "Show the contents of the data folder."],
-                         "held-out": ["List the files in the data folder.", "Which files does the data folder hold?"]}))
-    b.call(("list_dir", {"path": "data"}))
-    b.say(f"The data folder has {_plural(len(names), 'file')}: {', '.join(names)}.")
+    d = b.folder
+    names = sorted(p.split("/", 1)[1] for p in files if p.startswith(f"{d}/"))
+    b.user(b.lex.phrase(b.rng, [f"What files are in the {d} folder?", f"List the {d} directory."],
+                        {"train": [f"What's in the {d} folder?", f"Show me the files in {d}.",
+                                   f"What does the {d} folder contain?", f"Which files are in {d}?",
+                                   f"Show the contents of the {d} folder."],
+                         "held-out": [f"List the files in the {d} folder.", f"Which files does the {d} folder hold?"]}))
+    b.call(("list_dir", {"path": d}))
+    b.say(f"The {d} folder has {_plural(len(names), 'file')}: {', '.join(names)}.")
     b.truth["answer"] = len(names)
 
 
@@ -724,6 +744,9 @@ def _spoken(b: Builder, expr: str) -> str:
 def tool_conversation(b: Builder) -> None:
     if b.tool_errors:
         missing_question(b, make_files(b))
+        return
+    if b.folder_words:
+        list_question(b, make_files(b))
         return
     pick = b.rng.random()
     if pick < 0.45:
@@ -916,13 +939,14 @@ def calc_session(b: Builder) -> None:
 
 def file_session(b: Builder) -> None:
     files = make_files(b)
-    names = sorted(p.split("/", 1)[1] for p in files if p.startswith("data/"))
-    b.user("What is in the data folder?")
-    b.call(("list_dir", {"path": "data"}))
-    b.say(f"The data folder has {_plural(len(names), 'file')}: {', '.join(names)}.")
+    d = b.folder
+    names = sorted(p.split("/", 1)[1] for p in files if p.startswith(f"{d}/"))
+    b.user(f"What is in the {d} folder?")
+    b.call(("list_dir", {"path": d}))
+    b.say(f"The {d} folder has {_plural(len(names), 'file')}: {', '.join(names)}.")
     b.user("Show me the first one." if b.rng.random() < 0.5 else f"Read {names[0]}.")
-    text = b.call(("read_file", {"path": f"data/{names[0]}"}))[0].text
-    b.say(f"data/{names[0]} contains: {text.strip()}")
+    text = b.call(("read_file", {"path": f"{d}/{names[0]}"}))[0].text
+    b.say(f"{d}/{names[0]} contains: {text.strip()}")
     b.truth["answer"] = text.strip()
 
 
@@ -1016,6 +1040,8 @@ def _file_turn(b: Builder, turns: list[dict[str, Any]]) -> dict[str, Any]:
         make_files(b)
         if b.tool_errors:  # its first file question asks for what the workspace lacks
             return _own_truth(b, missing_question, b.truth["files"])
+        if b.folder_words:  # its first file question lists the folder by its name
+            return _own_truth(b, list_question, b.truth["files"])
     return _own_truth(b, b.rng.choice([read_question, list_question]), b.truth["files"])
 
 

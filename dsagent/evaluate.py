@@ -227,7 +227,7 @@ def _word_list(text: str) -> list[str]:
 def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
                skills: Sequence[str] = SKILLS, recall_tokens: tuple[int, int] = RECALL_TOKENS,
                recall_place: str = "first", words: str = "closed", casual: bool = False,
-               tool_errors: bool = False) -> list[Case]:
+               tool_errors: bool = False, folder_words: bool = False) -> list[Case]:
     """``n`` cases per skill from records 0..n-1 of ``seed`` (a per-turn skill: a case for
     every turn of those records); recall logs drawn from ``recall_tokens`` tokens (the
     corpus default unless probing by length), their keys placed as ``recall_place`` says
@@ -236,14 +236,16 @@ def make_cases(tokenizer: Tokenizer, *, n: int = 10, seed: int = HELD_OUT_SEED,
     question typed as people type them (``corpus.casual_text``: lower case, no closing
     punctuation, operators unspaced); with ``tool_errors`` every tool case (b, r) and each
     conversation's first file turn (f) asks for a file or folder the workspace lacks
-    (``corpus.missing_question``)."""
+    (``corpus.missing_question``); with ``folder_words`` the workspace's folder is named by a
+    word of the lexicon, not ``data``, and every tool case (b, r) and each conversation's first
+    file turn (f) lists it by that name (``corpus.make_files``)."""
     check_config(skills=skills, seed=seed, recall_tokens=recall_tokens, recall_place=recall_place, words=words)
     style = RecallStyle(place=recall_place)
     cases = []
     for skill in skills:
         for i in range(n):
             record = make_record(seed, i, "b" if skill == "r" else skill, tokenizer, tuple(recall_tokens), style,
-                                 words, casual, tool_errors)
+                                 words, casual, tool_errors, folder_words)
             cases += turn_cases(record, tokenizer) if skill in TURN_SKILLS else [case_from_record(record, tokenizer, skill)]
     return cases
 
@@ -492,6 +494,7 @@ class EvalResult:
     words: str = "closed"  # the lexicon the cases' names come from (closed or held-out)
     casual: bool = False  # the questions typed casually (corpus.casual_text)
     tool_errors: bool = False  # the file questions ask for what the workspace lacks (corpus.missing_question)
+    folder_words: bool = False  # the workspace's folder named by a word of the lexicon, and listed by it
 
     def cell(self, skill: str, mode: str) -> tuple[int, int]:
         """(correct, n) of one skill in one mode."""
@@ -547,7 +550,8 @@ class EvalResult:
         off), per skill and mode."""
         cells = {s: {m: _cell_json(*self.cell(s, m)) for m in self.modes} for s in self.skills}
         out = {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "recall_place": self.recall_place,
-               "words": self.words, "casual": self.casual, "tool_errors": self.tool_errors, "skills": self.skills,
+               "words": self.words, "casual": self.casual, "tool_errors": self.tool_errors,
+               "folder_words": self.folder_words, "skills": self.skills,
                "modes": self.modes, "accuracy": cells}
         if self.turn_skills():
             out["turns"] = self._turns_json(lambda s: TURN_BUCKETS)
@@ -589,19 +593,20 @@ def evaluate(generator: Generator, cases: Sequence[Case], modes: Sequence[str] =
 def run_eval(runtime: Runtime, *, n: int = 10, seed: int = HELD_OUT_SEED, skills: Sequence[str] = SKILLS,
              modes: Sequence[str] = MODES, max_new_tokens: int = MAX_NEW_TOKENS,
              recall_tokens: tuple[int, int] = RECALL_TOKENS, recall_place: str = "first", words: str = "closed",
-             casual: bool = False, tool_errors: bool = False,
+             casual: bool = False, tool_errors: bool = False, folder_words: bool = False,
              progress: Callable[[int, int], None] | None = None) -> EvalResult:
     """The held-out evaluation of ``runtime``'s model: ``n`` cases per skill, every mode."""
     if SPECULATIVE in modes and not has_draft_stages(runtime.model):
         raise EvalConfigError("the speculative mode needs a checkpoint with DSpark draft stages (mtp.*); "
                               "this one has none")
     cases = make_cases(runtime.tokenizer, n=n, seed=seed, skills=skills, recall_tokens=recall_tokens,
-                       recall_place=recall_place, words=words, casual=casual, tool_errors=tool_errors)
+                       recall_place=recall_place, words=words, casual=casual, tool_errors=tool_errors,
+                       folder_words=folder_words)
     generator = ModelGenerator(runtime, max_new_tokens=max_new_tokens)
     try:
         result = evaluate(generator, cases, modes, progress=progress)
     finally:
         generator.close()
-    result.seed, result.recall_tokens, result.recall_place, result.words, result.casual, result.tool_errors = (
-        seed, tuple(recall_tokens), recall_place, words, casual, tool_errors)
+    result.seed, result.recall_tokens, result.recall_place, result.words = seed, tuple(recall_tokens), recall_place, words
+    result.casual, result.tool_errors, result.folder_words = casual, tool_errors, folder_words
     return result

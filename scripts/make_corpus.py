@@ -23,10 +23,22 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import (CORPUS_VERSION, DEFAULT_KINDS, KINDS, THINKING_MODE, encode_record, make_record,  # noqa: E402
-                            casual_for, tool_errors_for, words_for)
+                            casual_for, folder_words_for, tool_errors_for, words_for)
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SHARD_RECORDS = 1000
+# the per-record shares: make_record's keyword, each record's own draw of it, the flag's help
+SHARES = {
+    "open_words": ("words", words_for, "share of records whose names, files and keys are generated words of the "
+                                       "open vocabulary's training half (dsagent.lexicon), not the corpus's word lists"),
+    "casual": ("casual", casual_for, "share of records whose questions are typed as people type them "
+                                     "(dsagent.corpus.casual_text), the truth saying so"),
+    "tool_errors": ("tool_errors", tool_errors_for, "share of tool records (b) and conversations (f) whose file "
+                                                    "question asks for a file or folder the workspace lacks "
+                                                    "(dsagent.corpus.missing_question)"),
+    "folder_words": ("folder_words", folder_words_for, "share of records whose workspace folder is named by a word "
+                                                       "of their lexicon, not data, and listed by that name"),
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -36,21 +48,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
                    help=f"comma-separated subset of {','.join(KINDS)} (default: the default mixture's)")
-    p.add_argument("--open-words", type=float, default=0.0, metavar="SHARE",
-                   help="share of records whose names, files and keys are generated words of the open "
-                        "vocabulary's training half (dsagent.lexicon), not the corpus's word lists")
-    p.add_argument("--casual", type=float, default=0.0, metavar="SHARE",
-                   help="share of records whose questions are typed as people type them "
-                        "(dsagent.corpus.casual_text), the truth saying so")
-    p.add_argument("--tool-errors", type=float, default=0.0, metavar="SHARE",
-                   help="share of tool records (b) and conversations (f) whose file question asks for a file "
-                        "or folder the workspace lacks (dsagent.corpus.missing_question)")
+    for name, (_, _, help_text) in SHARES.items():
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=0.0, metavar="SHARE", help=help_text)
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
-    for flag, share in (("--open-words", args.open_words), ("--casual", args.casual),
-                        ("--tool-errors", args.tool_errors)):
-        if not 0.0 <= share <= 1.0:
-            p.error(f"{flag} takes a share in [0, 1]")
+    for name in SHARES:
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} takes a share in [0, 1]")
     unknown = [k for k in args.kinds if k not in KINDS]
     if unknown or not args.kinds or args.n < 1:
         p.error(f"--kinds takes a comma-separated subset of {','.join(KINDS)} and --n must be >= 1")
@@ -62,9 +66,10 @@ def token_stats(counts: list[int]) -> dict[str, int]:
             "mean": round(sum(counts) / len(counts)), "total": sum(counts)}
 
 
-def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: float = 0.0, casual: float = 0.0,
-                 tool_errors: float = 0.0) -> dict:
-    """Write shards and the manifest; returns the manifest."""
+def write_corpus(out: Path, n: int, seed: int, kinds: list[str], shares: dict[str, float] | None = None) -> dict:
+    """Write shards and the manifest; returns the manifest. ``shares``: SHARES' names, each a
+    share in [0, 1] (absent: 0)."""
+    shares = {name: share for name, share in (shares or {}).items() if share}
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.bundled()
     tokens: dict[str, list[int]] = {k: [] for k in kinds}
@@ -74,9 +79,8 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: flo
         shards.append(f"corpus-{len(shards):05d}.jsonl")
         with open(out / shards[-1], "w", encoding="utf-8") as f:
             for i in range(start, min(n, start + SHARD_RECORDS)):
-                record = make_record(seed, i, kinds[i % len(kinds)], tokenizer, words=words_for(seed, i, open_words),
-                                     casual=casual_for(seed, i, casual),
-                                     tool_errors=tool_errors_for(seed, i, tool_errors))
+                drawn = {SHARES[name][0]: SHARES[name][1](seed, i, share) for name, share in shares.items()}
+                record = make_record(seed, i, kinds[i % len(kinds)], tokenizer, **drawn)
                 conv, mask = encode_record(record, tokenizer)
                 tokens[record["kind"]].append(len(conv.ids))
                 trained[record["kind"]] += sum(mask)
@@ -85,22 +89,16 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], open_words: flo
                 "counts": {KINDS[k]: len(tokens[k]) for k in kinds},
                 "tokens": {KINDS[k]: {**token_stats(tokens[k]), "trained": trained[k]} for k in kinds if tokens[k]},
                 "shards": shards, "command": f"python3 scripts/make_corpus.py --out DIR --n {n} --seed {seed} "
-                                             f"--kinds {','.join(kinds)}" + (f" --open-words {open_words}" if open_words else "")
-                                             + (f" --casual {casual}" if casual else "")
-                                             + (f" --tool-errors {tool_errors}" if tool_errors else "")}
-    if open_words:
-        manifest["open_words"] = open_words
-    if casual:
-        manifest["casual"] = casual
-    if tool_errors:
-        manifest["tool_errors"] = tool_errors
+                                             f"--kinds {','.join(kinds)}"
+                                             + "".join(f" --{name.replace('_', '-')} {share}"
+                                                       for name, share in shares.items()), **shares}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n", encoding="utf-8")
     return manifest
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, args.open_words, args.casual, args.tool_errors)
+    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, {name: getattr(args, name) for name in SHARES})
     print(json.dumps({"out": str(args.out), "counts": manifest["counts"]}))
 
 

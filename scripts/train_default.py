@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RecallStyle,  # noqa: E402
                             add_recall_style_arguments, bare_record, copy_example, echo_example, echo_record,
-                            casual_for, make_record, tool_errors_for, training_example, value_example,
+                            casual_for, folder_words_for, make_record, tool_errors_for, training_example, value_example,
                             words_for)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
@@ -156,6 +156,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="share of tool records (b) and conversations (f) whose file question asks for a file or "
                         "folder the workspace lacks: the tool's error, then a reply that says so "
                         "(dsagent.corpus.missing_question)")
+    p.add_argument("--folder-words", type=float, default=0.0, metavar="SHARE",
+                   help="share of records whose workspace folder is named by a word of their lexicon, not data; "
+                        "their tool question (b) and a conversation's (f) first file question list it by that name")
     p.add_argument("--kinds", default=SCHEDULE_KINDS,
                    help="record kinds to train on (letters of the schedule); the schedule's others are skipped")
     p.add_argument("--replay", default=",".join(map(str, REPLAY_WEIGHTS)), metavar="EXACT,CED,RESUME",
@@ -200,15 +203,16 @@ _STYLE = RecallStyle()
 _OPEN_WORDS = 0.0
 _CASUAL = 0.0
 _TOOL_ERRORS = 0.0
+_FOLDER_WORDS = 0.0
 
 
 def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer=None,
-                 style=RecallStyle(), open_words=0.0, casual=0.0, tool_errors=0.0) -> None:
-    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE, _OPEN_WORDS, _CASUAL, _TOOL_ERRORS
+                 style=RecallStyle(), open_words=0.0, casual=0.0, tool_errors=0.0, folder_words=0.0) -> None:
+    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE, _OPEN_WORDS, _CASUAL, _TOOL_ERRORS, _FOLDER_WORDS
     torch.set_num_threads(1)
     _TOK = tokenizer or Tokenizer.bundled()
     _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE = args, tuple(recall_tokens), spread, value_only, style
-    _OPEN_WORDS, _CASUAL, _TOOL_ERRORS = open_words, casual, tool_errors
+    _OPEN_WORDS, _CASUAL, _TOOL_ERRORS, _FOLDER_WORDS = open_words, casual, tool_errors, folder_words
 
 
 def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int, int]:
@@ -231,7 +235,7 @@ def _example(job: tuple[int, int, str]) -> tuple[int, str, Example, Example | No
         return i, kind, None, None, _compact(echo_example(echo_record(seed, i), _TOK, _ARGS))
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _STYLE,
                          words_for(seed, i, _OPEN_WORDS), casual_for(seed, i, _CASUAL),
-                         tool_errors_for(seed, i, _TOOL_ERRORS))
+                         tool_errors_for(seed, i, _TOOL_ERRORS), folder_words_for(seed, i, _FOLDER_WORDS))
     whole = training_example(record, _TOK, _ARGS)
     bare = valued = None
     if kind == "d":
@@ -257,7 +261,7 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
                   tokenizer: Tokenizer | None = None, recall_records: int = 0,
                   recall_style: RecallStyle = RecallStyle(), schedule: str = SCHEDULE,
                   open_words: float = 0.0, echo_records: int = 0, casual: float = 0.0,
-                  tool_errors: float = 0.0) -> dict[str, list[Example]]:
+                  tool_errors: float = 0.0, folder_words: float = 0.0) -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, record i of kind
     ``schedule[i % len(schedule)]``, or, in a data-parallel run, this process's share:
     whole rounds of the schedule, so every process holds every kind.
@@ -283,12 +287,12 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     jobs += [(seed, i, "echo") for i in range(echo_records) if i % world == rank]
     if workers <= 1:
         _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_style, open_words, casual,
-                     tool_errors)
+                     tool_errors, folder_words)
         results = map(_example, jobs)
     else:
         pool = mp.get_context("fork").Pool(workers, _init_worker,
                                            (model_args, recall_tokens, spread, value_only, tokenizer, recall_style,
-                                            open_words, casual, tool_errors))
+                                            open_words, casual, tool_errors, folder_words))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare, valued in results:
         if kind == "echo":
@@ -576,7 +580,7 @@ def train(a) -> tuple[dict | None, str | None]:
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
                           RecallStyle.of(a), a.schedule, a.open_words, a.echo_records if a.echo_rows else 0,
-                          a.casual, a.tool_errors)
+                          a.casual, a.tool_errors, a.folder_words)
     for ex in pools["copied"]:
         ex.weight = a.copy_weight
     for ex in pools["echoed"]:

@@ -1,6 +1,7 @@
 """Checks every per-record share flag of the corpus gets (``--open-words``, ``--casual``,
-``--tool-errors``): make_corpus writes that share and names it in the manifest, refuses a share
-outside [0, 1], and the trainer takes the flag and lays the records out differently with it."""
+``--tool-errors``, ``--folder-words``): make_corpus writes that share and names it in the
+manifest, refuses a share outside [0, 1], and the trainer takes the flag and lays the records
+out differently with it."""
 from __future__ import annotations
 
 import json

@@ -64,6 +64,9 @@ def eval_command(
     tool_errors: bool = typer.Option(False, "--tool-errors", help="Every tool question (b, r) and each "
                                      "conversation's first file question (f) asks for a file or folder the "
                                      "workspace lacks: the tool answers with an error, the reply must say so."),
+    folder_words: bool = typer.Option(False, "--folder-words", help="The workspace's folder is named by a word "
+                                      "of the cases' lexicon, not data, and every tool question (b, r) and each "
+                                      "conversation's first file question (f) asks for its files by that name."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="One JSON object on stdout."),
 ) -> None:
@@ -89,7 +92,8 @@ def eval_command(
             try:
                 result = run_eval(rt, n=n, seed=seed, skills=_split(skills), modes=_split(modes),
                                   max_new_tokens=max_new_tokens, recall_tokens=lengths, recall_place=recall_place,
-                                  words=words, casual=casual, tool_errors=tool_errors, progress=progress)
+                                  words=words, casual=casual, tool_errors=tool_errors, folder_words=folder_words,
+                                  progress=progress)
             except EvalConfigError as e:
                 raise FlagError(str(e)) from None
     if as_json:
@@ -123,6 +127,7 @@ def result_table(result) -> Table:
     logs += "" if result.words == "closed" else f", {result.words} words"
     logs += ", typed casually" if result.casual else ""
     logs += ", files the workspace lacks" if result.tool_errors else ""
+    logs += ", folders named by new words" if result.folder_words else ""
     t = Table(title=f"held-out skills (seed {result.seed}{logs}), correct/n")
     t.add_column("skill")
     for mode in result.modes:
