@@ -606,13 +606,17 @@ def make_files(b: Builder) -> dict[str, str]:
     log = [f"{rng.choice(['INFO', 'INFO', 'WARN', 'ERROR'])} step {i} {lex.word(rng)}" for i in range(rng.randint(3, 12))]
     files = {"notes.txt": f"owner: {owner}\nproject: {project}\nmeeting: {day}\n",
              "todo.md": "\n".join(todo) + "\n", "logs/run.log": "\n".join(log) + "\n"}
-    if b.folder_words:
+    # each file's number drawn before its extension: the corpus's order of draws, so that records
+    # without folder words stay as they were
+    names = [(name, rng.randint(1, 999), rng.choice(['txt', 'csv', 'py']))
+             for name in lex.words(rng, rng.randint(1, 4))]
+    if b.folder_words:  # a word that no fixed path, the project or a file of the folder is named by
         b.folder = lex.word(rng)
-        while b.folder in WORKSPACE_WORDS or b.folder == project:
+        while b.folder in WORKSPACE_WORDS or b.folder in (project, *(name for name, _, _ in names)):
             b.folder = lex.word(rng)
         b.truth["folder"] = b.folder
-    for name in lex.words(rng, rng.randint(1, 4)):
-        files[f"{b.folder}/{name}.{rng.choice(['txt', 'csv', 'py'])}"] = f"{name} {rng.randint(1, 999)}\n"
+    for name, n, ext in names:
+        files[f"{b.folder}/{name}.{ext}"] = f"{name} {n}\n"
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text, encoding="utf-8")

@@ -205,7 +205,9 @@ def read_back_truth(prompt: list[dict], reply: dict, truth: dict) -> dict:
     """What a reply after tool results must say (skill r): a picture's facts for a
     ``view_image`` result; else the words of ``reply`` that came from the results and not
     from the question (a calculator's value, a file's names, a count), beside the record's
-    own answer, with the question's expressions as ``unsaid``."""
+    own answer and the folder it names where the record's folder has a name of its own
+    (``truth["folder"]``: "The data folder has ..." does not answer for another folder), with
+    the question's expressions as ``unsaid``."""
     if "image" in truth:
         return truth
     question = next(m for m in reversed(prompt) if m["role"] == "user")
@@ -217,6 +219,8 @@ def read_back_truth(prompt: list[dict], reply: dict, truth: dict) -> dict:
     for item in truth.get("arithmetic", []):  # "59.0" in the result is 59 in the reply
         if item["value"] not in read:
             read.append(item["value"])
+    if truth.get("folder") in _word_list(reply["content"]):  # a folder named by a new word: the one asked for
+        read.append(truth["folder"])
     return {"read": read, "unsaid": [item["expression"] for item in truth.get("arithmetic", [])]}
 
 
@@ -607,6 +611,6 @@ def run_eval(runtime: Runtime, *, n: int = 10, seed: int = HELD_OUT_SEED, skills
         result = evaluate(generator, cases, modes, progress=progress)
     finally:
         generator.close()
-    result.seed, result.recall_tokens, result.recall_place, result.words = seed, tuple(recall_tokens), recall_place, words
-    result.casual, result.tool_errors, result.folder_words = casual, tool_errors, folder_words
+    result.seed, result.recall_tokens, result.recall_place = seed, tuple(recall_tokens), recall_place
+    result.words, result.casual, result.tool_errors, result.folder_words = words, casual, tool_errors, folder_words
     return result

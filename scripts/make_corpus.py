@@ -29,8 +29,9 @@ from model.tokenizer import Tokenizer  # noqa: E402
 SHARD_RECORDS = 1000
 # the per-record shares: make_record's keyword, each record's own draw of it, the flag's help
 SHARES = {
-    "open_words": ("words", words_for, "share of records whose names, files and keys are generated words of the "
-                                       "open vocabulary's training half (dsagent.lexicon), not the corpus's word lists"),
+    "open_words": ("words", words_for, "share of records whose names, files and keys are generated words of "
+                                       "the open vocabulary's training half (dsagent.lexicon), not the corpus's "
+                                       "word lists"),
     "casual": ("casual", casual_for, "share of records whose questions are typed as people type them "
                                      "(dsagent.corpus.casual_text), the truth saying so"),
     "tool_errors": ("tool_errors", tool_errors_for, "share of tool records (b) and conversations (f) whose file "

@@ -27,6 +27,7 @@ def test_a_tool_record_lists_the_folder_by_its_new_name(tokenizer, words):
         assert folder not in corpus.WORKSPACE_WORDS and corpus.lexicon(words).drew(folder)
         names = sorted(p.split("/", 1)[1] for p in files if "/" in p and not p.startswith("logs/"))
         assert names and all(f"{folder}/{n}" in files for n in names)
+        assert folder not in {n.split(".")[0] for n in names}  # no file of it says its name for it
         question, call, result, reply = record["messages"][1:5]
         assert folder in question["content"]
         [c] = call["tool_calls"]
@@ -82,5 +83,8 @@ def test_the_trainer_the_corpus_writer_and_the_evaluation_take_folder_words(toke
                for c in calls)
     assert all(score(c, c.expected) == 1 for c in calls)
     assert not any(score(c, c.expected.replace(c.truth["folder"], "data")) for c in calls)  # the old folder fails
-    for case in make_cases(tokenizer, n=4, skills=["r"], folder_words=True):
+    for call, case in zip(calls, make_cases(tokenizer, n=4, skills=["r"], folder_words=True)):  # the same records
+        folder = call.truth["folder"]
+        assert case.truth["read"][-1] == folder
         assert score(case, case.expected) == 1
+        assert score(case, case.expected.replace(folder, "data")) == 0  # the reply of another folder
