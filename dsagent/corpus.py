@@ -46,7 +46,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from PIL import Image, ImageDraw
 
@@ -296,6 +296,30 @@ def words_for(seed: int, index: int, open_share: float) -> str:
     names from the open vocabulary: "open" (its training half) or "closed", by a draw of its
     own (the record's own draws are the same either way)."""
     return "open" if open_share > 0 and random.Random(f"words:{seed}:{index}").random() < open_share else "closed"
+
+
+# The per-record shares a corpus writer or a trainer draws (scripts/make_corpus.py, train_default.py):
+# a share's name (its flag: --open-words) -> (make_record's keyword, the draw of record i of a seed at a
+# share, what its share is of).
+RECORD_SHARES: dict[str, tuple[str, Callable[[int, int, float], Any], str]] = {
+    "open_words": ("words", words_for, "share of records whose names, files and keys are generated words of the open "
+                                       "vocabulary's training half (dsagent.lexicon), not the corpus's word lists"),
+    "casual": ("casual", casual_for, "share of records whose questions are typed as people type them: lower case "
+                                     "first, no closing ? or ., 37*23 for 37 * 23 (casual_text)"),
+    "tool_errors": ("tool_errors", tool_errors_for, "share of tool records (b) and conversations (f) whose file "
+                                                    "question asks for a file or folder the workspace lacks: the "
+                                                    "tool's error, then a reply that says so (missing_question)"),
+    "folder_words": ("folder_words", folder_words_for, "share of records whose workspace folder is named by a word "
+                                                       "of their lexicon, not data; their tool question (b) and a "
+                                                       "conversation's (f) first file question list it by that name"),
+}
+
+
+def record_options(seed: int, index: int, shares: dict[str, float]) -> dict[str, Any]:
+    """make_record's keywords for record ``index`` of a ``seed``'s corpus drawn with ``shares``
+    (names of RECORD_SHARES; a share absent or 0 draws nothing: make_record's default)."""
+    return {RECORD_SHARES[name][0]: RECORD_SHARES[name][1](seed, index, share)
+            for name, share in shares.items() if share}
 
 
 @functools.cache

@@ -22,24 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, DEFAULT_KINDS, KINDS, THINKING_MODE, encode_record, make_record,  # noqa: E402
-                            casual_for, folder_words_for, tool_errors_for, words_for)
+from dsagent.corpus import (CORPUS_VERSION, DEFAULT_KINDS, KINDS, RECORD_SHARES, THINKING_MODE,  # noqa: E402
+                            encode_record, make_record, record_options)
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SHARD_RECORDS = 1000
-# the per-record shares: make_record's keyword, each record's own draw of it, the flag's help
-SHARES = {
-    "open_words": ("words", words_for, "share of records whose names, files and keys are generated words of "
-                                       "the open vocabulary's training half (dsagent.lexicon), not the corpus's "
-                                       "word lists"),
-    "casual": ("casual", casual_for, "share of records whose questions are typed as people type them "
-                                     "(dsagent.corpus.casual_text), the truth saying so"),
-    "tool_errors": ("tool_errors", tool_errors_for, "share of tool records (b) and conversations (f) whose file "
-                                                    "question asks for a file or folder the workspace lacks "
-                                                    "(dsagent.corpus.missing_question)"),
-    "folder_words": ("folder_words", folder_words_for, "share of records whose workspace folder is named by a word "
-                                                       "of their lexicon, not data, and listed by that name"),
-}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,11 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
                    help=f"comma-separated subset of {','.join(KINDS)} (default: the default mixture's)")
-    for name, (_, _, help_text) in SHARES.items():
+    for name, (_, _, help_text) in RECORD_SHARES.items():
         p.add_argument("--" + name.replace("_", "-"), type=float, default=0.0, metavar="SHARE", help=help_text)
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
-    for name in SHARES:
+    for name in RECORD_SHARES:
         if not 0.0 <= getattr(args, name) <= 1.0:
             p.error(f"--{name.replace('_', '-')} takes a share in [0, 1]")
     unknown = [k for k in args.kinds if k not in KINDS]
@@ -68,8 +55,8 @@ def token_stats(counts: list[int]) -> dict[str, int]:
 
 
 def write_corpus(out: Path, n: int, seed: int, kinds: list[str], shares: dict[str, float] | None = None) -> dict:
-    """Write shards and the manifest; returns the manifest. ``shares``: SHARES' names, each a
-    share in [0, 1] (absent: 0)."""
+    """Write shards and the manifest; returns the manifest. ``shares``: names of
+    ``corpus.RECORD_SHARES``, each a share in [0, 1] (absent: 0)."""
     shares = {name: share for name, share in (shares or {}).items() if share}
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = Tokenizer.bundled()
@@ -80,8 +67,7 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], shares: dict[st
         shards.append(f"corpus-{len(shards):05d}.jsonl")
         with open(out / shards[-1], "w", encoding="utf-8") as f:
             for i in range(start, min(n, start + SHARD_RECORDS)):
-                drawn = {SHARES[name][0]: SHARES[name][1](seed, i, share) for name, share in shares.items()}
-                record = make_record(seed, i, kinds[i % len(kinds)], tokenizer, **drawn)
+                record = make_record(seed, i, kinds[i % len(kinds)], tokenizer, **record_options(seed, i, shares))
                 conv, mask = encode_record(record, tokenizer)
                 tokens[record["kind"]].append(len(conv.ids))
                 trained[record["kind"]] += sum(mask)
@@ -99,7 +85,7 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], shares: dict[st
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, {name: getattr(args, name) for name in SHARES})
+    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, {name: getattr(args, name) for name in RECORD_SHARES})
     print(json.dumps({"out": str(args.out), "counts": manifest["counts"]}))
 
 

@@ -46,10 +46,9 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RecallStyle,  # noqa: E402
+from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RECORD_SHARES, RecallStyle,  # noqa: E402
                             add_recall_style_arguments, bare_record, copy_example, echo_example, echo_record,
-                            casual_for, folder_words_for, make_record, tool_errors_for, training_example, value_example,
-                            words_for)
+                            make_record, record_options, training_example, value_example, words_for)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -146,19 +145,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="record i has kind SCHEDULE[i %% len(SCHEDULE)] (letters of the corpus's a-f); the "
                         "default is the default model's mixture: --schedule aabbbccdeeff --kinds abcdef adds the "
                         "mixed conversations")
-    p.add_argument("--open-words", type=float, default=0.0, metavar="SHARE",
-                   help="share of records whose names, files and keys are generated words of the open "
-                        "vocabulary's training half (dsagent.lexicon), not the corpus's word lists")
-    p.add_argument("--casual", type=float, default=0.0, metavar="SHARE",
-                   help="share of records whose questions are typed as people type them: lower case first, "
-                        "no closing ? or ., 37*23 for 37 * 23 (dsagent.corpus.casual_text)")
-    p.add_argument("--tool-errors", type=float, default=0.0, metavar="SHARE",
-                   help="share of tool records (b) and conversations (f) whose file question asks for a file or "
-                        "folder the workspace lacks: the tool's error, then a reply that says so "
-                        "(dsagent.corpus.missing_question)")
-    p.add_argument("--folder-words", type=float, default=0.0, metavar="SHARE",
-                   help="share of records whose workspace folder is named by a word of their lexicon, not data; "
-                        "their tool question (b) and a conversation's (f) first file question list it by that name")
+    for name, (_, _, help_text) in RECORD_SHARES.items():  # --open-words, --casual, ...
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=0.0, metavar="SHARE", help=help_text)
     p.add_argument("--kinds", default=SCHEDULE_KINDS,
                    help="record kinds to train on (letters of the schedule); the schedule's others are skipped")
     p.add_argument("--replay", default=",".join(map(str, REPLAY_WEIGHTS)), metavar="EXACT,CED,RESUME",
@@ -200,19 +188,16 @@ _RECALL = RECALL_TOKENS
 _SPREAD = "uniform"
 _VALUE_ONLY = False
 _STYLE = RecallStyle()
-_OPEN_WORDS = 0.0
-_CASUAL = 0.0
-_TOOL_ERRORS = 0.0
-_FOLDER_WORDS = 0.0
+_SHARES: dict[str, float] = {}  # the per-record shares (corpus.RECORD_SHARES' names)
 
 
 def _init_worker(args, recall_tokens=RECALL_TOKENS, spread="uniform", value_only=False, tokenizer=None,
-                 style=RecallStyle(), open_words=0.0, casual=0.0, tool_errors=0.0, folder_words=0.0) -> None:
-    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE, _OPEN_WORDS, _CASUAL, _TOOL_ERRORS, _FOLDER_WORDS
+                 style=RecallStyle(), shares=None) -> None:
+    global _TOK, _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE, _SHARES
     torch.set_num_threads(1)
     _TOK = tokenizer or Tokenizer.bundled()
     _ARGS, _RECALL, _SPREAD, _VALUE_ONLY, _STYLE = args, tuple(recall_tokens), spread, value_only, style
-    _OPEN_WORDS, _CASUAL, _TOOL_ERRORS, _FOLDER_WORDS = open_words, casual, tool_errors, folder_words
+    _SHARES = dict(shares or {})
 
 
 def recall_length(seed: int, i: int, lo: int, hi: int, spread: str) -> tuple[int, int]:
@@ -234,8 +219,7 @@ def _example(job: tuple[int, int, str]) -> tuple[int, str, Example, Example | No
     if kind == "echo":
         return i, kind, None, None, _compact(echo_example(echo_record(seed, i), _TOK, _ARGS))
     record = make_record(seed, i, kind, _TOK, recall_length(seed, i, *_RECALL, _SPREAD), _STYLE,
-                         words_for(seed, i, _OPEN_WORDS), casual_for(seed, i, _CASUAL),
-                         tool_errors_for(seed, i, _TOOL_ERRORS), folder_words_for(seed, i, _FOLDER_WORDS))
+                         **record_options(seed, i, _SHARES))
     whole = training_example(record, _TOK, _ARGS)
     bare = valued = None
     if kind == "d":
@@ -260,8 +244,7 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
                   kinds: str = SCHEDULE_KINDS, value_only: bool = False,
                   tokenizer: Tokenizer | None = None, recall_records: int = 0,
                   recall_style: RecallStyle = RecallStyle(), schedule: str = SCHEDULE,
-                  open_words: float = 0.0, echo_records: int = 0, casual: float = 0.0,
-                  tool_errors: float = 0.0, folder_words: float = 0.0) -> dict[str, list[Example]]:
+                  echo_records: int = 0, shares: dict[str, float] | None = None) -> dict[str, list[Example]]:
     """The records of the ``kinds`` given among the first ``n``, record i of kind
     ``schedule[i % len(schedule)]``, or, in a data-parallel run, this process's share:
     whole rounds of the schedule, so every process holds every kind.
@@ -273,7 +256,8 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     copies alone (for --copy-rows), "echoed" ``echo_records`` echo drills in all (over the processes, for
     --echo-rows). ``recall_records``: at least that many recall records in all
     (over the processes), the extra ones the records after the first ``n`` that the schedule makes
-    recall records — so a pool of recall rows can be too large to learn by heart."""
+    recall records — so a pool of recall rows can be too large to learn by heart. ``shares``:
+    the per-record shares the records are drawn with (``corpus.RECORD_SHARES``' names)."""
     pools: dict[str, list[Example]] = {"short": [], "long": [], "bare": [], "image": [], "valued": [], "copied": [],
                                        "echoed": []}
     mine = [i for i in range(n) if i // len(schedule) % world == rank]
@@ -286,13 +270,12 @@ def make_examples(n: int, seed: int, model_args, workers: int, rank: int = 0, wo
     jobs = [(seed, i, schedule[i % len(schedule)]) for i in mine if schedule[i % len(schedule)] in kinds]
     jobs += [(seed, i, "echo") for i in range(echo_records) if i % world == rank]
     if workers <= 1:
-        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_style, open_words, casual,
-                     tool_errors, folder_words)
+        _init_worker(model_args, recall_tokens, spread, value_only, tokenizer, recall_style, shares)
         results = map(_example, jobs)
     else:
         pool = mp.get_context("fork").Pool(workers, _init_worker,
                                            (model_args, recall_tokens, spread, value_only, tokenizer, recall_style,
-                                            open_words, casual, tool_errors, folder_words))
+                                            shares))
         results = pool.imap(_example, jobs, chunksize=64)
     for _, kind, ex, bare, valued in results:
         if kind == "echo":
@@ -579,8 +562,8 @@ def train(a) -> tuple[dict | None, str | None]:
     recall = tuple(int(x) for x in a.recall_tokens.split(","))
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
-                          RecallStyle.of(a), a.schedule, a.open_words, a.echo_records if a.echo_rows else 0,
-                          a.casual, a.tool_errors, a.folder_words)
+                          RecallStyle.of(a), a.schedule, a.echo_records if a.echo_rows else 0,
+                          {name: getattr(a, name) for name in RECORD_SHARES})
     for ex in pools["copied"]:
         ex.weight = a.copy_weight
     for ex in pools["echoed"]:
@@ -748,7 +731,7 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
             "recall_records": a.recall_records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "recall_form": a.recall_form, "recall_value": a.recall_value, "recall_decoys": a.recall_decoys,
-            "recall_place": a.recall_place, "open_words": a.open_words, "casual": a.casual,
+            "recall_place": a.recall_place, **{name: getattr(a, name) for name in RECORD_SHARES},
             "short_tokens": a.short_tokens, "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": a.schedule,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,

@@ -35,6 +35,6 @@ def trainer_takes_share(flag: str, share: float) -> None:
     name = flag[2:].replace("-", "_")
     assert getattr(train_default.parse_args(["--out", "x", flag, str(share)]), name) == share
     args = ModelArgs.preset("tiny")
-    on = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", **{name: 1.0})
+    on = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", shares={name: 1.0})
     off = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
     assert [list(e.ids) for e in on["short"]] != [list(e.ids) for e in off["short"]]
