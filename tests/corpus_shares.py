@@ -38,3 +38,12 @@ def trainer_takes_share(flag: str, share: float) -> None:
     on = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b", shares={name: 1.0})
     off = train_default.make_examples(6, 4, args, workers=1, kinds="b", schedule="b")
     assert [list(e.ids) for e in on["short"]] != [list(e.ids) for e in off["short"]]
+
+
+def share_marks_its_records(tmp_path: Path, flag: str, kinds: str, marked, drawn, refused: float = 2.0) -> None:
+    """``make_corpus.py ... --kinds KINDS FLAG 0.5`` marks its records (``marked(record)``) as
+    ``drawn(i)`` says record i is, and not all alike; the trainer takes the flag."""
+    records = written_with_share(tmp_path, flag, 0.5, kinds, refused)
+    marks = [marked(r) for r in records]
+    assert marks == [drawn(i) for i in range(len(records))] and len(set(marks)) > 1
+    trainer_takes_share(flag, 0.2)

@@ -10,7 +10,7 @@ from dsagent import corpus
 from dsagent.evaluate import make_cases, score
 from model.args import ModelArgs
 from model.tokenizer import Tokenizer
-from tests.corpus_shares import trainer_takes_share, written_with_share
+from tests.corpus_shares import share_marks_its_records
 
 
 @pytest.fixture(scope="module")
@@ -74,10 +74,8 @@ def test_a_conversations_first_file_turn_lists_the_folder(tokenizer):
 
 
 def test_the_trainer_the_corpus_writer_and_the_evaluation_take_folder_words(tokenizer, tmp_path):
-    records = written_with_share(tmp_path, "--folder-words", 0.5, "b,a")
-    named = ["folder" in r["truth"] for r in records]
-    assert named == [corpus.folder_words_for(4, i, 0.5) and i % 2 == 0 for i in range(12)] and any(named)
-    trainer_takes_share("--folder-words", 0.2)
+    share_marks_its_records(tmp_path, "--folder-words", "b,a", lambda r: "folder" in r["truth"],
+                            lambda i: corpus.folder_words_for(4, i, 0.5) and i % 2 == 0)
     calls = make_cases(tokenizer, n=4, skills=["b"], folder_words=True)
     assert all(f'"path": "{c.truth["folder"]}"' in c.target["tool_calls"][0]["function"]["arguments"]
                for c in calls)

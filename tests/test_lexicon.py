@@ -11,7 +11,7 @@ from dsagent import corpus
 from dsagent.evaluate import EvalConfigError, check_config, make_cases
 from dsagent.lexicon import SPLITS, Lexicon, split_of
 from model.tokenizer import Tokenizer
-from tests.corpus_shares import trainer_takes_share, written_with_share
+from tests.corpus_shares import share_marks_its_records
 
 
 @pytest.fixture(scope="module")
@@ -108,10 +108,8 @@ def test_make_corpus_and_the_trainer_draw_their_share_of_open_words(tmp_path):
     """--open-words SHARE: make_corpus writes that share of its records with the open
     vocabulary's training half (named in each record's truth and in the manifest), and the
     trainer lays out the same records as the corpus would."""
-    records = written_with_share(tmp_path, "--open-words", 0.5, "b,e")
-    drawn = [r["truth"].get("words", "closed") for r in records]
-    assert drawn == [corpus.words_for(4, i, 0.5) for i in range(12)] and set(drawn) == {"open", "closed"}
-    trainer_takes_share("--open-words", 0.3)
+    share_marks_its_records(tmp_path, "--open-words", "b,e", lambda r: r["truth"].get("words", "closed"),
+                            lambda i: corpus.words_for(4, i, 0.5))
 
 
 def test_the_halves_ask_in_their_own_words():
@@ -220,10 +218,8 @@ def test_a_casual_record_changes_its_questions_alone(tokenizer, kind):
 
 
 def test_the_trainer_the_corpus_writer_and_the_evaluation_take_casual_questions(tokenizer, tmp_path):
-    trainer_takes_share("--casual", 0.2)
     cases, before = (make_cases(tokenizer, n=3, skills=["b"], casual=c) for c in (True, False))
     assert [c.expected for c in cases] == [c.expected for c in before]
     assert [c.prompt for c in cases] != [c.prompt for c in before]
-    records = written_with_share(tmp_path, "--casual", 0.5, "b,e", refused=1.5)
-    typed = [bool(r["truth"].get("casual")) for r in records]
-    assert typed == [corpus.casual_for(4, i, 0.5) for i in range(12)] and set(typed) == {True, False}
+    share_marks_its_records(tmp_path, "--casual", "b,e", lambda r: bool(r["truth"].get("casual")),
+                            lambda i: corpus.casual_for(4, i, 0.5), refused=1.5)

@@ -6,7 +6,7 @@ import pytest
 from dsagent import corpus
 from dsagent.evaluate import make_cases, score
 from model.tokenizer import Tokenizer
-from tests.corpus_shares import trainer_takes_share, written_with_share
+from tests.corpus_shares import share_marks_its_records
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +61,8 @@ def test_a_conversations_first_file_turn_asks_for_what_is_missing(tokenizer):
 
 
 def test_the_trainer_the_corpus_writer_and_the_evaluation_take_tool_errors(tokenizer, tmp_path):
-    records = written_with_share(tmp_path, "--tool-errors", 0.5, "b,a")
-    asked = ["missing" in r["truth"] for r in records]
-    assert asked == [corpus.tool_errors_for(4, i, 0.5) and i % 2 == 0 for i in range(12)] and any(asked)
-    trainer_takes_share("--tool-errors", 0.1)
+    share_marks_its_records(tmp_path, "--tool-errors", "b,a", lambda r: "missing" in r["truth"],
+                            lambda i: corpus.tool_errors_for(4, i, 0.5) and i % 2 == 0)
     calls = make_cases(tokenizer, n=4, skills=["b"], tool_errors=True)
     assert all(c.truth["missing"] in c.expected for c in calls)
     replies = make_cases(tokenizer, n=4, skills=["r"], tool_errors=True)
