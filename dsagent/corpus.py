@@ -315,6 +315,19 @@ RECORD_SHARES: dict[str, tuple[str, Callable[[int, int, float], Any], str]] = {
 }
 
 
+def add_record_share_arguments(p) -> None:
+    """The flags of a script that draws records with per-record shares (the corpus writer, the
+    trainer): ``--open-words``, ``--casual``, ... one per RECORD_SHARES name; read with
+    :func:`record_shares`."""
+    for name, (_, _, help_text) in RECORD_SHARES.items():
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=0.0, metavar="SHARE", help=help_text)
+
+
+def record_shares(args) -> dict[str, float]:
+    """The shares :func:`add_record_share_arguments`' flags parsed into ``args``, by name."""
+    return {name: getattr(args, name) for name in RECORD_SHARES}
+
+
 def record_options(seed: int, index: int, shares: dict[str, float]) -> dict[str, Any]:
     """make_record's keywords for record ``index`` of a ``seed``'s corpus drawn with ``shares``
     (names of RECORD_SHARES; a share absent or 0 draws nothing: make_record's default)."""

@@ -22,8 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, DEFAULT_KINDS, KINDS, RECORD_SHARES, THINKING_MODE,  # noqa: E402
-                            encode_record, make_record, record_options)
+from dsagent.corpus import (CORPUS_VERSION, DEFAULT_KINDS, KINDS, THINKING_MODE,  # noqa: E402
+                            add_record_share_arguments, encode_record, make_record, record_options, record_shares)
 from model.tokenizer import Tokenizer  # noqa: E402
 
 SHARD_RECORDS = 1000
@@ -36,12 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--kinds", default=",".join(DEFAULT_KINDS),
                    help=f"comma-separated subset of {','.join(KINDS)} (default: the default mixture's)")
-    for name, (_, _, help_text) in RECORD_SHARES.items():
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=0.0, metavar="SHARE", help=help_text)
+    add_record_share_arguments(p)
     args = p.parse_args(argv)
     args.kinds = args.kinds.split(",")
-    for name in RECORD_SHARES:
-        if not 0.0 <= getattr(args, name) <= 1.0:
+    for name, share in record_shares(args).items():
+        if not 0.0 <= share <= 1.0:
             p.error(f"--{name.replace('_', '-')} takes a share in [0, 1]")
     unknown = [k for k in args.kinds if k not in KINDS]
     if unknown or not args.kinds or args.n < 1:
@@ -85,7 +84,7 @@ def write_corpus(out: Path, n: int, seed: int, kinds: list[str], shares: dict[st
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, {name: getattr(args, name) for name in RECORD_SHARES})
+    manifest = write_corpus(args.out, args.n, args.seed, args.kinds, record_shares(args))
     print(json.dumps({"out": str(args.out), "counts": manifest["counts"]}))
 
 

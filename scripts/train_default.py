@@ -46,9 +46,10 @@ from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RECORD_SHARES, RecallStyle,  # noqa: E402
-                            add_recall_style_arguments, bare_record, copy_example, echo_example, echo_record,
-                            make_record, record_options, training_example, value_example, words_for)
+from dsagent.corpus import (CORPUS_VERSION, KINDS, RECALL_TOKENS, RecallStyle,  # noqa: E402
+                            add_recall_style_arguments, add_record_share_arguments, bare_record, copy_example,
+                            echo_example, echo_record, make_record, record_options, record_shares, training_example,
+                            value_example, words_for)
 from model.bench import profile_summary  # noqa: E402
 from model.loading import load  # noqa: E402
 from model.tokenizer import Tokenizer  # noqa: E402
@@ -145,8 +146,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="record i has kind SCHEDULE[i %% len(SCHEDULE)] (letters of the corpus's a-f); the "
                         "default is the default model's mixture: --schedule aabbbccdeeff --kinds abcdef adds the "
                         "mixed conversations")
-    for name, (_, _, help_text) in RECORD_SHARES.items():  # --open-words, --casual, ...
-        p.add_argument("--" + name.replace("_", "-"), type=float, default=0.0, metavar="SHARE", help=help_text)
+    add_record_share_arguments(p)  # --open-words, --casual, ...
     p.add_argument("--kinds", default=SCHEDULE_KINDS,
                    help="record kinds to train on (letters of the schedule); the schedule's others are skipped")
     p.add_argument("--replay", default=",".join(map(str, REPLAY_WEIGHTS)), metavar="EXACT,CED,RESUME",
@@ -563,7 +563,7 @@ def train(a) -> tuple[dict | None, str | None]:
     pools = make_examples(a.records, a.seed, args, max(1, a.workers // group.world), group.rank, group.world, recall,
                           a.recall_spread, a.kinds, a.recall_value_only, Tokenizer.of(model), a.recall_records,
                           RecallStyle.of(a), a.schedule, a.echo_records if a.echo_rows else 0,
-                          {name: getattr(a, name) for name in RECORD_SHARES})
+                          record_shares(a))
     for ex in pools["copied"]:
         ex.weight = a.copy_weight
     for ex in pools["echoed"]:
@@ -731,7 +731,7 @@ def finish(a, model, counters: dict, world: int = 1, stopped: str | None = None)
             "recall_records": a.recall_records,
             "recall_tokens": a.recall_tokens, "recall_spread": a.recall_spread, "recall_first": a.recall_first,
             "recall_form": a.recall_form, "recall_value": a.recall_value, "recall_decoys": a.recall_decoys,
-            "recall_place": a.recall_place, **{name: getattr(a, name) for name in RECORD_SHARES},
+            "recall_place": a.recall_place, **record_shares(a),
             "short_tokens": a.short_tokens, "long_prob": a.long_prob, "image_prob": a.image_prob, "image_batch": a.image_batch,
             "schedule": a.schedule,
             "recall_value_only": a.recall_value_only, "recall_pool": a.recall_pool, "recall_rows": a.recall_rows,

@@ -45,7 +45,8 @@ from model.model import Transformer  # noqa: E402
 from model.training import BUNDLED_TOKENIZER, plain_state_dict  # noqa: E402
 
 EMBEDDINGS = ("embed.weight",)  # [rows, D]: the width is their output
-GATE_WEIGHTS = ("engram.q_weight", "engram.k_weight")  # [hc, D]: Engram's gate's weights, channel by channel
+GATE_QUERY = "engram.q_weight"  # Engram's gate divides its dot by sqrt(D): this weight takes 1 / sqrt(factor)
+GATE_WEIGHTS = (GATE_QUERY, "engram.k_weight")  # [hc, D]: Engram's gate's weights, channel by channel
 LEADING = ("confidence_head.proj.weight",)  # [1, D + markov rank]: reads the residual, then the Markov embedding
 
 
@@ -81,7 +82,7 @@ def widened(name: str, old: torch.Tensor, shape: torch.Size, D: int, factor: int
         reads = dim == t.dim() - 1 and t.dim() == 2 and not name.endswith(EMBEDDINGS + GATE_WEIGHTS)
         if reads:
             t = t / factor
-    if name.endswith("engram.q_weight") and t.shape != old.shape:  # the gate's dot is divided by sqrt(D)
+    if name.endswith(GATE_QUERY) and t.shape != old.shape:
         t = t / factor ** 0.5
     return t
 
