@@ -95,7 +95,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Collection, Protocol, Sequence
 
 import torch
 
@@ -477,6 +477,7 @@ class CaseResult:
     stats: dict
     turn: int | None = None  # the case's turn (per-turn skills)
     after_cut: bool = False  # the turn before it ended in a reply cut off
+    asks: str | None = None  # what the turn asks (its truth's skill: chat, calc, file, back, ...; per-turn skills)
 
 
 def in_turns(turn: int | None, key: str) -> bool:
@@ -505,10 +506,21 @@ class EvalResult:
         rs = [r for r in self.results if r.skill == skill and r.mode == mode]
         return sum(r.score for r in rs), len(rs)
 
-    def turn_cell(self, skill: str, mode: str, turns: str) -> tuple[int, int]:
-        """(correct, n) of one per-turn skill's cases of ``turns`` (see :func:`in_turns`) in one mode."""
-        rs = [r for r in self.results if r.skill == skill and r.mode == mode and in_turns(r.turn, turns)]
+    def turn_cell(self, skill: str, mode: str, turns: str, asks: Collection[str] | None = None) -> tuple[int, int]:
+        """(correct, n) of one per-turn skill's cases of ``turns`` (see :func:`in_turns`) in one
+        mode; with ``asks``, only the turns that ask one of those (:attr:`CaseResult.asks`)."""
+        rs = [r for r in self.results if r.skill == skill and r.mode == mode and in_turns(r.turn, turns)
+              and (asks is None or r.asks in asks)]
         return sum(r.score for r in rs), len(rs)
+
+    def first_turn_asks(self, skill: str) -> list[str]:
+        """What the first turns of a per-turn skill's cases ask. A later turn may also refer back
+        (to a result or a fact told earlier), which no first turn can: counting the later turns
+        over these alone compares like with like."""
+        return sorted({r.asks for r in self.results if r.skill == skill and r.turn == 1 and r.asks is not None})
+
+    def turn_asks(self, skill: str) -> list[str]:
+        return sorted({r.asks for r in self.results if r.skill == skill and r.asks is not None})
 
     def after_cut_cell(self, skill: str, mode: str) -> tuple[int, int]:
         """(correct, n) of one per-turn skill's cases that follow a reply cut off, in one mode."""
@@ -550,8 +562,10 @@ class EvalResult:
 
     def to_json(self) -> dict:
         """The result; with per-turn skills also ``turns`` (their cases by TURN_BUCKETS),
-        ``turn_index`` (by each turn index) and ``after_cut`` (the cases after a reply cut
-        off), per skill and mode."""
+        ``turn_index`` (by each turn index), ``after_cut`` (the cases after a reply cut
+        off), ``turns_first_asks`` (by TURN_BUCKETS, only the turns that ask what a first turn
+        asks: :meth:`first_turn_asks`) and ``turn_asks`` (by what a turn asks, then
+        TURN_BUCKETS), per skill and mode."""
         cells = {s: {m: _cell_json(*self.cell(s, m)) for m in self.modes} for s in self.skills}
         out = {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "recall_place": self.recall_place,
                "words": self.words, "casual": self.casual, "tool_errors": self.tool_errors,
@@ -561,6 +575,12 @@ class EvalResult:
             out["turns"] = self._turns_json(lambda s: TURN_BUCKETS)
             out["turn_index"] = self._turns_json(lambda s: [str(t) for t in self.turn_indices(s)])
             out["after_cut"] = {s: {m: _cell_json(*self.after_cut_cell(s, m)) for m in self.modes}
+                                for s in self.turn_skills()}
+            out["turns_first_asks"] = {s: {m: {k: _cell_json(*self.turn_cell(s, m, k, self.first_turn_asks(s)))
+                                               for k in TURN_BUCKETS} for m in self.modes}
+                                       for s in self.turn_skills()}
+            out["turn_asks"] = {s: {m: {a: {k: _cell_json(*self.turn_cell(s, m, k, (a,))) for k in TURN_BUCKETS}
+                                        for a in self.turn_asks(s)} for m in self.modes}
                                 for s in self.turn_skills()}
         if SPECULATIVE in self.modes:
             out["speculation"] = self.speculation()
@@ -587,7 +607,8 @@ def evaluate(generator: Generator, cases: Sequence[Case], modes: Sequence[str] =
             start = time.perf_counter()
             c = generator.complete(case, mode)
             results.append(CaseResult(case.id, case.skill, mode, score(case, c.text), c.text,
-                                      time.perf_counter() - start, c.stats, case.turn, case.after_cut))
+                                      time.perf_counter() - start, c.stats, case.turn, case.after_cut,
+                                      case.truth.get("skill") if case.turn is not None else None))
             if progress is not None:
                 progress(len(results), total)
     skills = list(dict.fromkeys(c.skill for c in cases))

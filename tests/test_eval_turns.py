@@ -134,6 +134,44 @@ def test_table_has_a_row_per_turn_index_under_a_per_turn_skill(cases):
     assert f"{n1}/{len(cases)}" in rows["f mixed"]
 
 
+class AsksScriptedGenerator:
+    """TEST DOUBLE: a scripted generator wrong on the turns that ask ``wrong`` (what a turn
+    asks: its truth's skill), right on every other case."""
+
+    def __init__(self, wrong: set[str]):
+        self.wrong = wrong
+
+    def complete(self, case: Case, mode: str) -> Completion:
+        return Completion("I do not know." + EOS if case.truth.get("skill") in self.wrong else case.expected)
+
+
+def test_later_turns_are_also_counted_over_what_a_first_turn_asks(cases):
+    """A later turn may refer back (``back``: a calculation on an earlier result; ``recall``: a
+    fact told before), which no first turn asks; a model wrong on those alone loses points at
+    turns 2 and 3+ against turn 1, and ``turns_first_asks`` / the table's "asking as turn 1
+    does" rows, which count only what first turns ask, show no gap. ``turn_asks`` counts each
+    kind of turn by turn index."""
+    first = sorted({c.truth["skill"] for c in cases if c.turn == 1})
+    later_only = {c.truth["skill"] for c in cases} - set(first)
+    assert later_only and first  # the records of the held-out seed have both
+    result = evaluate(AsksScriptedGenerator(later_only), cases, ["exact", "resume"])
+    assert result.first_turn_asks("f") == first
+    out = result.to_json()
+    for mode in ("exact", "resume"):
+        n1 = result.turn_cell("f", mode, "1")[1]
+        assert result.turn_cell("f", mode, "1") == (n1, n1)
+        plain, same = result.turn_cell("f", mode, "3+"), result.turn_cell("f", mode, "3+", first)
+        assert plain[0] < plain[1] and same == (same[1], same[1]) and same[1] < plain[1]
+        assert out["turns_first_asks"]["f"][mode]["3+"] == {"correct": same[1], "n": same[1], "accuracy": 1.0}
+        for asks, cells in out["turn_asks"]["f"][mode].items():
+            mine = [c for c in cases if c.truth["skill"] == asks and c.turn >= 3]
+            assert cells["3+"]["n"] == len(mine) and cells["3+"]["correct"] == (0 if asks in later_only else len(mine))
+    buf = io.StringIO()
+    Console(file=buf, width=200, no_color=True).print(result_table(result))
+    row = next(line for line in buf.getvalue().splitlines() if "turn 3+, asking as turn 1 does" in line)
+    assert row.count(f"{same[1]}/{same[1]}") == 2
+
+
 class AfterCutScriptedGenerator:
     """TEST DOUBLE: a scripted generator right on every case but those right after a reply
     cut off, where it answers nothing."""

@@ -137,6 +137,11 @@ def result_table(result) -> Table:
         if skill in result.turn_skills():
             for turns in TURN_BUCKETS:
                 t.add_row(f"  turn {turns}", *(_fraction(*result.turn_cell(skill, m, turns)) for m in result.modes))
+            first = result.first_turn_asks(skill)
+            if first and first != result.turn_asks(skill):  # later turns also ask what no first turn does
+                for turns in TURN_BUCKETS[1:]:
+                    t.add_row(f"  turn {turns}, asking as turn 1 does",
+                              *(_fraction(*result.turn_cell(skill, m, turns, first)) for m in result.modes))
             if any(r.after_cut for r in result.results if r.skill == skill):
                 t.add_row("  after a cut reply", *(_fraction(*result.after_cut_cell(skill, m)) for m in result.modes))
     totals = [[result.cell(s, m) for s in result.skills] for m in result.modes]
