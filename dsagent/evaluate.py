@@ -513,14 +513,12 @@ class EvalResult:
               and (asks is None or r.asks in asks)]
         return sum(r.score for r in rs), len(rs)
 
-    def first_turn_asks(self, skill: str) -> list[str]:
-        """What the first turns of a per-turn skill's cases ask. A later turn may also refer back
-        (to a result or a fact told earlier), which no first turn can: counting the later turns
-        over these alone compares like with like."""
-        return sorted({r.asks for r in self.results if r.skill == skill and r.turn == 1 and r.asks is not None})
-
-    def turn_asks(self, skill: str) -> list[str]:
-        return sorted({r.asks for r in self.results if r.skill == skill and r.asks is not None})
+    def turn_asks(self, skill: str, turn: int | None = None) -> list[str]:
+        """What a per-turn skill's cases ask (of turn ``turn`` only, if given). A later turn may
+        also refer back (to a result or a fact told earlier), which no first turn can: counting
+        the later turns over what turn 1 asks compares like with like."""
+        return sorted({r.asks for r in self.results if r.skill == skill and r.asks is not None
+                       and turn in (None, r.turn)})
 
     def after_cut_cell(self, skill: str, mode: str) -> tuple[int, int]:
         """(correct, n) of one per-turn skill's cases that follow a reply cut off, in one mode."""
@@ -564,7 +562,7 @@ class EvalResult:
         """The result; with per-turn skills also ``turns`` (their cases by TURN_BUCKETS),
         ``turn_index`` (by each turn index), ``after_cut`` (the cases after a reply cut
         off), ``turns_first_asks`` (by TURN_BUCKETS, only the turns that ask what a first turn
-        asks: :meth:`first_turn_asks`) and ``turn_asks`` (by what a turn asks, then
+        asks: :meth:`turn_asks`) and ``turn_asks`` (by what a turn asks, then
         TURN_BUCKETS), per skill and mode."""
         cells = {s: {m: _cell_json(*self.cell(s, m)) for m in self.modes} for s in self.skills}
         out = {"seed": self.seed, "recall_tokens": list(self.recall_tokens), "recall_place": self.recall_place,
@@ -576,9 +574,7 @@ class EvalResult:
             out["turn_index"] = self._turns_json(lambda s: [str(t) for t in self.turn_indices(s)])
             out["after_cut"] = {s: {m: _cell_json(*self.after_cut_cell(s, m)) for m in self.modes}
                                 for s in self.turn_skills()}
-            out["turns_first_asks"] = {s: {m: {k: _cell_json(*self.turn_cell(s, m, k, self.first_turn_asks(s)))
-                                               for k in TURN_BUCKETS} for m in self.modes}
-                                       for s in self.turn_skills()}
+            out["turns_first_asks"] = self._turns_json(lambda s: TURN_BUCKETS, lambda s: self.turn_asks(s, turn=1))
             out["turn_asks"] = {s: {m: {a: {k: _cell_json(*self.turn_cell(s, m, k, (a,))) for k in TURN_BUCKETS}
                                         for a in self.turn_asks(s)} for m in self.modes}
                                 for s in self.turn_skills()}
@@ -588,8 +584,9 @@ class EvalResult:
                       "seconds": {m: round(self.seconds(m), 3) for m in self.modes},
                       "cases": [asdict(r) for r in self.results]}
 
-    def _turns_json(self, keys: Callable[[str], Sequence[str]]) -> dict:
-        return {s: {m: {k: _cell_json(*self.turn_cell(s, m, k)) for k in keys(s)} for m in self.modes}
+    def _turns_json(self, keys: Callable[[str], Sequence[str]],
+                    asks: Callable[[str], Collection[str] | None] = lambda s: None) -> dict:
+        return {s: {m: {k: _cell_json(*self.turn_cell(s, m, k, asks(s))) for k in keys(s)} for m in self.modes}
                 for s in self.turn_skills()}
 
 

@@ -137,7 +137,7 @@ def result_table(result) -> Table:
         if skill in result.turn_skills():
             for turns in TURN_BUCKETS:
                 t.add_row(f"  turn {turns}", *(_fraction(*result.turn_cell(skill, m, turns)) for m in result.modes))
-            first = result.first_turn_asks(skill)
+            first = result.turn_asks(skill, turn=1)
             if first and first != result.turn_asks(skill):  # later turns also ask what no first turn does
                 for turns in TURN_BUCKETS[1:]:
                     t.add_row(f"  turn {turns}, asking as turn 1 does",
